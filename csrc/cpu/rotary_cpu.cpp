@@ -1,0 +1,59 @@
+// ATen glue for the CPU: checks, allocation, choice of kernel variant, registration.
+#include "cpu/rotary_cpu.h"
+
+#include <ATen/Version.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <atomic>
+
+namespace rope_ext::cpu {
+namespace {
+
+using KernelFn = decltype(&DEFAULT::rotary_kernel);
+
+struct Variant {
+  KernelFn fn;
+  const char* name;
+};
+
+Variant choose_variant() {
+#ifdef ROPE_EXT_HAVE_AVX
+  const std::string cap = at::get_cpu_capability();
+  if (cap == "AVX512") return {&AVX512::rotary_kernel, "AVX512"};
+  if (cap == "AVX2") return {&AVX2::rotary_kernel, "AVX2"};
+#endif
+  return {&DEFAULT::rotary_kernel, "DEFAULT"};
+}
+
+const Variant& variant() {
+  static const Variant v = choose_variant();
+  return v;
+}
+
+}  // namespace
+
+std::string kernel_isa() { return variant().name; }
+
+int64_t parallel_threads_used(int64_t n) {
+  TORCH_CHECK(n >= 0, "rope_ext._parallel_threads_used: n must be >= 0, got ", n);
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    seen.fetch_or(uint64_t{1} << (at::get_thread_num() % 64));
+  });
+  return __builtin_popcountll(seen.load());
+}
+
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                  bool interleaved, bool conjugate) {
+  check_rotary_args("rope_ext.rotary", x, cos, sin);
+  at::Tensor out = at::empty_like(x);  // x's memory layout, new storage
+  const RotaryPlan plan = make_rotary_plan(x, out, cos, sin);
+  variant().fn(plan, x, out, cos, sin, interleaved, conjugate);
+  return out;
+}
+
+}  // namespace rope_ext::cpu
+
+TORCH_LIBRARY_IMPL(rope_ext, CPU, m) { m.impl("rotary", &rope_ext::cpu::rotary); }

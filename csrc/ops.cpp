@@ -1,0 +1,19 @@
+// The one place where rope_ext's operator schemas are defined. Backends register their
+// kernels next to their code with TORCH_LIBRARY_IMPL(rope_ext, <Backend>, m); autograd
+// and fake (meta) kernels are registered from Python in rope_ext/_ops.py.
+#include <torch/library.h>
+
+#include "cpu/rotary_cpu.h"
+
+TORCH_LIBRARY(rope_ext, m) {
+  // out = x * cos + R(x) * sin on the first r = cos.size(-1) columns of x; the rest pass
+  // through. R pairs columns (i, i + r/2), or (2i, 2i + 1) when interleaved. conjugate
+  // applies the transpose of that linear map. cos/sin broadcast against x.shape[:-1] + (r,).
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved=False, bool conjugate=False) -> Tensor");
+
+  // Which CPU kernel variant runs in this process: "AVX512", "AVX2" or "DEFAULT".
+  m.def("cpu_kernel_isa() -> str", &rope_ext::cpu::kernel_isa);
+
+  // Test hook: how many threads at::parallel_for uses for n items, as built here.
+  m.def("_parallel_threads_used(int n) -> int", &rope_ext::cpu::parallel_threads_used);
+}

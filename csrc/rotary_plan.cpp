@@ -1,0 +1,86 @@
+#include "rotary_plan.h"
+
+#include <c10/util/Exception.h>
+
+namespace rope_ext {
+
+void check_rotary_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
+                       const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension (..., head_dim), ",
+              "got a 0-dim tensor");
+  const auto xt = x.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kDouble || xt == at::kHalf || xt == at::kBFloat16,
+              op, ": x must be float32, float64, float16 or bfloat16, got ", xt);
+  TORCH_CHECK(cos.sizes() == sin.sizes(), op, ": cos and sin must have the same shape, got cos ",
+              cos.sizes(), " and sin ", sin.sizes());
+  TORCH_CHECK(cos.scalar_type() == sin.scalar_type(), op,
+              ": cos and sin must have the same dtype, got cos ", cos.scalar_type(), " and sin ",
+              sin.scalar_type());
+  TORCH_CHECK(cos.scalar_type() == xt || cos.scalar_type() == at::kFloat, op,
+              ": cos and sin must have x's dtype (", xt, ") or float32, got ", cos.scalar_type());
+  TORCH_CHECK(cos.device() == x.device() && sin.device() == x.device(), op,
+              ": x, cos and sin must be on the same device, got x on ", x.device(), ", cos on ",
+              cos.device(), " and sin on ", sin.device());
+  TORCH_CHECK(cos.dim() >= 1, op, ": cos and sin must have at least one dimension ",
+              "(..., rotary_dim), got 0-dim tensors");
+  TORCH_CHECK(x.dim() <= kMaxDims, op, ": x may have at most ", kMaxDims, " dims, got ", x.dim());
+
+  const int64_t r = cos.size(-1);
+  TORCH_CHECK(r > 0 && r % 2 == 0, op,
+              ": the rotary dim cos.size(-1) must be a positive even number, got ", r);
+  TORCH_CHECK(r <= x.size(-1), op, ": the rotary dim cos.size(-1) = ", r,
+              " exceeds the head dim x.size(-1) = ", x.size(-1));
+
+  // cos/sin must broadcast against x.shape[:-1] + (r,) without growing it.
+  bool broadcasts = cos.dim() <= x.dim();
+  for (int64_t i = 2; broadcasts && i <= cos.dim(); ++i) {
+    const int64_t c = cos.size(-i);
+    broadcasts = c == 1 || c == x.size(-i);
+  }
+  if (!broadcasts) {
+    std::vector<int64_t> target(x.sizes().begin(), x.sizes().end());
+    target.back() = r;
+    TORCH_CHECK(false, op, ": cos and sin of shape ", cos.sizes(),
+                " do not broadcast against x.shape[:-1] + (rotary_dim,) = ", at::IntArrayRef(target));
+  }
+}
+
+RotaryPlan make_rotary_plan(const at::Tensor& x, const at::Tensor& out, const at::Tensor& cos,
+                            const at::Tensor& sin) {
+  RotaryPlan p;
+  p.head_dim = x.size(-1);
+  p.rotary_dim = cos.size(-1);
+
+  // Broadcast views (no copies): stride 0 along every dim that cos/sin broadcast over.
+  std::vector<int64_t> table_shape(x.sizes().begin(), x.sizes().end());
+  table_shape.back() = p.rotary_dim;
+  const at::Tensor c = cos.expand(table_shape);
+  const at::Tensor s = sin.expand(table_shape);
+
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) {
+    const int64_t n = x.size(d);
+    if (n == 1) continue;
+    if (c.stride(d) != 0 || s.stride(d) != 0) {
+      auto& t = p.tokens;
+      t.sizes[t.ndim] = n;
+      t.strides[kX][t.ndim] = x.stride(d);
+      t.strides[kOut][t.ndim] = out.stride(d);
+      t.strides[kCos][t.ndim] = c.stride(d);
+      t.strides[kSin][t.ndim] = s.stride(d);
+      ++t.ndim;
+    } else {
+      auto& h = p.heads;
+      h.sizes[h.ndim] = n;
+      h.strides[kX][h.ndim] = x.stride(d);
+      h.strides[kOut][h.ndim] = out.stride(d);
+      ++h.ndim;
+    }
+  }
+  p.x_col = x.stride(-1);
+  p.out_col = out.stride(-1);
+  p.cos_col = c.stride(-1);
+  p.sin_col = s.stride(-1);
+  return p;
+}
+
+}  // namespace rope_ext

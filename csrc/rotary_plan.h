@@ -1,0 +1,41 @@
+// Device-agnostic ATen glue shared by the CPU and CUDA implementations of rotary:
+// argument checks with messages that name the argument, and the "plan" that turns
+// (x, out, cos, sin) into the pointer/size/stride description the kernels consume.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "rotary_math.h"
+
+namespace rope_ext {
+
+// Operand slots in RotaryPlan::tokens.
+enum TokenOperand { kX = 0, kOut = 1, kCos = 2, kSin = 3 };
+
+// How a rotary call walks memory. x's leading dims (all but the last) are split into
+//   token dims: cos or sin varies along them (sequence, batch for per-row positions);
+//   head dims:  cos and sin are broadcast (stride 0) along them (heads, usually batch).
+// A kernel loads one token's cos/sin once and reuses them for all of that token's
+// heads. Dims of size 1 are dropped. Rows are numbered token-major: row = t * nheads + h.
+struct RotaryPlan {
+  StridedDims<4> tokens;  // strides of x, out, cos, sin (elements)
+  StridedDims<2> heads;   // strides of x, out (elements)
+  int64_t head_dim = 0;    // x.size(-1)
+  int64_t rotary_dim = 0;  // r = cos.size(-1), even, <= head_dim
+  // Strides along the last dim, in elements.
+  int64_t x_col = 1, out_col = 1, cos_col = 1, sin_col = 1;
+
+  int64_t num_tokens() const { return tokens.numel(); }
+  int64_t num_heads() const { return heads.numel(); }
+};
+
+// Checks (x, cos, sin) against rotary's contract; `op` prefixes every message.
+void check_rotary_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
+                       const at::Tensor& sin);
+
+// Builds the plan for out = rotary(x, cos, sin); the arguments must have passed
+// check_rotary_args and `out` must have x's sizes. No tensor data is touched or copied.
+RotaryPlan make_rotary_plan(const at::Tensor& x, const at::Tensor& out, const at::Tensor& cos,
+                            const at::Tensor& sin);
+
+}  // namespace rope_ext

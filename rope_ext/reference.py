@@ -1,0 +1,123 @@
+"""Pure-PyTorch RoPE, written from the math: the reference every rope_ext kernel is tested against.
+
+All functions take the arguments of :func:`rope_ext.rotary` and return the same values:
+
+    out[..., :r] = x[..., :r] * cos + R(x[..., :r]) * sin,    out[..., r:] = x[..., r:]
+
+with r = cos.shape[-1] and cos/sin in the full (per-column) form. They compute in x's dtype
+promoted with cos's, so a float64 call gives a float64 ground truth. They use only
+differentiable, decomposable operations, and :func:`rotary_reference` uses no complex dtype
+(so it exports to ONNX, CoreML and ExecuTorch).
+
+Four independent formulations:
+
+- :func:`rotary_reference`: the ``rotate_half`` / interleaved-rotate form that HF transformers
+  and GPT-J write (``x * cos + rotate(x) * sin``);
+- :func:`rotary_complex`: Meta's complex-number form (``view_as_complex(x) * e^{i theta}``);
+- :func:`rotary_pairs_loop`: a naive loop over the pairs, applying each 2x2 matrix;
+- ``conjugate=True`` applies the transpose of the per-pair matrix in every form.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "rotate_half",
+    "rotate_interleaved",
+    "rotate",
+    "rotary_reference",
+    "rotary_complex",
+    "rotary_pairs_loop",
+    "angles_to_cos_sin",
+]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """R(x) for the half-split convention: ``cat(-x[..., r/2:], x[..., :r/2])``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
+    """R(x) for the interleaved convention: ``R(x)[2i] = -x[2i+1]``, ``R(x)[2i+1] = x[2i]``."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """R(x) over the whole last dim of x, for the given convention."""
+    return rotate_interleaved(x) if interleaved else rotate_half(x)
+
+
+def _split(x: torch.Tensor, cos: torch.Tensor):
+    r = cos.shape[-1]
+    dtype = torch.promote_types(x.dtype, cos.dtype)
+    return x[..., :r].to(dtype), x[..., r:].to(dtype), dtype
+
+
+def rotary_reference(x, cos, sin, interleaved: bool = False, conjugate: bool = False):
+    """``x * cos + R(x) * sin`` (``conjugate=False``) or its transpose, in plain PyTorch.
+
+    The transpose of ``v -> v * cos + R(v) * sin`` is ``u -> u * cos + R^T(u * sin)`` with
+    ``R^T = -R``. Result dtype: ``promote_types(x.dtype, cos.dtype)``.
+    """
+    xr, xp, _ = _split(x, cos)
+    if conjugate:
+        out = xr * cos - rotate(xr * sin, interleaved)
+    else:
+        out = xr * cos + rotate(xr, interleaved) * sin
+    return torch.cat((out, xp), dim=-1)
+
+
+def _pair_index(r: int, interleaved: bool, device):
+    i = torch.arange(r // 2, device=device)
+    return (2 * i, 2 * i + 1) if interleaved else (i, i + r // 2)
+
+
+def rotary_complex(x, cos, sin, interleaved: bool = False, conjugate: bool = False):
+    """The complex-number form: each pair (a, b) is ``a + ib`` times ``e^{±i theta}``.
+
+    Requires real angles, i.e. equal table entries for both members of a pair (the form
+    every RoPE table has); it reads cos/sin at each pair's first member.
+    """
+    xr, xp, dtype = _split(x, cos)
+    first, second = _pair_index(cos.shape[-1], interleaved, x.device)
+    z = torch.view_as_complex(torch.stack((xr[..., first], xr[..., second]), dim=-1).contiguous())
+    c, s = cos[..., first].to(dtype), sin[..., first].to(dtype)
+    w = torch.complex(c, -s if conjugate else s)
+    rz = torch.view_as_real(z * w)
+    out = torch.empty_like(xr.expand(*rz.shape[:-2], xr.shape[-1]))
+    out[..., first], out[..., second] = rz[..., 0], rz[..., 1]
+    return torch.cat((out, xp.expand(*out.shape[:-1], xp.shape[-1])), dim=-1)
+
+
+def rotary_pairs_loop(x, cos, sin, interleaved: bool = False, conjugate: bool = False):
+    """The naive form: a Python loop over pairs, applying each pair's 2x2 matrix.
+
+    forward ``[[c1, -s1], [s2, c2]]``, transpose ``[[c1, s2], [-s1, c2]]``, where (c1, s1) are
+    the table entries at the pair's first column and (c2, s2) at its second. Slow: for tests.
+    """
+    xr, xp, dtype = _split(x, cos)
+    shape = torch.broadcast_shapes(xr.shape, cos.shape)
+    xr = xr.expand(shape)
+    cos, sin = cos.to(dtype).expand(shape), sin.to(dtype).expand(shape)
+    out = torch.empty(shape, dtype=dtype, device=x.device)
+    first, second = _pair_index(shape[-1], interleaved, x.device)
+    for a, b in zip(first.tolist(), second.tolist()):
+        x1, x2 = xr[..., a], xr[..., b]
+        c1, s1, c2, s2 = cos[..., a], sin[..., a], cos[..., b], sin[..., b]
+        if conjugate:
+            out[..., a], out[..., b] = c1 * x1 + s2 * x2, -s1 * x1 + c2 * x2
+        else:
+            out[..., a], out[..., b] = c1 * x1 - s1 * x2, s2 * x1 + c2 * x2
+    return torch.cat((out, xp.expand(*shape[:-1], xp.shape[-1])), dim=-1)
+
+
+def angles_to_cos_sin(angles: torch.Tensor, interleaved: bool = False):
+    """Full-form (cos, sin) tables from per-pair angles ``(..., r/2)``.
+
+    Half-split repeats the block (``cat(f, f)``), interleaved repeats each angle
+    (``f.repeat_interleave(2)``), so each angle covers both members of its pair.
+    """
+    full = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), dim=-1)
+    return full.cos(), full.sin()
