@@ -6,6 +6,10 @@ namespace rope_ext {
 
 void check_rotary_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
                        const at::Tensor& sin) {
+  // The dispatcher turns None into an undefined tensor, even for a non-optional argument.
+  TORCH_CHECK(x.defined(), op, ": x must be a Tensor, got None");
+  TORCH_CHECK(cos.defined(), op, ": cos must be a Tensor, got None");
+  TORCH_CHECK(sin.defined(), op, ": sin must be a Tensor, got None");
   TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension (..., head_dim), ",
               "got a 0-dim tensor");
   const auto xt = x.scalar_type();

@@ -80,10 +80,16 @@ def _check_rotary_args(x, cos, sin):
     """The checks of csrc/rotary_plan.cpp, for fake tensors (torch.compile, export, meta),
     where the C++ kernel does not run. Same conditions, same messages."""
     op = "rope_ext.rotary"
-    torch._check(x.dim() >= 1, lambda: f"{op}: x must have at least one dimension (..., head_dim), got a 0-dim tensor")
-    torch._check(x.dtype in _X_DTYPES, lambda: f"{op}: x must be float32, float64, float16 or bfloat16, got {x.dtype}")
+    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
+        torch._check(isinstance(t, torch.Tensor),
+                     lambda name=name, t=t: f"{op}: {name} must be a Tensor, got {type(t).__name__}")
+    torch._check(x.dim() >= 1,
+                 lambda: f"{op}: x must have at least one dimension (..., head_dim), got a 0-dim tensor")
+    torch._check(x.dtype in _X_DTYPES,
+                 lambda: f"{op}: x must be float32, float64, float16 or bfloat16, got {x.dtype}")
     torch._check(cos.shape == sin.shape,
-                 lambda: f"{op}: cos and sin must have the same shape, got cos {list(cos.shape)} and sin {list(sin.shape)}")
+                 lambda: f"{op}: cos and sin must have the same shape, got cos {list(cos.shape)} "
+                 f"and sin {list(sin.shape)}")
     torch._check(cos.dtype == sin.dtype,
                  lambda: f"{op}: cos and sin must have the same dtype, got cos {cos.dtype} and sin {sin.dtype}")
     torch._check(cos.dtype in (x.dtype, torch.float32),
@@ -91,11 +97,15 @@ def _check_rotary_args(x, cos, sin):
     torch._check(cos.device == x.device and sin.device == x.device,
                  lambda: f"{op}: x, cos and sin must be on the same device, got x on {x.device}, cos on "
                  f"{cos.device} and sin on {sin.device}")
-    torch._check(cos.dim() >= 1, lambda: f"{op}: cos and sin must have at least one dimension (..., rotary_dim), got 0-dim tensors")
+    torch._check(cos.dim() >= 1,
+                 lambda: f"{op}: cos and sin must have at least one dimension (..., rotary_dim), got 0-dim tensors")
     r = cos.shape[-1]
-    torch._check(r > 0 and r % 2 == 0, lambda: f"{op}: the rotary dim cos.size(-1) must be a positive even number, got {r}")
-    torch._check(r <= x.shape[-1], lambda: f"{op}: the rotary dim cos.size(-1) = {r} exceeds the head dim x.size(-1) = {x.shape[-1]}")
-    broadcasts = cos.dim() <= x.dim() and all(cos.shape[-i] in (1, x.shape[-i]) for i in range(2, cos.dim() + 1))
+    torch._check(r > 0 and r % 2 == 0,
+                 lambda: f"{op}: the rotary dim cos.size(-1) must be a positive even number, got {r}")
+    torch._check(r <= x.shape[-1],
+                 lambda: f"{op}: the rotary dim cos.size(-1) = {r} exceeds the head dim x.size(-1) = {x.shape[-1]}")
+    broadcasts = cos.dim() <= x.dim() and all(
+        cos.shape[-i] in (1, x.shape[-i]) for i in range(2, cos.dim() + 1))
     torch._check(broadcasts, lambda: f"{op}: cos and sin of shape {list(cos.shape)} do not broadcast against "
                  f"x.shape[:-1] + (rotary_dim,) = {[*x.shape[:-1], r]}")
 

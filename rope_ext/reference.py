@@ -103,7 +103,7 @@ def rotary_pairs_loop(x, cos, sin, interleaved: bool = False, conjugate: bool = 
     cos, sin = cos.to(dtype).expand(shape), sin.to(dtype).expand(shape)
     out = torch.empty(shape, dtype=dtype, device=x.device)
     first, second = _pair_index(shape[-1], interleaved, x.device)
-    for a, b in zip(first.tolist(), second.tolist()):
+    for a, b in zip(first.tolist(), second.tolist(), strict=True):
         x1, x2 = xr[..., a], xr[..., b]
         c1, s1, c2, s2 = cos[..., a], sin[..., a], cos[..., b], sin[..., b]
         if conjugate:

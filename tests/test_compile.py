@@ -31,7 +31,11 @@ def _samples():
         yield (x, cos.requires_grad_(), sin.requires_grad_(), False, False)
 
 
-@pytest.mark.parametrize("args", list(_samples()), ids=lambda a: f"{a[0].dtype}-{tuple(a[0].shape)}-i{int(a[3])}-c{int(a[4])}-g{int(a[0].requires_grad)}")
+def _sample_id(a):
+    return f"{a[0].dtype}-{tuple(a[0].shape)}-i{int(a[3])}-c{int(a[4])}-g{int(a[0].requires_grad)}"
+
+
+@pytest.mark.parametrize("args", list(_samples()), ids=_sample_id)
 def test_opcheck(args):
     torch.library.opcheck(OP, args)
 
@@ -59,7 +63,7 @@ def test_compile_fullgraph_matches_eager_fwd_and_bwd(gen):
     torch.testing.assert_close(out, ref)
     g_c = torch.autograd.grad(out.square().sum(), (q, k))
     g_e = torch.autograd.grad(ref.square().sum(), (q, k))
-    for a, b in zip(g_c, g_e):
+    for a, b in zip(g_c, g_e, strict=True):
         torch.testing.assert_close(a, b)
     # the graph holds the op itself, not a decomposition of it
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]

@@ -1,0 +1,127 @@
+"""The CPU kernel as built: real SIMD variants chosen at run time, real threads, and results
+that do not depend on the variant, the thread count or the path taken."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DTYPES, randn, random_tables, rope_tables
+
+import rope_ext
+
+LIB = Path(rope_ext._C.__file__)
+
+
+def _cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    m = re.search(r"^flags\s*:(.*)$", text, re.M)
+    return set(m.group(1).split()) if m else set()
+
+
+def test_kernel_variant_follows_aten_capability():
+    assert rope_ext.cpu_kernel_isa() == torch.backends.cpu.get_cpu_capability()
+
+
+@pytest.mark.skipif("avx2" not in _cpu_flags(), reason="the CPU has no AVX2")
+def test_simd_variant_runs_on_an_avx2_machine():
+    assert rope_ext.cpu_kernel_isa() in ("AVX2", "AVX512")
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump not installed")
+def test_variants_are_compiled_for_their_isa():
+    """Each variant's functions use that ISA's registers: the -m flags reached the compiler
+    and Vectorized is not the generic fallback. The DEFAULT variant uses neither."""
+    asm = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", str(LIB)], check=True,
+                         capture_output=True, text=True).stdout
+    bodies: dict[str, str] = {"DEFAULT": "", "AVX2": "", "AVX512": ""}
+    for block in asm.split("\n\n"):
+        m = re.search(r"<rope_ext::cpu::(DEFAULT|AVX2|AVX512)::", block.split("\n", 1)[0])
+        if m:
+            bodies[m.group(1)] += block
+    assert all(bodies.values()), {k: len(v) for k, v in bodies.items()}
+    assert "%ymm" in bodies["AVX2"] and "%zmm" not in bodies["AVX2"]
+    assert "%zmm" in bodies["AVX512"]
+    assert "%ymm" not in bodies["DEFAULT"] and "%zmm" not in bodies["DEFAULT"]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores")
+def test_parallel_for_is_really_parallel():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.ops.rope_ext._parallel_threads_used(256) == 2
+        torch.set_num_threads(1)
+        assert torch.ops.rope_ext._parallel_threads_used(256) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def _cases():
+    """Inputs over the grain size (so 2 threads split them), every dtype and path."""
+    gen = torch.Generator().manual_seed(7)
+    for dtype in DTYPES:
+        for interleaved in (False, True):
+            x = randn(4, 64, 8, 72, dtype=dtype, gen=gen)
+            cos, sin = rope_tables(torch.randint(0, 10**6, (4, 64, 1), generator=gen), 72, interleaved)
+            yield x, cos, sin, interleaved, False
+            c, s = random_tables((64, 1, 36), dtype, gen)
+            yield x[..., ::2], c, s, interleaved, True  # strided columns (scalar path), partial r
+
+
+def _run_all():
+    return [rope_ext.rotary(x, c, s, interleaved=i, conjugate=j) for x, c, s, i, j in _cases()]
+
+
+def test_bitwise_identical_across_thread_counts_and_runs():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run_all()
+        torch.set_num_threads(2)
+        two, again = _run_all(), _run_all()
+    finally:
+        torch.set_num_threads(before)
+    for a, b, c in zip(one, two, again, strict=True):
+        assert torch.equal(a, b) and torch.equal(b, c)
+
+
+def test_bitwise_identical_to_default_variant(tmp_path):
+    """The generic (DEFAULT) kernel, forced with ATEN_CPU_CAPABILITY=default in a fresh
+    process, gives bit-for-bit the same results as the SIMD variant running here: with FMA
+    contraction off, vector and scalar code round identically."""
+    if rope_ext.cpu_kernel_isa() == "DEFAULT":
+        pytest.skip("this process already runs the DEFAULT variant")
+    out = tmp_path / "default.pt"
+    script = (
+        "import sys, torch, rope_ext; sys.path.insert(0, sys.argv[2]); import test_cpu_kernel as t;"
+        "assert rope_ext.cpu_kernel_isa() == 'DEFAULT', rope_ext.cpu_kernel_isa();"
+        "torch.save(t._run_all(), sys.argv[1])"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    subprocess.run([sys.executable, "-c", script, str(out), str(Path(__file__).parent)], env=env, check=True)
+    for a, b in zip(torch.load(out), _run_all(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_import_failure_is_an_import_error_that_says_why():
+    """A broken extension surfaces as ImportError naming rope_ext._C and the fix; never swallowed."""
+    script = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'rope_ext._C': raise ImportError('simulated: undefined symbol')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "try:\n"
+        "    import rope_ext\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert "cannot load the compiled extension rope_ext._C (simulated: undefined symbol)" in out
+    assert "pip install --no-build-isolation" in out

@@ -1,0 +1,83 @@
+"""Bad input gets a clear error naming the argument, from the real kernel (eager) and from
+the fake kernel (torch.compile / export), never a crash or a silently wrong result."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import rope_ext
+
+X = torch.randn(2, 5, 4, 16)
+COS = torch.randn(5, 1, 16)
+
+
+def _t(*shape, dtype=torch.float32):
+    return torch.ones(*shape, dtype=dtype)
+
+
+# name -> (x, cos, sin, message regex)
+BAD_CALLS = {
+    "odd_rotary_dim": (X, _t(5, 1, 7), _t(5, 1, 7), r"the rotary dim cos.size\(-1\) must be a positive even number, got 7"),
+    "zero_rotary_dim": (X, _t(5, 1, 0), _t(5, 1, 0), r"the rotary dim cos.size\(-1\) must be a positive even number, got 0"),
+    "rotary_dim_exceeds_head_dim": (X, _t(5, 1, 18), _t(5, 1, 18), r"the rotary dim cos.size\(-1\) = 18 exceeds the head dim x.size\(-1\) = 16"),
+    "cos_sin_shape_mismatch": (X, _t(5, 1, 16), _t(1, 1, 16), r"cos and sin must have the same shape"),
+    "cos_sin_dtype_mismatch": (X, _t(5, 1, 16), _t(5, 1, 16, dtype=torch.float64), r"cos and sin must have the same dtype"),
+    "not_broadcastable": (X, _t(4, 1, 16), _t(4, 1, 16), r"cos and sin of shape \[4, 1, 16\] do not broadcast against x.shape\[:-1\] \+ \(rotary_dim,\) = \[2, 5, 4, 16\]"),
+    "tables_of_higher_rank": (X[0], _t(2, 5, 1, 16), _t(2, 5, 1, 16), r"cos and sin of shape \[2, 5, 1, 16\] do not broadcast"),
+    "integer_x": (X.long(), COS, COS, r"x must be float32, float64, float16 or bfloat16, got Long"),
+    "complex_x": (X.to(torch.complex64), COS, COS, r"x must be float32, float64, float16 or bfloat16, got ComplexFloat"),
+    "bool_x": (X.bool(), COS, COS, r"x must be float32, float64, float16 or bfloat16, got Bool"),
+    "table_dtype_neither_x_nor_float32": (X.half(), COS.bfloat16(), COS.bfloat16(), r"cos and sin must have x's dtype \(Half\) or float32, got BFloat16"),
+    "float64_tables_for_float32_x": (X, COS.double(), COS.double(), r"cos and sin must have x's dtype \(Float\) or float32, got Double"),
+    "zero_dim_x": (torch.tensor(1.0), COS, COS, r"x must have at least one dimension"),
+    "zero_dim_tables": (X, torch.tensor(1.0), torch.tensor(1.0), r"cos and sin must have at least one dimension"),
+    "tables_on_other_device": (X, COS.to("meta"), COS.to("meta"), r"x, cos and sin must be on the same device, got x on cpu, cos on meta"),
+}
+
+# x is float but the printed dtype names depend on the path: c10 prints "Long", torch "torch.int64".
+_FAKE_ALIASES = {"Long": "torch.int64", "ComplexFloat": "torch.complex64", "Bool": "torch.bool", "Half": "torch.float16",
+                 "BFloat16": "torch.bfloat16", "Float": "torch.float32", "Double": "torch.float64"}
+
+
+@pytest.mark.parametrize("name", BAD_CALLS)
+def test_bad_call_eager(name):
+    x, cos, sin, msg = BAD_CALLS[name]
+    with pytest.raises(RuntimeError, match=f"rope_ext.rotary: {msg}"):
+        rope_ext.rotary(x, cos, sin)
+
+
+@pytest.mark.parametrize("name", BAD_CALLS)
+def test_bad_call_fake(name):
+    x, cos, sin, msg = BAD_CALLS[name]
+    for c10_name, torch_name in _FAKE_ALIASES.items():
+        msg = msg.replace(rf"\({c10_name}\)", rf"\({torch_name}\)").replace(f"got {c10_name}", f"got {torch_name}")
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    x, cos, sin = (mode.from_tensor(t) for t in (x, cos, sin))
+    with mode, pytest.raises(RuntimeError, match=f"rope_ext.rotary: {msg}"):
+        rope_ext.rotary(x, cos, sin)
+
+
+NON_TENSOR_CALLS = {
+    "x_str": (("x", COS, COS), r"argument 'x'"),
+    "cos_list": ((X, [1.0] * 16, COS), r"argument 'cos'"),
+    "x_none": ((None, COS, COS), r"x must be a Tensor, got None"),
+    "sin_none": ((X, COS, None), r"sin must be a Tensor, got None"),
+}
+
+
+@pytest.mark.parametrize("name", NON_TENSOR_CALLS)
+def test_non_tensor_argument_is_named(name):
+    args, msg = NON_TENSOR_CALLS[name]
+    with pytest.raises((RuntimeError, TypeError), match=msg):
+        rope_ext.rotary(*args)
+
+
+def test_bad_calls_leave_no_partial_state():
+    """After every rejected call a good call still gives the right answer (no corrupted
+    global state, e.g. a cached kernel choice)."""
+    for x, cos, sin, _ in BAD_CALLS.values():
+        with pytest.raises(RuntimeError):
+            rope_ext.rotary(x, cos, sin)
+    c, s = torch.ones(5, 1, 16), torch.zeros(5, 1, 16)
+    assert torch.equal(rope_ext.rotary(X, c, s), X)
