@@ -6,14 +6,19 @@ PIP := $(PYTHON) -m pip
 SOURCES := setup.py pyproject.toml $(shell find csrc -name '*.cpp' -o -name '*.h')
 STAMP := build/.installed
 
-.PHONY: setup test bench lint clean
+.PHONY: setup test bench lint clean FORCE
 
 setup: $(STAMP)
 
-$(STAMP): $(SOURCES)
+# Rebuilt when a source changed, or when the importable rope_ext is not this checkout's
+# (e.g. another clone was installed in editable mode since).
+$(STAMP): $(SOURCES) FORCE
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	$(PIP) install --no-build-isolation -e ".[test,bench]"
-	@mkdir -p build && touch $(STAMP)
+	@if [ ! -f $@ ] || [ -n "$$(find $(SOURCES) -newer $@)" ] || ! $(PYTHON) -c "import pathlib, rope_ext, sys; \
+	    sys.exit(pathlib.Path(rope_ext.__file__).resolve().parent != pathlib.Path('rope_ext').resolve())" 2>/dev/null; \
+	then $(PIP) install --no-build-isolation -e ".[test,bench]" && mkdir -p build && touch $@; fi
+
+FORCE:
 
 test: setup
 	$(PYTHON) -m pytest -q tests
