@@ -11,6 +11,16 @@ TORCH_LIBRARY(rope_ext, m) {
   // applies the transpose of that linear map. cos/sin broadcast against x.shape[:-1] + (r,).
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved=False, bool conjugate=False) -> Tensor");
 
+  // rotary on q and on k in one call: (rotary(q, cos, sin), rotary(k, cos_k, sin_k)), where
+  // cos_k/sin_k default to cos/sin (separate tables serve xPos). q and k may differ in head
+  // count and in strides, not in dtype.
+  m.def(
+      "rotary_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved=False, "
+      "Tensor? cos_k=None, Tensor? sin_k=None, bool conjugate=False) -> (Tensor, Tensor)");
+
+  // In-place rotary for inference: x = rotary(x, cos, sin). Refuses inputs that need grad.
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin, bool interleaved=False, bool conjugate=False) -> ()");
+
   // Which CPU kernel variant runs in this process: "AVX512", "AVX2" or "DEFAULT".
   m.def("cpu_kernel_isa() -> str", &rope_ext::cpu::kernel_isa);
 

@@ -1,39 +1,42 @@
 #include "rotary_plan.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 namespace rope_ext {
 
 void check_rotary_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
-                       const at::Tensor& sin) {
+                       const at::Tensor& sin, const ArgNames& n) {
   // The dispatcher turns None into an undefined tensor, even for a non-optional argument.
-  TORCH_CHECK(x.defined(), op, ": x must be a Tensor, got None");
-  TORCH_CHECK(cos.defined(), op, ": cos must be a Tensor, got None");
-  TORCH_CHECK(sin.defined(), op, ": sin must be a Tensor, got None");
-  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension (..., head_dim), ",
+  TORCH_CHECK(x.defined(), op, ": ", n.x, " must be a Tensor, got None");
+  TORCH_CHECK(cos.defined(), op, ": ", n.cos, " must be a Tensor, got None");
+  TORCH_CHECK(sin.defined(), op, ": ", n.sin, " must be a Tensor, got None");
+  TORCH_CHECK(x.dim() >= 1, op, ": ", n.x, " must have at least one dimension (..., head_dim), ",
               "got a 0-dim tensor");
   const auto xt = x.scalar_type();
   TORCH_CHECK(xt == at::kFloat || xt == at::kDouble || xt == at::kHalf || xt == at::kBFloat16,
-              op, ": x must be float32, float64, float16 or bfloat16, got ", xt);
-  TORCH_CHECK(cos.sizes() == sin.sizes(), op, ": cos and sin must have the same shape, got cos ",
-              cos.sizes(), " and sin ", sin.sizes());
-  TORCH_CHECK(cos.scalar_type() == sin.scalar_type(), op,
-              ": cos and sin must have the same dtype, got cos ", cos.scalar_type(), " and sin ",
+              op, ": ", n.x, " must be float32, float64, float16 or bfloat16, got ", xt);
+  TORCH_CHECK(cos.sizes() == sin.sizes(), op, ": ", n.cos, " and ", n.sin,
+              " must have the same shape, got ", n.cos, " ", cos.sizes(), " and ", n.sin, " ",
+              sin.sizes());
+  TORCH_CHECK(cos.scalar_type() == sin.scalar_type(), op, ": ", n.cos, " and ", n.sin,
+              " must have the same dtype, got ", n.cos, " ", cos.scalar_type(), " and ", n.sin, " ",
               sin.scalar_type());
-  TORCH_CHECK(cos.scalar_type() == xt || cos.scalar_type() == at::kFloat, op,
-              ": cos and sin must have x's dtype (", xt, ") or float32, got ", cos.scalar_type());
-  TORCH_CHECK(cos.device() == x.device() && sin.device() == x.device(), op,
-              ": x, cos and sin must be on the same device, got x on ", x.device(), ", cos on ",
-              cos.device(), " and sin on ", sin.device());
-  TORCH_CHECK(cos.dim() >= 1, op, ": cos and sin must have at least one dimension ",
+  TORCH_CHECK(cos.scalar_type() == xt || cos.scalar_type() == at::kFloat, op, ": ", n.cos, " and ",
+              n.sin, " must have ", n.x, "'s dtype (", xt, ") or float32, got ", cos.scalar_type());
+  TORCH_CHECK(cos.device() == x.device() && sin.device() == x.device(), op, ": ", n.x, ", ", n.cos,
+              " and ", n.sin, " must be on the same device, got ", n.x, " on ", x.device(), ", ",
+              n.cos, " on ", cos.device(), " and ", n.sin, " on ", sin.device());
+  TORCH_CHECK(cos.dim() >= 1, op, ": ", n.cos, " and ", n.sin, " must have at least one dimension ",
               "(..., rotary_dim), got 0-dim tensors");
-  TORCH_CHECK(x.dim() <= kMaxDims, op, ": x may have at most ", kMaxDims, " dims, got ", x.dim());
+  TORCH_CHECK(x.dim() <= kMaxDims, op, ": ", n.x, " may have at most ", kMaxDims, " dims, got ",
+              x.dim());
 
   const int64_t r = cos.size(-1);
-  TORCH_CHECK(r > 0 && r % 2 == 0, op,
-              ": the rotary dim cos.size(-1) must be a positive even number, got ", r);
-  TORCH_CHECK(r <= x.size(-1), op, ": the rotary dim cos.size(-1) = ", r,
-              " exceeds the head dim x.size(-1) = ", x.size(-1));
+  TORCH_CHECK(r > 0 && r % 2 == 0, op, ": the rotary dim ", n.cos,
+              ".size(-1) must be a positive even number, got ", r);
+  TORCH_CHECK(r <= x.size(-1), op, ": the rotary dim ", n.cos, ".size(-1) = ", r,
+              " exceeds the head dim ", n.x, ".size(-1) = ", x.size(-1));
 
   // cos/sin must broadcast against x.shape[:-1] + (r,) without growing it.
   bool broadcasts = cos.dim() <= x.dim();
@@ -44,8 +47,42 @@ void check_rotary_args(const char* op, const at::Tensor& x, const at::Tensor& co
   if (!broadcasts) {
     std::vector<int64_t> target(x.sizes().begin(), x.sizes().end());
     target.back() = r;
-    TORCH_CHECK(false, op, ": cos and sin of shape ", cos.sizes(),
-                " do not broadcast against x.shape[:-1] + (rotary_dim,) = ", at::IntArrayRef(target));
+    TORCH_CHECK(false, op, ": ", n.cos, " and ", n.sin, " of shape ", cos.sizes(),
+                " do not broadcast against ", n.x, ".shape[:-1] + (rotary_dim,) = ",
+                at::IntArrayRef(target));
+  }
+}
+
+void check_qk_args(const char* op, const at::Tensor& q, const at::Tensor& k,
+                   const std::optional<at::Tensor>& shared_cos) {
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), op, ": q and k must have the same dtype, got q ",
+              q.scalar_type(), " and k ", k.scalar_type());
+  if (!shared_cos.has_value()) return;
+  const at::Tensor& cos = *shared_cos;
+  TORCH_CHECK(q.dim() == k.dim(), op, ": q and k must have the same number of dims, got q ",
+              q.sizes(), " and k ", k.sizes());
+  int64_t differing = 0;
+  for (int64_t d = 0; d + 1 < q.dim(); ++d) {
+    if (q.size(d) == k.size(d)) continue;
+    ++differing;
+    const int64_t from_end = q.dim() - d;  // the tables' dim aligned with d, if any
+    const bool tables_broadcast = cos.dim() < from_end || cos.size(-from_end) == 1;
+    TORCH_CHECK(differing == 1 && tables_broadcast, op, ": q ", q.sizes(), " and k ", k.sizes(),
+                " may differ only in the head count (one dim along which cos/sin of shape ",
+                cos.sizes(), " broadcast); batch and sequence dims must match");
+  }
+}
+
+void check_inplace_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
+                        const at::Tensor& sin) {
+  TORCH_CHECK(at::has_internal_overlap(x) != at::MemOverlap::Yes, op,
+              ": x has elements that share memory (e.g. an expanded view), so it cannot be ",
+              "rotated in place; use rope_ext.rotary");
+  for (const auto* t : {&cos, &sin}) {
+    const auto status = at::get_overlap_status(x, *t);
+    TORCH_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, op,
+                ": x shares memory with ", t == &cos ? "cos" : "sin",
+                "; in-place rotation would overwrite the table while reading it");
   }
 }
 

@@ -29,9 +29,27 @@ struct RotaryPlan {
   int64_t num_heads() const { return heads.numel(); }
 };
 
+// How error messages name the three arguments (rotary_qk's k uses "k", "cos_k", "sin_k").
+struct ArgNames {
+  const char* x = "x";
+  const char* cos = "cos";
+  const char* sin = "sin";
+};
+
 // Checks (x, cos, sin) against rotary's contract; `op` prefixes every message.
 void check_rotary_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
-                       const at::Tensor& sin);
+                       const at::Tensor& sin, const ArgNames& names = {});
+
+// Checks q and k for rotary_qk once each passed check_rotary_args: they share a dtype. When
+// they share tables (`shared_cos`), they also share a rank and differ in at most one leading
+// dim (the head count, GQA/MQA), along which the tables broadcast; with separate k tables
+// their shapes are independent (e.g. q in (B,H,S,D), k in (B,S,H,D)).
+void check_qk_args(const char* op, const at::Tensor& q, const at::Tensor& k,
+                   const std::optional<at::Tensor>& shared_cos);
+
+// Checks that x can be rotated in place: no element stored twice, no overlap with the tables.
+void check_inplace_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
+                        const at::Tensor& sin);
 
 // Builds the plan for out = rotary(x, cos, sin); the arguments must have passed
 // check_rotary_args and `out` must have x's sizes. No tensor data is touched or copied.

@@ -17,7 +17,7 @@ except ImportError as e:  # never swallowed: say what failed and how to fix it
     ) from e
 
 from rope_ext import reference  # noqa: E402
-from rope_ext._ops import cpu_kernel_isa, rotary  # noqa: E402
+from rope_ext._ops import cpu_kernel_isa, rotary, rotary_, rotary_qk  # noqa: E402
 
-__all__ = ["rotary", "reference", "cpu_kernel_isa"]
+__all__ = ["rotary", "rotary_qk", "rotary_", "reference", "cpu_kernel_isa"]
 __version__ = "0.1.0"

@@ -5,6 +5,7 @@ The schemas live in csrc/ops.cpp and the kernels in csrc/<backend>/. Here each o
 - an autograd formula, registered with torch.library so that opcheck, compile and export
   see one op rather than its decomposition,
 - a thin public wrapper with the docstring users read.
+The in-place op's autograd kernel is in C++ (csrc/autograd.cpp).
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 from rope_ext.reference import rotate
 
 _rotary = torch.ops.rope_ext.rotary.default
+_rotary_qk = torch.ops.rope_ext.rotary_qk.default
+_rotary_inplace = torch.ops.rope_ext.rotary_.default
 
 
 def rotary(
@@ -61,6 +64,49 @@ def rotary(
     return _rotary(x, cos, sin, interleaved, conjugate)
 
 
+def rotary_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    cos_k: torch.Tensor | None = None,
+    sin_k: torch.Tensor | None = None,
+    conjugate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate queries and keys in one op call: ``(rotary(q, cos, sin), rotary(k, cos_k, sin_k))``.
+
+    Args:
+        q: ``(..., head_dim)``, e.g. ``(batch, nheads_q, seqlen, head_dim)``.
+        k: same rank and dtype as q; it may have another head count (GQA, MQA, a single kv
+            head) and other strides. All other leading dims must equal q's.
+        cos, sin: tables for q, as in :func:`rotary`; they must broadcast along the head dim.
+        interleaved, conjugate: as in :func:`rotary`.
+        cos_k, sin_k: optional separate tables for k (xPos scales k's by the inverse of q's).
+            Default: cos and sin.
+
+    Returns:
+        ``(q_out, k_out)``, new tensors with q's and k's shapes, dtypes and layouts. One autograd
+        node covers both; its backward is one ``rotary_qk`` call with conjugate flipped.
+    """
+    return _rotary_qk(q, k, cos, sin, interleaved, cos_k, sin_k, conjugate)
+
+
+def rotary_(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False, conjugate: bool = False
+) -> torch.Tensor:
+    """In-place :func:`rotary`, for inference: overwrites x with ``rotary(x, cos, sin)``; returns x.
+
+    x must not need a gradient (use :func:`rotary` to train); calling it where autograd would
+    need x, cos or sin raises instead of recording a wrong gradient. x's version counter is
+    bumped, so autograd still notices if x was saved for another op's backward. x must store
+    each element once (no expanded views) and must not overlap cos or sin.
+    """
+    _rotary_inplace(x, cos, sin, interleaved, conjugate)
+    return x
+
+
 def cpu_kernel_isa() -> str:
     """The CPU kernel variant this process runs: ``"AVX512"``, ``"AVX2"`` or ``"DEFAULT"``.
 
@@ -70,51 +116,83 @@ def cpu_kernel_isa() -> str:
     return torch.ops.rope_ext.cpu_kernel_isa()
 
 
-# --- fake kernel ---------------------------------------------------------------------------
-
+# --- fake kernels --------------------------------------------------------------------------
+#
+# The C++ checks (csrc/rotary_plan.cpp) do not run on fake tensors (torch.compile, export,
+# meta), so the fake kernels repeat them: same conditions, same messages.
 
 _X_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _check_rotary_args(x, cos, sin):
-    """The checks of csrc/rotary_plan.cpp, for fake tensors (torch.compile, export, meta),
-    where the C++ kernel does not run. Same conditions, same messages."""
-    op = "rope_ext.rotary"
-    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
+def _check_rotary_args(op, x, cos, sin, names=("x", "cos", "sin")):
+    nx, nc, ns = names
+    for name, t in zip(names, (x, cos, sin), strict=True):
         torch._check(isinstance(t, torch.Tensor),
                      lambda name=name, t=t: f"{op}: {name} must be a Tensor, got {type(t).__name__}")
     torch._check(x.dim() >= 1,
-                 lambda: f"{op}: x must have at least one dimension (..., head_dim), got a 0-dim tensor")
+                 lambda: f"{op}: {nx} must have at least one dimension (..., head_dim), got a 0-dim tensor")
     torch._check(x.dtype in _X_DTYPES,
-                 lambda: f"{op}: x must be float32, float64, float16 or bfloat16, got {x.dtype}")
+                 lambda: f"{op}: {nx} must be float32, float64, float16 or bfloat16, got {x.dtype}")
     torch._check(cos.shape == sin.shape,
-                 lambda: f"{op}: cos and sin must have the same shape, got cos {list(cos.shape)} "
-                 f"and sin {list(sin.shape)}")
+                 lambda: f"{op}: {nc} and {ns} must have the same shape, got {nc} {list(cos.shape)} "
+                 f"and {ns} {list(sin.shape)}")
     torch._check(cos.dtype == sin.dtype,
-                 lambda: f"{op}: cos and sin must have the same dtype, got cos {cos.dtype} and sin {sin.dtype}")
+                 lambda: f"{op}: {nc} and {ns} must have the same dtype, got {nc} {cos.dtype} and {ns} {sin.dtype}")
     torch._check(cos.dtype in (x.dtype, torch.float32),
-                 lambda: f"{op}: cos and sin must have x's dtype ({x.dtype}) or float32, got {cos.dtype}")
+                 lambda: f"{op}: {nc} and {ns} must have {nx}'s dtype ({x.dtype}) or float32, got {cos.dtype}")
     torch._check(cos.device == x.device and sin.device == x.device,
-                 lambda: f"{op}: x, cos and sin must be on the same device, got x on {x.device}, cos on "
-                 f"{cos.device} and sin on {sin.device}")
+                 lambda: f"{op}: {nx}, {nc} and {ns} must be on the same device, got {nx} on {x.device}, "
+                 f"{nc} on {cos.device} and {ns} on {sin.device}")
     torch._check(cos.dim() >= 1,
-                 lambda: f"{op}: cos and sin must have at least one dimension (..., rotary_dim), got 0-dim tensors")
+                 lambda: f"{op}: {nc} and {ns} must have at least one dimension (..., rotary_dim), got 0-dim tensors")
     r = cos.shape[-1]
     torch._check(r > 0 and r % 2 == 0,
-                 lambda: f"{op}: the rotary dim cos.size(-1) must be a positive even number, got {r}")
+                 lambda: f"{op}: the rotary dim {nc}.size(-1) must be a positive even number, got {r}")
     torch._check(r <= x.shape[-1],
-                 lambda: f"{op}: the rotary dim cos.size(-1) = {r} exceeds the head dim x.size(-1) = {x.shape[-1]}")
+                 lambda: f"{op}: the rotary dim {nc}.size(-1) = {r} exceeds the head dim {nx}.size(-1) = {x.shape[-1]}")
     broadcasts = cos.dim() <= x.dim() and all(
         cos.shape[-i] in (1, x.shape[-i]) for i in range(2, cos.dim() + 1))
-    torch._check(broadcasts, lambda: f"{op}: cos and sin of shape {list(cos.shape)} do not broadcast against "
-                 f"x.shape[:-1] + (rotary_dim,) = {[*x.shape[:-1], r]}")
+    torch._check(broadcasts, lambda: f"{op}: {nc} and {ns} of shape {list(cos.shape)} do not broadcast against "
+                 f"{nx}.shape[:-1] + (rotary_dim,) = {[*x.shape[:-1], r]}")
+
+
+def _check_qk_args(op, q, k, cos):
+    torch._check(q.dtype == k.dtype, lambda: f"{op}: q and k must have the same dtype, got q {q.dtype} and k {k.dtype}")
+    torch._check(q.dim() == k.dim(),
+                 lambda: f"{op}: q and k must have the same number of dims, got q {list(q.shape)} and k {list(k.shape)}")
+    differing = [d for d in range(q.dim() - 1) if q.shape[d] != k.shape[d]]
+    ok = len(differing) <= 1 and all(cos.dim() < q.dim() - d or cos.shape[d - q.dim()] == 1 for d in differing)
+    torch._check(ok, lambda: f"{op}: q {list(q.shape)} and k {list(k.shape)} may differ only in the head count "
+                 f"(one dim along which cos/sin of shape {list(cos.shape)} broadcast); batch and sequence dims must match")
 
 
 @torch.library.register_fake("rope_ext::rotary")
 def _rotary_fake(x, cos, sin, interleaved=False, conjugate=False):
-    _check_rotary_args(x, cos, sin)
-    # The real kernels return at::empty_like(x): same sizes, strides and dtype.
-    return torch.empty_like(x)
+    _check_rotary_args("rope_ext.rotary", x, cos, sin)
+    return torch.empty_like(x)  # the kernels return at::empty_like(x): same sizes and strides
+
+
+@torch.library.register_fake("rope_ext::rotary_qk")
+def _rotary_qk_fake(q, k, cos, sin, interleaved=False, cos_k=None, sin_k=None, conjugate=False):
+    op = "rope_ext.rotary_qk"
+    torch._check((cos_k is None) == (sin_k is None),
+                 lambda: f"{op}: cos_k and sin_k must be given together, got only {'sin_k' if cos_k is None else 'cos_k'}")
+    _check_rotary_args(op, q, cos, sin, ("q", "cos", "sin"))
+    if cos_k is None:
+        _check_rotary_args(op, k, cos, sin, ("k", "cos", "sin"))
+    else:
+        _check_rotary_args(op, k, cos_k, sin_k, ("k", "cos_k", "sin_k"))
+    if cos_k is None:  # shared tables couple q's and k's shapes
+        _check_qk_args(op, q, k, cos)
+    else:
+        torch._check(q.dtype == k.dtype,
+                     lambda: f"{op}: q and k must have the same dtype, got q {q.dtype} and k {k.dtype}")
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.register_fake("rope_ext::rotary_")
+def _rotary_inplace_fake(x, cos, sin, interleaved=False, conjugate=False):
+    _check_rotary_args("rope_ext.rotary_", x, cos, sin)
 
 
 # --- autograd ------------------------------------------------------------------------------
@@ -125,30 +203,73 @@ def _rotary_fake(x, cos, sin, interleaved=False, conjugate=False):
 #   dsin = g * R(x)          (forward)     or     R(g) * x     (conjugate)
 # on the first r columns, summed back to cos/sin's broadcast shape. x is saved only when
 # cos or sin needs a gradient; otherwise the backward keeps nothing but cos and sin.
+# rotary_ has no formula: csrc/autograd.cpp refuses inputs that need one.
 
 
-def _setup_context(ctx, inputs, output):
+def _table_grads(grad, x, cos, interleaved, conjugate, need_cos, need_sin):
+    """(dcos, dsin) of one rotary call, at cos's (broadcast) shape and dtype; None where not needed."""
+    r = cos.shape[-1]
+    dtype = torch.promote_types(x.dtype, cos.dtype)
+    g, xr = grad[..., :r].to(dtype), x[..., :r].to(dtype)
+    dcos = (g * xr).sum_to_size(cos.shape).to(cos.dtype) if need_cos else None
+    dsin = None
+    if need_sin:
+        ds = rotate(g, interleaved) * xr if conjugate else g * rotate(xr, interleaved)
+        dsin = ds.sum_to_size(cos.shape).to(cos.dtype)
+    return dcos, dsin
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+def _rotary_setup_context(ctx, inputs, output):
     x, cos, sin, interleaved, conjugate = inputs
     ctx.interleaved, ctx.conjugate = interleaved, conjugate
     tables_need_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
     ctx.save_for_backward(cos, sin, x if tables_need_grad else None)
 
 
-def _backward(ctx, grad):
+def _rotary_backward(ctx, grad):
     cos, sin, x = ctx.saved_tensors
-    dx = dcos = dsin = None
-    if ctx.needs_input_grad[0]:
-        dx = _rotary(grad, cos, sin, ctx.interleaved, not ctx.conjugate)
-    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-        r = cos.shape[-1]
-        dtype = torch.promote_types(x.dtype, cos.dtype)
-        g, xr = grad[..., :r].to(dtype), x[..., :r].to(dtype)
-        if ctx.needs_input_grad[1]:
-            dcos = (g * xr).sum_to_size(cos.shape).to(cos.dtype)
-        if ctx.needs_input_grad[2]:
-            ds = rotate(g, ctx.interleaved) * xr if ctx.conjugate else g * rotate(xr, ctx.interleaved)
-            dsin = ds.sum_to_size(sin.shape).to(sin.dtype)
+    need_x, need_cos, need_sin = ctx.needs_input_grad[:3]
+    dx = _rotary(grad, cos, sin, ctx.interleaved, not ctx.conjugate) if need_x else None
+    dcos = dsin = None
+    if need_cos or need_sin:
+        dcos, dsin = _table_grads(grad, x, cos, ctx.interleaved, ctx.conjugate, need_cos, need_sin)
     return dx, dcos, dsin, None, None
 
 
-torch.library.register_autograd("rope_ext::rotary", _backward, setup_context=_setup_context)
+def _needs_grad(ctx, count):
+    # needs_input_grad omits trailing arguments left at their defaults: pad it to the schema.
+    return tuple(ctx.needs_input_grad) + (False,) * (count - len(ctx.needs_input_grad))
+
+
+def _rotary_qk_setup_context(ctx, inputs, output):
+    q, k, cos, sin, interleaved, cos_k, sin_k, conjugate = inputs
+    ctx.interleaved, ctx.conjugate = interleaved, conjugate
+    n = _needs_grad(ctx, 8)
+    ctx.save_for_backward(cos, sin, cos_k, sin_k,
+                          q if (n[2] or n[3]) else None,
+                          k if (n[2] or n[3] or n[5] or n[6]) else None)
+
+
+def _rotary_qk_backward(ctx, grad_q, grad_k):
+    cos, sin, cos_k, sin_k, q, k = ctx.saved_tensors
+    n = _needs_grad(ctx, 8)
+    dq = dk = None
+    if n[0] or n[1]:
+        dq, dk = _rotary_qk(grad_q, grad_k, cos, sin, ctx.interleaved, cos_k, sin_k, not ctx.conjugate)
+    dcos = dsin = dcos_k = dsin_k = None
+    if n[2] or n[3]:
+        dcos, dsin = _table_grads(grad_q, q, cos, ctx.interleaved, ctx.conjugate, n[2], n[3])
+    if cos_k is None and (n[2] or n[3]):  # k shares q's tables: its contribution adds up
+        dcos_k, dsin_k = _table_grads(grad_k, k, cos, ctx.interleaved, ctx.conjugate, n[2], n[3])
+        dcos, dsin, dcos_k, dsin_k = _add(dcos, dcos_k), _add(dsin, dsin_k), None, None
+    elif cos_k is not None and (n[5] or n[6]):
+        dcos_k, dsin_k = _table_grads(grad_k, k, cos_k, ctx.interleaved, ctx.conjugate, n[5], n[6])
+    return (dq if n[0] else None), (dk if n[1] else None), dcos, dsin, None, dcos_k, dsin_k, None
+
+
+torch.library.register_autograd("rope_ext::rotary", _rotary_backward, setup_context=_rotary_setup_context)
+torch.library.register_autograd("rope_ext::rotary_qk", _rotary_qk_backward, setup_context=_rotary_qk_setup_context)

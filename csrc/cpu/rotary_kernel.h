@@ -177,10 +177,14 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
         scalar_t* outr = out_base + tok[kOut] + hd[kOut];
         if (contiguous_rows) {
           rotate_row_contiguous<kConj, kInterleaved>(xr, outr, t, half);
-          if (pass > 0) std::memcpy(outr + p.rotary_dim, xr + p.rotary_dim, pass * sizeof(scalar_t));
+          if (pass > 0 && outr != xr) {  // in place, the pass-through columns are already there
+            std::memcpy(outr + p.rotary_dim, xr + p.rotary_dim, pass * sizeof(scalar_t));
+          }
         } else {
           rotate_pairs_scalar<kConj, kInterleaved>(xr, p.x_col, outr, p.out_col, t, 0, half);
-          for (int64_t c = p.rotary_dim; c < p.head_dim; ++c) outr[c * p.out_col] = xr[c * p.x_col];
+          if (outr != xr || p.out_col != p.x_col) {
+            for (int64_t c = p.rotary_dim; c < p.head_dim; ++c) outr[c * p.out_col] = xr[c * p.x_col];
+          }
         }
       }
       row += h_end - h_begin;
@@ -189,7 +193,8 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
 }
 
 // The entry point declared in rotary_cpu.h: out = rotary(x, cos, sin), where `out` has
-// been allocated by the caller with x's sizes and `p` describes all four tensors.
+// been allocated by the caller with x's sizes and `p` describes all four tensors. `out` may
+// be x itself (in place): each pair is read completely before it is written.
 void rotary_kernel(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
                                const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
                                bool conjugate) {
