@@ -159,11 +159,13 @@ def _check_rotary_args(op, x, cos, sin, names=("x", "cos", "sin")):
 def _check_qk_args(op, q, k, cos):
     torch._check(q.dtype == k.dtype, lambda: f"{op}: q and k must have the same dtype, got q {q.dtype} and k {k.dtype}")
     torch._check(q.dim() == k.dim(),
-                 lambda: f"{op}: q and k must have the same number of dims, got q {list(q.shape)} and k {list(k.shape)}")
+                 lambda: f"{op}: q and k must have the same number of dims, got q {list(q.shape)} "
+                 f"and k {list(k.shape)}")
     differing = [d for d in range(q.dim() - 1) if q.shape[d] != k.shape[d]]
     ok = len(differing) <= 1 and all(cos.dim() < q.dim() - d or cos.shape[d - q.dim()] == 1 for d in differing)
     torch._check(ok, lambda: f"{op}: q {list(q.shape)} and k {list(k.shape)} may differ only in the head count "
-                 f"(one dim along which cos/sin of shape {list(cos.shape)} broadcast); batch and sequence dims must match")
+                 f"(one dim along which cos/sin of shape {list(cos.shape)} broadcast); "
+                 "batch and sequence dims must match")
 
 
 @torch.library.register_fake("rope_ext::rotary")
@@ -176,7 +178,8 @@ def _rotary_fake(x, cos, sin, interleaved=False, conjugate=False):
 def _rotary_qk_fake(q, k, cos, sin, interleaved=False, cos_k=None, sin_k=None, conjugate=False):
     op = "rope_ext.rotary_qk"
     torch._check((cos_k is None) == (sin_k is None),
-                 lambda: f"{op}: cos_k and sin_k must be given together, got only {'sin_k' if cos_k is None else 'cos_k'}")
+                 lambda: f"{op}: cos_k and sin_k must be given together, "
+                 f"got only {'sin_k' if cos_k is None else 'cos_k'}")
     _check_rotary_args(op, q, cos, sin, ("q", "cos", "sin"))
     if cos_k is None:
         _check_rotary_args(op, k, cos, sin, ("k", "cos", "sin"))

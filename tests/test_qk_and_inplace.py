@@ -120,7 +120,7 @@ def test_rotary_inplace_equals_out_of_place(interleaved, dtype, layout, gen):
 def test_rotary_inplace_refuses_inputs_that_need_grad(gen):
     x = randn(2, 4, 16, gen=gen).requires_grad_()
     cos, sin = rope_tables(torch.arange(2)[:, None], 16, False)
-    with pytest.raises(RuntimeError, match=r"rope_ext.rotary_: x requires grad, but the in-place op records no gradient"):
+    with pytest.raises(RuntimeError, match=r"rope_ext.rotary_: x requires grad, but the in-place op records no grad"):
         rope_ext.rotary_(x.clone(), cos, sin)  # a non-leaf that requires grad
     with pytest.raises(RuntimeError, match=r"rope_ext.rotary_: cos requires grad"):
         rope_ext.rotary_(x.detach().clone(), cos.requires_grad_(), sin)
@@ -177,7 +177,7 @@ def _qk_samples():
         yield (q, k, cos.requires_grad_(), sin.requires_grad_(), False, ck.requires_grad_(), sk.requires_grad_(), True)
 
 
-@pytest.mark.parametrize("args", list(_qk_samples()), ids=lambda a: f"{a[0].dtype}-i{int(a[4])}-g{int(a[0].requires_grad)}")
+@pytest.mark.parametrize("args", list(_qk_samples()), ids=lambda a: f"{a[0].dtype}-i{a[4]:d}-g{a[0].requires_grad:d}")
 def test_opcheck_rotary_qk(args):
     torch.library.opcheck(torch.ops.rope_ext.rotary_qk.default, args)
 
