@@ -3,9 +3,13 @@
     out = rope_ext.rotary(x, cos, sin, interleaved=False)
 
 computes ``x * cos + rotate(x) * sin`` in one pass, for both pairing conventions, with
-autograd, torch.compile and torch.export support. ``rope_ext.reference`` holds the same
-math in plain PyTorch.
+autograd, torch.compile and torch.export support. On top of the ops: ``rotary_qk`` (q and k
+in one call), ``rotary_`` (in place), the ``RotaryEmbedding`` module (positions, offsets,
+packed sequences, HF rope scaling, xPos, M-RoPE), and drop-ins for HF's
+``apply_rotary_pos_emb`` and flash-attn's ``apply_rotary_emb`` (``rope_ext.compat``).
+``rope_ext.reference`` holds the same math in plain PyTorch.
 """
+
 import torch  # noqa: F401  (the extension links against libtorch: load it first)
 
 try:
@@ -16,8 +20,21 @@ except ImportError as e:  # never swallowed: say what failed and how to fix it
         "torch you are importing with `pip install --no-build-isolation -e .`."
     ) from e
 
-from rope_ext import reference  # noqa: E402
+from rope_ext import compat, reference, scaling  # noqa: E402
 from rope_ext._ops import cpu_kernel_isa, rotary, rotary_, rotary_qk  # noqa: E402
+from rope_ext.compat.hf import apply_multimodal_rotary_pos_emb, apply_rotary_pos_emb  # noqa: E402
+from rope_ext.module import RotaryEmbedding  # noqa: E402
 
-__all__ = ["rotary", "rotary_qk", "rotary_", "reference", "cpu_kernel_isa"]
+__all__ = [
+    "rotary",
+    "rotary_qk",
+    "rotary_",
+    "RotaryEmbedding",
+    "apply_rotary_pos_emb",
+    "apply_multimodal_rotary_pos_emb",
+    "reference",
+    "scaling",
+    "compat",
+    "cpu_kernel_isa",
+]
 __version__ = "0.1.0"

@@ -7,6 +7,7 @@ The schemas live in csrc/ops.cpp and the kernels in csrc/<backend>/. Here each o
 - a thin public wrapper with the docstring users read.
 The in-place op's autograd kernel is in C++ (csrc/autograd.cpp).
 """
+
 from __future__ import annotations
 
 import torch
@@ -127,45 +128,72 @@ _X_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 def _check_rotary_args(op, x, cos, sin, names=("x", "cos", "sin")):
     nx, nc, ns = names
     for name, t in zip(names, (x, cos, sin), strict=True):
-        torch._check(isinstance(t, torch.Tensor),
-                     lambda name=name, t=t: f"{op}: {name} must be a Tensor, got {type(t).__name__}")
-    torch._check(x.dim() >= 1,
-                 lambda: f"{op}: {nx} must have at least one dimension (..., head_dim), got a 0-dim tensor")
-    torch._check(x.dtype in _X_DTYPES,
-                 lambda: f"{op}: {nx} must be float32, float64, float16 or bfloat16, got {x.dtype}")
-    torch._check(cos.shape == sin.shape,
-                 lambda: f"{op}: {nc} and {ns} must have the same shape, got {nc} {list(cos.shape)} "
-                 f"and {ns} {list(sin.shape)}")
-    torch._check(cos.dtype == sin.dtype,
-                 lambda: f"{op}: {nc} and {ns} must have the same dtype, got {nc} {cos.dtype} and {ns} {sin.dtype}")
-    torch._check(cos.dtype in (x.dtype, torch.float32),
-                 lambda: f"{op}: {nc} and {ns} must have {nx}'s dtype ({x.dtype}) or float32, got {cos.dtype}")
-    torch._check(cos.device == x.device and sin.device == x.device,
-                 lambda: f"{op}: {nx}, {nc} and {ns} must be on the same device, got {nx} on {x.device}, "
-                 f"{nc} on {cos.device} and {ns} on {sin.device}")
-    torch._check(cos.dim() >= 1,
-                 lambda: f"{op}: {nc} and {ns} must have at least one dimension (..., rotary_dim), got 0-dim tensors")
+        torch._check(
+            isinstance(t, torch.Tensor), lambda name=name, t=t: f"{op}: {name} must be a Tensor, got {type(t).__name__}"
+        )
+    torch._check(
+        x.dim() >= 1, lambda: f"{op}: {nx} must have at least one dimension (..., head_dim), got a 0-dim tensor"
+    )
+    torch._check(
+        x.dtype in _X_DTYPES, lambda: f"{op}: {nx} must be float32, float64, float16 or bfloat16, got {x.dtype}"
+    )
+    torch._check(
+        cos.shape == sin.shape,
+        lambda: f"{op}: {nc} and {ns} must have the same shape, got {nc} {list(cos.shape)} and {ns} {list(sin.shape)}",
+    )
+    torch._check(
+        cos.dtype == sin.dtype,
+        lambda: f"{op}: {nc} and {ns} must have the same dtype, got {nc} {cos.dtype} and {ns} {sin.dtype}",
+    )
+    torch._check(
+        cos.dtype in (x.dtype, torch.float32),
+        lambda: f"{op}: {nc} and {ns} must have {nx}'s dtype ({x.dtype}) or float32, got {cos.dtype}",
+    )
+    torch._check(
+        cos.device == x.device and sin.device == x.device,
+        lambda: (
+            f"{op}: {nx}, {nc} and {ns} must be on the same device, got {nx} on {x.device}, "
+            f"{nc} on {cos.device} and {ns} on {sin.device}"
+        ),
+    )
+    torch._check(
+        cos.dim() >= 1,
+        lambda: f"{op}: {nc} and {ns} must have at least one dimension (..., rotary_dim), got 0-dim tensors",
+    )
     r = cos.shape[-1]
-    torch._check(r > 0 and r % 2 == 0,
-                 lambda: f"{op}: the rotary dim {nc}.size(-1) must be a positive even number, got {r}")
-    torch._check(r <= x.shape[-1],
-                 lambda: f"{op}: the rotary dim {nc}.size(-1) = {r} exceeds the head dim {nx}.size(-1) = {x.shape[-1]}")
-    broadcasts = cos.dim() <= x.dim() and all(
-        cos.shape[-i] in (1, x.shape[-i]) for i in range(2, cos.dim() + 1))
-    torch._check(broadcasts, lambda: f"{op}: {nc} and {ns} of shape {list(cos.shape)} do not broadcast against "
-                 f"{nx}.shape[:-1] + (rotary_dim,) = {[*x.shape[:-1], r]}")
+    torch._check(
+        r > 0 and r % 2 == 0, lambda: f"{op}: the rotary dim {nc}.size(-1) must be a positive even number, got {r}"
+    )
+    torch._check(
+        r <= x.shape[-1],
+        lambda: f"{op}: the rotary dim {nc}.size(-1) = {r} exceeds the head dim {nx}.size(-1) = {x.shape[-1]}",
+    )
+    broadcasts = cos.dim() <= x.dim() and all(cos.shape[-i] in (1, x.shape[-i]) for i in range(2, cos.dim() + 1))
+    torch._check(
+        broadcasts,
+        lambda: (
+            f"{op}: {nc} and {ns} of shape {list(cos.shape)} do not broadcast against "
+            f"{nx}.shape[:-1] + (rotary_dim,) = {[*x.shape[:-1], r]}"
+        ),
+    )
 
 
 def _check_qk_args(op, q, k, cos):
     torch._check(q.dtype == k.dtype, lambda: f"{op}: q and k must have the same dtype, got q {q.dtype} and k {k.dtype}")
-    torch._check(q.dim() == k.dim(),
-                 lambda: f"{op}: q and k must have the same number of dims, got q {list(q.shape)} "
-                 f"and k {list(k.shape)}")
+    torch._check(
+        q.dim() == k.dim(),
+        lambda: f"{op}: q and k must have the same number of dims, got q {list(q.shape)} and k {list(k.shape)}",
+    )
     differing = [d for d in range(q.dim() - 1) if q.shape[d] != k.shape[d]]
     ok = len(differing) <= 1 and all(cos.dim() < q.dim() - d or cos.shape[d - q.dim()] == 1 for d in differing)
-    torch._check(ok, lambda: f"{op}: q {list(q.shape)} and k {list(k.shape)} may differ only in the head count "
-                 f"(one dim along which cos/sin of shape {list(cos.shape)} broadcast); "
-                 "batch and sequence dims must match")
+    torch._check(
+        ok,
+        lambda: (
+            f"{op}: q {list(q.shape)} and k {list(k.shape)} may differ only in the head count "
+            f"(one dim along which cos/sin of shape {list(cos.shape)} broadcast); "
+            "batch and sequence dims must match"
+        ),
+    )
 
 
 @torch.library.register_fake("rope_ext::rotary")
@@ -177,9 +205,10 @@ def _rotary_fake(x, cos, sin, interleaved=False, conjugate=False):
 @torch.library.register_fake("rope_ext::rotary_qk")
 def _rotary_qk_fake(q, k, cos, sin, interleaved=False, cos_k=None, sin_k=None, conjugate=False):
     op = "rope_ext.rotary_qk"
-    torch._check((cos_k is None) == (sin_k is None),
-                 lambda: f"{op}: cos_k and sin_k must be given together, "
-                 f"got only {'sin_k' if cos_k is None else 'cos_k'}")
+    torch._check(
+        (cos_k is None) == (sin_k is None),
+        lambda: f"{op}: cos_k and sin_k must be given together, got only {'sin_k' if cos_k is None else 'cos_k'}",
+    )
     _check_rotary_args(op, q, cos, sin, ("q", "cos", "sin"))
     if cos_k is None:
         _check_rotary_args(op, k, cos, sin, ("k", "cos", "sin"))
@@ -188,8 +217,9 @@ def _rotary_qk_fake(q, k, cos, sin, interleaved=False, cos_k=None, sin_k=None, c
     if cos_k is None:  # shared tables couple q's and k's shapes
         _check_qk_args(op, q, k, cos)
     else:
-        torch._check(q.dtype == k.dtype,
-                     lambda: f"{op}: q and k must have the same dtype, got q {q.dtype} and k {k.dtype}")
+        torch._check(
+            q.dtype == k.dtype, lambda: f"{op}: q and k must have the same dtype, got q {q.dtype} and k {k.dtype}"
+        )
     return torch.empty_like(q), torch.empty_like(k)
 
 
@@ -252,9 +282,9 @@ def _rotary_qk_setup_context(ctx, inputs, output):
     q, k, cos, sin, interleaved, cos_k, sin_k, conjugate = inputs
     ctx.interleaved, ctx.conjugate = interleaved, conjugate
     n = _needs_grad(ctx, 8)
-    ctx.save_for_backward(cos, sin, cos_k, sin_k,
-                          q if (n[2] or n[3]) else None,
-                          k if (n[2] or n[3] or n[5] or n[6]) else None)
+    ctx.save_for_backward(
+        cos, sin, cos_k, sin_k, q if (n[2] or n[3]) else None, k if (n[2] or n[3] or n[5] or n[6]) else None
+    )
 
 
 def _rotary_qk_backward(ctx, grad_q, grad_k):

@@ -17,6 +17,7 @@ Four independent formulations:
 - :func:`rotary_pairs_loop`: a naive loop over the pairs, applying each 2x2 matrix;
 - ``conjugate=True`` applies the transpose of the per-pair matrix in every form.
 """
+
 from __future__ import annotations
 
 import torch

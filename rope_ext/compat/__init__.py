@@ -1,0 +1,5 @@
+"""Drop-in replacements with the signatures of other libraries' RoPE functions.
+
+- :mod:`rope_ext.compat.hf`: transformers' ``apply_rotary_pos_emb`` (and the multimodal form).
+- :mod:`rope_ext.compat.flash_attn`: flash-attn's ``apply_rotary_emb``.
+"""

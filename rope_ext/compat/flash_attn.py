@@ -1,0 +1,64 @@
+"""flash-attn's ``apply_rotary_emb``, on rope_ext's op: same signature and semantics, on CPU too."""
+
+from __future__ import annotations
+
+import torch
+
+from rope_ext import positions as P
+from rope_ext._ops import rotary, rotary_
+
+__all__ = ["apply_rotary_emb"]
+
+
+def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None):
+    """flash-attn's ``apply_rotary_emb``.
+
+    Args:
+        x: ``(batch, seqlen, nheads, headdim)``, or ``(total_seqlen, nheads, headdim)`` when
+            cu_seqlens is given.
+        cos, sin: ``(seqlen_ro, rotary_dim / 2)``: half-width tables, one row per position,
+            one column per frequency. rotary_dim <= headdim; the rest passes through.
+        interleaved: rotate pairs (2i, 2i+1) (GPT-J) instead of (i, i + rotary_dim/2) (GPT-NeoX).
+        inplace: overwrite x (inference only; see :func:`rope_ext.rotary_`) and return it.
+        seqlen_offsets: int, or ``(batch,)`` tensor: row b's tokens take positions
+            ``seqlen_offsets[b] + 0, 1, ...`` (decoding with a KV cache).
+        cu_seqlens: ``(batch + 1,)`` cumulative lengths of packed sequences; positions restart at
+            each sequence start.
+        max_seqlen: accepted for compatibility (rope_ext does not need it).
+
+    Returns:
+        x rotated: ``(batch, seqlen, nheads, headdim)`` or ``(total_seqlen, nheads, headdim)``.
+        Positions past ``seqlen_ro`` raise a ValueError rather than read out of bounds.
+    """
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(
+                f"rope_ext: {name} must be a (seqlen_ro, rotary_dim / 2) tensor, got "
+                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+            )
+    if cu_seqlens is None:
+        if x.dim() != 4:
+            raise ValueError(f"rope_ext: x must be (batch, seqlen, nheads, headdim), got {tuple(x.shape)}")
+        pos = P.sequence_positions(x.shape[0], x.shape[1], seqlen_offsets, device=x.device)  # (B, S)
+    else:
+        if x.dim() != 3:
+            raise ValueError(
+                f"rope_ext: with cu_seqlens, x must be (total_seqlen, nheads, headdim), got {tuple(x.shape)}"
+            )
+        pos = P.packed_positions(cu_seqlens, x.shape[0], seqlen_offsets)  # (T,)
+    if not torch.compiler.is_compiling() and pos.numel() and int(pos.max()) >= cos.shape[0]:
+        raise ValueError(
+            f"rope_ext: position {int(pos.max())} (from seqlen_offsets and the sequence length) is "
+            f"past the cos/sin tables' {cos.shape[0]} rows"
+        )
+    c, s = cos[pos], sin[pos]  # (..., rotary_dim / 2), one row per token
+    if interleaved:
+        c, s = c.repeat_interleave(2, dim=-1), s.repeat_interleave(2, dim=-1)
+    else:
+        c, s = torch.cat((c, c), dim=-1), torch.cat((s, s), dim=-1)
+    c, s = c.unsqueeze(-2), s.unsqueeze(-2)  # broadcast over heads
+    if c.dtype not in (x.dtype, torch.float32):  # flash-attn accepts tables in another dtype
+        c, s = c.float(), s.float()
+    if inplace:
+        return rotary_(x, c, s, interleaved=interleaved)
+    return rotary(x, c, s, interleaved=interleaved)

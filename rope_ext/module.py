@@ -1,0 +1,276 @@
+"""``RotaryEmbedding``: RoPE as an nn.Module, for both conventions, partial rotary, every way of
+giving positions, HF's rope-scaling types, xPos and multimodal M-RoPE."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rope_ext import positions as P
+from rope_ext._ops import rotary_qk
+from rope_ext.scaling import RopeSchedule
+
+__all__ = ["RotaryEmbedding"]
+
+LAYOUTS = ("bhsd", "bshd")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary positional embedding for queries and keys, computed by one fused op call.
+
+    Args:
+        dim: head dim D of q and k.
+        base: theta base (``rope_theta``); theta_i = base^(-2i/r).
+        interleaved: pairing convention. False: half-split (i, i + r/2), as HF/GPT-NeoX/Llama.
+            True: (2i, 2i + 1), as GPT-J/RoFormer/Meta.
+        rotary_dim: r, the number of rotated columns (even, <= dim); the rest pass through.
+        partial_rotary_factor: alternative to rotary_dim: r = int(dim * factor), as in HF.
+        scaling: HF ``rope_scaling`` / ``rope_parameters`` dict (``rope_type`` default, linear,
+            dynamic, yarn, longrope or llama3, with that type's keys); see :mod:`rope_ext.scaling`.
+        max_position_embeddings: the model's context length (used by the scaling types).
+        layout: ``"bhsd"``: q, k are (batch, heads, seqlen, D), HF's layout (the default);
+            ``"bshd"``: (batch, seqlen, heads, D), flash-attn's. Packed inputs (cu_seqlens) are
+            always (total_tokens, heads, D).
+        xpos_scale_base: enables xPos (Sun et al., 2022): q is scaled by zeta^(n / scale_base)
+            and k by zeta^(-n / scale_base), zeta_i = (2i + 0.4 r) / (1.4 r). None: off.
+        mrope_section: multimodal M-RoPE (Qwen2-VL): frequencies split into sections
+            [temporal, height, width] (summing to r/2), each driven by its own row of
+            (3, B, S) position_ids.
+        device: where the frequency buffers live.
+        dtype: accepted for nn.Module-constructor compatibility. Tables are always float32
+            (angles float64), whatever the module's dtype; ``.to(torch.bfloat16)`` does not
+            degrade them.
+
+    The frequency buffers are non-persistent (not in ``state_dict``) and recomputed from the
+    configuration when the module moves, so meta-device init + ``to_empty`` gives correct tables.
+    forward holds no Python state: torch.compile does not recompile on new lengths or positions.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        base: float = 10000.0,
+        *,
+        interleaved: bool = False,
+        rotary_dim: int | None = None,
+        partial_rotary_factor: float | None = None,
+        scaling: dict | None = None,
+        max_position_embeddings: int = 2048,
+        layout: str = "bhsd",
+        xpos_scale_base: float | None = None,
+        mrope_section: list[int] | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+            raise ValueError(f"rope_ext.RotaryEmbedding: dim must be a positive int, got {dim!r}")
+        if rotary_dim is not None and partial_rotary_factor is not None:
+            raise ValueError("rope_ext.RotaryEmbedding: give rotary_dim or partial_rotary_factor, not both")
+        if scaling and "partial_rotary_factor" in scaling and partial_rotary_factor is None and rotary_dim is None:
+            partial_rotary_factor = scaling["partial_rotary_factor"]
+        if partial_rotary_factor is not None:
+            if not 0 < partial_rotary_factor <= 1:
+                raise ValueError(
+                    f"rope_ext.RotaryEmbedding: partial_rotary_factor must be in (0, 1], got {partial_rotary_factor!r}"
+                )
+            rotary_dim = int(dim * partial_rotary_factor)
+        rotary_dim = dim if rotary_dim is None else rotary_dim
+        if (
+            isinstance(rotary_dim, bool)
+            or not isinstance(rotary_dim, int)
+            or not 0 < rotary_dim <= dim
+            or rotary_dim % 2
+        ):
+            raise ValueError(
+                f"rope_ext.RotaryEmbedding: rotary_dim must be an even int in (0, dim={dim}], got {rotary_dim!r}"
+            )
+        if layout not in LAYOUTS:
+            raise ValueError(f"rope_ext.RotaryEmbedding: layout must be one of {LAYOUTS}, got {layout!r}")
+        if xpos_scale_base is not None and not xpos_scale_base > 0:
+            raise ValueError(f"rope_ext.RotaryEmbedding: xpos_scale_base must be > 0, got {xpos_scale_base!r}")
+        if mrope_section is not None and xpos_scale_base is not None:
+            raise ValueError("rope_ext.RotaryEmbedding: xPos and M-RoPE cannot be combined")
+        if mrope_section is not None and (sum(mrope_section) != rotary_dim // 2 or any(s <= 0 for s in mrope_section)):
+            raise ValueError(
+                f"rope_ext.RotaryEmbedding: mrope_section must be positive sizes summing to "
+                f"rotary_dim/2 = {rotary_dim // 2}, got {mrope_section!r}"
+            )
+
+        self.dim, self.rotary_dim, self.interleaved, self.layout = dim, rotary_dim, interleaved, layout
+        self.xpos_scale_base = xpos_scale_base
+        self.mrope_section = None if mrope_section is None else tuple(int(s) for s in mrope_section)
+        self.schedule = RopeSchedule.from_config(
+            scaling, base=base, rotary_dim=rotary_dim, max_position_embeddings=max_position_embeddings
+        )
+        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+        self._init_buffers(torch.get_default_device() if device is None else torch.device(device))
+
+    @classmethod
+    def from_hf_config(cls, config, *, layout: str = "bhsd", device=None) -> RotaryEmbedding:
+        """Builds the module of a transformers ``PretrainedConfig`` (head_dim, rope_theta,
+        rope_scaling / rope_parameters, partial_rotary_factor, max_position_embeddings,
+        mrope_section), with HF's half-split convention unless the config says rotary_interleaved."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        base = params.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
+        mrope = params.pop("mrope_section", None)
+        params.pop("mrope_interleaved", None)
+        partial = params.pop("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+        rotary_dim = getattr(config, "rotary_dim", None) if partial is None else None
+        if (
+            "original_max_position_embeddings" not in params
+            and hasattr(config, "original_max_position_embeddings")
+            and params.get("rope_type", params.get("type")) in ("llama3", "yarn", "longrope")
+        ):
+            params["original_max_position_embeddings"] = config.original_max_position_embeddings
+        return cls(
+            head_dim,
+            base,
+            rotary_dim=rotary_dim,
+            partial_rotary_factor=partial,
+            scaling=params or None,
+            max_position_embeddings=config.max_position_embeddings,
+            layout=layout,
+            mrope_section=mrope,
+            interleaved=bool(getattr(config, "rotary_interleaved", False)),
+            device=device,
+        )
+
+    # -- buffers ---------------------------------------------------------------------------
+
+    def _init_buffers(self, device):
+        self.inv_freq = self.schedule.inv_freq(device=device)  # float64 (r/2,)
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype), .half(), to_empty(): keep the frequencies float64 and exact by rebuilding
+        # them from the configuration on whatever device fn moved them to.
+        super()._apply(fn, recurse)
+        self._init_buffers(self.inv_freq.device)
+        return self
+
+    @property
+    def attention_factor(self) -> float:
+        return self.schedule.attention_factor
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, rotary_dim={self.rotary_dim}, interleaved={self.interleaved}, "
+            f"rope_type={self.schedule.rope_type!r}, layout={self.layout!r}"
+        )
+
+    # -- tables ----------------------------------------------------------------------------
+
+    def cos_sin(self, position_ids: torch.Tensor, *, dtype=torch.float32):
+        """HF-format tables for the given positions: ``(cos, sin)`` of shape
+        ``position_ids.shape + (rotary_dim,)`` (for M-RoPE, position_ids is (3, B, S) and the
+        tables (B, S, rotary_dim)), attention factor applied, full form for this module's
+        convention. Like HF's ``XxxRotaryEmbedding(x, position_ids)``, with float32 tables by
+        default (pass ``dtype=x.dtype`` for HF's cast).
+        """
+        P.check_positions(position_ids)
+        inv = self._inv_freq_for(position_ids)
+        if self.mrope_section is None:
+            return P.cos_sin_tables(
+                position_ids, inv, interleaved=self.interleaved, scale=self.attention_factor, dtype=dtype
+            )
+        if position_ids.dim() < 1 or position_ids.shape[0] != 3:
+            raise ValueError(
+                f"rope_ext.RotaryEmbedding: with mrope_section, position_ids must have shape "
+                f"(3, batch, seqlen), got {tuple(position_ids.shape)}"
+            )
+        # Frequency j follows stream k (temporal, height, width) of the section it falls in.
+        stream = torch.cat([torch.full((s,), i % 3) for i, s in enumerate(self.mrope_section)]).to(position_ids.device)
+        cos, sin = P.cos_sin_tables(
+            position_ids, inv, interleaved=False, scale=self.attention_factor, dtype=torch.float64
+        )  # (3, B, S, r): the two halves repeat
+        half = self.rotary_dim // 2
+        idx = stream.view(1, *([1] * (cos.dim() - 2)), half).expand(1, *cos.shape[1:-1], half)
+        c, s = cos[..., :half].gather(0, idx)[0], sin[..., :half].gather(0, idx)[0]
+        if self.interleaved:
+            c, s = c.repeat_interleave(2, dim=-1), s.repeat_interleave(2, dim=-1)
+        else:
+            c, s = torch.cat((c, c), dim=-1), torch.cat((s, s), dim=-1)
+        return c.to(dtype), s.to(dtype)
+
+    def _inv_freq_for(self, position_ids):
+        if self.schedule.rope_type in ("dynamic", "longrope"):
+            return self.schedule.inv_freq(
+                position_ids.max() if position_ids.numel() else None, device=position_ids.device
+            )
+        return self.inv_freq.to(position_ids.device)
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        *,
+        offset: int | torch.Tensor = 0,
+        cu_seqlens: torch.Tensor | None = None,
+    ):
+        """Rotate q and k.
+
+        Args:
+            q, k: ``(B, H, S, D)`` for layout ``"bhsd"``, ``(B, S, H, D)`` for ``"bshd"``, or packed
+                ``(T, H, D)`` when cu_seqlens is given. k may have fewer heads (GQA/MQA).
+            position_ids: explicit positions, ``(B, S)`` or ``(S,)`` (for M-RoPE ``(3, B, S)``).
+                Default: ``offset + arange(S)``.
+            offset: int, or ``(B,)`` tensor of per-row offsets: the number of cached tokens when
+                decoding with a KV cache. Not combined with position_ids.
+            cu_seqlens: ``(N+1,)`` cumulative sequence lengths of packed q/k; positions restart
+                at each sequence start (plus ``offset[j]`` if offset is a ``(N,)`` tensor).
+
+        Returns:
+            ``(q_out, k_out)``, rotated, with q's and k's shapes, dtypes and layouts.
+        """
+        if position_ids is not None and not (isinstance(offset, int) and offset == 0):
+            raise ValueError("rope_ext.RotaryEmbedding: give position_ids or offset, not both")
+        if cu_seqlens is not None:
+            if q.dim() != 3:
+                raise ValueError(
+                    f"rope_ext.RotaryEmbedding: with cu_seqlens, q and k must be packed (T, H, D), "
+                    f"got q of shape {tuple(q.shape)}"
+                )
+            pos = P.packed_positions(cu_seqlens, q.shape[0], offset) if position_ids is None else position_ids
+            return self._rotate(q, k, pos, lambda t: t[:, None, :])
+        if q.dim() != 4:
+            raise ValueError(
+                f"rope_ext.RotaryEmbedding: q must be 4-D ({'B, H, S, D' if self.layout == 'bhsd' else 'B, S, H, D'}"
+                f" for layout {self.layout!r}), got shape {tuple(q.shape)}"
+            )
+        B, S = q.shape[0], q.shape[2] if self.layout == "bhsd" else q.shape[1]
+        if position_ids is None:
+            position_ids = P.sequence_positions(B, S, offset, device=q.device)
+        elif position_ids.dim() == 1 + (self.mrope_section is not None):  # (S,): shared by the batch
+            position_ids = position_ids.unsqueeze(-2)
+        # tables (B, S, r) -> broadcast over heads
+        to_layout = (lambda t: t[..., None, :, :]) if self.layout == "bhsd" else (lambda t: t[..., None, :])
+        return self._rotate(q, k, position_ids, to_layout)
+
+    def _rotate(self, q, k, position_ids, to_layout):
+        cos, sin = self.cos_sin(position_ids)
+        if self.xpos_scale_base is None:
+            return rotary_qk(q, k, to_layout(cos), to_layout(sin), interleaved=self.interleaved)
+        scale = self._xpos_scale(position_ids)
+        cos_q, sin_q, cos_k, sin_k = cos * scale, sin * scale, cos / scale, sin / scale
+        return rotary_qk(
+            q,
+            k,
+            to_layout(cos_q),
+            to_layout(sin_q),
+            interleaved=self.interleaved,
+            cos_k=to_layout(cos_k),
+            sin_k=to_layout(sin_k),
+        )
+
+    def _xpos_scale(self, position_ids):
+        """zeta_i^(n / scale_base) in the tables' full form, computed in float64."""
+        r = self.rotary_dim
+        zeta = (torch.arange(0, r, 2, dtype=torch.float64, device=position_ids.device) + 0.4 * r) / (1.4 * r)
+        power = position_ids.to(torch.float64)[..., None] / self.xpos_scale_base
+        scale = zeta**power
+        scale = scale.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat((scale, scale), dim=-1)
+        return scale.to(torch.float32)

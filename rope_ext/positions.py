@@ -1,0 +1,109 @@
+"""Token positions for RoPE, and the cos/sin tables for them.
+
+Positions come in four forms, all resolved here to one integer tensor:
+- default: 0..S-1 for every row;
+- an offset, an int or a (B,) tensor: offset + 0..S-1 (decoding with a KV cache);
+- explicit ``position_ids`` (B, S) or (S,) (left padding, speculative decoding, packing);
+- packed variable-length sequences by ``cu_seqlens`` (N+1,): positions restart at 0 at
+  every sequence start (flash-attn's and TransformerEngine's "thd" format).
+
+Angles are ``position * theta_i`` in float64, so tables are exact to float32 rounding at any
+position (a float32 product loses ~0.06 rad at position 10^6).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["sequence_positions", "packed_positions", "cos_sin_tables", "check_positions"]
+
+
+def _validating() -> bool:
+    # Value checks need the data (a host sync on GPU); torch.compile traces without it.
+    return not torch.compiler.is_compiling()
+
+
+def check_positions(positions: torch.Tensor, name: str = "position_ids") -> None:
+    """Positions must be an integer tensor of non-negative values."""
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"rope_ext: {name} must be an integer tensor, got {type(positions).__name__}")
+    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise TypeError(f"rope_ext: {name} must be an integer tensor (int32 or int64), got {positions.dtype}")
+    if _validating() and positions.numel() and bool((positions < 0).any()):
+        raise ValueError(f"rope_ext: {name} must be >= 0, got a minimum of {int(positions.min())}")
+
+
+def sequence_positions(batch: int, seqlen: int, offset=0, device=None) -> torch.Tensor:
+    """(batch, seqlen) int64 positions ``offset + arange(seqlen)``.
+
+    offset: an int, or a (batch,) integer tensor of per-row offsets (cached lengths).
+    """
+    steps = torch.arange(seqlen, device=device)
+    if isinstance(offset, torch.Tensor):
+        check_positions(offset, "offset")
+        if offset.dim() != 1 or offset.shape[0] != batch:
+            raise ValueError(
+                f"rope_ext: a tensor offset must have shape (batch,) = ({batch},), got {tuple(offset.shape)}"
+            )
+        return offset.to(device=device, dtype=torch.int64)[:, None] + steps
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"rope_ext: offset must be an int or a (batch,) integer tensor, got {type(offset).__name__}")
+    if offset < 0:
+        raise ValueError(f"rope_ext: offset must be >= 0, got {offset}")
+    return (steps + offset).expand(batch, seqlen)
+
+
+def packed_positions(cu_seqlens: torch.Tensor, total: int, offsets=0) -> torch.Tensor:
+    """(total,) positions of packed sequences: token t of sequence j gets t - cu_seqlens[j]
+    (+ offsets[j] when per-sequence offsets are given).
+
+    cu_seqlens: (N+1,) integer tensor, 0 = cu_seqlens[0] <= ... <= cu_seqlens[N] = total.
+    Zero-length sequences are allowed.
+    """
+    check_positions(cu_seqlens, "cu_seqlens")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"rope_ext: cu_seqlens must have shape (num_seqs + 1,), got {tuple(cu_seqlens.shape)}")
+    cu = cu_seqlens.to(torch.int64)
+    if _validating():
+        if int(cu[0]) != 0 or int(cu[-1]) != total:
+            raise ValueError(
+                f"rope_ext: cu_seqlens must start at 0 and end at the token count {total}, "
+                f"got {int(cu[0])} and {int(cu[-1])}"
+            )
+        if bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError("rope_ext: cu_seqlens must be non-decreasing")
+    tokens = torch.arange(total, device=cu.device)
+    seq = torch.searchsorted(cu[1:], tokens, right=True)  # the sequence each token belongs to
+    pos = tokens - cu[seq]
+    if isinstance(offsets, torch.Tensor):
+        check_positions(offsets, "seqlen_offsets")
+        if offsets.shape != (cu.shape[0] - 1,):
+            raise ValueError(
+                f"rope_ext: per-sequence offsets must have shape (num_seqs,) = ({cu.shape[0] - 1},), "
+                f"got {tuple(offsets.shape)}"
+            )
+        return pos + offsets.to(device=cu.device, dtype=torch.int64)[seq]
+    return pos + offsets
+
+
+def cos_sin_tables(
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    scale: float | torch.Tensor = 1.0,
+    dtype=torch.float32,
+):
+    """Full-form (cos, sin) of shape ``positions.shape + (2 * len(inv_freq),)``.
+
+    Angles are computed in float64 whatever the autocast or TF32 state; ``scale`` (the
+    attention factor, or xPos scales broadcastable to (..., r/2)) multiplies both tables.
+    """
+    with torch.autocast(positions.device.type, enabled=False):
+        angles = positions.to(torch.float64)[..., None] * inv_freq.to(device=positions.device, dtype=torch.float64)
+        cos, sin = angles.cos() * scale, angles.sin() * scale
+        if interleaved:
+            cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+        else:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    return cos.to(dtype), sin.to(dtype)

@@ -1,0 +1,255 @@
+"""RoPE frequency schedules: the inverse frequencies theta_i and attention factor of each of HF's
+``rope_type`` values, from a config dict in HF's ``rope_scaling`` / ``rope_parameters`` form.
+
+Everything is computed in float64 from the published formulas (HF computes in float32; ours are
+the correctly rounded values, within a few float32 ulps of HF's). A :class:`RopeSchedule` holds
+the static part; the two position-dependent types, ``dynamic`` and ``longrope``, are resolved
+per call by :meth:`RopeSchedule.inv_freq` from the largest position in the batch, as pure tensor
+math (no Python state, no host sync, nothing for torch.compile to recompile on).
+
+=========  ===================================================================================
+type       what it does (keys besides ``rope_type``, ``rope_theta``, ``partial_rotary_factor``)
+=========  ===================================================================================
+default    theta_i = base^(-2i/d)
+linear     theta_i / factor (position interpolation)                          ``factor``
+dynamic    NTK: base grows with the sequence length L > max_position_embeddings:
+           base * (factor * L / max_pos - (factor - 1))^(d / (d - 2))          ``factor``
+yarn       per-frequency blend of interpolation and extrapolation with a linear ramp between
+           the beta_fast / beta_slow correction dims, and attention factor 0.1 ln(factor) + 1
+           (or the mscale / mscale_all_dim ratio)   ``factor``, ``original_max_position_embeddings``,
+           ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``, ``attention_factor``, ``truncate``
+longrope   theta_i / ext_i, ext = long_factor if L > original_max_position_embeddings else
+           short_factor; attention factor sqrt(1 + ln(factor) / ln(original_max))
+           ``short_factor``, ``long_factor``, ``factor``, ``original_max_position_embeddings``,
+           ``attention_factor``
+llama3     wavelengths above original_max / low_freq_factor divided by factor, below
+           original_max / high_freq_factor kept, smooth in between  ``factor``, ``low_freq_factor``,
+           ``high_freq_factor``, ``original_max_position_embeddings``
+=========  ===================================================================================
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RopeSchedule", "ROPE_TYPES", "parse_scaling"]
+
+_COMMON = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+# Keys each type accepts beyond _COMMON, and those it requires.
+_KEYS = {
+    "default": (set(), set()),
+    "linear": ({"factor"}, {"factor"}),
+    "dynamic": ({"factor", "original_max_position_embeddings"}, {"factor"}),
+    "yarn": (
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "attention_factor",
+            "truncate",
+        },
+        set(),
+    ),
+    "longrope": (
+        {"short_factor", "long_factor", "factor", "original_max_position_embeddings", "attention_factor"},
+        {"short_factor", "long_factor"},
+    ),
+    "llama3": (
+        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+        {"factor", "low_freq_factor", "high_freq_factor"},
+    ),
+}
+ROPE_TYPES = tuple(_KEYS)
+
+
+def _number(cfg: dict, key: str, *, positive=True, default=None) -> float:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
+        raise ValueError(
+            f"rope_ext: scaling[{key!r}] must be a finite {'positive ' if positive else ''}number, got {v!r}"
+        )
+    return float(v)
+
+
+def parse_scaling(scaling: dict | None) -> tuple[str, dict]:
+    """Validates an HF rope_scaling / rope_parameters dict; returns (rope_type, dict)."""
+    if scaling is None:
+        return "default", {}
+    if not isinstance(scaling, dict):
+        raise TypeError(
+            f"rope_ext: scaling must be a dict in HF's rope_parameters form or None, got {type(scaling).__name__}"
+        )
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in _KEYS:
+        raise ValueError(f"rope_ext: scaling['rope_type'] must be one of {list(ROPE_TYPES)}, got {rope_type!r}")
+    allowed, required = _KEYS[rope_type]
+    unknown = set(scaling) - allowed - _COMMON
+    if unknown:
+        raise ValueError(
+            f"rope_ext: scaling has keys {sorted(unknown)} that rope_type {rope_type!r} does not use; "
+            f"it accepts {sorted(allowed | _COMMON)}"
+        )
+    missing = required - set(scaling)
+    if missing:
+        raise ValueError(f"rope_ext: scaling for rope_type {rope_type!r} needs {sorted(missing)}")
+    return rope_type, dict(scaling)
+
+
+@dataclass(frozen=True)
+class RopeSchedule:
+    """The frequencies of one RoPE configuration.
+
+    Attributes:
+        rope_type: one of :data:`ROPE_TYPES`.
+        rotary_dim: d, the number of rotated columns (even).
+        inv_freq_base: (d/2,) float64 theta_i for short sequences; for every type but dynamic
+            and longrope, the only one.
+        inv_freq_long: (d/2,) float64 theta_i beyond ``switch_len`` (longrope), else None.
+        attention_factor: multiplies cos and sin (yarn, longrope), else 1.0.
+        switch_len: for dynamic, max_position_embeddings; for longrope, the original max.
+    """
+
+    rope_type: str
+    rotary_dim: int
+    base: float
+    inv_freq_base: tuple
+    inv_freq_long: tuple | None
+    attention_factor: float
+    switch_len: int
+    factor: float
+
+    @classmethod
+    def from_config(
+        cls, scaling: dict | None, *, base: float, rotary_dim: int, max_position_embeddings: int
+    ) -> RopeSchedule:
+        rope_type, cfg = parse_scaling(scaling)
+        base = _number(cfg, "rope_theta", default=base)
+        d = rotary_dim
+        if not isinstance(d, int) or d <= 0 or d % 2:
+            raise ValueError(f"rope_ext: rotary_dim must be a positive even int, got {d!r}")
+        if (
+            isinstance(max_position_embeddings, bool)
+            or not isinstance(max_position_embeddings, int)
+            or max_position_embeddings <= 0
+        ):
+            raise ValueError(
+                f"rope_ext: max_position_embeddings must be a positive int, got {max_position_embeddings!r}"
+            )
+        # Config-time math runs on the CPU, even under a `with torch.device("meta")` block.
+        exponent = torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d
+        inv = base**-exponent
+        long, attention, switch, factor = None, 1.0, max_position_embeddings, 1.0
+        original = int(_number(cfg, "original_max_position_embeddings", default=max_position_embeddings))
+
+        if rope_type in ("linear", "dynamic", "llama3"):
+            factor = _number(cfg, "factor")
+            if factor < 1:
+                raise ValueError(f"rope_ext: scaling['factor'] must be >= 1 for rope_type {rope_type!r}, got {factor}")
+        if rope_type == "linear":
+            inv = inv / factor
+        elif rope_type == "dynamic":
+            if d <= 2:
+                raise ValueError("rope_ext: dynamic NTK scaling needs rotary_dim > 2")
+        elif rope_type == "yarn":
+            inv, attention, factor = _yarn(cfg, base, d, inv, max_position_embeddings, original)
+        elif rope_type == "longrope":
+            short, long_f = (_factors(cfg, k, d) for k in ("short_factor", "long_factor"))
+            factor = _number(cfg, "factor", default=max_position_embeddings / original)
+            default_attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+            attention = _number(cfg, "attention_factor", default=default_attention)
+            inv, long = inv / short, inv / long_f
+            switch = original
+        elif rope_type == "llama3":
+            inv = _llama3(cfg, inv, factor, original)
+        return cls(
+            rope_type,
+            d,
+            base,
+            tuple(inv.tolist()),
+            None if long is None else tuple(long.tolist()),
+            float(attention),
+            switch,
+            factor,
+        )
+
+    def inv_freq(self, max_position: torch.Tensor | None = None, device=None) -> torch.Tensor:
+        """theta_i as a float64 (d/2,) tensor, for a batch whose largest position is max_position.
+
+        ``dynamic`` and ``longrope`` depend on it (through L = max_position + 1); the others
+        ignore it. max_position may be a 0-dim tensor (no host sync) or None (no long context).
+        """
+        inv = torch.tensor(self.inv_freq_base, dtype=torch.float64, device=device)
+        if max_position is None or self.rope_type not in ("dynamic", "longrope"):
+            return inv
+        length = max_position.to(device=device, dtype=torch.float64) + 1
+        if self.rope_type == "longrope":
+            long = torch.tensor(self.inv_freq_long, dtype=torch.float64, device=device)
+            return torch.where(length > self.switch_len, long, inv)
+        # dynamic NTK (HF's rule): the base grows once L exceeds max_position_embeddings.
+        d = self.rotary_dim
+        length = length.clamp(min=self.switch_len)
+        base = self.base * (self.factor * length / self.switch_len - (self.factor - 1)) ** (d / (d - 2))
+        return base ** -(torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
+
+
+def _factors(cfg, key, d):
+    v = cfg[key]
+    if (
+        not isinstance(v, (list, tuple))
+        or len(v) != d // 2
+        or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) and f > 0 for f in v)
+    ):
+        raise ValueError(
+            f"rope_ext: scaling[{key!r}] must be a list of rotary_dim/2 = {d // 2} positive numbers, "
+            f"got {v if not isinstance(v, (list, tuple)) else f'{len(v)} values'}"
+        )
+    return torch.tensor(v, dtype=torch.float64, device="cpu")
+
+
+def _yarn(cfg, base, d, inv, max_pos, original):
+    """YaRN (Peng et al., 2023) as in HF: returns (inv_freq, attention_factor, factor)."""
+    factor = _number(cfg, "factor", default=max_pos / original)
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = cfg.get("attention_factor")
+    if attention is None:
+        m, m_all = cfg.get("mscale"), cfg.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    attention = _number({"attention_factor": attention}, "attention_factor")
+    beta_fast = _number(cfg, "beta_fast", default=cfg.get("beta_fast") or 32)
+    beta_slow = _number(cfg, "beta_slow", default=cfg.get("beta_slow") or 1)
+
+    def correction_dim(rotations):  # the dim whose wavelength fits `rotations` times into `original`
+        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if cfg.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = ((torch.arange(d // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate by factor
+    return (inv / factor) * ramp + inv * extrapolation, float(attention), factor
+
+
+def _llama3(cfg, inv, factor, original):
+    """Llama 3.1's frequency-dependent scaling."""
+    low, high = _number(cfg, "low_freq_factor"), _number(cfg, "high_freq_factor")
+    if not low < high:
+        raise ValueError(f"rope_ext: scaling['low_freq_factor'] ({low}) must be < scaling['high_freq_factor'] ({high})")
+    wavelen = 2 * math.pi / inv
+    low_wavelen, high_wavelen = original / low, original / high
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)

@@ -1,0 +1,267 @@
+"""rope_ext.RotaryEmbedding: positions, offsets, packing, precision, dtype/device moves,
+torch.compile, xPos and M-RoPE, against float64 references and the real transformers package."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch._dynamo.testing
+from conftest import CONVENTIONS, inv_freq, randn, tolerance
+
+import rope_ext
+from rope_ext import reference
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+D, BASE = 64, 10000.0
+
+
+def _truth(x, positions, interleaved, rotary_dim=D, base=BASE, layout="bhsd"):
+    """float64 ground truth: tables from float64 angles, the reference formula."""
+    angles = positions.to(torch.float64)[..., None] * inv_freq(rotary_dim, base)
+    cos, sin = reference.angles_to_cos_sin(angles, interleaved)  # (B, S, r)
+    cos, sin = (cos[:, None], sin[:, None]) if layout == "bhsd" else (cos[:, :, None], sin[:, :, None])
+    return reference.rotary_reference(x.double(), cos, sin, interleaved)
+
+
+@pytest.mark.parametrize("rotary_dim", [D, 32], ids=["full", "partial"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
+def test_forward_matches_float64_truth(interleaved, dtype, layout, rotary_dim, gen):
+    m = rope_ext.RotaryEmbedding(D, BASE, interleaved=interleaved, rotary_dim=rotary_dim, layout=layout)
+    shape_q, shape_k = ((2, 4, 9, D), (2, 2, 9, D)) if layout == "bhsd" else ((2, 9, 4, D), (2, 9, 2, D))
+    q, k = randn(*shape_q, dtype=dtype, gen=gen), randn(*shape_k, dtype=dtype, gen=gen)
+    pos = torch.arange(9).expand(2, 9)
+    q_out, k_out = m(q, k)
+    torch.testing.assert_close(
+        q_out.double(), _truth(q, pos, interleaved, rotary_dim, layout=layout), **tolerance(dtype)
+    )
+    torch.testing.assert_close(
+        k_out.double(), _truth(k, pos, interleaved, rotary_dim, layout=layout), **tolerance(dtype)
+    )
+
+
+def test_layouts_agree(gen):
+    q, k = randn(2, 4, 7, D, gen=gen), randn(2, 1, 7, D, gen=gen)
+    a = rope_ext.RotaryEmbedding(D, layout="bhsd")(q, k)
+    b = rope_ext.RotaryEmbedding(D, layout="bshd")(q.transpose(1, 2), k.transpose(1, 2))
+    assert torch.equal(a[0], b[0].transpose(1, 2)) and torch.equal(a[1], b[1].transpose(1, 2))
+
+
+@pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
+def test_step_by_step_decode_equals_full_pass(interleaved, gen):
+    """Prefill 5 tokens, then decode one at a time with offset = cached length: bit-identical."""
+    m = rope_ext.RotaryEmbedding(D, interleaved=interleaved)
+    q, k = randn(2, 4, 12, D, dtype=torch.bfloat16, gen=gen), randn(2, 2, 12, D, dtype=torch.bfloat16, gen=gen)
+    full_q, full_k = m(q, k)
+    pre_q, pre_k = m(q[:, :, :5], k[:, :, :5])
+    assert torch.equal(pre_q, full_q[:, :, :5]) and torch.equal(pre_k, full_k[:, :, :5])
+    for t in range(5, 12):
+        step_q, step_k = m(q[:, :, t : t + 1], k[:, :, t : t + 1], offset=t)
+        assert torch.equal(step_q, full_q[:, :, t : t + 1]) and torch.equal(step_k, full_k[:, :, t : t + 1])
+
+
+def test_per_batch_offsets_and_left_padding(gen):
+    """Row b decoding at its own cache length, and left-padded rows via position_ids, each
+    equal the row run alone."""
+    m = rope_ext.RotaryEmbedding(D)
+    q, k = randn(3, 4, 1, D, gen=gen), randn(3, 2, 1, D, gen=gen)
+    offsets = torch.tensor([0, 17, 4000])
+    out_q, out_k = m(q, k, offset=offsets)
+    for b in range(3):
+        rq, rk = m(q[b : b + 1], k[b : b + 1], offset=int(offsets[b]))
+        assert torch.equal(out_q[b : b + 1], rq) and torch.equal(out_k[b : b + 1], rk)
+
+    # left padding: row 0 has 2 pad tokens, its real tokens take positions 0..4
+    q, k = randn(2, 4, 7, D, gen=gen), randn(2, 2, 7, D, gen=gen)
+    pos = torch.tensor([[0, 0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6]])
+    out_q, _ = m(q, k, pos)
+    alone_q, _ = m(q[:1, :, 2:], k[:1, :, 2:])
+    assert torch.equal(out_q[:1, :, 2:], alone_q)
+
+
+def test_packed_sequences_equal_one_by_one(gen):
+    """cu_seqlens with zero-length and length-1 sequences; positions restart at each start."""
+    m = rope_ext.RotaryEmbedding(D, layout="bshd")
+    cu = torch.tensor([0, 3, 3, 4, 9])
+    q, k = randn(9, 4, D, gen=gen), randn(9, 2, D, gen=gen)
+    out_q, out_k = m(q, k, cu_seqlens=cu)
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        if e > s:
+            rq, rk = m(q[None, s:e], k[None, s:e])
+            assert torch.equal(out_q[s:e], rq[0]) and torch.equal(out_k[s:e], rk[0])
+
+
+# Positions where float32 angle math is known to break (LESSONS: gpt-neox #1003 and others).
+LONG_POSITIONS = [0, 1, 255, 256, 2047, 2048, 2049, 4095, 15962, 48039, 65536, 131071, 1_048_575]
+
+
+@pytest.mark.parametrize("base", [1e4, 5e5, 1e6], ids=str)
+def test_precision_at_long_positions(base, gen):
+    m = rope_ext.RotaryEmbedding(128, base)
+    pos = torch.tensor(LONG_POSITIONS)
+    cos, sin = m.cos_sin(pos)
+    angles = pos.double()[:, None] * inv_freq(128, base)
+    exact_cos, exact_sin = reference.angles_to_cos_sin(angles)
+    # one float32 rounding of a value in [-1, 1]: at most 2^-25 absolute, at every position
+    assert (cos.double() - exact_cos).abs().max() <= 2**-25
+    assert (sin.double() - exact_sin).abs().max() <= 2**-25
+    q = randn(1, 2, len(LONG_POSITIONS), 128, dtype=torch.bfloat16, gen=gen)
+    q_out, _ = m(q, q, pos[None])
+    torch.testing.assert_close(q_out.double(), _truth(q, pos[None], False, 128, base), **tolerance(torch.bfloat16))
+
+
+def test_tables_ignore_autocast_tf32_and_module_dtype(gen):
+    m = rope_ext.RotaryEmbedding(
+        D, scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
+    )
+    pos = torch.arange(0, 300_000, 997)[None]
+    ref = m.cos_sin(pos)
+    tf32 = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            under = m.cos_sin(pos)
+    finally:
+        torch.set_float32_matmul_precision(tf32)
+    m16 = m.to(torch.bfloat16)
+    assert m16.inv_freq.dtype == torch.float64
+    for a, b in zip((*under, *m16.cos_sin(pos)), (*ref, *ref), strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    m.half().double()  # round trips through 16-bit types lose nothing: buffers are rebuilt
+    assert torch.equal(m.cos_sin(pos)[0], ref[0])
+
+
+def test_meta_init_then_to_empty_and_state_dict(gen):
+    with torch.device("meta"):
+        m = rope_ext.RotaryEmbedding(D, 5e5, scaling={"rope_type": "linear", "factor": 2.0})
+    assert m.inv_freq.is_meta
+    m = m.to_empty(device="cpu")
+    ref = rope_ext.RotaryEmbedding(D, 5e5, scaling={"rope_type": "linear", "factor": 2.0})
+    pos = torch.arange(50)[None]
+    assert torch.equal(m.cos_sin(pos)[0], ref.cos_sin(pos)[0])
+    assert len(m.state_dict()) == 0  # frequencies are not persistent: checkpoints stay HF-compatible
+
+
+def test_compile_fullgraph_no_recompile_over_lengths(gen):
+    m = rope_ext.RotaryEmbedding(D, scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=16)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(m, fullgraph=True, dynamic=True, backend=counter)
+    for s in (5, 9, 20, 33):  # crosses max_position_embeddings: dynamic NTK changes the base
+        q, k = randn(1, 2, s, D, gen=gen), randn(1, 1, s, D, gen=gen)
+        for a, b in zip(compiled(q, k), m(q, k), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
+def test_xpos(interleaved, gen):
+    """q scaled by zeta^(n/base), k by zeta^(-n/base): the score picks up zeta^((m-n)/base)
+    and stays a function of m - n."""
+    scale_base, r = 512.0, D
+    m = rope_ext.RotaryEmbedding(D, interleaved=interleaved, xpos_scale_base=scale_base)
+    q, k = randn(1, 1, 40, D, dtype=torch.float64, gen=gen), randn(1, 1, 40, D, dtype=torch.float64, gen=gen)
+    q_out, k_out = m(q, k)
+    pos = torch.arange(40)
+    zeta = (torch.arange(0, r, 2, dtype=torch.float64) + 0.4 * r) / (1.4 * r)
+    scale = zeta ** (pos.double()[:, None] / scale_base)
+    scale = scale.repeat_interleave(2, -1) if interleaved else torch.cat((scale, scale), -1)
+    plain_q, plain_k = rope_ext.RotaryEmbedding(D, interleaved=interleaved)(q, k)
+    tol = {"atol": 1e-6, "rtol": 1e-6}  # tables are float32: one rounding of cos*scale
+    torch.testing.assert_close(q_out, plain_q * scale, **tol)
+    torch.testing.assert_close(k_out, plain_k / scale, **tol)
+
+
+def test_mrope_matches_transformers_qwen2_vl(gen):
+    from transformers import Qwen2VLConfig
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as hf
+
+    section = [4, 6, 6]
+    cfg = Qwen2VLConfig(
+        text_config=dict(
+            hidden_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": section},
+        )
+    ).text_config
+    pos = torch.stack([torch.arange(12), torch.arange(12) // 4, torch.arange(12) % 4])[:, None].expand(3, 2, 12)
+    q, k = randn(2, 4, 12, 32, gen=gen), randn(2, 2, 12, 32, gen=gen)
+    cos, sin = hf.Qwen2VLRotaryEmbedding(cfg)(q, pos)
+    hf_q, hf_k = hf.apply_rotary_pos_emb(q, k, cos, sin)
+
+    m = rope_ext.RotaryEmbedding.from_hf_config(cfg)
+    assert m.mrope_section == tuple(section)
+    ours_q, ours_k = m(q, k, pos)
+    # HF: float32 angles for positions < 12 (exact products of small ints and float32
+    # inv_freq, so the only extra error is HF's float32 inv_freq and cos: a few ulps)
+    torch.testing.assert_close(ours_q, hf_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_k, hf_k, atol=1e-5, rtol=1e-5)
+
+    # the transformers-4 signature: per-stream (3, B, S, D) tables, recomposed by section
+    angles = pos.double()[..., None] * inv_freq(32, 1e6)
+    cos3, sin3 = reference.angles_to_cos_sin(angles)
+    old_q, old_k = rope_ext.apply_multimodal_rotary_pos_emb(q, k, cos3.float(), sin3.float(), section)
+    torch.testing.assert_close(old_q, hf_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(old_k, hf_k, atol=1e-5, rtol=1e-5)
+
+
+MODULE_BAD = {
+    "odd_rotary_dim": (dict(dim=64, rotary_dim=31), ValueError, "rotary_dim must be an even int"),
+    "rotary_dim_too_big": (dict(dim=64, rotary_dim=66), ValueError, "rotary_dim must be an even int"),
+    "both_partial_args": (dict(dim=64, rotary_dim=32, partial_rotary_factor=0.5), ValueError, "not both"),
+    "bad_partial_factor": (dict(dim=64, partial_rotary_factor=1.5), ValueError, "partial_rotary_factor"),
+    "bad_layout": (dict(dim=64, layout="sbhd"), ValueError, "layout must be one of"),
+    "bad_mrope_section": (dict(dim=64, mrope_section=[8, 8, 8]), ValueError, "mrope_section must be positive sizes"),
+    "unknown_rope_type": (dict(dim=64, scaling={"rope_type": "ntk-by-parts"}), ValueError, "rope_type"),
+    "zero_base": (dict(dim=64, base=0.0), ValueError, "rope_theta"),
+}
+
+
+@pytest.mark.parametrize("name", MODULE_BAD)
+def test_module_bad_arguments(name):
+    kwargs, exc, msg = MODULE_BAD[name]
+    with pytest.raises(exc, match=msg):
+        rope_ext.RotaryEmbedding(**kwargs)
+
+
+FORWARD_BAD = {
+    "offset_and_position_ids": (
+        dict(position_ids=torch.zeros(2, 5, dtype=torch.long), offset=3),
+        ValueError,
+        "position_ids or offset, not both",
+    ),
+    "negative_offset": (dict(offset=-1), ValueError, "offset must be >= 0"),
+    "float_position_ids": (dict(position_ids=torch.zeros(2, 5)), TypeError, "position_ids must be an integer tensor"),
+    "negative_position_ids": (dict(position_ids=torch.full((2, 5), -3)), ValueError, "position_ids must be >= 0"),
+    "offset_wrong_length": (dict(offset=torch.tensor([1, 2, 3])), ValueError, r"shape \(batch,\) = \(2,\)"),
+    "float_offset": (dict(offset=1.5), TypeError, "offset must be an int"),
+}
+
+
+@pytest.mark.parametrize("name", FORWARD_BAD)
+def test_forward_bad_arguments(name):
+    kwargs, exc, msg = FORWARD_BAD[name]
+    m = rope_ext.RotaryEmbedding(16)
+    with pytest.raises(exc, match=msg):
+        m(torch.zeros(2, 2, 5, 16), torch.zeros(2, 1, 5, 16), **kwargs)
+
+
+PACKED_BAD = {
+    "not_ending_at_total": (torch.tensor([0, 2, 4]), "must start at 0 and end at the token count 5"),
+    "decreasing": (torch.tensor([0, 3, 2, 5]), "non-decreasing"),
+    "float": (torch.tensor([0.0, 5.0]), "cu_seqlens must be an integer tensor"),
+    "2d": (torch.tensor([[0, 5]]), r"cu_seqlens must have shape \(num_seqs \+ 1,\)"),
+}
+
+
+@pytest.mark.parametrize("name", PACKED_BAD)
+def test_packed_bad_cu_seqlens(name):
+    cu, msg = PACKED_BAD[name]
+    m = rope_ext.RotaryEmbedding(16)
+    with pytest.raises((ValueError, TypeError), match=msg):
+        m(torch.zeros(5, 2, 16), torch.zeros(5, 1, 16), cu_seqlens=cu)
