@@ -6,7 +6,7 @@ PIP := $(PYTHON) -m pip
 SOURCES := setup.py pyproject.toml $(shell find csrc -name '*.cpp' -o -name '*.h')
 STAMP := build/.installed
 
-.PHONY: setup test bench lint clean FORCE
+.PHONY: setup test bench lint cuda-check clean FORCE
 
 setup: $(STAMP)
 
@@ -25,6 +25,11 @@ test: setup
 
 bench: setup
 	$(PYTHON) benchmarks/bench_rope.py
+
+# Build the CUDA kernels with nvcc and link them against a CUDA build of torch (in a venv
+# under build/, about 5.5 GB); no GPU needed. See tools/cuda_check.sh.
+cuda-check:
+	bash tools/cuda_check.sh
 
 lint:
 	$(PYTHON) -m ruff check rope_ext tests benchmarks setup.py

@@ -5,15 +5,24 @@ The CPU kernel body (csrc/cpu/rotary_kernel.h) is compiled once per CPU capabili
 exactly as ATen builds its own kernels; rotary_cpu.cpp picks one at run time from
 at::get_cpu_capability().  Nothing is built with -march=native.
 
+CUDA: the extension also gets the CUDA kernels (csrc/cuda/*.cu) when torch is a CUDA build and
+nvcc is found (CUDA_HOME); otherwise it is CPU-only. The architectures default to sm_80, sm_86,
+sm_89 and sm_90 plus every newer one the installed nvcc supports (PTX for the newest);
+TORCH_CUDA_ARCH_LIST overrides them.
+
 Environment:
-  DEBUG=1   build with -O0 -g instead of -O3.
+  ROPE_EXT_CUDA=1|0   force the CUDA build on (an error if it cannot be done) or off.
+  DEBUG=1             build with -O0 -g instead of -O3.
 """
 import os
 import platform
+import re
+import subprocess
 from pathlib import Path
 
+import torch
 from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = Path(__file__).parent
 DEBUG = os.environ.get("DEBUG", "0") == "1"
@@ -52,7 +61,31 @@ class Build(BuildExtension):
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
-def sources():
+BASE_ARCHS = ["8.0", "8.6", "8.9", "9.0"]
+
+
+def want_cuda() -> bool:
+    force = os.environ.get("ROPE_EXT_CUDA", "").strip()
+    if force not in ("", "0", "1"):
+        raise SystemExit(f"ROPE_EXT_CUDA must be 0 or 1, got {force!r}")
+    possible = torch.version.cuda is not None and CUDA_HOME is not None
+    if force == "1" and not possible:
+        raise SystemExit(f"ROPE_EXT_CUDA=1, but the CUDA build needs a CUDA build of torch (torch.version.cuda = "
+                         f"{torch.version.cuda}) and nvcc (CUDA_HOME = {CUDA_HOME})")
+    return possible if force == "" else force == "1"
+
+
+def default_arch_list() -> str:
+    """sm_80/86/89/90 and the newer archs this nvcc can target, PTX for the newest."""
+    out = subprocess.run([str(Path(CUDA_HOME) / "bin" / "nvcc"), "--list-gpu-arch"], capture_output=True,
+                         text=True, check=True).stdout
+    supported = sorted({int(m) for m in re.findall(r"compute_(\d+)", out)})
+    newer = [f"{a // 10}.{a % 10}" for a in supported if a > 90]
+    archs = [a for a in BASE_ARCHS if int(a.replace(".", "")) in supported] + newer
+    return ";".join(archs[:-1] + [archs[-1] + "+PTX"])
+
+
+def sources(cuda: bool):
     """All C++ sources, with the AVX2/AVX-512 kernel objects last.
 
     Inline functions from headers (std::vector, c10 helpers) are emitted in every object, and
@@ -62,22 +95,32 @@ def sources():
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cpp"))
     simd = [f for f in files if f.endswith(("_avx2.cpp", "_avx512.cpp"))]
     generic = [f for f in files if f not in simd]
-    return generic + (simd if X86 else [])
+    cu = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cu")) if cuda else []
+    return generic + cu + (simd if X86 else [])
 
 
 # -ffp-contract=off: no FMA contraction, so the scalar, AVX2 and AVX-512 paths (and CUDA,
 # built with --fmad=false) round identically and give bitwise-equal results.
-cxx_flags = ["-fopenmp", "-fvisibility=hidden", "-ffp-contract=off", "-Wno-unknown-pragmas"]
+# -fno-tree-slp-vectorize: GCC 12's SLP vectorizer turns the pair (x1*c1 - x2*s1, x2*c2 + x1*s2) into
+# vfmaddsub despite -ffp-contract=off; the kernels vectorize explicitly and do not need it.
+cxx_flags = ["-fopenmp", "-fvisibility=hidden", "-ffp-contract=off", "-fno-tree-slp-vectorize", "-Wno-unknown-pragmas"]
 cxx_flags += ["-O0", "-g"] if DEBUG else ["-O3"]
+# --fmad=false: the same roundings as the CPU kernels (no contraction), so CPU and GPU agree bitwise.
+nvcc_flags = ["--fmad=false", "-lineinfo"] + (["-O0", "-g", "-G"] if DEBUG else ["-O3"])
+
+CUDA = want_cuda()
+if CUDA and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+    os.environ["TORCH_CUDA_ARCH_LIST"] = default_arch_list()
+Extension = CUDAExtension if CUDA else CppExtension
 
 setup(
     ext_modules=[
-        CppExtension(
+        Extension(
             "rope_ext._C",
-            sources(),
+            sources(CUDA),
             include_dirs=[str(ROOT / "csrc")],
-            define_macros=[("ROPE_EXT_HAVE_AVX", None)] if X86 else [],
-            extra_compile_args={"cxx": cxx_flags},
+            define_macros=([("ROPE_EXT_HAVE_AVX", None)] if X86 else []) + ([("ROPE_EXT_CUDA", None)] if CUDA else []),
+            extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
             extra_link_args=["-fopenmp"] + (["-g"] if DEBUG else []),
         )
     ],

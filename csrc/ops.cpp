@@ -24,6 +24,16 @@ TORCH_LIBRARY(rope_ext, m) {
   // Which CPU kernel variant runs in this process: "AVX512", "AVX2" or "DEFAULT".
   m.def("cpu_kernel_isa() -> str", &rope_ext::cpu::kernel_isa);
 
+  // Test hooks: the CUDA kernels' thread function run on the CPU over the launch grid the CUDA
+  // launcher would choose (csrc/cuda/host_emulation.cpp), with the semantics of the real ops,
+  // and that launch: [grid_x, grid_y, block_x, block_y, vec, pairs_per_item, rot_items, pass_items].
+  m.def("_cuda_emulate_rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved=False, bool conjugate=False) -> Tensor");
+  m.def(
+      "_cuda_emulate_rotary_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved=False, "
+      "Tensor? cos_k=None, Tensor? sin_k=None, bool conjugate=False) -> (Tensor, Tensor)");
+  m.def("_cuda_emulate_rotary_(Tensor(a!) x, Tensor cos, Tensor sin, bool interleaved=False, bool conjugate=False) -> ()");
+  m.def("_cuda_launch_config(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> int[]");
+
   // Test hook: how many threads at::parallel_for uses for n items, as built here.
   m.def("_parallel_threads_used(int n) -> int", &rope_ext::cpu::parallel_threads_used);
 }

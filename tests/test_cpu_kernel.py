@@ -48,6 +48,11 @@ def test_variants_are_compiled_for_their_isa():
     assert "%ymm" in bodies["AVX2"] and "%zmm" not in bodies["AVX2"]
     assert "%zmm" in bodies["AVX512"]
     assert "%ymm" not in bodies["DEFAULT"] and "%zmm" not in bodies["DEFAULT"]
+    # No fused multiply-add anywhere: every product and sum rounds on its own, as in CUDA's
+    # --fmad=false build and the references (GCC's SLP vectorizer once emitted vfmaddsub here).
+    fused = sorted({b.split("\n", 1)[0][:120] for b in asm.split("\n\n") if re.search(r"\bvfn?m(add|sub)", b)
+                    and "rope_ext" in b.split("\n", 1)[0]})
+    assert not fused, fused
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores")

@@ -32,16 +32,9 @@ std::string kernel_isa();
 // parallel_for really is parallel here (it is serial in a build without OpenMP).
 int64_t parallel_threads_used(int64_t n);
 
-// The CPU implementations of rope_ext::rotary, rotary_qk and rotary_.
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                  bool interleaved, bool conjugate);
-std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& q, const at::Tensor& k,
-                                             const at::Tensor& cos, const at::Tensor& sin,
-                                             bool interleaved,
-                                             const std::optional<at::Tensor>& cos_k,
-                                             const std::optional<at::Tensor>& sin_k,
-                                             bool conjugate);
-void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
-             bool conjugate);
+// out = rotary(x, cos, sin) on the CPU for checked arguments (out may be x); the ops are
+// RotaryOps<&run> (rotary_ops.h).
+void run(const at::Tensor& x, at::Tensor& out, const at::Tensor& cos, const at::Tensor& sin,
+         bool interleaved, bool conjugate);
 
 }  // namespace rope_ext::cpu

@@ -1,0 +1,59 @@
+// CUDA implementation of the rotary ops: the launcher around rotary_thread.h's thread function.
+// Built only when torch is a CUDA build and nvcc is found (setup.py).
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+// c10's stream header rather than ATen/cuda/CUDAContext.h: the kernels need only the current
+// stream (at::cuda::getCurrentCUDAStream is this same function), and CUDAContext.h pulls in
+// cuBLAS/cuSPARSE headers that a compiler-only CUDA install does not have.
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "cuda/rotary_thread.h"
+#include "rotary_ops.h"
+
+namespace rope_ext::cuda {
+namespace {
+
+template <typename Thread>
+__global__ void __launch_bounds__(kMaxThreads) rotary_kernel(const Thread t, const RotaryLaunch L) {
+  t(blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y, L);
+}
+
+void run_cuda(const at::Tensor& x, at::Tensor& out, const at::Tensor& cos, const at::Tensor& sin,
+              bool interleaved, bool conjugate) {
+  if (out.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const RotaryPlan plan = make_rotary_plan(x, out, cos, sin);
+  const RotaryLaunch L =
+      choose_launch(plan, x.element_size(), interleaved, x.const_data_ptr(), out.const_data_ptr());
+  const dim3 grid(static_cast<unsigned>(L.grid_x), static_cast<unsigned>(L.grid_y));
+  const dim3 block(static_cast<unsigned>(L.block_x), static_cast<unsigned>(L.block_y));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rope_ext.rotary_cuda", [&] {
+    auto with_tables = [&](auto table_tag) {
+      using table_t = decltype(table_tag);
+      dispatch_variant<scalar_t, table_t>(conjugate, interleaved, L.vec, [&]<class Thread>() {
+        const Thread t{plan, x.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
+                       cos.const_data_ptr<table_t>(), sin.const_data_ptr<table_t>()};
+        rotary_kernel<Thread><<<grid, block, 0, stream>>>(t, L);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    };
+    if (cos.scalar_type() == x.scalar_type()) {
+      with_tables(scalar_t{});
+    } else {
+      with_tables(float{});
+    }
+  });
+}
+
+}  // namespace
+}  // namespace rope_ext::cuda
+
+TORCH_LIBRARY_IMPL(rope_ext, CUDA, m) {
+  using Ops = rope_ext::RotaryOps<&rope_ext::cuda::run_cuda>;
+  m.impl("rotary", &Ops::rotary);
+  m.impl("rotary_qk", &Ops::rotary_qk);
+  m.impl("rotary_", &Ops::rotary_);
+}

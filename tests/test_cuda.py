@@ -1,0 +1,77 @@
+"""Tests that need a GPU. They are collected everywhere and skip at run time without one (no CUDA
+call happens at import or collection). On GPU-less machines the CUDA kernel's thread function is
+tested by tests/test_cuda_emulation.py instead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import CONVENTIONS, DTYPES, randn, random_tables, rope_tables
+
+import rope_ext
+
+
+@pytest.fixture
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("rope_ext::rotary", "CUDA"):
+        pytest.fail("a GPU is present but rope_ext was built without CUDA (see ROPE_EXT_CUDA in the README)")
+    return torch.device("cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
+@pytest.mark.parametrize("layout", ["hf_view", "bshd", "strided_cols"])
+def test_cuda_matches_cpu_bitwise(cuda, layout, interleaved, dtype, gen):
+    """Both builds round each product and sum once (no FMA), so results are bit-identical."""
+    from conftest import make_layout
+
+    x, to_layout = make_layout(layout, 2, 9, 4, 72, dtype, gen)
+    cos, sin = (to_layout(t) for t in rope_tables(torch.arange(9)[None, :, None], 40, interleaved))
+    for conjugate in (False, True):
+        cpu = rope_ext.rotary(x, cos, sin, interleaved=interleaved, conjugate=conjugate)
+        gpu = rope_ext.rotary(x.to(cuda), cos.to(cuda), sin.to(cuda), interleaved=interleaved, conjugate=conjugate)
+        assert torch.equal(gpu.cpu(), cpu)
+    q, k = x.to(cuda), randn(2, 9, 1, 72, dtype=dtype, gen=gen).to(cuda)
+    if layout == "bshd":
+        got = rope_ext.rotary_qk(q, k, cos.to(cuda), sin.to(cuda), interleaved=interleaved)
+        assert torch.equal(got[0].cpu(), rope_ext.rotary(x, cos, sin, interleaved=interleaved))
+        y = q.clone()
+        rope_ext.rotary_(y, cos.to(cuda), sin.to(cuda), interleaved=interleaved)
+        assert torch.equal(y.cpu(), rope_ext.rotary(x, cos, sin, interleaved=interleaved))
+
+
+def test_cuda_opcheck(cuda, gen):
+    x = randn(2, 6, 4, 32, gen=gen).to(cuda).transpose(1, 2).requires_grad_()
+    cos, sin = (t.to(cuda) for t in rope_tables(torch.arange(6), 16, False))
+    torch.library.opcheck(torch.ops.rope_ext.rotary.default, (x, cos, sin, False, False))
+    k = randn(2, 6, 1, 32, gen=gen).to(cuda).transpose(1, 2)
+    torch.library.opcheck(torch.ops.rope_ext.rotary_qk.default, (x.detach(), k, cos, sin, True, None, None, False))
+    torch.library.opcheck(torch.ops.rope_ext.rotary_.default, (x.detach().clone(), cos, sin, False, False))
+
+
+@pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
+def test_cuda_gradcheck_float64(cuda, interleaved, gen):
+    x = randn(2, 3, 2, 8, dtype=torch.float64, gen=gen).to(cuda).requires_grad_()
+    cos, sin = (t.to(cuda).requires_grad_() for t in random_tables((3, 1, 6), torch.float64, gen))
+    assert torch.autograd.gradcheck(lambda x, c, s: rope_ext.rotary(x, c, s, interleaved=interleaved), (x, cos, sin))
+    assert torch.autograd.gradgradcheck(
+        lambda x, c, s: rope_ext.rotary(x, c, s, interleaved=interleaved), (x, cos, sin)
+    )
+
+
+def test_cuda_device_mismatch_is_a_clear_error(cuda):
+    with pytest.raises(RuntimeError, match="x, cos and sin must be on the same device"):
+        rope_ext.rotary(torch.zeros(2, 8, device=cuda), torch.ones(2, 8), torch.ones(2, 8))
+
+
+def test_cuda_graphs_reduce_overhead(cuda, gen):
+    """torch.compile(mode="reduce-overhead") captures the op in a CUDA graph and replays it."""
+    rope = rope_ext.RotaryEmbedding(64).to(cuda)
+    q, k = randn(2, 4, 16, 64, gen=gen).to(cuda), randn(2, 2, 16, 64, gen=gen).to(cuda)
+    compiled = torch.compile(rope, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        out = compiled(q, k)
+    expected = rope(q, k)
+    assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])

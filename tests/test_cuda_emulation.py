@@ -1,0 +1,119 @@
+"""The CUDA kernels' thread function, run on the CPU over every block and thread of the launch the
+CUDA launcher would choose (csrc/cuda/host_emulation.cpp). This tests the GPU code path's index
+math, bounds, vector/scalar choice and tails on a machine without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import CONVENTIONS, DTYPES, LAYOUTS, assert_matches_reference, make_layout, random_tables, rope_tables
+
+import rope_ext
+
+ops = torch.ops.rope_ext
+CONFIG_FIELDS = ("grid_x", "grid_y", "block_x", "block_y", "vec", "pairs_per_item", "rot_items", "pass_items")
+
+
+def launch(x, cos, sin, interleaved):
+    return dict(zip(CONFIG_FIELDS, ops._cuda_launch_config(x, cos, sin, interleaved), strict=True))
+
+
+# (head_dim, rotary_dim): which path each takes depends on the dtype's 16-byte vector width
+# (4 float32, 8 float16/bfloat16, 2 float64): 128/128 and 128/64 split into whole vectors for every
+# dtype; 72/40 does not for 16-bit half-split (20 pairs), 36/36 has 18-pair halves, 10/6 is tiny.
+DIMS = {"128_full": (128, 128), "128_half": (128, 64), "72_40": (72, 40), "36_full": (36, 36), "10_6": (10, 6)}
+
+
+def _expect_vector(layout, dtype, interleaved, d, r):
+    e = 16 // torch.empty((), dtype=dtype).element_size()
+    contiguous_rows = layout not in ("strided_cols",)
+    aligned = layout not in ("strided_cols",) and (layout != "padded" or (d + 8) % e == 0) and d % e == 0
+    widths = (r % e == 0 if interleaved else (r // 2) % e == 0) and (d - r) % e == 0
+    return contiguous_rows and aligned and widths
+
+
+@pytest.mark.parametrize("dims", DIMS.values(), ids=DIMS.keys())
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
+def test_emulated_kernel_matches_cpu_and_reference(interleaved, dtype, layout, dims, gen):
+    d, r = dims
+    x, to_layout = make_layout(layout, 2, 5, 3, d, dtype, gen)
+    for table_dtype in {dtype, torch.float32}:
+        cos, sin = rope_tables(torch.randint(0, 10**5, (2, 5, 1), generator=gen), r, interleaved, table_dtype)
+        if layout == "thd":
+            cos, sin = cos.reshape(10, 1, r), sin.reshape(10, 1, r)
+        else:
+            cos, sin = to_layout(cos), to_layout(sin)
+        for conjugate in (False, True):
+            out = ops._cuda_emulate_rotary(x, cos, sin, interleaved, conjugate)
+            assert_matches_reference(out, x, cos, sin, interleaved, conjugate)
+            # same roundings as the CPU kernel (no FMA contraction on either): bit-identical
+            assert torch.equal(out, rope_ext.rotary(x, cos, sin, interleaved=interleaved, conjugate=conjugate))
+        cfg = launch(x, cos, sin, interleaved)
+        expect_vec = _expect_vector(layout, dtype, interleaved, d, r)
+        assert (cfg["vec"] > 1) == expect_vec, cfg
+        assert cfg["block_x"] * cfg["block_y"] <= 256 and cfg["grid_y"] <= 65535
+
+
+@pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_emulated_general_tables_and_broadcasts(dtype, interleaved, gen):
+    """Arbitrary tables (c1 != c2), broadcast over batch and heads (stride 0), and a
+    misaligned view (offset by one element) that must fall back to the scalar path."""
+    x = make_layout("bshd", 3, 4, 5, 64, dtype, gen)[0]
+    cos, sin = random_tables((4, 1, 48), torch.float32, gen)
+    out = ops._cuda_emulate_rotary(x, cos, sin, interleaved, False)
+    assert torch.equal(out, rope_ext.rotary(x, cos, sin, interleaved=interleaved))
+    buf = torch.zeros(3 * 4 * 5 * 64 + 1, dtype=dtype)
+    shifted = buf[1:].view(3, 4, 5, 64)
+    shifted.copy_(x)
+    assert launch(shifted, cos, sin, interleaved)["vec"] == 1
+    assert torch.equal(ops._cuda_emulate_rotary(shifted, cos, sin, interleaved, False), out)
+
+
+def test_emulated_decode_and_many_heads_split_across_blocks(gen):
+    """A decode step (one token per row): heads are spread over grid_y blocks."""
+    x = make_layout("bhsd", 1, 1, 64, 128, torch.bfloat16, gen)[0]
+    cos, sin = rope_tables(torch.tensor([[[1234]]]), 128, False)  # (1, 1, 1, 128)
+    cfg = launch(x, cos, sin, False)
+    assert cfg["grid_x"] == 1 and cfg["grid_y"] > 1
+    assert torch.equal(ops._cuda_emulate_rotary(x, cos, sin, False, False), rope_ext.rotary(x, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
+def test_emulated_qk_and_inplace(interleaved, dtype, gen):
+    q = make_layout("hf_view", 2, 6, 8, 64, dtype, gen)[0]
+    k = make_layout("hf_view", 2, 6, 2, 64, dtype, gen)[0]
+    cos, sin = rope_tables(torch.arange(6), 48, interleaved)
+    cos_k, sin_k = random_tables((6, 48), dtype, gen)
+    expected = rope_ext.rotary_qk(q, k, cos, sin, interleaved=interleaved, cos_k=cos_k, sin_k=sin_k)
+    got = ops._cuda_emulate_rotary_qk(q, k, cos, sin, interleaved, cos_k, sin_k, False)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+    for layout in ("qkv_slice", "strided_cols", "padded"):
+        x, to_layout = make_layout(layout, 2, 6, 3, 64, dtype, gen)
+        c, s = (to_layout(t) for t in rope_tables(torch.arange(6)[None, :, None], 48, interleaved))
+        base = x._base if x._base is not None else x
+        before = base.clone()
+        expected = rope_ext.rotary(x, c, s, interleaved=interleaved)
+        ops._cuda_emulate_rotary_(x, c, s, interleaved, False)
+        assert torch.equal(x, expected)
+        outside = torch.ones_like(base, dtype=torch.bool)
+        outside.as_strided(x.shape, x.stride(), x.storage_offset() - base.storage_offset()).fill_(False)
+        assert torch.equal(base[outside].nan_to_num(7.0), before[outside].nan_to_num(7.0)), layout
+
+
+def test_emulated_empty_and_single_element_rows(gen):
+    x = torch.randn(0, 4, 16)
+    c = torch.ones(0, 1, 16)
+    assert ops._cuda_emulate_rotary(x, c, c, False, False).shape == x.shape
+    x = torch.randn(3, 1, 2)
+    c, s = random_tables((3, 1, 2), torch.float32, gen)
+    assert torch.equal(ops._cuda_emulate_rotary(x, c, s, True, False), rope_ext.rotary(x, c, s, interleaved=True))
+
+
+def test_emulated_bad_input_uses_the_shared_checks():
+    with pytest.raises(RuntimeError, match=r"rope_ext.rotary: the rotary dim cos.size\(-1\) must be a positive even"):
+        ops._cuda_emulate_rotary(torch.zeros(2, 8), torch.ones(2, 3), torch.ones(2, 3), False, False)

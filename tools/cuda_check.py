@@ -1,0 +1,68 @@
+"""Second half of `make cuda-check` (see cuda_check.sh): run inside the CUDA-torch venv."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+def cuobjdump() -> str:
+    import nvidia  # the nvidia-cuda-cuobjdump wheel
+
+    for root in map(Path, nvidia.__path__):
+        hits = sorted(root.rglob("cuobjdump"))
+        if hits:
+            return str(hits[0])
+    raise SystemExit("cuda-check: cuobjdump not found in the nvidia wheels")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--site", required=True)
+    p.add_argument("--build-log", required=True)
+    args = p.parse_args()
+
+    import rope_ext
+
+    lib = Path(rope_ext._C.__file__)
+    assert Path(args.site).resolve() in lib.resolve().parents, f"imported the wrong rope_ext: {lib}"
+    print(
+        f"cuda-check: torch {torch.__version__} (CUDA {torch.version.cuda}), GPU present: "
+        f"{torch.cuda.is_available()}; loaded {lib.name}: every symbol resolved against libtorch_cuda"
+    )
+
+    missing = [
+        op
+        for op in ("rotary", "rotary_qk", "rotary_")
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"rope_ext::{op}", "CUDA")
+    ]
+    if missing:
+        raise SystemExit(f"cuda-check: no CUDA kernel registered for {missing}")
+    print("cuda-check: CUDA kernels registered for rope_ext::rotary, rotary_qk, rotary_")
+
+    log = Path(args.build_log).read_text()
+    requested = sorted(set(re.findall(r"arch=compute_(\d+),code=sm_\d+", log)), key=int)
+    ptx = sorted(set(re.findall(r"arch=compute_(\d+),code=compute_\d+", log)), key=int)
+    listing = subprocess.run([cuobjdump(), "--list-elf", str(lib)], capture_output=True, text=True, check=True).stdout
+    present = sorted(set(re.findall(r"\.sm_(\d+)\.", listing)), key=int)
+    print(
+        f"cuda-check: nvcc targets sm_{', sm_'.join(requested)} (+PTX compute_{', compute_'.join(ptx)}); "
+        f"SASS in the library: sm_{', sm_'.join(present)}"
+    )
+    if not requested or set(requested) - set(present):
+        raise SystemExit(f"cuda-check: SASS missing for sm_{sorted(set(requested) - set(present))}")
+
+    # The CPU path of the CUDA build still computes the right thing.
+    x, c = torch.randn(2, 5, 3, 16), torch.randn(5, 1, 16)
+    ref = rope_ext.reference.rotary_reference(x.double(), c.double(), c.double())
+    torch.testing.assert_close(rope_ext.rotary(x, c, c).double(), ref, atol=1e-5, rtol=1e-5)
+    print("cuda-check: OK")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
