@@ -10,6 +10,9 @@ cd "$(dirname "$0")/.."
 VENV=$(realpath -m "${CUDA_VENV:-build/venv-cuda}")
 OUT=$(realpath -m build/cuda-check)
 PY="$VENV/bin/python"
+# torch infers CUDA_HOME from `which nvcc`; where nvcc is a symlink in /usr/local/bin that gives
+# /usr/local, whose lib64 has no libcudart. Point it at the toolkit itself.
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 
 t0=$(date +%s)
 if ! "$PY" -c "import torch; assert torch.version.cuda" 2>/dev/null; then

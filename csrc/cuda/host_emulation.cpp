@@ -2,7 +2,6 @@
 // thread of the launch choose_launch picks for the input: the GPU code path, tested where
 // there is no GPU. Registered as test hooks (rope_ext::_cuda_emulate_*) with the semantics of
 // the real ops, so the same tests and references apply.
-#include <ATen/Dispatch.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -19,23 +18,12 @@ void run_emulated(const at::Tensor& x, at::Tensor& out, const at::Tensor& cos,
   const RotaryPlan plan = make_rotary_plan(x, out, cos, sin);
   const RotaryLaunch L =
       choose_launch(plan, x.element_size(), interleaved, x.const_data_ptr(), out.const_data_ptr());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rope_ext.emulate", [&] {
-    auto with_tables = [&](auto table_tag) {
-      using table_t = decltype(table_tag);
-      dispatch_variant<scalar_t, table_t>(conjugate, interleaved, L.vec, [&]<class Thread>() {
-        const Thread t{plan, x.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
-                       cos.const_data_ptr<table_t>(), sin.const_data_ptr<table_t>()};
-        for (int64_t bx = 0; bx < L.grid_x; ++bx)
-          for (int64_t by = 0; by < L.grid_y; ++by)
-            for (int64_t ty = 0; ty < L.block_y; ++ty)
-              for (int64_t tx = 0; tx < L.block_x; ++tx) t(bx, by, tx, ty, L);
-      });
-    };
-    if (cos.scalar_type() == x.scalar_type()) {
-      with_tables(scalar_t{});
-    } else {
-      with_tables(float{});
-    }
+  dispatch_thread(x, cos, conjugate, interleaved, L.vec, [&]<class Thread>() {
+    const Thread t = Thread::make(plan, x, out, cos, sin);
+    for (int64_t bx = 0; bx < L.grid_x; ++bx)
+      for (int64_t by = 0; by < L.grid_y; ++by)
+        for (int64_t ty = 0; ty < L.block_y; ++ty)
+          for (int64_t tx = 0; tx < L.block_x; ++tx) t(bx, by, tx, ty, L);
   });
 }
 

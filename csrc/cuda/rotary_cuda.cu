@@ -1,6 +1,5 @@
 // CUDA implementation of the rotary ops: the launcher around rotary_thread.h's thread function.
 // Built only when torch is a CUDA build and nvcc is found (setup.py).
-#include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 // c10's stream header rather than ATen/cuda/CUDAContext.h: the kernels need only the current
@@ -30,21 +29,9 @@ void run_cuda(const at::Tensor& x, at::Tensor& out, const at::Tensor& cos, const
   const dim3 grid(static_cast<unsigned>(L.grid_x), static_cast<unsigned>(L.grid_y));
   const dim3 block(static_cast<unsigned>(L.block_x), static_cast<unsigned>(L.block_y));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rope_ext.rotary_cuda", [&] {
-    auto with_tables = [&](auto table_tag) {
-      using table_t = decltype(table_tag);
-      dispatch_variant<scalar_t, table_t>(conjugate, interleaved, L.vec, [&]<class Thread>() {
-        const Thread t{plan, x.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
-                       cos.const_data_ptr<table_t>(), sin.const_data_ptr<table_t>()};
-        rotary_kernel<Thread><<<grid, block, 0, stream>>>(t, L);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
-    };
-    if (cos.scalar_type() == x.scalar_type()) {
-      with_tables(scalar_t{});
-    } else {
-      with_tables(float{});
-    }
+  dispatch_thread(x, cos, conjugate, interleaved, L.vec, [&]<class Thread>() {
+    rotary_kernel<Thread><<<grid, block, 0, stream>>>(Thread::make(plan, x, out, cos, sin), L);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 

@@ -5,6 +5,8 @@
 // choice and tails are thereby tested on a machine without a GPU.
 #pragma once
 
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <c10/macros/Macros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -89,6 +91,14 @@ struct OpMath<double> {
 template <typename scalar_t, typename table_t, bool kConj, bool kInterleaved, int kVec>
 struct RotaryThread {
   using opmath_t = typename OpMath<scalar_t>::type;
+
+  // Host side: the thread function for out = rotary(x, cos, sin) described by `plan`.
+  static RotaryThread make(const RotaryPlan& plan, const at::Tensor& x, at::Tensor& out,
+                           const at::Tensor& cos, const at::Tensor& sin) {
+    return {plan, x.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
+            cos.const_data_ptr<table_t>(), sin.const_data_ptr<table_t>()};
+  }
+
   // Pairs per item: a vector of kVec columns holds kVec/2 interleaved pairs, or kVec first
   // members (with their kVec second members half a row away) for half-split.
   static constexpr int kPairs = kVec == 1 ? 1 : (kInterleaved ? kVec / 2 : kVec);
@@ -208,8 +218,9 @@ constexpr int vec_elems() {
   return kVectorBytes / static_cast<int>(sizeof(scalar_t));
 }
 
-// Calls f.template operator()<scalar_t, table_t, kConj, kInterleaved, kVec>() for the runtime
-// choice; shared by the CUDA launcher and the host emulator so both instantiate the same set.
+// Calls f.template operator()<Thread>() with the RotaryThread type for x's dtype, the tables'
+// dtype (x's or float32), conjugate, interleaved and the launch's vector width. Shared by the
+// CUDA launcher and the host emulator, so both instantiate exactly the same set of kernels.
 template <typename scalar_t, typename table_t, typename F>
 void dispatch_variant(bool conjugate, bool interleaved, int64_t vec, F&& f) {
   constexpr int kV = vec_elems<scalar_t>();
@@ -228,6 +239,19 @@ void dispatch_variant(bool conjugate, bool interleaved, int64_t vec, F&& f) {
   } else {
     interleaved ? by_vec(Fa{}, T{}) : by_vec(Fa{}, Fa{});
   }
+}
+
+template <typename F>
+void dispatch_thread(const at::Tensor& x, const at::Tensor& cos, bool conjugate, bool interleaved,
+                     int64_t vec, F&& f) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rope_ext.rotary_thread", [&] {
+    // check_rotary_args allows tables in x's dtype or in float32.
+    if (cos.scalar_type() == x.scalar_type()) {
+      dispatch_variant<scalar_t, scalar_t>(conjugate, interleaved, vec, f);
+    } else {
+      dispatch_variant<scalar_t, float>(conjugate, interleaved, vec, f);
+    }
+  });
 }
 
 }  // namespace rope_ext::cuda
