@@ -69,7 +69,8 @@ def main():
           f"{args.dtype}, {args.threads} threads")
     print(f"{'step':>5} {'loss (HF)':>10} {'loss (rope_ext)':>16} {'ms (HF)':>9} {'ms (rope_ext)':>14}")
     for i in sorted({0, *range(9, args.steps, 10), args.steps - 1}):
-        print(f"{i + 1:5d} {hf_losses[i]:10.4f} {re_losses[i]:16.4f} {hf_times[i] * 1e3:9.1f} {re_times[i] * 1e3:14.1f}")
+        print(f"{i + 1:5d} {hf_losses[i]:10.4f} {re_losses[i]:16.4f} "
+              f"{hf_times[i] * 1e3:9.1f} {re_times[i] * 1e3:14.1f}")
     skip = min(3, args.steps - 1)  # warm-up steps
     hf_med = sorted(hf_times[skip:])[len(hf_times[skip:]) // 2]
     re_med = sorted(re_times[skip:])[len(re_times[skip:]) // 2]
