@@ -13,6 +13,9 @@ from rope_ext.scaling import RopeSchedule
 __all__ = ["RotaryEmbedding"]
 
 LAYOUTS = ("bhsd", "bshd")
+# transformers model types whose RoPE pairs (2i, 2i + 1) (rotate_every_two); their configs carry
+# no flag for it. Everything else in transformers is half-split.
+INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen"})
 
 
 class RotaryEmbedding(nn.Module):
@@ -110,7 +113,8 @@ class RotaryEmbedding(nn.Module):
     def from_hf_config(cls, config, *, layout: str = "bhsd", device=None) -> RotaryEmbedding:
         """Builds the module of a transformers ``PretrainedConfig`` (head_dim, rope_theta,
         rope_scaling / rope_parameters, partial_rotary_factor, max_position_embeddings,
-        mrope_section), with HF's half-split convention unless the config says rotary_interleaved."""
+        mrope_section), with the model type's pairing: interleaved for GPT-J and CodeGen (or a config
+        with ``rotary_interleaved=True``), half-split otherwise."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
         base = params.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -133,7 +137,8 @@ class RotaryEmbedding(nn.Module):
             max_position_embeddings=config.max_position_embeddings,
             layout=layout,
             mrope_section=mrope,
-            interleaved=bool(getattr(config, "rotary_interleaved", False)),
+            interleaved=bool(getattr(config, "rotary_interleaved", False))
+            or getattr(config, "model_type", None) in INTERLEAVED_MODEL_TYPES,
             device=device,
         )
 

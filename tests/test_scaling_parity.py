@@ -137,3 +137,19 @@ def test_bad_scaling_names_the_key(name):
     scaling, exc, msg = BAD_SCALINGS[name]
     with pytest.raises(exc, match=msg):
         RopeSchedule.from_config(scaling, base=1e4, rotary_dim=64, max_position_embeddings=2048)
+
+
+def test_from_hf_config_gptj_is_interleaved_and_matches_its_tables():
+    """GPT-J's config has no pairing flag: the model type decides. Its sin/cos table
+    (create_sinusoidal_positions) must equal ours in half-width form."""
+    from transformers import GPTJConfig
+    from transformers.models.gptj.modeling_gptj import create_sinusoidal_positions
+
+    config = GPTJConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256)
+    rope = rope_ext.RotaryEmbedding.from_hf_config(config)
+    assert rope.interleaved and rope.rotary_dim == 8 and rope.dim == 16
+    sincos = create_sinusoidal_positions(256, 8)  # (positions, [sin(4), cos(4)]), float32 angles
+    cos, sin = rope.cos_sin(torch.arange(256))
+    # HF's float32 angle pos * inv_freq: error up to 255 * 2^-24 rad (+ rounding of the table)
+    torch.testing.assert_close(cos[:, ::2], sincos[:, 4:], atol=300 * 2.0**-24, rtol=0)
+    torch.testing.assert_close(sin[:, ::2], sincos[:, :4], atol=300 * 2.0**-24, rtol=0)
