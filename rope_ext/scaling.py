@@ -69,7 +69,10 @@ ROPE_TYPES = tuple(_KEYS)
 
 
 def _number(cfg: dict, key: str, *, positive=True, default=None) -> float:
-    v = cfg.get(key, default)
+    """cfg[key] as a float; a missing key or an explicit None (as HF writes it) means `default`."""
+    v = cfg.get(key)
+    if v is None:
+        v = default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
         raise ValueError(
             f"rope_ext: scaling[{key!r}] must be a finite {'positive ' if positive else ''}number, got {v!r}"
@@ -224,8 +227,8 @@ def _yarn(cfg, base, d, inv, max_pos, original):
         m, m_all = cfg.get("mscale"), cfg.get("mscale_all_dim")
         attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
     attention = _number({"attention_factor": attention}, "attention_factor")
-    beta_fast = _number(cfg, "beta_fast", default=cfg.get("beta_fast") or 32)
-    beta_slow = _number(cfg, "beta_slow", default=cfg.get("beta_slow") or 1)
+    beta_fast = _number(cfg, "beta_fast", default=32)
+    beta_slow = _number(cfg, "beta_slow", default=1)
 
     def correction_dim(rotations):  # the dim whose wavelength fits `rotations` times into `original`
         return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
