@@ -1,11 +1,189 @@
-// Autograd-key kernels written in C++ (device-agnostic). rotary and rotary_qk get their
-// formulas from rope_ext/_ops.py; the in-place op has none by design and lives here.
+// Autograd-key kernels, written in C++ and device-agnostic: they call the ops below autograd,
+// so the CPU and CUDA kernels behind them are the same ones the forward uses.
+//
+// They are in C++ rather than registered from Python because a Python autograd kernel runs
+// Python on every call, also under torch.no_grad() (HF's generate): about 30 us per call, more
+// than rotating a decode step's q and k takes. Here a call that needs no graph costs a check.
+//
+// The formulas. out = x*c + R(x)*s on the rotary columns (conjugate: out = x*c - R(x*s)), so
+//   dx   = rotary(g, c, s, conjugate=not conjugate)     (the transposed map, same kernel)
+//   dcos = g * x
+//   dsin = g * R(x)          (forward)     or     R(g) * x     (conjugate)
+// on the first r columns, summed back to cos/sin's broadcast shape. x is saved only when cos
+// or sin needs a gradient; otherwise the backward keeps nothing but cos and sin. Everything is
+// written with ops (and symbolic sizes), so double backward, torch.compile and torch.export
+// trace through it.
+#include <ATen/ATen.h>
+#include <ATen/ExpandUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
+#include <optional>
+#include <tuple>
+
 namespace rope_ext {
 namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+Tensor call_rotary(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved, bool conjugate) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("rope_ext::rotary", "")
+                             .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, bool, bool)>();
+  return op.call(x, cos, sin, interleaved, conjugate);
+}
+
+std::tuple<Tensor, Tensor> call_rotary_qk(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin,
+                                          bool interleaved, const std::optional<Tensor>& cos_k,
+                                          const std::optional<Tensor>& sin_k, bool conjugate) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("rope_ext::rotary_qk", "")
+          .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool,
+                                            const std::optional<Tensor>&, const std::optional<Tensor>&, bool)>();
+  return op.call(q, k, cos, sin, interleaved, cos_k, sin_k, conjugate);
+}
+
+bool any_requires_grad(std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts) {
+    if (t->defined() && t->requires_grad()) return true;
+  }
+  return false;
+}
+
+// R(v) over v's whole last dim (rope_ext/reference.py's rotate).
+Tensor rotate(const Tensor& v, bool interleaved) {
+  if (interleaved) {
+    const Tensor x1 = v.slice(-1, 0, c10::nullopt, 2);
+    const Tensor x2 = v.slice(-1, 1, c10::nullopt, 2);
+    return at::stack({x2.neg(), x1}, -1).flatten(-2);
+  }
+  const auto halves = v.chunk(2, -1);
+  return at::cat({halves[1].neg(), halves[0]}, -1);
+}
+
+// (dcos, dsin) of one rotary call at cos's (broadcast) shape and dtype; undefined where not needed.
+std::pair<Tensor, Tensor> table_grads(const Tensor& grad, const Tensor& x, const Tensor& cos, bool interleaved,
+                                      bool conjugate, bool need_cos, bool need_sin) {
+  const c10::SymInt r = cos.sym_size(-1);
+  const auto dtype = at::promote_types(x.scalar_type(), cos.scalar_type());
+  const Tensor g = grad.narrow_symint(-1, 0, r).to(dtype);
+  const Tensor xr = x.narrow_symint(-1, 0, r).to(dtype);
+  Tensor dcos, dsin;
+  if (need_cos) dcos = at::sum_to(g * xr, cos.sym_sizes()).to(cos.scalar_type());
+  if (need_sin) {
+    const Tensor ds = conjugate ? rotate(g, interleaved) * xr : g * rotate(xr, interleaved);
+    dsin = at::sum_to(ds, cos.sym_sizes()).to(cos.scalar_type());
+  }
+  return {dcos, dsin};
+}
+
+Tensor add_defined(const Tensor& a, const Tensor& b) {
+  return !a.defined() ? b : !b.defined() ? a : a + b;
+}
+
+struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin,
+                        bool interleaved, bool conjugate) {
+    ctx->saved_data["interleaved"] = interleaved;
+    ctx->saved_data["conjugate"] = conjugate;
+    const bool tables_need_grad = cos.requires_grad() || sin.requires_grad();
+    ctx->save_for_backward({cos, sin, tables_need_grad ? x : Tensor()});
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_rotary(x, cos, sin, interleaved, conjugate);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &cos = saved[0], &sin = saved[1], &x = saved[2];
+    const bool interleaved = ctx->saved_data["interleaved"].toBool();
+    const bool conjugate = ctx->saved_data["conjugate"].toBool();
+    const Tensor& g = grads[0];
+    Tensor dx, dcos, dsin;
+    if (ctx->needs_input_grad(0)) dx = call_rotary(g, cos, sin, interleaved, !conjugate);
+    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
+      std::tie(dcos, dsin) =
+          table_grads(g, x, cos, interleaved, conjugate, ctx->needs_input_grad(1), ctx->needs_input_grad(2));
+    }
+    return {dx, dcos, dsin, Tensor(), Tensor()};
+  }
+};
+
+struct RotaryQKFunction : torch::autograd::Function<RotaryQKFunction> {
+  // Tensor inputs, in the order of needs_input_grad: q, k, cos, sin, then cos_k, sin_k if given.
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& cos,
+                               const Tensor& sin, bool interleaved, const std::optional<Tensor>& cos_k,
+                               const std::optional<Tensor>& sin_k, bool conjugate) {
+    ctx->saved_data["interleaved"] = interleaved;
+    ctx->saved_data["conjugate"] = conjugate;
+    const Tensor ck = cos_k.value_or(Tensor()), sk = sin_k.value_or(Tensor());
+    const bool q_tables = cos.requires_grad() || sin.requires_grad();
+    const bool k_tables = ck.defined() ? (ck.requires_grad() || sk.requires_grad()) : q_tables;
+    ctx->save_for_backward({cos, sin, ck, sk, q_tables ? q : Tensor(), k_tables ? k : Tensor()});
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [q_out, k_out] = call_rotary_qk(q, k, cos, sin, interleaved, cos_k, sin_k, conjugate);
+    return {q_out, k_out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &cos = saved[0], &sin = saved[1], &cos_k = saved[2], &sin_k = saved[3];
+    const Tensor &q = saved[4], &k = saved[5];
+    const bool interleaved = ctx->saved_data["interleaved"].toBool();
+    const bool conjugate = ctx->saved_data["conjugate"].toBool();
+    const bool separate = cos_k.defined();
+    const bool need_q = ctx->needs_input_grad(0), need_k = ctx->needs_input_grad(1);
+    const bool need_cos = ctx->needs_input_grad(2), need_sin = ctx->needs_input_grad(3);
+    const bool need_cos_k = separate && ctx->needs_input_grad(4);
+    const bool need_sin_k = separate && ctx->needs_input_grad(5);
+    const Tensor &gq = grads[0], &gk = grads[1];
+
+    Tensor dq, dk, dcos, dsin, dcos_k, dsin_k;
+    if (need_q || need_k) {
+      const auto ok = [](const Tensor& t) { return std::optional<Tensor>(t.defined() ? t : Tensor()); };
+      std::tie(dq, dk) = call_rotary_qk(gq, gk, cos, sin, interleaved, separate ? ok(cos_k) : std::nullopt,
+                                        separate ? ok(sin_k) : std::nullopt, !conjugate);
+    }
+    if (need_cos || need_sin) {
+      std::tie(dcos, dsin) = table_grads(gq, q, cos, interleaved, conjugate, need_cos, need_sin);
+      if (!separate) {  // k shares q's tables: its contribution adds up
+        auto [kc, ks] = table_grads(gk, k, cos, interleaved, conjugate, need_cos, need_sin);
+        dcos = add_defined(dcos, kc);
+        dsin = add_defined(dsin, ks);
+      }
+    }
+    if (need_cos_k || need_sin_k) {
+      std::tie(dcos_k, dsin_k) = table_grads(gk, k, cos_k, interleaved, conjugate, need_cos_k, need_sin_k);
+    }
+    return {need_q ? dq : Tensor(), need_k ? dk : Tensor(), dcos, dsin, Tensor(), dcos_k, dsin_k, Tensor()};
+  }
+};
+
+// Without a graph to record (no grad mode, or nothing requires grad) the op runs directly.
+Tensor rotary_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved, bool conjugate) {
+  if (!at::GradMode::is_enabled() || !any_requires_grad({&x, &cos, &sin})) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_rotary(x, cos, sin, interleaved, conjugate);
+  }
+  return RotaryFunction::apply(x, cos, sin, interleaved, conjugate);
+}
+
+std::tuple<Tensor, Tensor> rotary_qk_autograd(const Tensor& q, const Tensor& k, const Tensor& cos,
+                                              const Tensor& sin, bool interleaved,
+                                              const std::optional<Tensor>& cos_k,
+                                              const std::optional<Tensor>& sin_k, bool conjugate) {
+  const Tensor ck = cos_k.value_or(Tensor()), sk = sin_k.value_or(Tensor());
+  if (!at::GradMode::is_enabled() || !any_requires_grad({&q, &k, &cos, &sin, &ck, &sk})) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_rotary_qk(q, k, cos, sin, interleaved, cos_k, sin_k, conjugate);
+  }
+  const auto outs = RotaryQKFunction::apply(q, k, cos, sin, interleaved, cos_k, sin_k, conjugate);
+  return {outs[0], outs[1]};
+}
 
 // rotary_ is for inference. Rather than record a wrong (or no) gradient, it refuses inputs
 // that need one, and bumps x's version counter so that a tensor saved for someone else's
@@ -35,4 +213,8 @@ void rotary_inplace_autograd(at::Tensor& x, const at::Tensor& cos, const at::Ten
 }  // namespace
 }  // namespace rope_ext
 
-TORCH_LIBRARY_IMPL(rope_ext, Autograd, m) { m.impl("rotary_", &rope_ext::rotary_inplace_autograd); }
+TORCH_LIBRARY_IMPL(rope_ext, Autograd, m) {
+  m.impl("rotary", &rope_ext::rotary_autograd);
+  m.impl("rotary_qk", &rope_ext::rotary_qk_autograd);
+  m.impl("rotary_", &rope_ext::rotary_inplace_autograd);
+}

@@ -1,6 +1,7 @@
 // The one place where rope_ext's operator schemas are defined. Backends register their
 // kernels next to their code with TORCH_LIBRARY_IMPL(rope_ext, <Backend>, m); autograd
-// and fake (meta) kernels are registered from Python in rope_ext/_ops.py.
+// kernels are in autograd.cpp, and fake (meta) kernels are registered from Python in
+// rope_ext/_ops.py.
 #include <torch/library.h>
 
 #include "cpu/rotary_cpu.h"

@@ -1,18 +1,14 @@
 """Python side of the rope_ext ops: public wrappers, fake kernels and autograd formulas.
 
-The schemas live in csrc/ops.cpp and the kernels in csrc/<backend>/. Here each op gets
+The schemas live in csrc/ops.cpp, the kernels in csrc/<backend>/ and the autograd kernels in
+csrc/autograd.cpp (C++, so that a call costs no Python beyond this wrapper). Here each op gets
 - a fake kernel (shape/stride propagation for torch.compile, torch.export and FakeTensor),
-- an autograd formula, registered with torch.library so that opcheck, compile and export
-  see one op rather than its decomposition,
 - a thin public wrapper with the docstring users read.
-The in-place op's autograd kernel is in C++ (csrc/autograd.cpp).
 """
 
 from __future__ import annotations
 
 import torch
-
-from rope_ext.reference import rotate
 
 _rotary = torch.ops.rope_ext.rotary.default
 _rotary_qk = torch.ops.rope_ext.rotary_qk.default
@@ -226,83 +222,3 @@ def _rotary_qk_fake(q, k, cos, sin, interleaved=False, cos_k=None, sin_k=None, c
 @torch.library.register_fake("rope_ext::rotary_")
 def _rotary_inplace_fake(x, cos, sin, interleaved=False, conjugate=False):
     _check_rotary_args("rope_ext.rotary_", x, cos, sin)
-
-
-# --- autograd ------------------------------------------------------------------------------
-#
-# out = x*c + R(x)*s on the rotary columns (conjugate: out = x*c - R(x*s)), so
-#   dx   = rotary(g, c, s, conjugate=not conjugate)     (the transposed map)
-#   dcos = g * x
-#   dsin = g * R(x)          (forward)     or     R(g) * x     (conjugate)
-# on the first r columns, summed back to cos/sin's broadcast shape. x is saved only when
-# cos or sin needs a gradient; otherwise the backward keeps nothing but cos and sin.
-# rotary_ has no formula: csrc/autograd.cpp refuses inputs that need one.
-
-
-def _table_grads(grad, x, cos, interleaved, conjugate, need_cos, need_sin):
-    """(dcos, dsin) of one rotary call, at cos's (broadcast) shape and dtype; None where not needed."""
-    r = cos.shape[-1]
-    dtype = torch.promote_types(x.dtype, cos.dtype)
-    g, xr = grad[..., :r].to(dtype), x[..., :r].to(dtype)
-    dcos = (g * xr).sum_to_size(cos.shape).to(cos.dtype) if need_cos else None
-    dsin = None
-    if need_sin:
-        ds = rotate(g, interleaved) * xr if conjugate else g * rotate(xr, interleaved)
-        dsin = ds.sum_to_size(cos.shape).to(cos.dtype)
-    return dcos, dsin
-
-
-def _add(a, b):
-    return b if a is None else a if b is None else a + b
-
-
-def _rotary_setup_context(ctx, inputs, output):
-    x, cos, sin, interleaved, conjugate = inputs
-    ctx.interleaved, ctx.conjugate = interleaved, conjugate
-    tables_need_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-    ctx.save_for_backward(cos, sin, x if tables_need_grad else None)
-
-
-def _rotary_backward(ctx, grad):
-    cos, sin, x = ctx.saved_tensors
-    need_x, need_cos, need_sin = ctx.needs_input_grad[:3]
-    dx = _rotary(grad, cos, sin, ctx.interleaved, not ctx.conjugate) if need_x else None
-    dcos = dsin = None
-    if need_cos or need_sin:
-        dcos, dsin = _table_grads(grad, x, cos, ctx.interleaved, ctx.conjugate, need_cos, need_sin)
-    return dx, dcos, dsin, None, None
-
-
-def _needs_grad(ctx, count):
-    # needs_input_grad omits trailing arguments left at their defaults: pad it to the schema.
-    return tuple(ctx.needs_input_grad) + (False,) * (count - len(ctx.needs_input_grad))
-
-
-def _rotary_qk_setup_context(ctx, inputs, output):
-    q, k, cos, sin, interleaved, cos_k, sin_k, conjugate = inputs
-    ctx.interleaved, ctx.conjugate = interleaved, conjugate
-    n = _needs_grad(ctx, 8)
-    ctx.save_for_backward(
-        cos, sin, cos_k, sin_k, q if (n[2] or n[3]) else None, k if (n[2] or n[3] or n[5] or n[6]) else None
-    )
-
-
-def _rotary_qk_backward(ctx, grad_q, grad_k):
-    cos, sin, cos_k, sin_k, q, k = ctx.saved_tensors
-    n = _needs_grad(ctx, 8)
-    dq = dk = None
-    if n[0] or n[1]:
-        dq, dk = _rotary_qk(grad_q, grad_k, cos, sin, ctx.interleaved, cos_k, sin_k, not ctx.conjugate)
-    dcos = dsin = dcos_k = dsin_k = None
-    if n[2] or n[3]:
-        dcos, dsin = _table_grads(grad_q, q, cos, ctx.interleaved, ctx.conjugate, n[2], n[3])
-    if cos_k is None and (n[2] or n[3]):  # k shares q's tables: its contribution adds up
-        dcos_k, dsin_k = _table_grads(grad_k, k, cos, ctx.interleaved, ctx.conjugate, n[2], n[3])
-        dcos, dsin, dcos_k, dsin_k = _add(dcos, dcos_k), _add(dsin, dsin_k), None, None
-    elif cos_k is not None and (n[5] or n[6]):
-        dcos_k, dsin_k = _table_grads(grad_k, k, cos_k, ctx.interleaved, ctx.conjugate, n[5], n[6])
-    return (dq if n[0] else None), (dk if n[1] else None), dcos, dsin, None, dcos_k, dsin_k, None
-
-
-torch.library.register_autograd("rope_ext::rotary", _rotary_backward, setup_context=_rotary_setup_context)
-torch.library.register_autograd("rope_ext::rotary_qk", _rotary_qk_backward, setup_context=_rotary_qk_setup_context)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DTYPES, randn, random_tables, rope_tables
+from conftest import DTYPES, assert_matches_reference, randn, random_tables, rope_tables
 
 import rope_ext
 
@@ -130,3 +130,33 @@ def test_import_failure_is_an_import_error_that_says_why():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert "cannot load the compiled extension rope_ext._C (simulated: undefined symbol)" in out
     assert "pip install --no-build-isolation" in out
+
+
+# Outputs of >= 16 MiB are written with streaming stores, rows whose stores are aligned only
+# (csrc/cpu/rotary_kernel.h), and outputs of >= 32 MiB are advised onto huge pages
+# (rotary_cpu.cpp). The same rows rotated in small pieces take the ordinary stores.
+LARGE = {
+    "f32_d128_32MiB": (torch.float32, 2048, 32, 128),  # every row aligned; huge pages too
+    "bf16_d128_16MiB": (torch.bfloat16, 2048, 32, 128),
+    "f32_d100_19MiB": (torch.float32, 4096, 12, 100),  # rows alternate aligned and unaligned
+}
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
+@pytest.mark.parametrize("spec", LARGE.values(), ids=LARGE.keys())
+def test_large_outputs_equal_small_pieces_and_reference(spec, interleaved, gen):
+    dtype, tokens, heads, d = spec
+    x = randn(tokens, heads, d, dtype=dtype, gen=gen)
+    assert x.numel() * x.element_size() >= 16 << 20
+    cos, sin = rope_tables(torch.arange(tokens)[:, None], d, interleaved, dtype)  # (tokens, 1, d)
+    for conjugate in (False, True):
+        out = rope_ext.rotary(x, cos, sin, interleaved=interleaved, conjugate=conjugate)
+        step = 256  # well under 16 MiB per piece
+        pieces = [
+            rope_ext.rotary(x[i : i + step], cos[i : i + step], sin[i : i + step], interleaved=interleaved,
+                            conjugate=conjugate)
+            for i in range(0, tokens, step)
+        ]  # fmt: skip
+        assert torch.equal(out, torch.cat(pieces))
+        rows = slice(0, tokens, 97)  # a spread of tokens, against the float64 reference
+        assert_matches_reference(out[rows], x[rows], cos[rows], sin[rows], interleaved, conjugate)

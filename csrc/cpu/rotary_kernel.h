@@ -16,12 +16,20 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
 #include "rotary_math.h"
 #include "rotary_plan.h"
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#define ROPE_EXT_STREAMING_STORES 1
+#else
+#define ROPE_EXT_STREAMING_STORES 0
+#endif
 
 namespace rope_ext::cpu::CPU_CAPABILITY {
 
@@ -30,6 +38,18 @@ using at::vec::Vectorized;
 // Elements per parallel task: ATen's own grain (at::internal::GRAIN_SIZE). Below it a call
 // runs on the calling thread, which keeps small (decode) shapes free of threading overhead.
 constexpr int64_t kGrainElements = 32768;
+
+// Outputs of at least this many bytes are written with streaming (non-temporal) stores: the
+// output cannot stay in cache anyway, and a normal store would first read each output line
+// from memory (read for ownership), a third memory stream beside reading x and writing out.
+// Smaller outputs are stored normally, so the attention that reads them next finds them in
+// cache. The figure is the last-level cache of the machines we measure on (8 to 32 MiB).
+constexpr int64_t kStreamingBytes = int64_t{16} << 20;
+
+// How far ahead of the row being rotated x is prefetched, in bytes. Rows of one token's
+// heads are usually adjacent in memory, so the next rows' lines are requested while this
+// row computes; a prefetch past x's end or into another tensor is harmless.
+constexpr int64_t kPrefetchBytes = 2048;
 
 // Loads and stores of 2 * Vectorized<opmath_t>::size() elements of scalar_t, converting
 // float16/bfloat16 to float in registers.
@@ -55,7 +75,62 @@ struct VecIO {
       at::vec::convert_from_float<scalar_t>(a, b).store(p);
     }
   }
+
+  // Bytes one store() writes per vector register; a streaming store needs p aligned to it.
+  static constexpr int64_t kStoreAlign = std::is_same_v<scalar_t, opmath_t> ? sizeof(Vec) : sizeof(Vec) / 2;
+
+  // store() with non-temporal stores where the ISA has them; p must be kStoreAlign-aligned.
+  static void store_streaming(scalar_t* p, const Vec& a, const Vec& b) {
+#if ROPE_EXT_STREAMING_STORES
+    if constexpr (std::is_same_v<scalar_t, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+      _mm512_stream_ps(p, a);
+      _mm512_stream_ps(p + Vec::size(), b);
+#else
+      _mm256_stream_ps(p, a);
+      _mm256_stream_ps(p + Vec::size(), b);
+#endif
+      return;
+    } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
+      const Vectorized<scalar_t> v = at::vec::convert_from_float<scalar_t>(a, b);
+#if defined(CPU_CAPABILITY_AVX512)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
+#else
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
+#endif
+      return;
+    }
+#endif
+    store(p, a, b);
+  }
 };
+
+// Orders this thread's streaming stores before whatever reads the output next.
+inline void streaming_fence() {
+#if ROPE_EXT_STREAMING_STORES
+  _mm_sfence();
+#endif
+}
+
+inline bool aligned_to(const void* p, int64_t alignment) {
+  return reinterpret_cast<std::uintptr_t>(p) % static_cast<std::uintptr_t>(alignment) == 0;
+}
+
+// dst[0, n) = src[0, n) converted to float, for float16/bfloat16 src.
+template <typename src_t, typename opmath_t>
+void convert_span(const src_t* src, opmath_t* dst, int64_t n) {
+  static_assert(std::is_same_v<opmath_t, float> && !std::is_same_v<src_t, float>,
+                "convert_span widens 16-bit floats to float");
+  using IO = VecIO<src_t>;
+  int64_t i = 0;
+  for (; i + IO::kStep <= n; i += IO::kStep) {
+    typename IO::Vec a, b;
+    IO::load(src + i, a, b);
+    a.store(dst + i);
+    b.store(dst + i + IO::Vec::size());
+  }
+  for (; i < n; ++i) dst[i] = static_cast<opmath_t>(src[i]);
+}
 
 // One token's table entries in opmath, indexed by pair: c1[i], s1[i] belong to the pair's
 // first member, c2[i], s2[i] to its second (see rotate_pair in rotary_math.h).
@@ -73,8 +148,20 @@ struct PairTables {
 template <bool kInterleaved, typename opmath_t, typename table_t>
 PairTables<opmath_t> token_tables(const table_t* cos, int64_t cos_col, const table_t* sin,
                                   int64_t sin_col, int64_t half, opmath_t* buf) {
-  if constexpr (!kInterleaved && std::is_same_v<table_t, opmath_t>) {
-    if (cos_col == 1 && sin_col == 1) return {cos, sin, cos + half, sin + half};
+  if constexpr (!kInterleaved) {
+    if (cos_col == 1 && sin_col == 1) {
+      if constexpr (std::is_same_v<table_t, opmath_t>) {
+        return {cos, sin, cos + half, sin + half};
+      } else if constexpr (std::is_same_v<opmath_t, float>) {
+        // contiguous 16-bit tables: converted a vector at a time (float tables of double x
+        // take the loop below)
+        convert_span(cos, buf, half);
+        convert_span(sin, buf + half, half);
+        convert_span(cos + half, buf + 2 * half, half);
+        convert_span(sin + half, buf + 3 * half, half);
+        return {buf, buf + half, buf + 2 * half, buf + 3 * half};
+      }
+    }
   }
   for (int64_t i = 0; i < half; ++i) {
     const int64_t a = pair_first(i, half, kInterleaved);
@@ -102,8 +189,9 @@ void rotate_pairs_scalar(const scalar_t* x, int64_t x_col, scalar_t* out, int64_
   }
 }
 
-// Rotates one row whose x and out columns are contiguous: vector body, scalar tail.
-template <bool kConj, bool kInterleaved, typename scalar_t, typename opmath_t>
+// Rotates one row whose x and out columns are contiguous: vector body, scalar tail. With
+// kStream the vector body's stores are non-temporal (the caller checks their alignment).
+template <bool kConj, bool kInterleaved, bool kStream, typename scalar_t, typename opmath_t>
 void rotate_row_contiguous(const scalar_t* x, scalar_t* out, const PairTables<opmath_t>& t,
                            int64_t half) {
   using IO = VecIO<scalar_t>;
@@ -129,15 +217,18 @@ void rotate_row_contiguous(const scalar_t* x, scalar_t* out, const PairTables<op
       rotate_pair<kConj>(x1[k], x2[k], Vec::loadu(t.c1 + j), Vec::loadu(t.s1 + j),
                          Vec::loadu(t.c2 + j), Vec::loadu(t.s2 + j), o1[k], o2[k]);
     }
+    const auto store = [](scalar_t* p, const Vec& a, const Vec& b) {
+      kStream ? IO::store_streaming(p, a, b) : IO::store(p, a, b);
+    };
     if constexpr (kInterleaved) {
       Vec b[4];
       std::tie(b[0], b[1]) = at::vec::interleave2(o1[0], o2[0]);
       std::tie(b[2], b[3]) = at::vec::interleave2(o1[1], o2[1]);
-      IO::store(out + 2 * i, b[0], b[1]);
-      IO::store(out + 2 * i + kStep, b[2], b[3]);
+      store(out + 2 * i, b[0], b[1]);
+      store(out + 2 * i + kStep, b[2], b[3]);
     } else {
-      IO::store(out + i, o1[0], o1[1]);
-      IO::store(out + half + i, o2[0], o2[1]);
+      store(out + i, o1[0], o1[1]);
+      store(out + half + i, o2[0], o2[1]);
     }
   }
   rotate_pairs_scalar<kConj, kInterleaved>(x, 1, out, 1, t, i, half);
@@ -158,6 +249,10 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
   const int64_t rows = p.num_tokens() * nheads;
   const bool contiguous_rows = p.x_col == 1 && p.out_col == 1;
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, p.head_dim));
+  using IO = VecIO<scalar_t>;
+  const int64_t row_bytes = p.rotary_dim * static_cast<int64_t>(sizeof(scalar_t));
+  const bool stream = ROPE_EXT_STREAMING_STORES && x_base != out_base &&
+                      out.numel() * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamingBytes;
 
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<opmath_t> buf(4 * half);
@@ -176,7 +271,16 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
         const scalar_t* xr = x_base + tok[kX] + hd[kX];
         scalar_t* outr = out_base + tok[kOut] + hd[kOut];
         if (contiguous_rows) {
-          rotate_row_contiguous<kConj, kInterleaved>(xr, outr, t, half);
+          const char* ahead = reinterpret_cast<const char*>(xr) + kPrefetchBytes;
+          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+          // Streaming needs every vector store aligned: the row start and (half-split) its
+          // second half; the vector body then advances in whole vectors.
+          if (stream && aligned_to(outr, IO::kStoreAlign) &&
+              (kInterleaved || aligned_to(outr + half, IO::kStoreAlign))) {
+            rotate_row_contiguous<kConj, kInterleaved, true>(xr, outr, t, half);
+          } else {
+            rotate_row_contiguous<kConj, kInterleaved, false>(xr, outr, t, half);
+          }
           if (pass > 0 && outr != xr) {  // in place, the pass-through columns are already there
             std::memcpy(outr + p.rotary_dim, xr + p.rotary_dim, pass * sizeof(scalar_t));
           }
@@ -189,6 +293,7 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
       }
       row += h_end - h_begin;
     }
+    if (stream) streaming_fence();
   });
 }
 
