@@ -24,7 +24,7 @@ test: setup
 	$(PYTHON) -m pytest -q tests
 
 bench: setup
-	$(PYTHON) benchmarks/bench_rope.py
+	$(PYTHON) benchmarks/bench_rope.py --quick
 
 # Build the CUDA kernels with nvcc and link them against a CUDA build of torch (in a venv
 # under build/, about 5.5 GB); no GPU needed. See tools/cuda_check.sh.
