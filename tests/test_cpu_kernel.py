@@ -135,18 +135,24 @@ def test_import_failure_is_an_import_error_that_says_why():
 # Outputs of >= 16 MiB are written with streaming stores, rows whose stores are aligned only
 # (csrc/cpu/rotary_kernel.h), and outputs of >= 32 MiB are advised onto huge pages
 # (rotary_cpu.cpp). The same rows rotated in small pieces take the ordinary stores.
+# The last field stores x head-major: a (tokens, heads, d) view of (heads, tokens, d) memory,
+# which the kernel walks in tiles of tokens, head by head.
 LARGE = {
-    "f32_d128_32MiB": (torch.float32, 2048, 32, 128),  # every row aligned; huge pages too
-    "bf16_d128_16MiB": (torch.bfloat16, 2048, 32, 128),
-    "f32_d100_19MiB": (torch.float32, 4096, 12, 100),  # rows alternate aligned and unaligned
+    "f32_d128_32MiB": (torch.float32, 2048, 32, 128, False),  # every row aligned; huge pages too
+    "bf16_d128_16MiB": (torch.bfloat16, 2048, 32, 128, False),
+    "f32_d100_19MiB": (torch.float32, 4096, 12, 100, False),  # rows alternate aligned and unaligned
+    "bf16_d128_16MiB_head_major": (torch.bfloat16, 2048, 32, 128, True),
 }
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
 @pytest.mark.parametrize("spec", LARGE.values(), ids=LARGE.keys())
 def test_large_outputs_equal_small_pieces_and_reference(spec, interleaved, gen):
-    dtype, tokens, heads, d = spec
-    x = randn(tokens, heads, d, dtype=dtype, gen=gen)
+    dtype, tokens, heads, d, head_major = spec
+    if head_major:
+        x = randn(heads, tokens, d, dtype=dtype, gen=gen).transpose(0, 1)
+    else:
+        x = randn(tokens, heads, d, dtype=dtype, gen=gen)
     assert x.numel() * x.element_size() >= 16 << 20
     cos, sin = rope_tables(torch.arange(tokens)[:, None], d, interleaved, dtype)  # (tokens, 1, d)
     for conjugate in (False, True):
@@ -160,3 +166,36 @@ def test_large_outputs_equal_small_pieces_and_reference(spec, interleaved, gen):
         assert torch.equal(out, torch.cat(pieces))
         rows = slice(0, tokens, 97)  # a spread of tokens, against the float64 reference
         assert_matches_reference(out[rows], x[rows], cos[rows], sin[rows], interleaved, conjugate)
+
+
+# Contiguous (B, H, S, D) and other head-major storage takes the kernel's tiled walk (tiles of
+# 32 tokens, each rotated head by head); token-major storage takes the row walk. The same
+# values in either storage must come out bit for bit the same, whatever the tile and thread
+# boundaries. S = 77 leaves a partial tile. With 2 threads, shared positions (15 heads of
+# broadcast tables) split the heads between threads; per-row positions (5 heads, 231 tokens)
+# split the tokens, at a point inside a tile.
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("per_row", [False, True], ids=["shared_positions", "per_row_positions"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_head_major_storage_equals_token_major(dtype, interleaved, per_row, threads, gen):
+    B, H, S, D, r = 3, 5, 77, 64, 48  # partial rotary: 16 pass-through columns
+    x_bhsd = randn(B, H, S, D, dtype=dtype, gen=gen)  # head-major: rows of a token S*D apart
+    x_bshd = x_bhsd.transpose(1, 2).contiguous()  # token-major: a token's heads adjacent
+    positions = torch.randint(0, 4096, (B, S), generator=gen) if per_row else torch.arange(S)
+    cos, sin = random_tables((*positions.shape, r), dtype, gen)  # (S, r) or (B, S, r)
+    cos_bhsd, sin_bhsd = (cos[:, None], sin[:, None]) if per_row else (cos, sin)
+    cos_bshd, sin_bshd = (cos[..., None, :], sin[..., None, :])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for conjugate in (False, True):
+            kw = dict(interleaved=interleaved, conjugate=conjugate)
+            hm = rope_ext.rotary(x_bhsd, cos_bhsd, sin_bhsd, **kw)
+            tm = rope_ext.rotary(x_bshd, cos_bshd, sin_bshd, **kw)
+            assert hm.is_contiguous() and torch.equal(hm.transpose(1, 2), tm)
+            inplace = rope_ext.rotary_(x_bhsd.clone(), cos_bhsd, sin_bhsd, **kw)
+            assert torch.equal(inplace, hm)
+            assert_matches_reference(hm, x_bhsd, cos_bhsd, sin_bhsd, interleaved, conjugate)
+    finally:
+        torch.set_num_threads(before)

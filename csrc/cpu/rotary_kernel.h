@@ -18,6 +18,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -50,6 +52,27 @@ constexpr int64_t kStreamingBytes = int64_t{16} << 20;
 // heads are usually adjacent in memory, so the next rows' lines are requested while this
 // row computes; a prefetch past x's end or into another tensor is harmless.
 constexpr int64_t kPrefetchBytes = 2048;
+
+// Tokens per tile when x is stored head-major (see rotary_typed): each head's rows of a tile
+// are one run of kTileTokens * head_dim elements (16 to 32 KiB at head dim 128), and the
+// tile's tables (at most kTileTokens * 4 * half opmath values) stay in L1/L2 across its heads.
+constexpr int64_t kTileTokens = 32;
+
+// In head-major storage threads split the heads when each gets at least this many (so that
+// the split is even to within 25%), and the tokens otherwise.
+constexpr int64_t kMinHeadsPerThreadToSplit = 4;
+
+// True when x's rows of one token are farther apart in memory than consecutive tokens' rows,
+// i.e. storage is head-major: the smallest head stride of x exceeds its smallest token stride.
+inline bool head_major(const RotaryPlan& p) {
+  if (p.heads.ndim == 0 || p.tokens.ndim == 0) return false;
+  const auto smallest = [](const auto& dims, int operand) {
+    int64_t m = std::numeric_limits<int64_t>::max();
+    for (int d = 0; d < dims.ndim; ++d) m = std::min(m, std::abs(dims.strides[operand][d]));
+    return m;
+  };
+  return smallest(p.heads, kX) > smallest(p.tokens, kX);
+}
 
 // Loads and stores of 2 * Vectorized<opmath_t>::size() elements of scalar_t, converting
 // float16/bfloat16 to float in registers.
@@ -254,47 +277,92 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
   const bool stream = ROPE_EXT_STREAMING_STORES && x_base != out_base &&
                       out.numel() * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamingBytes;
 
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<opmath_t> buf(4 * half);
-    for (int64_t row = begin; row < end;) {
-      // One token: its tables are built once, then used for its heads in [h, h_end).
-      const int64_t token = row / nheads;
-      const int64_t h_begin = row % nheads;
-      const int64_t h_end = std::min(nheads, h_begin + (end - row));
-      int64_t tok[4];
-      p.tokens.offsets(token, tok);
-      const auto t = token_tables<kInterleaved>(cos_base + tok[kCos], p.cos_col,
-                                                sin_base + tok[kSin], p.sin_col, half, buf.data());
+  // One row: x at xr, out at outr, rotated with one token's tables.
+  const auto rotate_row = [&](const scalar_t* xr, scalar_t* outr, const PairTables<opmath_t>& t) {
+    if (contiguous_rows) {
+      const char* ahead = reinterpret_cast<const char*>(xr) + kPrefetchBytes;
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+      // Streaming needs every vector store aligned: the row start and (half-split) its
+      // second half; the vector body then advances in whole vectors.
+      if (stream && aligned_to(outr, IO::kStoreAlign) &&
+          (kInterleaved || aligned_to(outr + half, IO::kStoreAlign))) {
+        rotate_row_contiguous<kConj, kInterleaved, true>(xr, outr, t, half);
+      } else {
+        rotate_row_contiguous<kConj, kInterleaved, false>(xr, outr, t, half);
+      }
+      if (pass > 0 && outr != xr) {  // in place, the pass-through columns are already there
+        std::memcpy(outr + p.rotary_dim, xr + p.rotary_dim, pass * sizeof(scalar_t));
+      }
+    } else {
+      rotate_pairs_scalar<kConj, kInterleaved>(xr, p.x_col, outr, p.out_col, t, 0, half);
+      if (outr != xr || p.out_col != p.x_col) {
+        for (int64_t c = p.rotary_dim; c < p.head_dim; ++c) outr[c * p.out_col] = xr[c * p.x_col];
+      }
+    }
+  };
+
+  if (!head_major(p)) {
+    // Token-major storage (e.g. (B,S,H,D), or HF's (B,H,S,D) view of it): rows in storage
+    // order, each token's tables built once for its adjacent heads. Threads split rows, so
+    // a few tokens with many heads (decode) still divide.
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      std::vector<opmath_t> buf(4 * half);
+      for (int64_t row = begin; row < end;) {
+        const int64_t token = row / nheads;
+        const int64_t h_begin = row % nheads;
+        const int64_t h_end = std::min(nheads, h_begin + (end - row));
+        int64_t tok[4];
+        p.tokens.offsets(token, tok);
+        const auto t = token_tables<kInterleaved>(cos_base + tok[kCos], p.cos_col,
+                                                  sin_base + tok[kSin], p.sin_col, half, buf.data());
+        for (int64_t h = h_begin; h < h_end; ++h) {
+          int64_t hd[2];
+          p.heads.offsets(h, hd);
+          rotate_row(x_base + tok[kX] + hd[kX], out_base + tok[kOut] + hd[kOut], t);
+        }
+        row += h_end - h_begin;
+      }
+      if (stream) streaming_fence();
+    });
+    return;
+  }
+
+  // Head-major storage (e.g. contiguous (B,H,S,D)): a token's heads lie far apart, so walking
+  // token by token would touch one row in each of nheads distant places. Instead each tile of
+  // kTileTokens tokens has its tables built once, then is rotated head by head: every head's
+  // rows of a tile are one contiguous run of memory. Threads split the heads when there are
+  // enough of them, so that each writes its own stretch of the output (pages that fault in on
+  // first write are not shared between threads); otherwise they split the tokens.
+  const int64_t ntokens = p.num_tokens();
+  const auto walk = [&](int64_t t_begin, int64_t t_end, int64_t h_begin, int64_t h_end) {
+    std::vector<opmath_t> buf(kTileTokens * 4 * half);
+    PairTables<opmath_t> tables[kTileTokens];
+    int64_t tok[kTileTokens][4];
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += kTileTokens) {
+      const int64_t n = std::min(kTileTokens, t_end - t0);
+      for (int64_t j = 0; j < n; ++j) {
+        p.tokens.offsets(t0 + j, tok[j]);
+        tables[j] = token_tables<kInterleaved>(cos_base + tok[j][kCos], p.cos_col,
+                                               sin_base + tok[j][kSin], p.sin_col, half,
+                                               buf.data() + j * 4 * half);
+      }
       for (int64_t h = h_begin; h < h_end; ++h) {
         int64_t hd[2];
         p.heads.offsets(h, hd);
-        const scalar_t* xr = x_base + tok[kX] + hd[kX];
-        scalar_t* outr = out_base + tok[kOut] + hd[kOut];
-        if (contiguous_rows) {
-          const char* ahead = reinterpret_cast<const char*>(xr) + kPrefetchBytes;
-          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
-          // Streaming needs every vector store aligned: the row start and (half-split) its
-          // second half; the vector body then advances in whole vectors.
-          if (stream && aligned_to(outr, IO::kStoreAlign) &&
-              (kInterleaved || aligned_to(outr + half, IO::kStoreAlign))) {
-            rotate_row_contiguous<kConj, kInterleaved, true>(xr, outr, t, half);
-          } else {
-            rotate_row_contiguous<kConj, kInterleaved, false>(xr, outr, t, half);
-          }
-          if (pass > 0 && outr != xr) {  // in place, the pass-through columns are already there
-            std::memcpy(outr + p.rotary_dim, xr + p.rotary_dim, pass * sizeof(scalar_t));
-          }
-        } else {
-          rotate_pairs_scalar<kConj, kInterleaved>(xr, p.x_col, outr, p.out_col, t, 0, half);
-          if (outr != xr || p.out_col != p.x_col) {
-            for (int64_t c = p.rotary_dim; c < p.head_dim; ++c) outr[c * p.out_col] = xr[c * p.x_col];
-          }
+        for (int64_t j = 0; j < n; ++j) {
+          rotate_row(x_base + tok[j][kX] + hd[kX], out_base + tok[j][kOut] + hd[kOut], tables[j]);
         }
       }
-      row += h_end - h_begin;
     }
     if (stream) streaming_fence();
-  });
+  };
+  if (nheads >= kMinHeadsPerThreadToSplit * at::get_num_threads()) {
+    const int64_t head_grain = std::max<int64_t>(1, grain / std::max<int64_t>(1, ntokens));
+    at::parallel_for(0, nheads, head_grain, [&](int64_t begin, int64_t end) { walk(0, ntokens, begin, end); });
+  } else {
+    const int64_t token_grain = std::max<int64_t>(1, grain / std::max<int64_t>(1, nheads));
+    at::parallel_for(0, ntokens, token_grain, [&](int64_t begin, int64_t end) { walk(begin, end, 0, nheads); });
+  }
 }
 
 // The entry point declared in rotary_cpu.h: out = rotary(x, cos, sin), where `out` has
