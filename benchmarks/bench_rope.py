@@ -4,8 +4,9 @@
     python benchmarks/bench_rope.py --quick    # what `make bench` runs: HF layout, 2 threads
 
 Shape: Llama-3-8B attention, 32 q heads and 8 kv heads of head dim 128.
-  prefill  S = 2048, with B chosen so that q + k take 160 MiB in every dtype (this machine's
-           last-level cache is 32 MiB, so nothing is timed from cache);
+  prefill  S = 2048, with B chosen so that q + k take 160 MiB in every dtype, 5x the 32 MiB
+           of last-level cache the issue assumed (lscpu here reports 8 MiB of L3), so nothing is
+           timed from cache;
   decode   S = 1, B in 1, 4, 16, 32, each sequence at its own position (cos/sin are (B, 1, 1, D)).
 Layouts (x's shape, and what the storage is):
   hf_view  (B, H, S, D) view over (B, S, H, D) storage: q_proj(x).view(B, S, H, D).transpose(1, 2)
