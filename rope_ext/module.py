@@ -8,6 +8,7 @@ from torch import nn
 
 from rope_ext import positions as P
 from rope_ext._ops import rotary_qk
+from rope_ext._validate import require_bool, require_int_list, require_number, require_tensor
 from rope_ext.scaling import RopeSchedule
 
 __all__ = ["RotaryEmbedding"]
@@ -72,7 +73,9 @@ class RotaryEmbedding(nn.Module):
             raise ValueError("rope_ext.RotaryEmbedding: give rotary_dim or partial_rotary_factor, not both")
         if scaling and "partial_rotary_factor" in scaling and partial_rotary_factor is None and rotary_dim is None:
             partial_rotary_factor = scaling["partial_rotary_factor"]
+        require_bool(interleaved, "interleaved")
         if partial_rotary_factor is not None:
+            require_number(partial_rotary_factor, "partial_rotary_factor")
             if not 0 < partial_rotary_factor <= 1:
                 raise ValueError(
                     f"rope_ext.RotaryEmbedding: partial_rotary_factor must be in (0, 1], got {partial_rotary_factor!r}"
@@ -90,11 +93,11 @@ class RotaryEmbedding(nn.Module):
             )
         if layout not in LAYOUTS:
             raise ValueError(f"rope_ext.RotaryEmbedding: layout must be one of {LAYOUTS}, got {layout!r}")
-        if xpos_scale_base is not None and not xpos_scale_base > 0:
-            raise ValueError(f"rope_ext.RotaryEmbedding: xpos_scale_base must be > 0, got {xpos_scale_base!r}")
+        if xpos_scale_base is not None:
+            require_number(xpos_scale_base, "xpos_scale_base")
         if mrope_section is not None and xpos_scale_base is not None:
             raise ValueError("rope_ext.RotaryEmbedding: xPos and M-RoPE cannot be combined")
-        if mrope_section is not None and (sum(mrope_section) != rotary_dim // 2 or any(s <= 0 for s in mrope_section)):
+        if mrope_section is not None and sum(require_int_list(mrope_section, "mrope_section")) != rotary_dim // 2:
             raise ValueError(
                 f"rope_ext.RotaryEmbedding: mrope_section must be positive sizes summing to "
                 f"rotary_dim/2 = {rotary_dim // 2}, got {mrope_section!r}"
@@ -174,9 +177,13 @@ class RotaryEmbedding(nn.Module):
         default (pass ``dtype=x.dtype`` for HF's cast).
         """
         P.check_positions(position_ids)
+        return self._cos_sin(position_ids, dtype)
+
+    def _cos_sin(self, position_ids, dtype=torch.float32):
+        """cos_sin for checked position_ids."""
         inv = self._inv_freq_for(position_ids)
         if self.mrope_section is None:
-            return P.cos_sin_tables(
+            return P._tables(
                 position_ids, inv, interleaved=self.interleaved, scale=self.attention_factor, dtype=dtype
             )
         if position_ids.dim() < 1 or position_ids.shape[0] != 3:
@@ -186,7 +193,7 @@ class RotaryEmbedding(nn.Module):
             )
         # Frequency j follows stream k (temporal, height, width) of the section it falls in.
         stream = torch.cat([torch.full((s,), i % 3) for i, s in enumerate(self.mrope_section)]).to(position_ids.device)
-        cos, sin = P.cos_sin_tables(
+        cos, sin = P._tables(
             position_ids, inv, interleaved=False, scale=self.attention_factor, dtype=torch.float64
         )  # (3, B, S, r): the two halves repeat
         half = self.rotary_dim // 2
@@ -231,16 +238,30 @@ class RotaryEmbedding(nn.Module):
         Returns:
             ``(q_out, k_out)``, rotated, with q's and k's shapes, dtypes and layouts.
         """
-        if position_ids is not None and not (isinstance(offset, int) and offset == 0):
-            raise ValueError("rope_ext.RotaryEmbedding: give position_ids or offset, not both")
+        require_tensor(q, "q")
+        require_tensor(k, "k")
+        if position_ids is not None:
+            P.check_positions(position_ids)
+            if not (isinstance(offset, int) and offset == 0):
+                raise ValueError("rope_ext.RotaryEmbedding: give position_ids or offset, not both")
+        streams = () if self.mrope_section is None else (3,)
         if cu_seqlens is not None:
             if q.dim() != 3:
                 raise ValueError(
                     f"rope_ext.RotaryEmbedding: with cu_seqlens, q and k must be packed (T, H, D), "
                     f"got q of shape {tuple(q.shape)}"
                 )
-            pos = P.packed_positions(cu_seqlens, q.shape[0], offset) if position_ids is None else position_ids
-            return self._rotate(q, k, pos, lambda t: t[:, None, :])
+            T = q.shape[0]
+            if position_ids is None:
+                position_ids = P.packed_positions(cu_seqlens, T, offset, name="offset")
+            else:
+                P.check_cu_seqlens(cu_seqlens, T)
+                if P._validating() and tuple(position_ids.shape) != (*streams, T):
+                    raise ValueError(
+                        f"rope_ext.RotaryEmbedding: position_ids of packed q must have shape {(*streams, T)}, "
+                        f"got {tuple(position_ids.shape)}"
+                    )
+            return self._rotate(q, k, position_ids, lambda t: t[:, None, :])
         if q.dim() != 4:
             raise ValueError(
                 f"rope_ext.RotaryEmbedding: q must be 4-D ({'B, H, S, D' if self.layout == 'bhsd' else 'B, S, H, D'}"
@@ -249,14 +270,23 @@ class RotaryEmbedding(nn.Module):
         B, S = q.shape[0], q.shape[2] if self.layout == "bhsd" else q.shape[1]
         if position_ids is None:
             position_ids = P.sequence_positions(B, S, offset, device=q.device)
-        elif position_ids.dim() == 1 + (self.mrope_section is not None):  # (S,): shared by the batch
-            position_ids = position_ids.unsqueeze(-2)
+        else:
+            # Checked in eager only: comparing symbolic sizes would add guards while tracing (the op
+            # checks the broadcast there, naming cos/sin).
+            shape = tuple(position_ids.shape)
+            if P._validating() and shape not in ((*streams, S), (*streams, 1, S), (*streams, B, S)):
+                raise ValueError(
+                    f"rope_ext.RotaryEmbedding: position_ids must have shape {(*streams, B, S)} or "
+                    f"{(*streams, S)} for q of shape {tuple(q.shape)}, got {shape}"
+                )
+            if len(shape) == len(streams) + 1:  # (S,): shared by the batch
+                position_ids = position_ids.unsqueeze(-2)
         # tables (B, S, r) -> broadcast over heads
         to_layout = (lambda t: t[..., None, :, :]) if self.layout == "bhsd" else (lambda t: t[..., None, :])
         return self._rotate(q, k, position_ids, to_layout)
 
     def _rotate(self, q, k, position_ids, to_layout):
-        cos, sin = self.cos_sin(position_ids)
+        cos, sin = self._cos_sin(position_ids)
         if self.xpos_scale_base is None:
             return rotary_qk(q, k, to_layout(cos), to_layout(sin), interleaved=self.interleaved)
         scale = self._xpos_scale(position_ids)

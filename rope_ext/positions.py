@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["sequence_positions", "packed_positions", "cos_sin_tables", "check_positions"]
+from rope_ext._validate import require_float_tensor, require_int64_span
+
+__all__ = ["sequence_positions", "packed_positions", "cos_sin_tables", "check_positions", "check_cu_seqlens"]
 
 
 def _validating() -> bool:
@@ -33,33 +35,38 @@ def check_positions(positions: torch.Tensor, name: str = "position_ids") -> None
         raise ValueError(f"rope_ext: {name} must be >= 0, got a minimum of {int(positions.min())}")
 
 
-def sequence_positions(batch: int, seqlen: int, offset=0, device=None) -> torch.Tensor:
+def _check_offsets(offset, count: int, span: int, name: str, what: str) -> None:
+    """offset: an int, or a (count,) integer tensor (`what` names that shape); each offset plus
+    the span - 1 further tokens of its sequence must fit in int64."""
+    if isinstance(offset, torch.Tensor):
+        check_positions(offset, name)
+        if offset.shape != (count,):
+            raise ValueError(f"rope_ext: {name} must have shape {what} = ({count},), got {tuple(offset.shape)}")
+        if _validating() and offset.numel():
+            require_int64_span(int(offset.max()), span, name)
+        return
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"rope_ext: {name} must be an int or a {what} integer tensor, got {type(offset).__name__}")
+    if offset < 0:
+        raise ValueError(f"rope_ext: {name} must be >= 0, got {offset}")
+    require_int64_span(offset, span, name)
+
+
+def sequence_positions(batch: int, seqlen: int, offset=0, device=None, *, name: str = "offset") -> torch.Tensor:
     """(batch, seqlen) int64 positions ``offset + arange(seqlen)``.
 
     offset: an int, or a (batch,) integer tensor of per-row offsets (cached lengths).
+    name: what the caller calls offset, for error messages.
     """
+    _check_offsets(offset, batch, seqlen, name, "(batch,)")
     steps = torch.arange(seqlen, device=device)
     if isinstance(offset, torch.Tensor):
-        check_positions(offset, "offset")
-        if offset.dim() != 1 or offset.shape[0] != batch:
-            raise ValueError(
-                f"rope_ext: a tensor offset must have shape (batch,) = ({batch},), got {tuple(offset.shape)}"
-            )
         return offset.to(device=device, dtype=torch.int64)[:, None] + steps
-    if isinstance(offset, bool) or not isinstance(offset, int):
-        raise TypeError(f"rope_ext: offset must be an int or a (batch,) integer tensor, got {type(offset).__name__}")
-    if offset < 0:
-        raise ValueError(f"rope_ext: offset must be >= 0, got {offset}")
     return (steps + offset).expand(batch, seqlen)
 
 
-def packed_positions(cu_seqlens: torch.Tensor, total: int, offsets=0) -> torch.Tensor:
-    """(total,) positions of packed sequences: token t of sequence j gets t - cu_seqlens[j]
-    (+ offsets[j] when per-sequence offsets are given).
-
-    cu_seqlens: (N+1,) integer tensor, 0 = cu_seqlens[0] <= ... <= cu_seqlens[N] = total.
-    Zero-length sequences are allowed.
-    """
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Validates (N+1,) cumulative lengths 0 = cu[0] <= ... <= cu[N] = total; returns them as int64."""
     check_positions(cu_seqlens, "cu_seqlens")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"rope_ext: cu_seqlens must have shape (num_seqs + 1,), got {tuple(cu_seqlens.shape)}")
@@ -72,16 +79,24 @@ def packed_positions(cu_seqlens: torch.Tensor, total: int, offsets=0) -> torch.T
             )
         if bool((cu[1:] < cu[:-1]).any()):
             raise ValueError("rope_ext: cu_seqlens must be non-decreasing")
+    return cu
+
+
+def packed_positions(cu_seqlens: torch.Tensor, total: int, offsets=0, *, name: str = "offsets") -> torch.Tensor:
+    """(total,) positions of packed sequences: token t of sequence j gets t - cu_seqlens[j]
+    (+ offsets[j] when per-sequence offsets are given).
+
+    cu_seqlens: (N+1,) integer tensor, 0 = cu_seqlens[0] <= ... <= cu_seqlens[N] = total.
+    Zero-length sequences are allowed.
+    offsets: an int added to every position, or a (N,) integer tensor of per-sequence offsets.
+    name: what the caller calls offsets, for error messages.
+    """
+    cu = check_cu_seqlens(cu_seqlens, total)
+    _check_offsets(offsets, cu.shape[0] - 1, total, name, "(num_seqs,)")
     tokens = torch.arange(total, device=cu.device)
     seq = torch.searchsorted(cu[1:], tokens, right=True)  # the sequence each token belongs to
     pos = tokens - cu[seq]
     if isinstance(offsets, torch.Tensor):
-        check_positions(offsets, "seqlen_offsets")
-        if offsets.shape != (cu.shape[0] - 1,):
-            raise ValueError(
-                f"rope_ext: per-sequence offsets must have shape (num_seqs,) = ({cu.shape[0] - 1},), "
-                f"got {tuple(offsets.shape)}"
-            )
         return pos + offsets.to(device=cu.device, dtype=torch.int64)[seq]
     return pos + offsets
 
@@ -98,7 +113,19 @@ def cos_sin_tables(
 
     Angles are computed in float64 whatever the autocast or TF32 state; ``scale`` (the
     attention factor, or xPos scales broadcastable to (..., r/2)) multiplies both tables.
+
+    positions: integer tensor of non-negative positions, any shape.
+    inv_freq: ``(rotary_dim / 2,)`` floating-point frequencies.
     """
+    check_positions(positions, "positions")
+    require_float_tensor(inv_freq, "inv_freq")
+    if inv_freq.dim() != 1:
+        raise ValueError(f"rope_ext: inv_freq must be 1-D, (rotary_dim / 2,), got shape {tuple(inv_freq.shape)}")
+    return _tables(positions, inv_freq, interleaved=interleaved, scale=scale, dtype=dtype)
+
+
+def _tables(positions, inv_freq, *, interleaved, scale, dtype):
+    """cos_sin_tables without the checks, for callers that have made them."""
     with torch.autocast(positions.device.type, enabled=False):
         angles = positions.to(torch.float64)[..., None] * inv_freq.to(device=positions.device, dtype=torch.float64)
         cos, sin = angles.cos() * scale, angles.sin() * scale

@@ -89,7 +89,7 @@ def parse_scaling(scaling: dict | None) -> tuple[str, dict]:
             f"rope_ext: scaling must be a dict in HF's rope_parameters form or None, got {type(scaling).__name__}"
         )
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in _KEYS:
+    if not isinstance(rope_type, str) or rope_type not in _KEYS:
         raise ValueError(f"rope_ext: scaling['rope_type'] must be one of {list(ROPE_TYPES)}, got {rope_type!r}")
     allowed, required = _KEYS[rope_type]
     unknown = set(scaling) - allowed - _COMMON
@@ -132,7 +132,10 @@ class RopeSchedule:
         cls, scaling: dict | None, *, base: float, rotary_dim: int, max_position_embeddings: int
     ) -> RopeSchedule:
         rope_type, cfg = parse_scaling(scaling)
-        base = _number(cfg, "rope_theta", default=base)
+        if "rope_theta" in cfg and cfg["rope_theta"] is not None:
+            base = _number(cfg, "rope_theta")
+        elif isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 0:
+            raise ValueError(f"rope_ext: base must be a finite positive number, got {base!r}")
         d = rotary_dim
         if not isinstance(d, int) or d <= 0 or d % 2:
             raise ValueError(f"rope_ext: rotary_dim must be a positive even int, got {d!r}")

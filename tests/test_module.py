@@ -218,7 +218,7 @@ MODULE_BAD = {
     "bad_layout": (dict(dim=64, layout="sbhd"), ValueError, "layout must be one of"),
     "bad_mrope_section": (dict(dim=64, mrope_section=[8, 8, 8]), ValueError, "mrope_section must be positive sizes"),
     "unknown_rope_type": (dict(dim=64, scaling={"rope_type": "ntk-by-parts"}), ValueError, "rope_type"),
-    "zero_base": (dict(dim=64, base=0.0), ValueError, "rope_theta"),
+    "zero_base": (dict(dim=64, base=0.0), ValueError, r"base must be a finite positive number, got 0.0"),
 }
 
 

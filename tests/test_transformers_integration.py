@@ -140,6 +140,21 @@ def test_patch_all_unpatch_and_refusals():
     assert rope_hf.patched_families() == []  # nothing half-patched
 
 
+def test_one_family_by_name():
+    """patch and unpatch take one family name as a str, not as its characters."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.apply_rotary_pos_emb
+    assert rope_hf.patch("llama") == ["llama"]
+    try:
+        assert modeling_llama.apply_rotary_pos_emb is not original
+        assert rope_hf.unpatch("mistral") == []  # not patched: nothing to restore
+    finally:
+        assert rope_hf.unpatch("llama") == ["llama"]
+    assert modeling_llama.apply_rotary_pos_emb is original
+    assert rope_hf.patched_families() == []
+
+
 def test_refuses_a_changed_signature(monkeypatch):
     from transformers.models.llama import modeling_llama
 

@@ -6,6 +6,7 @@ import torch
 
 from rope_ext import positions as P
 from rope_ext._ops import rotary, rotary_
+from rope_ext._validate import require_bool, require_float_tensor, require_tensor
 
 __all__ = ["apply_rotary_emb"]
 
@@ -30,22 +31,36 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
         x rotated: ``(batch, seqlen, nheads, headdim)`` or ``(total_seqlen, nheads, headdim)``.
         Positions past ``seqlen_ro`` raise a ValueError rather than read out of bounds.
     """
+    require_tensor(x, "x")
+    require_bool(interleaved, "interleaved")
     for name, t in (("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        require_float_tensor(t, name)
+        if t.dim() != 2:
+            raise ValueError(f"rope_ext: {name} must be a (seqlen_ro, rotary_dim / 2) tensor, got {tuple(t.shape)}")
+        if t.device != x.device:
             raise ValueError(
-                f"rope_ext: {name} must be a (seqlen_ro, rotary_dim / 2) tensor, got "
-                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                f"rope_ext: x, cos and sin must be on the same device, got x on {x.device}, {name} on {t.device}"
             )
     if cu_seqlens is None:
         if x.dim() != 4:
             raise ValueError(f"rope_ext: x must be (batch, seqlen, nheads, headdim), got {tuple(x.shape)}")
-        pos = P.sequence_positions(x.shape[0], x.shape[1], seqlen_offsets, device=x.device)  # (B, S)
+        B, S = x.shape[0], x.shape[1]
+        pos = P.sequence_positions(B, S, seqlen_offsets, device=x.device, name="seqlen_offsets")  # (B, S)
     else:
         if x.dim() != 3:
             raise ValueError(
                 f"rope_ext: with cu_seqlens, x must be (total_seqlen, nheads, headdim), got {tuple(x.shape)}"
             )
-        pos = P.packed_positions(cu_seqlens, x.shape[0], seqlen_offsets)  # (T,)
+        pos = P.packed_positions(cu_seqlens, x.shape[0], seqlen_offsets, name="seqlen_offsets")  # (T,)
+    if sin.shape != cos.shape:
+        raise ValueError(
+            f"rope_ext: cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    if 2 * cos.shape[1] > x.shape[-1]:
+        raise ValueError(
+            f"rope_ext: rotary_dim = 2 * cos.size(1) = {2 * cos.shape[1]} exceeds the head dim "
+            f"x.size(-1) = {x.shape[-1]}"
+        )
     if not torch.compiler.is_compiling() and pos.numel() and int(pos.max()) >= cos.shape[0]:
         raise ValueError(
             f"rope_ext: position {int(pos.max())} (from seqlen_offsets and the sequence length) is "

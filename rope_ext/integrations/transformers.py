@@ -74,6 +74,17 @@ def _modeling_module(family):
     return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
 
 
+def _family_names(model_types) -> list[str]:
+    """A family name or an iterable of them, as a list of str."""
+    if isinstance(model_types, str):
+        return [model_types]
+    if isinstance(model_types, (list, tuple, set, frozenset)) and all(isinstance(f, str) for f in model_types):
+        return list(model_types)
+    raise TypeError(
+        f"rope_ext: model_types must be a family name, a list of them or None, got {type(model_types).__name__}"
+    )
+
+
 def patch(model_types=None) -> Patched:
     """Switch transformers model families onto rope_ext.
 
@@ -90,8 +101,7 @@ def patch(model_types=None) -> Patched:
             replaces. Nothing is patched then: all checks run before any change.
     """
     explicit = model_types is not None
-    families = list(SUPPORTED) if model_types is None else [model_types] if isinstance(model_types, str) \
-        else list(model_types)
+    families = list(SUPPORTED) if model_types is None else _family_names(model_types)
     unknown = [f for f in families if f not in SUPPORTED]
     if unknown:
         raise ValueError(f"rope_ext: cannot patch {unknown}: supported transformers families are {sorted(SUPPORTED)}")
@@ -123,7 +133,8 @@ def patch(model_types=None) -> Patched:
 def unpatch(model_types=None) -> list[str]:
     """Restore transformers' own functions for the given families (default: all patched ones)."""
     with _lock:
-        families = list(_originals) if model_types is None else [f for f in model_types if f in _originals]
+        named = list(_originals) if model_types is None else _family_names(model_types)
+        families = [f for f in named if f in _originals]
         for family in families:
             module, original = _originals.pop(family)
             module.apply_rotary_pos_emb = original
