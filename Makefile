@@ -6,7 +6,7 @@ PIP := $(PYTHON) -m pip
 SOURCES := setup.py pyproject.toml $(shell find csrc -name '*.cpp' -o -name '*.h')
 STAMP := build/.installed
 
-.PHONY: setup test bench lint cuda-check clean FORCE
+.PHONY: setup test bench lint cuda-check sanitize clean FORCE
 
 setup: $(STAMP)
 
@@ -30,6 +30,12 @@ bench: setup
 # under build/, about 5.5 GB); no GPU needed. See tools/cuda_check.sh.
 cuda-check:
 	bash tools/cuda_check.sh
+
+# Build the CPU extension with AddressSanitizer + UndefinedBehaviorSanitizer into build/sanitize
+# (the editable build in rope_ext/ is left alone) and run the core and fuzz tests against it;
+# any sanitizer report fails. `setup` provides torch and the test dependencies. See tools/sanitize.sh.
+sanitize: setup
+	PYTHON=$(PYTHON) bash tools/sanitize.sh
 
 lint:
 	$(PYTHON) -m ruff check rope_ext tests benchmarks setup.py
