@@ -118,7 +118,7 @@ setup(
         Extension(
             "rope_ext._C",
             sources(CUDA),
-            include_dirs=[str(ROOT / "csrc")],
+            include_dirs=[str(ROOT / "csrc"), str(ROOT / "csrc" / "include")],
             define_macros=([("ROPE_EXT_HAVE_AVX", None)] if X86 else []) + ([("ROPE_EXT_CUDA", None)] if CUDA else []),
             extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
             extra_link_args=["-fopenmp"] + (["-g"] if DEBUG else []),

@@ -23,6 +23,8 @@
 #include <optional>
 #include <tuple>
 
+#include "registration.h"
+
 namespace rope_ext {
 namespace {
 
@@ -198,7 +200,7 @@ void rotary_inplace_autograd(at::Tensor& x, const at::Tensor& cos, const at::Ten
     TORCH_CHECK(needs == nullptr, "rope_ext.rotary_: ", needs,
                 " requires grad, but the in-place op records no gradient. Use rope_ext.rotary "
                 "(out of place) for training, or call rotary_ under torch.no_grad() or "
-                "torch.inference_mode()");
+                "torch.inference_mode() (in C++: at::NoGradGuard or c10::InferenceMode)");
   }
   {
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -213,8 +215,8 @@ void rotary_inplace_autograd(at::Tensor& x, const at::Tensor& cos, const at::Ten
 }  // namespace
 }  // namespace rope_ext
 
-TORCH_LIBRARY_IMPL(rope_ext, Autograd, m) {
-  m.impl("rotary", &rope_ext::rotary_autograd);
-  m.impl("rotary_qk", &rope_ext::rotary_qk_autograd);
-  m.impl("rotary_", &rope_ext::rotary_inplace_autograd);
+void rope_ext::register_autograd_kernels(torch::Library& m) {
+  m.impl("rotary", &rotary_autograd);
+  m.impl("rotary_qk", &rotary_qk_autograd);
+  m.impl("rotary_", &rotary_inplace_autograd);
 }

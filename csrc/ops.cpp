@@ -1,12 +1,28 @@
-// The one place where rope_ext's operator schemas are defined. Backends register their
-// kernels next to their code with TORCH_LIBRARY_IMPL(rope_ext, <Backend>, m); autograd
-// kernels are in autograd.cpp, and fake (meta) kernels are registered from Python in
-// rope_ext/_ops.py.
+// The one place where rope_ext's operator schemas are defined and every kernel is registered.
+// Backends provide their kernels through registration.h; fake (meta) kernels are registered from
+// Python in rope_ext/_ops.py.
+//
+// Registration happens once per process, even when two copies of this code are loaded: the
+// Python extension (rope_ext/_C*.so) and the C++ library of the CMake build (librope_ext.so),
+// say in a C++ program that embeds Python. Each copy defines the schemas only if no copy has,
+// and registers a dispatch key's kernels only if that key has none yet, so the first copy
+// serves and a later CUDA-enabled copy still adds its CUDA kernels. (TORCH_LIBRARY would abort
+// the second load: it allows one definition of a namespace per process.)
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include "cpu/rotary_cpu.h"
+#include <memory>
+#include <optional>
+#include <vector>
 
-TORCH_LIBRARY(rope_ext, m) {
+#include "cpu/rotary_cpu.h"
+#include "frequencies.h"
+#include "registration.h"
+
+namespace rope_ext {
+namespace {
+
+void define_schemas(torch::Library& m) {
   // out = x * cos + R(x) * sin on the first r = cos.size(-1) columns of x; the rest pass
   // through. R pairs columns (i, i + r/2), or (2i, 2i + 1) when interleaved. conjugate
   // applies the transpose of that linear map. cos/sin broadcast against x.shape[:-1] + (r,).
@@ -37,4 +53,66 @@ TORCH_LIBRARY(rope_ext, m) {
 
   // Test hook: how many threads at::parallel_for uses for n items, as built here.
   m.def("_parallel_threads_used(int n) -> int", &rope_ext::cpu::parallel_threads_used);
+
+  // Frequencies and tables (frequencies.cpp; the C++ API's rope_frequencies, inv_freq_for and
+  // cos_sin_tables). Composite: under torch.compile they trace into ATen ops.
+  m.def(
+      "_rope_frequencies(str rope_type, float base, int rotary_dim, int max_position_embeddings, "
+      "float? factor=None, int? original_max_position_embeddings=None, float? attention_factor=None, "
+      "float? beta_fast=None, float? beta_slow=None, float? mscale=None, float? mscale_all_dim=None, "
+      "bool truncate=True, float? low_freq_factor=None, float? high_freq_factor=None, "
+      "float[] short_factor=[], float[] long_factor=[]) -> (Tensor, Tensor, float, int, float)",
+      &rope_frequencies_op);
+  m.def(
+      "_inv_freq_for(Tensor inv_freq, Tensor? inv_freq_long, str rope_type, float base, int rotary_dim, "
+      "int switch_len, float factor, Tensor max_position) -> Tensor",
+      &inv_freq_for_length);
+  m.def(
+      "cos_sin_tables(Tensor positions, Tensor inv_freq, bool interleaved=False, float scale=1.0, "
+      "ScalarType? dtype=None) -> (Tensor, Tensor)",
+      &cos_sin_tables_impl);
 }
+
+bool defined() {
+  return c10::Dispatcher::singleton().findSchema({"rope_ext::rotary", ""}).has_value();
+}
+
+bool has_kernel(c10::DispatchKey key) {
+  const auto op = c10::Dispatcher::singleton().findSchema({"rope_ext::rotary", ""});
+  return op.has_value() && op->hasKernelForDispatchKey(key);
+}
+
+void register_cpu(torch::Library& m) {
+  register_cpu_kernels(m);
+  register_cuda_emulation(m);
+}
+
+class Registration {
+ public:
+  Registration() {
+    if (!defined()) add(torch::Library::DEF, std::nullopt, &define_schemas);
+    if (!has_kernel(c10::DispatchKey::CPU)) add(torch::Library::IMPL, c10::DispatchKey::CPU, &register_cpu);
+#ifdef ROPE_EXT_CUDA
+    if (!has_kernel(c10::DispatchKey::CUDA)) {
+      add(torch::Library::IMPL, c10::DispatchKey::CUDA, &register_cuda_kernels);
+    }
+#endif
+    if (!has_kernel(c10::DispatchKey::Autograd)) {
+      add(torch::Library::IMPL, c10::DispatchKey::Autograd, &register_autograd_kernels);
+    }
+  }
+
+ private:
+  void add(torch::Library::Kind kind, std::optional<c10::DispatchKey> key, void (*fill)(torch::Library&)) {
+    libraries_.push_back(std::make_unique<torch::Library>(kind, "rope_ext", key, __FILE__, __LINE__));
+    fill(*libraries_.back());
+  }
+  // Alive as long as the library is loaded: a torch::Library deregisters what it registered
+  // when destroyed.
+  std::vector<std::unique_ptr<torch::Library>> libraries_;
+};
+
+const Registration registration;
+
+}  // namespace
+}  // namespace rope_ext

@@ -125,12 +125,8 @@ def cos_sin_tables(
 
 
 def _tables(positions, inv_freq, *, interleaved, scale, dtype):
-    """cos_sin_tables without the checks, for callers that have made them."""
-    with torch.autocast(positions.device.type, enabled=False):
-        angles = positions.to(torch.float64)[..., None] * inv_freq.to(device=positions.device, dtype=torch.float64)
-        cos, sin = angles.cos() * scale, angles.sin() * scale
-        if interleaved:
-            cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
-        else:
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-    return cos.to(dtype), sin.to(dtype)
+    """cos_sin_tables without the checks, for callers that have made them. The tables are the C++
+    op's (csrc/frequencies.cpp, shared with the C++ API; composite, so torch.compile traces it);
+    the scale is applied here, in float64, so that torch.compile can keep it symbolic."""
+    cos, sin = torch.ops.rope_ext.cos_sin_tables(positions, inv_freq, interleaved, 1.0, torch.float64)
+    return (cos * scale).to(dtype), (sin * scale).to(dtype)

@@ -1,11 +1,12 @@
 """RoPE frequency schedules: the inverse frequencies theta_i and attention factor of each of HF's
 ``rope_type`` values, from a config dict in HF's ``rope_scaling`` / ``rope_parameters`` form.
 
-Everything is computed in float64 from the published formulas (HF computes in float32; ours are
-the correctly rounded values, within a few float32 ulps of HF's). A :class:`RopeSchedule` holds
-the static part; the two position-dependent types, ``dynamic`` and ``longrope``, are resolved
-per call by :meth:`RopeSchedule.inv_freq` from the largest position in the batch, as pure tensor
-math (no Python state, no host sync, nothing for torch.compile to recompile on).
+Everything is computed in float64 from the published formulas, in C++ (csrc/frequencies.cpp, which
+the C++ API shares; HF computes in float32, and ours are within a few float32 ulps of HF's).
+A :class:`RopeSchedule` holds the static part; the two position-dependent types, ``dynamic`` and
+``longrope``, are resolved per call by :meth:`RopeSchedule.inv_freq` from the largest position in
+the batch, as pure tensor math (no Python state, no host sync, nothing for torch.compile to
+recompile on).
 
 =========  ===================================================================================
 type       what it does (keys besides ``rope_type``, ``rope_theta``, ``partial_rotary_factor``)
@@ -137,7 +138,7 @@ class RopeSchedule:
         elif isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 0:
             raise ValueError(f"rope_ext: base must be a finite positive number, got {base!r}")
         d = rotary_dim
-        if not isinstance(d, int) or d <= 0 or d % 2:
+        if isinstance(d, bool) or not isinstance(d, int) or d <= 0 or d % 2:
             raise ValueError(f"rope_ext: rotary_dim must be a positive even int, got {d!r}")
         if (
             isinstance(max_position_embeddings, bool)
@@ -147,39 +148,43 @@ class RopeSchedule:
             raise ValueError(
                 f"rope_ext: max_position_embeddings must be a positive int, got {max_position_embeddings!r}"
             )
-        # Config-time math runs on the CPU, even under a `with torch.device("meta")` block.
-        exponent = torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d
-        inv = base**-exponent
-        long, attention, switch, factor = None, 1.0, max_position_embeddings, 1.0
-        original = int(_number(cfg, "original_max_position_embeddings", default=max_position_embeddings))
-
+        # The checks here name the config's keys; the numbers come from the C++ implementation
+        # (csrc/frequencies.cpp, shared with the C++ API), which fills in transformers' defaults.
+        args = {
+            "original_max_position_embeddings": int(
+                _number(cfg, "original_max_position_embeddings", default=max_position_embeddings)
+            ),
+            "truncate": bool(cfg.get("truncate", True)),
+        }
+        for key in ("factor", "attention_factor", "beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor"):
+            if cfg.get(key) is not None:
+                args[key] = _number(cfg, key)
+        for key in ("mscale", "mscale_all_dim"):  # transformers treats 0 as unset
+            if cfg.get(key) is not None:
+                args[key] = _number(cfg, key, positive=False)
         if rope_type in ("linear", "dynamic", "llama3"):
             factor = _number(cfg, "factor")
             if factor < 1:
                 raise ValueError(f"rope_ext: scaling['factor'] must be >= 1 for rope_type {rope_type!r}, got {factor}")
-        if rope_type == "linear":
-            inv = inv / factor
-        elif rope_type == "dynamic":
-            if d <= 2:
-                raise ValueError("rope_ext: dynamic NTK scaling needs rotary_dim > 2")
-        elif rope_type == "yarn":
-            inv, attention, factor = _yarn(cfg, base, d, inv, max_position_embeddings, original)
-        elif rope_type == "longrope":
-            short, long_f = (_factors(cfg, k, d) for k in ("short_factor", "long_factor"))
-            factor = _number(cfg, "factor", default=max_position_embeddings / original)
-            default_attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-            attention = _number(cfg, "attention_factor", default=default_attention)
-            inv, long = inv / short, inv / long_f
-            switch = original
-        elif rope_type == "llama3":
-            inv = _llama3(cfg, inv, factor, original)
+        if rope_type == "dynamic" and d <= 2:
+            raise ValueError("rope_ext: dynamic NTK scaling needs rotary_dim > 2")
+        if rope_type == "longrope":
+            args["short_factor"], args["long_factor"] = (_factors(cfg, k, d) for k in ("short_factor", "long_factor"))
+        if rope_type == "llama3" and not args["low_freq_factor"] < args["high_freq_factor"]:
+            raise ValueError(
+                f"rope_ext: scaling['low_freq_factor'] ({args['low_freq_factor']}) must be < "
+                f"scaling['high_freq_factor'] ({args['high_freq_factor']})"
+            )
+        inv, long, attention, switch, factor = torch.ops.rope_ext._rope_frequencies(
+            rope_type, float(base), d, max_position_embeddings, **args
+        )
         return cls(
             rope_type,
             d,
-            base,
+            float(base),
             tuple(inv.tolist()),
-            None if long is None else tuple(long.tolist()),
-            float(attention),
+            tuple(long.tolist()) if rope_type == "longrope" else None,
+            attention,
             switch,
             factor,
         )
@@ -193,6 +198,9 @@ class RopeSchedule:
         inv = torch.tensor(self.inv_freq_base, dtype=torch.float64, device=device)
         if max_position is None or self.rope_type not in ("dynamic", "longrope"):
             return inv
+        # Python rather than the C++ op _inv_freq_for: the same formula, but here torch.compile
+        # keeps base and factor symbolic (a float argument of a custom op would be specialized).
+        # tests/test_scaling.py checks that both give the same numbers.
         length = max_position.to(device=device, dtype=torch.float64) + 1
         if self.rope_type == "longrope":
             long = torch.tensor(self.inv_freq_long, dtype=torch.float64, device=device)
@@ -204,7 +212,7 @@ class RopeSchedule:
         return base ** -(torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
 
 
-def _factors(cfg, key, d):
+def _factors(cfg, key, d) -> list[float]:
     v = cfg[key]
     if (
         not isinstance(v, (list, tuple))
@@ -215,47 +223,4 @@ def _factors(cfg, key, d):
             f"rope_ext: scaling[{key!r}] must be a list of rotary_dim/2 = {d // 2} positive numbers, "
             f"got {v if not isinstance(v, (list, tuple)) else f'{len(v)} values'}"
         )
-    return torch.tensor(v, dtype=torch.float64, device="cpu")
-
-
-def _yarn(cfg, base, d, inv, max_pos, original):
-    """YaRN (Peng et al., 2023) as in HF: returns (inv_freq, attention_factor, factor)."""
-    factor = _number(cfg, "factor", default=max_pos / original)
-
-    def mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention = cfg.get("attention_factor")
-    if attention is None:
-        m, m_all = cfg.get("mscale"), cfg.get("mscale_all_dim")
-        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    attention = _number({"attention_factor": attention}, "attention_factor")
-    beta_fast = _number(cfg, "beta_fast", default=32)
-    beta_slow = _number(cfg, "beta_slow", default=1)
-
-    def correction_dim(rotations):  # the dim whose wavelength fits `rotations` times into `original`
-        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if cfg.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, d - 1)
-    if low == high:
-        high += 0.001  # HF's guard against a zero-width ramp
-    ramp = ((torch.arange(d // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
-    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate by factor
-    return (inv / factor) * ramp + inv * extrapolation, float(attention), factor
-
-
-def _llama3(cfg, inv, factor, original):
-    """Llama 3.1's frequency-dependent scaling."""
-    low, high = _number(cfg, "low_freq_factor"), _number(cfg, "high_freq_factor")
-    if not low < high:
-        raise ValueError(f"rope_ext: scaling['low_freq_factor'] ({low}) must be < scaling['high_freq_factor'] ({high})")
-    wavelen = 2 * math.pi / inv
-    low_wavelen, high_wavelen = original / low, original / high
-    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
-    smooth = (original / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
+    return [float(f) for f in v]

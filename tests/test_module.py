@@ -265,3 +265,19 @@ def test_packed_bad_cu_seqlens(name):
     m = rope_ext.RotaryEmbedding(16)
     with pytest.raises((ValueError, TypeError), match=msg):
         m(torch.zeros(5, 2, 16), torch.zeros(5, 1, 16), cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half_split", "interleaved"])
+def test_cos_sin_tables_op_passes_opcheck_and_matches_the_formula(interleaved):
+    """The tables op (C++, composite: shared with the C++ API) under torch.library.opcheck (schema,
+    fake tensors, autograd registration, AOT dispatch), and against cos/sin of position * theta
+    computed here in float64."""
+    pos = torch.tensor([[0, 3, 7, 100000]])
+    inv = inv_freq(16, BASE)
+    op = torch.ops.rope_ext.cos_sin_tables.default
+    torch.library.opcheck(op, (pos, inv, interleaved, 0.5, torch.float32))
+    cos, sin = op(pos, inv, interleaved, 0.5, torch.float64)
+    angles = pos.double()[..., None] * inv.double()
+    full = angles.repeat_interleave(2, -1) if interleaved else torch.cat([angles, angles], -1)
+    torch.testing.assert_close(cos, 0.5 * full.cos(), rtol=0, atol=1e-15)
+    torch.testing.assert_close(sin, 0.5 * full.sin(), rtol=0, atol=1e-15)

@@ -1,5 +1,6 @@
 // ATen glue for the CPU: checks, allocation, choice of kernel variant, registration.
 #include "cpu/rotary_cpu.h"
+#include "registration.h"
 #include "rotary_ops.h"
 
 #include <ATen/Version.h>
@@ -82,8 +83,8 @@ void run(const at::Tensor& x, at::Tensor& out, const at::Tensor& cos, const at::
 
 }  // namespace rope_ext::cpu
 
-TORCH_LIBRARY_IMPL(rope_ext, CPU, m) {
-  using Ops = rope_ext::RotaryOps<&rope_ext::cpu::run>;
+void rope_ext::register_cpu_kernels(torch::Library& m) {
+  using Ops = RotaryOps<&cpu::run>;
   m.impl("rotary", &Ops::rotary);
   m.impl("rotary_qk", &Ops::rotary_qk);
   m.impl("rotary_", &Ops::rotary_);

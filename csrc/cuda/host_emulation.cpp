@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cuda/rotary_thread.h"
+#include "registration.h"
 #include "rotary_ops.h"
 
 namespace rope_ext::cuda {
@@ -40,10 +41,10 @@ std::vector<int64_t> launch_config(const at::Tensor& x, const at::Tensor& cos,
 }  // namespace
 }  // namespace rope_ext::cuda
 
-TORCH_LIBRARY_IMPL(rope_ext, CPU, m) {
-  using Ops = rope_ext::RotaryOps<&rope_ext::cuda::run_emulated>;
+void rope_ext::register_cuda_emulation(torch::Library& m) {
+  using Ops = RotaryOps<&cuda::run_emulated>;
   m.impl("_cuda_emulate_rotary", &Ops::rotary);
   m.impl("_cuda_emulate_rotary_qk", &Ops::rotary_qk);
   m.impl("_cuda_emulate_rotary_", &Ops::rotary_);
-  m.impl("_cuda_launch_config", &rope_ext::cuda::launch_config);
+  m.impl("_cuda_launch_config", &cuda::launch_config);
 }

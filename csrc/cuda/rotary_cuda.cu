@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include "cuda/rotary_thread.h"
+#include "registration.h"
 #include "rotary_ops.h"
 
 namespace rope_ext::cuda {
@@ -38,8 +39,8 @@ void run_cuda(const at::Tensor& x, at::Tensor& out, const at::Tensor& cos, const
 }  // namespace
 }  // namespace rope_ext::cuda
 
-TORCH_LIBRARY_IMPL(rope_ext, CUDA, m) {
-  using Ops = rope_ext::RotaryOps<&rope_ext::cuda::run_cuda>;
+void rope_ext::register_cuda_kernels(torch::Library& m) {
+  using Ops = RotaryOps<&cuda::run_cuda>;
   m.impl("rotary", &Ops::rotary);
   m.impl("rotary_qk", &Ops::rotary_qk);
   m.impl("rotary_", &Ops::rotary_);

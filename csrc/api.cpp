@@ -1,0 +1,41 @@
+// The C++ API's op functions (include/rope_ext/rope.h): calls through the dispatcher, so that
+// autograd, the device's kernels and any tracing see the same ops as Python's rope_ext.
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include "rope_ext/rope.h"
+
+namespace rope_ext {
+namespace {
+
+template <class Signature>
+c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+}  // namespace
+
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
+                  bool conjugate) {
+  static const auto handle =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool)>("rope_ext::rotary");
+  return handle.call(x, cos, sin, interleaved, conjugate);
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                             const at::Tensor& sin, bool interleaved,
+                                             const std::optional<at::Tensor>& cos_k,
+                                             const std::optional<at::Tensor>& sin_k, bool conjugate) {
+  static const auto handle =
+      op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                            const at::Tensor&, bool, const std::optional<at::Tensor>&,
+                                            const std::optional<at::Tensor>&, bool)>("rope_ext::rotary_qk");
+  return handle.call(q, k, cos, sin, interleaved, cos_k, sin_k, conjugate);
+}
+
+void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved, bool conjugate) {
+  static const auto handle =
+      op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool)>("rope_ext::rotary_");
+  handle.call(x, cos, sin, interleaved, conjugate);
+}
+
+}  // namespace rope_ext
