@@ -3,6 +3,9 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
+#include <cstdint>
+#include <utility>
+
 namespace rope_ext {
 
 void check_rotary_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
@@ -73,14 +76,40 @@ void check_qk_args(const char* op, const at::Tensor& q, const at::Tensor& k,
   }
 }
 
+namespace {
+
+// Whether the bytes two strided views can reach, [lowest, highest], intersect.
+bool spans_intersect(const at::Tensor& a, const at::Tensor& b) {
+  const auto span = [](const at::Tensor& t) {
+    int64_t lo = 0, hi = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const int64_t reach = (t.size(d) - 1) * t.stride(d);
+      (reach < 0 ? lo : hi) += reach;
+    }
+    const auto base = reinterpret_cast<std::uintptr_t>(t.const_data_ptr());
+    const auto size = static_cast<std::uintptr_t>(t.element_size());
+    return std::pair{base + lo * size, base + hi * size + size - 1};
+  };
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const auto [a_lo, a_hi] = span(a);
+  const auto [b_lo, b_hi] = span(b);
+  return a_lo <= b_hi && b_lo <= a_hi;
+}
+
+}  // namespace
+
 void check_inplace_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
                         const at::Tensor& sin) {
   TORCH_CHECK(at::has_internal_overlap(x) != at::MemOverlap::Yes, op,
               ": x has elements that share memory (e.g. an expanded view), so it cannot be ",
               "rotated in place; use rope_ext.rotary");
   for (const auto* t : {&cos, &sin}) {
+    // ATen answers TooHard for non-dense views of one storage; then any intersection of the
+    // two views' byte ranges is refused (possibly a false alarm, never a missed overlap).
     const auto status = at::get_overlap_status(x, *t);
-    TORCH_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, op,
+    const bool overlap = status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial ||
+                         (status == at::MemOverlapStatus::TooHard && spans_intersect(x, *t));
+    TORCH_CHECK(!overlap, op,
                 ": x shares memory with ", t == &cos ? "cos" : "sin",
                 "; in-place rotation would overwrite the table while reading it");
   }
