@@ -6,7 +6,7 @@ PIP := $(PYTHON) -m pip
 SOURCES := setup.py pyproject.toml $(shell find csrc -name '*.cpp' -o -name '*.h')
 STAMP := build/.installed
 
-.PHONY: setup test bench lint cuda-check sanitize clean FORCE
+.PHONY: setup test bench lint cuda-check sanitize gtest cpp-install cpp-test cpp-example clean FORCE
 
 setup: $(STAMP)
 
@@ -36,6 +36,32 @@ cuda-check:
 # any sanitizer report fails. `setup` provides torch and the test dependencies. See tools/sanitize.sh.
 sanitize: setup
 	PYTHON=$(PYTHON) bash tools/sanitize.sh
+
+# The C++ library (CMakeLists.txt) against the LibTorch of the installed torch wheel: built in
+# build/cmake, installed as a CMake package into build/install. cpp-test runs its GoogleTest
+# tests (and the one-registration check with the Python extension, hence `setup`) with ctest;
+# cpp-example builds examples/cpp against the installed package, as a user would, and runs it.
+CMAKE_BUILD := build/cmake
+CPP_PREFIX := $(abspath build/install)
+TORCH_CMAKE = $(shell $(PYTHON) -c 'import torch; print(torch.utils.cmake_prefix_path)')
+GENERATOR = $(shell command -v ninja >/dev/null && echo "-G Ninja")
+
+gtest:  # GoogleTest from Debian's packages, when the system has none
+	@[ -f /usr/include/gtest/gtest.h ] || { apt-get update -qq && apt-get install -y -qq libgtest-dev; }
+
+cpp-install: setup gtest
+	cmake -S . -B $(CMAKE_BUILD) $(GENERATOR) -DROPE_EXT_BUILD_TESTS=ON -DCMAKE_PREFIX_PATH="$(TORCH_CMAKE)" \
+	  -DCMAKE_INSTALL_PREFIX="$(CPP_PREFIX)" -DPython3_EXECUTABLE="$$($(PYTHON) -c 'import sys; print(sys.executable)')"
+	cmake --build $(CMAKE_BUILD)
+	cmake --install $(CMAKE_BUILD)
+
+cpp-test: cpp-install
+	ctest --test-dir $(CMAKE_BUILD) --output-on-failure
+
+cpp-example: cpp-install
+	cmake -S examples/cpp -B build/example $(GENERATOR) -DCMAKE_PREFIX_PATH="$(CPP_PREFIX);$(TORCH_CMAKE)"
+	cmake --build build/example
+	build/example/rope_example
 
 lint:
 	$(PYTHON) -m ruff check rope_ext tests benchmarks setup.py

@@ -29,4 +29,22 @@ t2=$(date +%s)
 grep -o -- "-gencode[= ]arch=[^ ]*" "$OUT/build.log" | sort -u > "$OUT/gencode.txt" || true
 
 PYTHONPATH="$OUT/site" "$PY" tools/cuda_check.py --site "$OUT/site" --build-log "$OUT/build.log"
-echo "cuda-check: CUDA torch venv $((t1 - t0)) s, nvcc build + link $((t2 - t1)) s"
+
+# 4. The C++ library (CMakeLists.txt) with -DROPE_EXT_CUDA=ON against the same torch: configured,
+#    built, linked, loaded, and its CUDA kernels registered. torch's CMake config wants libnvrtc,
+#    which a compiler-only CUDA install lacks: the torch wheel's nvidia package has it.
+NVRTC=$("$PY" -c 'import nvidia, pathlib; print(next(p for r in nvidia.__path__ for p in sorted(pathlib.Path(r).rglob("libnvrtc.so*"))))')
+cmake -S "$OUT/src" -B "$OUT/cmake" $(command -v ninja > /dev/null && echo "-G Ninja") -DROPE_EXT_CUDA=ON \
+  -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" -DCUDA_TOOLKIT_ROOT_DIR="$CUDA_HOME" -DTORCH_CUDA_ARCH_LIST="8.0;9.0" \
+  -DCUDA_nvrtc_LIBRARY="$NVRTC" -DCMAKE_PREFIX_PATH="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
+  > "$OUT/cmake.log" 2>&1 && cmake --build "$OUT/cmake" >> "$OUT/cmake.log" 2>&1 || { tail -40 "$OUT/cmake.log"; exit 1; }
+"$PY" - "$OUT/cmake/librope_ext.so" <<'PY'
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+missing = [op for op in ("rotary", "rotary_qk", "rotary_")
+           if not torch._C._dispatch_has_kernel_for_dispatch_key(f"rope_ext::{op}", "CUDA")]
+assert not missing, f"no CUDA kernel registered for {missing}"
+print("cuda-check: CMake build (ROPE_EXT_CUDA=ON): librope_ext.so loads and registers its CUDA kernels")
+PY
+t3=$(date +%s)
+echo "cuda-check: CUDA torch venv $((t1 - t0)) s, nvcc build + link $((t2 - t1)) s, CMake CUDA build $((t3 - t2)) s"
