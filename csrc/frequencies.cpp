@@ -51,6 +51,9 @@ at::Tensor yarn(const RopeScaling& s, double base, int64_t d, const at::Tensor& 
     const bool both = s.mscale.value_or(0) != 0 && s.mscale_all_dim.value_or(0) != 0;
     *attention = both ? yarn_mscale(factor, *s.mscale) / yarn_mscale(factor, *s.mscale_all_dim)
                       : yarn_mscale(factor);
+    TORCH_CHECK(std::isfinite(*attention) && *attention > 0, kWhere,
+                ": the attention factor from mscale and mscale_all_dim must be a finite positive number, got ",
+                *attention);
   }
   const double beta_fast = number("beta_fast", s.beta_fast, 32.0);
   const double beta_slow = number("beta_slow", s.beta_slow, 1.0);

@@ -104,8 +104,9 @@ void check_inplace_args(const char* op, const at::Tensor& x, const at::Tensor& c
               ": x has elements that share memory (e.g. an expanded view), so it cannot be ",
               "rotated in place; use rope_ext.rotary");
   for (const auto* t : {&cos, &sin}) {
-    // ATen answers TooHard for non-dense views of one storage; then any intersection of the
-    // two views' byte ranges is refused (possibly a false alarm, never a missed overlap).
+    // ATen answers TooHard for non-dense views; then any intersection of the two views' byte
+    // ranges is refused: never a missed overlap, and a false alarm only for disjoint views whose
+    // ranges interleave (rows of one buffer split between x and a table).
     const auto status = at::get_overlap_status(x, *t);
     const bool overlap = status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial ||
                          (status == at::MemOverlapStatus::TooHard && spans_intersect(x, *t));

@@ -333,6 +333,10 @@ BAD_SCALINGS = {
                                r"\['low_freq_factor'\].*\['high_freq_factor'\]"),
     "llama3_low_above_high": ({**_LLAMA3_OK, "low_freq_factor": 8.0}, ValueError,
                               r"\['low_freq_factor'\].*\['high_freq_factor'\]"),
+    "llama3_null_low_freq_factor": ({**_LLAMA3_OK, "low_freq_factor": None}, ValueError, r"\['low_freq_factor'\]"),
+    "yarn_mscale_ratio_negative": ({"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": -10.0},
+                                   RuntimeError, r"attention factor from mscale and mscale_all_dim must be a finite "
+                                   r"positive number"),
     "scaling_is_a_string": ("linear", TypeError, r"scaling must be a dict.*str"),
     "scaling_is_a_list": ([("rope_type", "linear"), ("factor", 2.0)], TypeError, r"scaling must be a dict.*list"),
 }

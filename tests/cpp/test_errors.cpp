@@ -114,6 +114,12 @@ TEST(Errors, RopeFrequenciesArguments) {
   expect_error([&] { rope_ext::rope_frequencies(llama, 500000, 128, 131072); }, "high_freq_factor",
                "llama3 without high_freq_factor");
 
+  auto yarn_ratio = scaling("yarn");
+  yarn_ratio.factor = 4, yarn_ratio.mscale = 1, yarn_ratio.mscale_all_dim = -10;  // a negative mscale ratio
+  expect_error([&] { rope_ext::rope_frequencies(yarn_ratio, 10000, 64, 2048); },
+               "attention factor from mscale and mscale_all_dim must be a finite positive number",
+               "yarn mscale ratio < 0");
+
   auto linear = scaling("linear");
   expect_error([&] { rope_ext::rope_frequencies(linear, 10000, 64, 2048); }, "factor", "linear without factor");
   linear.factor = 0.5;

@@ -28,8 +28,10 @@
 #include <tuple>
 #include <vector>
 
-#if defined(_WIN32)
+#if defined(_WIN32) && defined(ROPE_EXT_BUILDING)
 #define ROPE_EXT_API __declspec(dllexport)
+#elif defined(_WIN32)
+#define ROPE_EXT_API __declspec(dllimport)
 #else
 #define ROPE_EXT_API __attribute__((visibility("default")))
 #endif
@@ -50,7 +52,8 @@ ROPE_EXT_API at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const
 /// Rotates q and k in one call: (rotary(q, cos, sin), rotary(k, cos_k, sin_k)).
 ///
 /// @param q      (batch, heads_q, seqlen, head_dim) or any (..., head_dim).
-/// @param k      like q; may differ from q only in the head count (GQA / MQA) and strides.
+/// @param k      like q; without cos_k/sin_k it may differ from q only in the head count
+///               (GQA / MQA) and strides, and must have q's dtype.
 /// @param cos, sin    tables for q (and for k unless cos_k/sin_k are given).
 /// @param cos_k, sin_k  separate tables for k (both or neither), e.g. for xPos.
 /// @return (q_out, k_out), new tensors with q's and k's shapes and layouts.
@@ -60,12 +63,15 @@ ROPE_EXT_API std::tuple<at::Tensor, at::Tensor> rotary_qk(
     const std::optional<at::Tensor>& sin_k = std::nullopt, bool conjugate = false);
 
 /// In-place rotary for inference: x = rotary(x, cos, sin). Refuses (c10::Error) when grad mode
-/// is on and x, cos or sin requires grad, and when x's elements overlap (e.g. expanded views).
+/// is on and x, cos or sin requires grad, when x's elements overlap (e.g. expanded views), and
+/// when x shares memory with cos or sin.
 ROPE_EXT_API void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                           bool interleaved = false, bool conjugate = false);
 
 /// A rope-scaling configuration, the fields of a Hugging Face `rope_scaling` /
-/// `rope_parameters` dict. Unset optionals take the same defaults as in transformers.
+/// `rope_parameters` dict. Unset optionals take transformers' defaults where it has one;
+/// original_max_position_embeddings defaults to max_position_embeddings, and yarn's and
+/// longrope's factor to max_position_embeddings / original_max_position_embeddings.
 ///
 /// rope_type is one of "default", "linear", "dynamic", "yarn", "longrope", "llama3":
 ///  - linear:  theta_i / factor.
@@ -126,7 +132,8 @@ ROPE_EXT_API at::Tensor inv_freq_for(const RopeFrequencies& freqs,
 
 /// Full-form (cos, sin) tables for the given positions, as rope_ext.positions.cos_sin_tables.
 ///
-/// @param positions  integer tensor of non-negative positions, any shape P, any device.
+/// @param positions  integer tensor of non-negative positions, any shape P, any device. Checking
+///                   that they are non-negative reads their minimum (a device sync on a GPU).
 /// @param inv_freq   (r / 2,) floating-point frequencies.
 /// @param interleaved full form for the interleaved pairing (each angle twice in a row) instead
 ///                   of half-split (the r/2 angles, then the same again).
