@@ -25,6 +25,9 @@ from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = Path(__file__).parent
+# The version is written once, in the C++ header that CMake and the compiled code read too.
+VERSION = re.search(r'^#define ROPE_EXT_VERSION "(\d+\.\d+\.\d+)"$',
+                    (ROOT / "csrc" / "include" / "rope_ext" / "version.h").read_text(), re.M).group(1)
 DEBUG = os.environ.get("DEBUG", "0") == "1"
 
 # Flags for the kernel objects of each capability, keyed by the file-name suffix.
@@ -114,6 +117,7 @@ if CUDA and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
 Extension = CUDAExtension if CUDA else CppExtension
 
 setup(
+    version=VERSION,
     ext_modules=[
         Extension(
             "rope_ext._C",

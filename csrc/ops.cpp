@@ -7,17 +7,21 @@
 // say in a C++ program that embeds Python. Each copy defines the schemas only if no copy has,
 // and registers a dispatch key's kernels only if that key has none yet, so the first copy
 // serves and a later CUDA-enabled copy still adds its CUDA kernels. (TORCH_LIBRARY would abort
-// the second load: it allows one definition of a namespace per process.)
+// the second load: it allows one definition of a namespace per process.) The copies must be the
+// same version: a later copy of another version warns when it loads (and the Python package
+// refuses to import), since the first copy's kernels would silently serve its calls.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "cpu/rotary_cpu.h"
 #include "frequencies.h"
 #include "registration.h"
+#include "rope_ext/version.h"
 
 namespace rope_ext {
 namespace {
@@ -37,6 +41,9 @@ void define_schemas(torch::Library& m) {
 
   // In-place rotary for inference: x = rotary(x, cos, sin). Refuses inputs that need grad.
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin, bool interleaved=False, bool conjugate=False) -> ()");
+
+  // The version of the rope_ext copy that registered these schemas (rope_ext/version.h).
+  m.def("_version() -> str", []() -> std::string { return ROPE_EXT_VERSION; });
 
   // Which CPU kernel variant runs in this process: "AVX512", "AVX2" or "DEFAULT".
   m.def("cpu_kernel_isa() -> str", &rope_ext::cpu::kernel_isa);
@@ -82,6 +89,20 @@ bool has_kernel(c10::DispatchKey key) {
   return op.has_value() && op->hasKernelForDispatchKey(key);
 }
 
+// Two copies of one version share the registrations; a copy of another version would have its
+// calls served by the first copy's kernels. That cannot be refused from a library's constructor
+// (an exception there aborts the host), so it is said loudly.
+void warn_if_registered_by_another_version() {
+  const auto op = c10::Dispatcher::singleton().findSchema({"rope_ext::_version", ""});
+  const std::string first = op.has_value() ? op->typed<std::string()>().call() : "(a version without rope_ext::_version)";
+  if (first != ROPE_EXT_VERSION) {
+    TORCH_WARN(
+        "rope_ext ", ROPE_EXT_VERSION, " is loaded into a process where rope_ext ", first,
+        " registered the rope_ext operators first; calls from this copy will run that version's kernels. "
+        "Load a single version of rope_ext (its Python package and librope_ext.so alike) per process.");
+  }
+}
+
 void register_cpu(torch::Library& m) {
   register_cpu_kernels(m);
   register_cuda_emulation(m);
@@ -90,7 +111,11 @@ void register_cpu(torch::Library& m) {
 class Registration {
  public:
   Registration() {
-    if (!defined()) add(torch::Library::DEF, std::nullopt, &define_schemas);
+    if (defined()) {
+      warn_if_registered_by_another_version();
+    } else {
+      add(torch::Library::DEF, std::nullopt, &define_schemas);
+    }
     if (!has_kernel(c10::DispatchKey::CPU)) add(torch::Library::IMPL, c10::DispatchKey::CPU, &register_cpu);
 #ifdef ROPE_EXT_CUDA
     if (!has_kernel(c10::DispatchKey::CUDA)) {

@@ -20,6 +20,30 @@ except ImportError as e:  # never swallowed: say what failed and how to fix it
         "torch you are importing with `pip install --no-build-isolation -e .`."
     ) from e
 
+__version__ = _C.__version__  # written once, in csrc/include/rope_ext/version.h
+
+
+def _check_one_version() -> None:
+    """Refuse to run on operators that another version of rope_ext registered first.
+
+    Every copy of rope_ext in a process (this extension, a librope_ext.so loaded by C++ code)
+    shares the first copy's registrations (csrc/ops.cpp); with another version's kernels behind
+    them, this package's calls could silently compute something else.
+    """
+    try:
+        registered = torch.ops.rope_ext._version()
+    except (AttributeError, RuntimeError):  # a copy from before the op existed
+        registered = "of an unknown version (it has no rope_ext::_version)"
+    if registered != __version__:
+        raise ImportError(
+            f"rope_ext {__version__}: the rope_ext operators in this process were registered by rope_ext "
+            f"{registered}, loaded first (e.g. a librope_ext.so of the C++ API), whose kernels would serve "
+            "this package's calls. Load a single version of rope_ext per process."
+        )
+
+
+_check_one_version()
+
 from rope_ext import compat, reference, scaling  # noqa: E402
 from rope_ext._ops import cpu_kernel_isa, rotary, rotary_, rotary_qk  # noqa: E402
 from rope_ext.compat.hf import apply_multimodal_rotary_pos_emb, apply_rotary_pos_emb  # noqa: E402
@@ -37,4 +61,3 @@ __all__ = [
     "compat",
     "cpu_kernel_isa",
 ]
-__version__ = "0.1.0"

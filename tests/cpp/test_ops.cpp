@@ -1,6 +1,7 @@
 // Forward of rope_ext::rotary, rotary_qk and rotary_ against a float64 loop over pairs
 // (test_util.h), for both pairings, partial rotary, conjugate, strided inputs and every dtype.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
@@ -255,6 +256,12 @@ TEST(RotaryInPlace, AllowedUnderGradModeWhenNothingRequiresGrad) {
   ASSERT_TRUE(at::GradMode::is_enabled());
   rope_ext::rotary_(x, cos.to(at::kFloat), sin.to(at::kFloat));
   expect_bitwise_equal(x, expected, "rotary_ in grad mode");
+}
+
+// The ops say which rope_ext registered them: this library, the version of its headers.
+TEST(Registration, VersionOpIsTheHeadersVersion) {
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("rope_ext::_version", "");
+  EXPECT_EQ(op.typed<std::string()>().call(), std::string(ROPE_EXT_VERSION));
 }
 
 }  // namespace

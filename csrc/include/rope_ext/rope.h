@@ -18,6 +18,10 @@
 //  - x may be float32, float64, float16 or bfloat16; cos/sin have x's dtype or float32. The math
 //    runs in float32 (float64 for float64 x) and is rounded once to x's dtype.
 //  - Bad arguments raise c10::Error with a message that names the argument.
+//
+// ROPE_EXT_VERSION (rope_ext/version.h) is the version of these headers. Load one version of
+// rope_ext per process: the first copy loaded registers the ops for all, and a copy of another
+// version warns when it loads.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -27,6 +31,8 @@
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include "rope_ext/version.h"
 
 #if defined(_WIN32) && defined(ROPE_EXT_BUILDING)
 #define ROPE_EXT_API __declspec(dllexport)
