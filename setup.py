@@ -25,9 +25,13 @@ from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = Path(__file__).parent
-# The version is written once, in the C++ header that CMake and the compiled code read too.
-VERSION = re.search(r'^#define ROPE_EXT_VERSION "(\d+\.\d+\.\d+)"$',
-                    (ROOT / "csrc" / "include" / "rope_ext" / "version.h").read_text(), re.M).group(1)
+# The version is written once, in the C++ header that CMake and the compiled code read too, as
+# MAJOR.MINOR.PATCH (CMake's project(VERSION) takes no other form).
+_version = re.search(r'^#define ROPE_EXT_VERSION "(\d+\.\d+\.\d+)"$',
+                     (ROOT / "csrc" / "include" / "rope_ext" / "version.h").read_text(), re.M)
+if _version is None:
+    raise SystemExit('csrc/include/rope_ext/version.h must have a line #define ROPE_EXT_VERSION "X.Y.Z"')
+VERSION = _version.group(1)
 DEBUG = os.environ.get("DEBUG", "0") == "1"
 
 # Flags for the kernel objects of each capability, keyed by the file-name suffix.

@@ -8,12 +8,13 @@
 // and registers a dispatch key's kernels only if that key has none yet, so the first copy
 // serves and a later CUDA-enabled copy still adds its CUDA kernels. (TORCH_LIBRARY would abort
 // the second load: it allows one definition of a namespace per process.) The copies must be the
-// same version: a later copy of another version warns when it loads (and the Python package
-// refuses to import), since the first copy's kernels would silently serve its calls.
+// same version: a later copy of another version registers nothing and warns when it loads (and
+// the Python package refuses to import), since the first copy's kernels would serve its calls.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <memory>
+#include <exception>
 #include <optional>
 #include <string>
 #include <vector>
@@ -89,17 +90,15 @@ bool has_kernel(c10::DispatchKey key) {
   return op.has_value() && op->hasKernelForDispatchKey(key);
 }
 
-// Two copies of one version share the registrations; a copy of another version would have its
-// calls served by the first copy's kernels. That cannot be refused from a library's constructor
-// (an exception there aborts the host), so it is said loudly.
-void warn_if_registered_by_another_version() {
-  const auto op = c10::Dispatcher::singleton().findSchema({"rope_ext::_version", ""});
-  const std::string first = op.has_value() ? op->typed<std::string()>().call() : "(a version without rope_ext::_version)";
-  if (first != ROPE_EXT_VERSION) {
-    TORCH_WARN(
-        "rope_ext ", ROPE_EXT_VERSION, " is loaded into a process where rope_ext ", first,
-        " registered the rope_ext operators first; calls from this copy will run that version's kernels. "
-        "Load a single version of rope_ext (its Python package and librope_ext.so alike) per process.");
+// The version of the copy that registered the schemas, for a copy that finds them registered.
+// Never throws: it runs while a library loads, where an exception would abort the host.
+std::string registered_version() {
+  try {
+    const auto op = c10::Dispatcher::singleton().findSchema({"rope_ext::_version", ""});
+    if (!op.has_value()) return "(a version without rope_ext::_version)";
+    return op->typed<std::string()>().call();
+  } catch (const std::exception& e) {
+    return std::string("(unknown: rope_ext::_version failed: ") + e.what() + ")";
   }
 }
 
@@ -110,9 +109,32 @@ void register_cpu(torch::Library& m) {
 
 class Registration {
  public:
+  // Never throws (see registered_version): a failure is a warning, and the ops it left out fail
+  // with the dispatcher's own error when called.
   Registration() {
+    try {
+      register_what_is_missing();
+    } catch (const std::exception& e) {
+      TORCH_WARN("rope_ext ", ROPE_EXT_VERSION, ": registering the rope_ext operators failed: ", e.what());
+    }
+  }
+
+ private:
+  void register_what_is_missing() {
     if (defined()) {
-      warn_if_registered_by_another_version();
+      // Two copies of one version share the registrations. A copy of another version adds
+      // nothing to the first copy's (its kernels under that copy's schemas would mix the two);
+      // its calls run the first copy's kernels, which it can only say loudly. The Python package
+      // then refuses to import (rope_ext/__init__.py).
+      const std::string first = registered_version();
+      if (first != ROPE_EXT_VERSION) {
+        TORCH_WARN(
+            "rope_ext ", ROPE_EXT_VERSION, " is loaded into a process where rope_ext ", first,
+            " registered the rope_ext operators first; this copy registers nothing, and calls from it "
+            "will run that version's kernels. Load a single version of rope_ext (its Python package and "
+            "librope_ext.so alike) per process.");
+        return;
+      }
     } else {
       add(torch::Library::DEF, std::nullopt, &define_schemas);
     }
@@ -127,7 +149,6 @@ class Registration {
     }
   }
 
- private:
   void add(torch::Library::Kind kind, std::optional<c10::DispatchKey> key, void (*fill)(torch::Library&)) {
     libraries_.push_back(std::make_unique<torch::Library>(kind, "rope_ext", key, __FILE__, __LINE__));
     fill(*libraries_.back());

@@ -32,8 +32,10 @@ def _check_one_version() -> None:
     """
     try:
         registered = torch.ops.rope_ext._version()
-    except (AttributeError, RuntimeError):  # a copy from before the op existed
+    except AttributeError:  # a copy from before the op existed
         registered = "of an unknown version (it has no rope_ext::_version)"
+    except Exception as e:  # a copy whose op is broken: still not this version
+        registered = f"of an unknown version (rope_ext::_version raised {e!r})"
     if registered != __version__:
         raise ImportError(
             f"rope_ext {__version__}: the rope_ext operators in this process were registered by rope_ext "

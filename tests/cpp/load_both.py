@@ -12,8 +12,8 @@ library_unloaded
     STB_GNU_UNIQUE symbols; clang emits none, so the flag check is what guards this.)
 other_version_first, unversioned_first
     Another rope_ext (here: schemas defined from Python) registered the operators first, with
-    another version or with no rope_ext::_version op: librope_ext.so warns when it loads, naming
-    both versions. (tests/test_version.py checks that the Python package refuses to import.)
+    another version or with no rope_ext::_version op: librope_ext.so registers nothing and warns
+    when it loads, naming both versions. (tests/test_version.py checks that the Python package refuses to import.)
 """
 
 import ctypes
@@ -108,6 +108,9 @@ def another_copy_first(path, other_version):
     warning = load_capturing_stderr(path)
     expected = f"is loaded into a process where rope_ext {described} registered the rope_ext operators first"
     assert expected in warning, f"no warning from librope_ext.so saying {expected!r}; it wrote {warning!r}"
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    added = [key for key in ("CPU", "Autograd") if has_kernel("rope_ext::rotary", key)]
+    assert not added, f"librope_ext.so added its {added} kernels to another version's schemas"
     print(f"another copy first, {described}: librope_ext.so warned: {warning.strip()}")
 
 

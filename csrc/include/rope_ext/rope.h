@@ -21,7 +21,7 @@
 //
 // ROPE_EXT_VERSION (rope_ext/version.h) is the version of these headers. Load one version of
 // rope_ext per process: the first copy loaded registers the ops for all, and a copy of another
-// version warns when it loads.
+// version registers nothing and warns when it loads.
 #pragma once
 
 #include <ATen/core/Tensor.h>
