@@ -1,5 +1,6 @@
-// The C++ API's op functions (include/rope_ext/rope.h): calls through the dispatcher, so that
-// autograd, the device's kernels and any tracing see the same ops as Python's rope_ext.
+// The C++ API's op functions (include/rope_ext/rope.h), cos_sin_tables among them: calls through
+// the dispatcher, so that autograd, the device's kernels and any tracing see the same ops as
+// Python's rope_ext.
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "rope_ext/rope.h"
@@ -36,6 +37,21 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool i
   static const auto handle =
       op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool)>("rope_ext::rotary_");
   handle.call(x, cos, sin, interleaved, conjugate);
+}
+
+std::tuple<at::Tensor, at::Tensor> cos_sin_tables(const at::Tensor& positions, const at::Tensor& inv_freq,
+                                                  bool interleaved, double scale, at::ScalarType dtype) {
+  static const auto handle =
+      op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, bool, double,
+                                            std::optional<at::ScalarType>)>("rope_ext::cos_sin_tables");
+  // The value check needs the data (a device sync), so the API makes it and the op does not:
+  // the op is also traced by torch.compile, where positions have no values.
+  const at::ScalarType t = positions.scalar_type();
+  if (positions.numel() && at::isIntegralType(t, /*includeBool=*/false)) {
+    const int64_t least = positions.min().item<int64_t>();
+    TORCH_CHECK(least >= 0, "rope_ext.cos_sin_tables: positions must be >= 0, got a minimum of ", least);
+  }
+  return handle.call(positions, inv_freq, interleaved, scale, dtype);
 }
 
 }  // namespace rope_ext

@@ -1,9 +1,8 @@
 // RoPE frequency schedules (every Hugging Face rope_type) and cos/sin tables, in float64.
-// The one implementation: the C++ API (include/rope_ext/rope.h) calls these functions directly,
-// Python's rope_ext.scaling and rope_ext.positions through the ops _rope_frequencies,
-// _inv_freq_for and cos_sin_tables (csrc/ops.cpp).
+// The one implementation: the C++ API (include/rope_ext/rope.h) calls these functions directly
+// (cos_sin_tables through its op, api.cpp), Python's rope_ext.scaling and rope_ext.positions
+// through the ops _rope_frequencies, _inv_freq_for and cos_sin_tables (csrc/ops.cpp).
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -34,6 +33,11 @@ at::Tensor as_factors(const char* name, const std::vector<double>& values, int64
     TORCH_CHECK(std::isfinite(v) && v > 0, kWhere, ": ", name, " must be positive numbers, got ", v);
   }
   return at::tensor(values, at::TensorOptions().dtype(at::kDouble));
+}
+
+// The exponents -2i/d, i < d/2, of theta_i = base^(-2i/d).
+at::Tensor exponents(int64_t d, const at::TensorOptions& options) {
+  return -(at::arange(0, d, 2, options) / static_cast<double>(d));
 }
 
 double yarn_mscale(double scale, double m = 1.0) {
@@ -102,7 +106,7 @@ RopeFrequencies rope_frequencies(const RopeScaling& s, double base, int64_t d, i
 
   // Config-time math, on the CPU in float64.
   const auto f64 = at::TensorOptions().dtype(at::kDouble).device(at::kCPU);
-  at::Tensor inv = at::pow(base, -(at::arange(0, d, 2, f64) / static_cast<double>(d)));
+  at::Tensor inv = at::pow(base, exponents(d, f64));
 
   RopeFrequencies out;
   out.rope_type = type;
@@ -154,7 +158,7 @@ at::Tensor inv_freq_for_length(const at::Tensor& inv_freq, const std::optional<a
   const double sw = static_cast<double>(switch_len);
   const at::Tensor grown =
       base * at::pow(factor * length.clamp_min(sw) / sw - (factor - 1), static_cast<double>(d) / (d - 2));
-  return at::pow(grown, -(at::arange(0, d, 2, f64) / static_cast<double>(d)));
+  return at::pow(grown, exponents(d, f64));
 }
 
 at::Tensor inv_freq_for(const RopeFrequencies& f, std::optional<int64_t> max_position) {
@@ -186,26 +190,6 @@ std::tuple<at::Tensor, at::Tensor> cos_sin_tables_impl(const at::Tensor& positio
   const at::ScalarType out = dtype.value_or(at::kFloat);
   return {cos.to(out), sin.to(out)};
 }
-
-std::tuple<at::Tensor, at::Tensor> cos_sin_tables(const at::Tensor& positions, const at::Tensor& inv_freq,
-                                                  bool interleaved, double scale, at::ScalarType dtype) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("rope_ext::cos_sin_tables", "")
-                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, bool,
-                                                                       double, std::optional<at::ScalarType>)>();
-  // The value check needs the data (a device sync), so the API makes it and the op does not:
-  // the op is also traced by torch.compile, where positions have no values.
-  const at::ScalarType t = positions.scalar_type();
-  if (positions.numel() && at::isIntegralType(t, /*includeBool=*/false)) {
-    const int64_t least = positions.min().item<int64_t>();
-    TORCH_CHECK(least >= 0, "rope_ext.cos_sin_tables: positions must be >= 0, got a minimum of ", least);
-  }
-  return op.call(positions, inv_freq, interleaved, scale, dtype);
-}
-
-}  // namespace rope_ext
-
-namespace rope_ext {
 
 std::tuple<at::Tensor, at::Tensor, double, int64_t, double> rope_frequencies_op(
     c10::string_view rope_type, double base, int64_t rotary_dim, int64_t max_position_embeddings,
