@@ -12,7 +12,9 @@ TORCH_CUDA_ARCH_LIST overrides them.
 
 Environment:
   ROPE_EXT_CUDA=1|0   force the CUDA build on (an error if it cannot be done) or off.
-  DEBUG=1             build with -O0 -g instead of -O3.
+  DEBUG=1             build with -O0 -g instead of -O3, and with the kernels' debug checks.
+  ROPE_EXT_DEBUG_CHECKS=1  the kernels' debug checks (e.g. the alignment of every streaming
+                      store) in an optimized build; `make sanitize` builds this way.
 """
 import os
 import platform
@@ -33,6 +35,7 @@ if _version is None:
     raise SystemExit('csrc/include/rope_ext/version.h must have a line #define ROPE_EXT_VERSION "X.Y.Z"')
 VERSION = _version.group(1)
 DEBUG = os.environ.get("DEBUG", "0") == "1"
+DEBUG_CHECKS = DEBUG or os.environ.get("ROPE_EXT_DEBUG_CHECKS", "0") == "1"
 
 # Flags for the kernel objects of each capability, keyed by the file-name suffix.
 # They match what PyTorch passes for its own AVX2/AVX-512 kernel files.
@@ -127,7 +130,8 @@ setup(
             "rope_ext._C",
             sources(CUDA),
             include_dirs=[str(ROOT / "csrc"), str(ROOT / "csrc" / "include")],
-            define_macros=([("ROPE_EXT_HAVE_AVX", None)] if X86 else []) + ([("ROPE_EXT_CUDA", None)] if CUDA else []),
+            define_macros=([("ROPE_EXT_HAVE_AVX", None)] if X86 else []) + ([("ROPE_EXT_CUDA", None)] if CUDA else [])
+            + ([("ROPE_EXT_DEBUG_CHECKS", None)] if DEBUG_CHECKS else []),
             extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
             extra_link_args=["-fopenmp"] + (["-g"] if DEBUG else []),
         )

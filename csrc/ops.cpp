@@ -62,6 +62,26 @@ void define_schemas(torch::Library& m) {
   // Test hook: how many threads at::parallel_for uses for n items, as built here.
   m.def("_parallel_threads_used(int n) -> int", &rope_ext::cpu::parallel_threads_used);
 
+  // Test hooks (private, process-wide): the sizes at which the CPU kernel changes path
+  // (cpu::Thresholds, whose defaults rotary_cpu.cpp gives), in this order, and their replacement
+  // for every caller in the process. Tests lower them so that small tensors take the paths that
+  // otherwise only large ones reach, and read how often each path ran (cpu::PathCounts, in order).
+  m.def("_cpu_thresholds() -> int[]", []() -> std::vector<int64_t> {
+    const cpu::Thresholds t = cpu::thresholds();
+    return {t.streaming_bytes, t.huge_page_bytes, t.grain_elements, t.tile_tokens, t.min_heads_per_thread};
+  });
+  m.def(
+      "_set_cpu_thresholds(int streaming_bytes, int huge_page_bytes, int grain_elements, int tile_tokens, "
+      "int min_heads_per_thread) -> ()",
+      [](int64_t streaming, int64_t huge, int64_t grain, int64_t tile, int64_t min_heads) {
+        cpu::set_thresholds({streaming, huge, grain, tile, min_heads});
+      });
+  m.def("_cpu_path_counts() -> int[]", []() -> std::vector<int64_t> {
+    const cpu::PathCounts& c = cpu::path_counts();
+    return {c.streamed_rows.load(), c.huge_page_outputs.load(), c.head_split_walks.load(),
+            c.token_split_walks.load()};
+  });
+
   // Frequencies and tables (frequencies.cpp; the C++ API's rope_frequencies, inv_freq_for and
   // cos_sin_tables). Composite: under torch.compile they trace into ATen ops.
   m.def(

@@ -51,17 +51,81 @@ int64_t parallel_threads_used(int64_t n) {
   return __builtin_popcountll(seen.load());
 }
 
-// Outputs of at least this size ask Linux for transparent huge pages. glibc serves them with
-// a fresh mmap (its mmap threshold never exceeds 32 MiB), so every 4 KiB page of a new output
-// costs a page fault on first write: 160 MiB of output took ~60 ms of faults on our 2-core
-// machine, four times the rotation itself. Huge pages cut the faults 512-fold; the kernel still
-// zeroes the memory. Nothing changes where THP is off ("never") or memory comes from a pool.
-constexpr int64_t kHugePageBytes = int64_t{32} << 20;
+namespace {
 
-void advise_huge_pages(const at::Tensor& out) {
+// The defaults, and why:
+constexpr Thresholds kDefaultThresholds{
+    // streaming_bytes: outputs this large cannot stay in cache anyway, and a normal store would
+    // first read each output line from memory (read for ownership), a third memory stream beside
+    // reading x and writing out. Smaller outputs are stored normally, so the attention that reads
+    // them next finds them in cache. The figure is the last-level cache of the machines we
+    // measure on (8 to 32 MiB).
+    int64_t{16} << 20,
+    // huge_page_bytes: glibc serves allocations this large with a fresh mmap (its mmap threshold
+    // never exceeds 32 MiB), so every 4 KiB page of a new output costs a page fault on first
+    // write: 160 MiB of output took ~60 ms of faults on our 2-core machine, four times the
+    // rotation itself. Huge pages cut the faults 512-fold; the kernel still zeroes the memory.
+    // Nothing changes where THP is off ("never") or memory comes from a pool.
+    int64_t{32} << 20,
+    // grain_elements: ATen's own grain (at::internal::GRAIN_SIZE). Below it a call runs on the
+    // calling thread, which keeps small (decode) shapes free of threading overhead.
+    32768,
+    // tile_tokens: each head's rows of a tile are one run of tile * head_dim elements (16 to
+    // 32 KiB at head dim 128), and the tile's tables (tile * 4 * half opmath values) stay in
+    // L1/L2 across its heads.
+    32,
+    // min_heads_per_thread: so that a split of the heads is even to within 25%.
+    4,
+};
+
+// Read by every call and replaced by tests from any thread: each field is atomic (a call may see
+// a mix of old and new fields, each of which is valid).
+struct AtomicThresholds {
+  std::atomic<int64_t> streaming_bytes{kDefaultThresholds.streaming_bytes};
+  std::atomic<int64_t> huge_page_bytes{kDefaultThresholds.huge_page_bytes};
+  std::atomic<int64_t> grain_elements{kDefaultThresholds.grain_elements};
+  std::atomic<int64_t> tile_tokens{kDefaultThresholds.tile_tokens};
+  std::atomic<int64_t> min_heads_per_thread{kDefaultThresholds.min_heads_per_thread};
+} g_thresholds;
+
+}  // namespace
+
+Thresholds thresholds() {
+  return {g_thresholds.streaming_bytes.load(std::memory_order_relaxed),
+          g_thresholds.huge_page_bytes.load(std::memory_order_relaxed),
+          g_thresholds.grain_elements.load(std::memory_order_relaxed),
+          g_thresholds.tile_tokens.load(std::memory_order_relaxed),
+          g_thresholds.min_heads_per_thread.load(std::memory_order_relaxed)};
+}
+
+void set_thresholds(const Thresholds& t) {
+  const char* op = "rope_ext._set_cpu_thresholds";
+  TORCH_CHECK(t.streaming_bytes >= 0, op, ": streaming_bytes must be >= 0, got ", t.streaming_bytes);
+  TORCH_CHECK(t.huge_page_bytes >= 0, op, ": huge_page_bytes must be >= 0, got ", t.huge_page_bytes);
+  TORCH_CHECK(t.grain_elements >= 1, op, ": grain_elements must be >= 1, got ", t.grain_elements);
+  // Each thread allocates its tile's tables, 4 * tile_tokens * half values: no tile needs more
+  // tokens than this to amortize them.
+  TORCH_CHECK(t.tile_tokens >= 1 && t.tile_tokens <= 4096, op, ": tile_tokens must be in [1, 4096], got ",
+              t.tile_tokens);
+  TORCH_CHECK(t.min_heads_per_thread >= 1, op, ": min_heads_per_thread must be >= 1, got ", t.min_heads_per_thread);
+  g_thresholds.streaming_bytes.store(t.streaming_bytes, std::memory_order_relaxed);
+  g_thresholds.huge_page_bytes.store(t.huge_page_bytes, std::memory_order_relaxed);
+  g_thresholds.grain_elements.store(t.grain_elements, std::memory_order_relaxed);
+  g_thresholds.tile_tokens.store(t.tile_tokens, std::memory_order_relaxed);
+  g_thresholds.min_heads_per_thread.store(t.min_heads_per_thread, std::memory_order_relaxed);
+}
+
+PathCounts& path_counts() {
+  static PathCounts counts;
+  return counts;
+}
+
+// Asks Linux for transparent huge pages for a new output of at least huge_page_bytes.
+void advise_huge_pages(const at::Tensor& out, int64_t huge_page_bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   const int64_t nbytes = static_cast<int64_t>(out.storage().nbytes());
-  if (nbytes < kHugePageBytes) return;
+  if (nbytes < huge_page_bytes) return;
+  path_counts().huge_page_outputs.fetch_add(1, std::memory_order_relaxed);
   constexpr std::uintptr_t kHuge = std::uintptr_t{2} << 20;
   const auto begin = reinterpret_cast<std::uintptr_t>(out.storage().data());
   const std::uintptr_t lo = (begin + kHuge - 1) & ~(kHuge - 1);
@@ -69,7 +133,7 @@ void advise_huge_pages(const at::Tensor& out) {
   // Advice only: an error (THP compiled out, say) leaves ordinary pages, which are correct.
   if (hi > lo) (void)madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
 #else
-  (void)out;
+  (void)out, (void)huge_page_bytes;
 #endif
 }
 
@@ -77,8 +141,9 @@ void advise_huge_pages(const at::Tensor& out) {
 void run(const at::Tensor& x, at::Tensor& out, const at::Tensor& cos, const at::Tensor& sin,
          bool interleaved, bool conjugate) {
   const RotaryPlan plan = make_rotary_plan(x, out, cos, sin);
-  if (!out.is_same(x)) advise_huge_pages(out);  // a new output: see kHugePageBytes
-  variant().fn(plan, x, out, cos, sin, interleaved, conjugate);
+  const Thresholds th = thresholds();
+  if (!out.is_same(x)) advise_huge_pages(out, th.huge_page_bytes);  // a new output
+  variant().fn(plan, x, out, cos, sin, interleaved, conjugate, th);
 }
 
 }  // namespace rope_ext::cpu

@@ -4,17 +4,46 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <string>
 
 #include "rotary_plan.h"
 
 namespace rope_ext::cpu {
 
+// The sizes at which the CPU kernel changes path. The defaults (rotary_cpu.cpp) are what every
+// user gets; tests lower or raise them through the private op rope_ext::_set_cpu_thresholds, so
+// that both sides of each switch run on small tensors (issue 16: a path that only tensors of
+// 16 MiB took crashed, and no test had reached it).
+struct Thresholds {
+  int64_t streaming_bytes;       // outputs of at least this many bytes: streaming stores
+  int64_t huge_page_bytes;       // new outputs of at least this many bytes: MADV_HUGEPAGE
+  int64_t grain_elements;        // elements per parallel task (below it: the calling thread only)
+  int64_t tile_tokens;           // tokens per tile in head-major storage
+  int64_t min_heads_per_thread;  // head-major: threads split the heads if each gets this many
+};
+
+// The thresholds in force, and their replacement for the whole process (set_thresholds checks
+// each value and refuses the lot if one is out of range).
+Thresholds thresholds();
+void set_thresholds(const Thresholds& t);
+
+// How often each side of the switches above was taken since the library loaded, so that tests can
+// show a path ran rather than assume it. Counted once per call or per parallel chunk (relaxed
+// atomic adds), never per element.
+struct PathCounts {
+  std::atomic<int64_t> streamed_rows{0};        // rows written with streaming stores
+  std::atomic<int64_t> huge_page_outputs{0};    // new outputs of at least huge_page_bytes
+  std::atomic<int64_t> head_split_walks{0};     // head-major calls whose threads split the heads
+  std::atomic<int64_t> token_split_walks{0};    // head-major calls whose threads split the tokens
+};
+PathCounts& path_counts();
+
 #define ROPE_EXT_DECLARE_KERNEL(CAP)                                                        \
   namespace CAP {                                                                           \
   void rotary_kernel(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,             \
                      const at::Tensor& cos, const at::Tensor& sin, bool interleaved,        \
-                     bool conjugate);                                                       \
+                     bool conjugate, const Thresholds& thresholds);                         \
   }
 ROPE_EXT_DECLARE_KERNEL(DEFAULT)
 #ifdef ROPE_EXT_HAVE_AVX

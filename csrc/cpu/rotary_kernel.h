@@ -23,6 +23,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/rotary_cpu.h"
+#include "cpu/streaming.h"
 #include "rotary_math.h"
 #include "rotary_plan.h"
 
@@ -37,30 +39,19 @@ namespace rope_ext::cpu::CPU_CAPABILITY {
 
 using at::vec::Vectorized;
 
-// Elements per parallel task: ATen's own grain (at::internal::GRAIN_SIZE). Below it a call
-// runs on the calling thread, which keeps small (decode) shapes free of threading overhead.
-constexpr int64_t kGrainElements = 32768;
-
-// Outputs of at least this many bytes are written with streaming (non-temporal) stores: the
-// output cannot stay in cache anyway, and a normal store would first read each output line
-// from memory (read for ownership), a third memory stream beside reading x and writing out.
-// Smaller outputs are stored normally, so the attention that reads them next finds them in
-// cache. The figure is the last-level cache of the machines we measure on (8 to 32 MiB).
-constexpr int64_t kStreamingBytes = int64_t{16} << 20;
+// The size thresholds at which this kernel changes path (streaming stores, the parallel grain,
+// the head-major tile and thread split) arrive as a Thresholds (rotary_cpu.h), whose defaults
+// and reasons are in rotary_cpu.cpp.
 
 // How far ahead of the row being rotated x is prefetched, in bytes. Rows of one token's
 // heads are usually adjacent in memory, so the next rows' lines are requested while this
 // row computes; a prefetch past x's end or into another tensor is harmless.
 constexpr int64_t kPrefetchBytes = 2048;
 
-// Tokens per tile when x is stored head-major (see rotary_typed): each head's rows of a tile
-// are one run of kTileTokens * head_dim elements (16 to 32 KiB at head dim 128), and the
-// tile's tables (at most kTileTokens * 4 * half opmath values) stay in L1/L2 across its heads.
-constexpr int64_t kTileTokens = 32;
-
-// In head-major storage threads split the heads when each gets at least this many (so that
-// the split is even to within 25%), and the tokens otherwise.
-constexpr int64_t kMinHeadsPerThreadToSplit = 4;
+// Bytes one streaming store of this variant writes (streaming.h): 0 for DEFAULT, which has none.
+constexpr int64_t kStreamStoreBytes = streaming_store_bytes(Isa::CPU_CAPABILITY);
+static_assert(kStreamStoreBytes == (ROPE_EXT_STREAMING_STORES ? sizeof(Vectorized<float>) : 0),
+              "a streaming store writes exactly one Vectorized<float> register");
 
 // True when x's rows of one token are farther apart in memory than consecutive tokens' rows,
 // i.e. storage is head-major: the smallest head stride of x exceeds its smallest token stride.
@@ -81,6 +72,14 @@ struct VecIO {
   using opmath_t = at::opmath_type<scalar_t>;
   using Vec = Vectorized<opmath_t>;
   static constexpr int64_t kStep = 2 * Vec::size();
+  // load() and store() of a 16-bit type move one Vectorized<scalar_t>: exactly kStep elements, so
+  // the vector body neither reads nor writes past the columns it rotates.
+  static_assert(std::is_same_v<scalar_t, opmath_t> || Vectorized<scalar_t>::size() == kStep,
+                "a 16-bit vector holds the elements of two float vectors");
+  // float, float16 and bfloat16 outputs may be streamed (store_streaming); double never is.
+  static constexpr bool kStreams = kStreamStoreBytes > 0 && !std::is_same_v<scalar_t, double>;
+  static_assert(!kStreams || (kStep * sizeof(scalar_t)) % kStreamStoreBytes == 0,
+                "a step of the vector body stores whole registers (streaming_row_aligned relies on it)");
 
   static void load(const scalar_t* p, Vec& a, Vec& b) {
     if constexpr (std::is_same_v<scalar_t, opmath_t>) {
@@ -99,11 +98,16 @@ struct VecIO {
     }
   }
 
-  // Bytes one store() writes per vector register; a streaming store needs p aligned to it.
-  static constexpr int64_t kStoreAlign = std::is_same_v<scalar_t, opmath_t> ? sizeof(Vec) : sizeof(Vec) / 2;
-
-  // store() with non-temporal stores where the ISA has them; p must be kStoreAlign-aligned.
+  // store() with non-temporal stores where the ISA has them. Every register store must be
+  // kStreamStoreBytes-aligned, which the caller establishes with streaming_row_aligned.
   static void store_streaming(scalar_t* p, const Vec& a, const Vec& b) {
+#ifdef ROPE_EXT_DEBUG_CHECKS
+    // A misaligned streaming store faults without a word, and AddressSanitizer does not see
+    // intrinsic stores: debug builds (DEBUG=1, make sanitize) check every one.
+    TORCH_CHECK(kStreamStoreBytes > 0 && reinterpret_cast<std::uintptr_t>(p) % kStreamStoreBytes == 0,
+                "rope_ext internal error (please report it): misaligned streaming store: ",
+                static_cast<const void*>(p), " is not ", kStreamStoreBytes, "-byte aligned");
+#endif
 #if ROPE_EXT_STREAMING_STORES
     if constexpr (std::is_same_v<scalar_t, float>) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -116,6 +120,7 @@ struct VecIO {
       return;
     } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
       const Vectorized<scalar_t> v = at::vec::convert_from_float<scalar_t>(a, b);
+      static_assert(sizeof(v) == kStreamStoreBytes, "a 16-bit step is one whole register");
 #if defined(CPU_CAPABILITY_AVX512)
       _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
 #else
@@ -128,15 +133,13 @@ struct VecIO {
   }
 };
 
-// Orders this thread's streaming stores before whatever reads the output next.
-inline void streaming_fence() {
+// Ends a thread's share of a streaming call: orders its streaming stores before whatever reads the
+// output next, and counts its streamed rows (PathCounts).
+inline void finish_streaming(int64_t streamed_rows) {
 #if ROPE_EXT_STREAMING_STORES
   _mm_sfence();
 #endif
-}
-
-inline bool aligned_to(const void* p, int64_t alignment) {
-  return reinterpret_cast<std::uintptr_t>(p) % static_cast<std::uintptr_t>(alignment) == 0;
+  if (streamed_rows > 0) path_counts().streamed_rows.fetch_add(streamed_rows, std::memory_order_relaxed);
 }
 
 // dst[0, n) = src[0, n) converted to float, for float16/bfloat16 src.
@@ -259,7 +262,7 @@ void rotate_row_contiguous(const scalar_t* x, scalar_t* out, const PairTables<op
 
 template <typename scalar_t, typename table_t, bool kConj, bool kInterleaved>
 void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
-                  const at::Tensor& cos, const at::Tensor& sin) {
+                  const at::Tensor& cos, const at::Tensor& sin, const Thresholds& th) {
   using opmath_t = at::opmath_type<scalar_t>;
   const scalar_t* x_base = x.const_data_ptr<scalar_t>();
   scalar_t* out_base = out.mutable_data_ptr<scalar_t>();
@@ -271,22 +274,25 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
   const int64_t nheads = p.num_heads();
   const int64_t rows = p.num_tokens() * nheads;
   const bool contiguous_rows = p.x_col == 1 && p.out_col == 1;
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, p.head_dim));
+  const int64_t grain = std::max<int64_t>(1, th.grain_elements / std::max<int64_t>(1, p.head_dim));
   using IO = VecIO<scalar_t>;
   const int64_t row_bytes = p.rotary_dim * static_cast<int64_t>(sizeof(scalar_t));
-  const bool stream = ROPE_EXT_STREAMING_STORES && x_base != out_base &&
-                      out.numel() * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamingBytes;
+  // Streaming stores skip the read for ownership of each output line, a third memory stream
+  // beside reading x and writing out; in place, the lines were just read anyway.
+  const bool stream = IO::kStreams && x_base != out_base &&
+                      out.numel() * static_cast<int64_t>(sizeof(scalar_t)) >= th.streaming_bytes;
 
-  // One row: x at xr, out at outr, rotated with one token's tables.
-  const auto rotate_row = [&](const scalar_t* xr, scalar_t* outr, const PairTables<opmath_t>& t) {
+  // One row: x at xr, out at outr, rotated with one token's tables. Adds 1 to `streamed` if the
+  // row was written with streaming stores.
+  const auto rotate_row = [&](const scalar_t* xr, scalar_t* outr, const PairTables<opmath_t>& t,
+                              int64_t& streamed) {
     if (contiguous_rows) {
       const char* ahead = reinterpret_cast<const char*>(xr) + kPrefetchBytes;
       for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
-      // Streaming needs every vector store aligned: the row start and (half-split) its
-      // second half; the vector body then advances in whole vectors.
-      if (stream && aligned_to(outr, IO::kStoreAlign) &&
-          (kInterleaved || aligned_to(outr + half, IO::kStoreAlign))) {
+      if (stream && streaming_row_aligned(reinterpret_cast<std::uintptr_t>(outr), half, sizeof(scalar_t),
+                                          kInterleaved, kStreamStoreBytes)) {
         rotate_row_contiguous<kConj, kInterleaved, true>(xr, outr, t, half);
+        ++streamed;
       } else {
         rotate_row_contiguous<kConj, kInterleaved, false>(xr, outr, t, half);
       }
@@ -307,6 +313,7 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
     // a few tokens with many heads (decode) still divide.
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
       std::vector<opmath_t> buf(4 * half);
+      int64_t streamed = 0;
       for (int64_t row = begin; row < end;) {
         const int64_t token = row / nheads;
         const int64_t h_begin = row % nheads;
@@ -318,48 +325,57 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
         for (int64_t h = h_begin; h < h_end; ++h) {
           int64_t hd[2];
           p.heads.offsets(h, hd);
-          rotate_row(x_base + tok[kX] + hd[kX], out_base + tok[kOut] + hd[kOut], t);
+          rotate_row(x_base + tok[kX] + hd[kX], out_base + tok[kOut] + hd[kOut], t, streamed);
         }
         row += h_end - h_begin;
       }
-      if (stream) streaming_fence();
+      if (stream) finish_streaming(streamed);
     });
     return;
   }
 
   // Head-major storage (e.g. contiguous (B,H,S,D)): a token's heads lie far apart, so walking
   // token by token would touch one row in each of nheads distant places. Instead each tile of
-  // kTileTokens tokens has its tables built once, then is rotated head by head: every head's
+  // th.tile_tokens tokens has its tables built once, then is rotated head by head: every head's
   // rows of a tile are one contiguous run of memory. Threads split the heads when there are
   // enough of them, so that each writes its own stretch of the output (pages that fault in on
   // first write are not shared between threads); otherwise they split the tokens.
   const int64_t ntokens = p.num_tokens();
   const auto walk = [&](int64_t t_begin, int64_t t_end, int64_t h_begin, int64_t h_end) {
-    std::vector<opmath_t> buf(kTileTokens * 4 * half);
-    PairTables<opmath_t> tables[kTileTokens];
-    int64_t tok[kTileTokens][4];
-    for (int64_t t0 = t_begin; t0 < t_end; t0 += kTileTokens) {
-      const int64_t n = std::min(kTileTokens, t_end - t0);
+    const int64_t tile = th.tile_tokens;
+    std::vector<opmath_t> buf(tile * 4 * half);
+    std::vector<PairTables<opmath_t>> tables(tile);
+    struct Offsets {
+      int64_t of[4];  // x, out, cos, sin (TokenOperand)
+    };
+    std::vector<Offsets> tok(tile);
+    int64_t streamed = 0;
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += tile) {
+      const int64_t n = std::min(tile, t_end - t0);
       for (int64_t j = 0; j < n; ++j) {
-        p.tokens.offsets(t0 + j, tok[j]);
-        tables[j] = token_tables<kInterleaved>(cos_base + tok[j][kCos], p.cos_col,
-                                               sin_base + tok[j][kSin], p.sin_col, half,
+        p.tokens.offsets(t0 + j, tok[j].of);
+        tables[j] = token_tables<kInterleaved>(cos_base + tok[j].of[kCos], p.cos_col,
+                                               sin_base + tok[j].of[kSin], p.sin_col, half,
                                                buf.data() + j * 4 * half);
       }
       for (int64_t h = h_begin; h < h_end; ++h) {
         int64_t hd[2];
         p.heads.offsets(h, hd);
         for (int64_t j = 0; j < n; ++j) {
-          rotate_row(x_base + tok[j][kX] + hd[kX], out_base + tok[j][kOut] + hd[kOut], tables[j]);
+          rotate_row(x_base + tok[j].of[kX] + hd[kX], out_base + tok[j].of[kOut] + hd[kOut], tables[j],
+                     streamed);
         }
       }
     }
-    if (stream) streaming_fence();
+    if (stream) finish_streaming(streamed);
   };
-  if (nheads >= kMinHeadsPerThreadToSplit * at::get_num_threads()) {
+  // (nheads / threads >= m is nheads >= m * threads for positive values, without the overflow.)
+  if (nheads / at::get_num_threads() >= th.min_heads_per_thread) {
+    path_counts().head_split_walks.fetch_add(1, std::memory_order_relaxed);
     const int64_t head_grain = std::max<int64_t>(1, grain / std::max<int64_t>(1, ntokens));
     at::parallel_for(0, nheads, head_grain, [&](int64_t begin, int64_t end) { walk(0, ntokens, begin, end); });
   } else {
+    path_counts().token_split_walks.fetch_add(1, std::memory_order_relaxed);
     const int64_t token_grain = std::max<int64_t>(1, grain / std::max<int64_t>(1, nheads));
     at::parallel_for(0, ntokens, token_grain, [&](int64_t begin, int64_t end) { walk(begin, end, 0, nheads); });
   }
@@ -368,19 +384,18 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
 // The entry point declared in rotary_cpu.h: out = rotary(x, cos, sin), where `out` has
 // been allocated by the caller with x's sizes and `p` describes all four tensors. `out` may
 // be x itself (in place): each pair is read completely before it is written.
-void rotary_kernel(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
-                               const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
-                               bool conjugate) {
+void rotary_kernel(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out, const at::Tensor& cos,
+                   const at::Tensor& sin, bool interleaved, bool conjugate, const Thresholds& th) {
   if (out.numel() == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rope_ext.rotary", [&] {
     auto run = [&](auto table_tag) {
       using table_t = decltype(table_tag);
       if (interleaved) {
-        conjugate ? rotary_typed<scalar_t, table_t, true, true>(p, x, out, cos, sin)
-                  : rotary_typed<scalar_t, table_t, false, true>(p, x, out, cos, sin);
+        conjugate ? rotary_typed<scalar_t, table_t, true, true>(p, x, out, cos, sin, th)
+                  : rotary_typed<scalar_t, table_t, false, true>(p, x, out, cos, sin, th);
       } else {
-        conjugate ? rotary_typed<scalar_t, table_t, true, false>(p, x, out, cos, sin)
-                  : rotary_typed<scalar_t, table_t, false, false>(p, x, out, cos, sin);
+        conjugate ? rotary_typed<scalar_t, table_t, true, false>(p, x, out, cos, sin, th)
+                  : rotary_typed<scalar_t, table_t, false, false>(p, x, out, cos, sin, th);
       }
     };
     // check_rotary_args allows tables in x's dtype or in float32.
