@@ -1,6 +1,8 @@
 """Shared test parameters, tolerances and input factories for rope_ext."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -129,3 +131,67 @@ def make_layout(name: str, B: int, S: int, H: int, D: int, dtype, gen=None):
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)
+
+
+# --- the CPU kernel's path thresholds ------------------------------------------------------
+#
+# The CPU kernel switches path at sizes (csrc/cpu/rotary_cpu.cpp gives the defaults and why):
+# streaming stores for outputs of >= 16 MiB, huge pages for new outputs of >= 32 MiB, the
+# parallel grain, the head-major tile and the head/token thread split. The private ops
+# rope_ext::_cpu_thresholds / _set_cpu_thresholds read and replace them, so that tests reach
+# both sides of every switch on small tensors.
+THRESHOLD_NAMES = ("streaming_bytes", "huge_page_bytes", "grain_elements", "tile_tokens", "min_heads_per_thread")
+DEFAULT_THRESHOLDS = {"streaming_bytes": 16 << 20, "huge_page_bytes": 32 << 20, "grain_elements": 32768,
+                      "tile_tokens": 32, "min_heads_per_thread": 4}
+
+
+def current_thresholds() -> dict:
+    return dict(zip(THRESHOLD_NAMES, torch.ops.rope_ext._cpu_thresholds(), strict=True))
+
+
+@contextlib.contextmanager
+def cpu_thresholds(**changes):
+    """The CPU kernel's thresholds replaced by `changes` (names from THRESHOLD_NAMES) in the block,
+    and restored after it. They are process-wide: the block must not run beside other tests."""
+    unknown = set(changes) - set(THRESHOLD_NAMES)
+    assert not unknown, f"no such threshold: {sorted(unknown)}"
+    before = current_thresholds()
+    torch.ops.rope_ext._set_cpu_thresholds(**{**before, **changes})
+    try:
+        yield
+    finally:
+        torch.ops.rope_ext._set_cpu_thresholds(**before)
+
+
+PATH_COUNT_NAMES = ("streamed_rows", "huge_page_outputs", "head_split_walks", "token_split_walks")
+
+
+def path_counts() -> dict:
+    """How often each side of the CPU kernel's switches ran in this process (cpu::PathCounts)."""
+    return dict(zip(PATH_COUNT_NAMES, torch.ops.rope_ext._cpu_path_counts(), strict=True))
+
+
+def path_counts_since(before: dict) -> dict:
+    return {k: v - before[k] for k, v in path_counts().items()}
+
+
+# Bytes one streaming store writes in each CPU kernel variant, and so the alignment it needs:
+# vmovntps/vmovntdq on a ymm (AVX2) or zmm (AVX-512) register. The generic variant has none.
+STREAMING_STORE_BYTES = {"AVX2": 32, "AVX512": 64, "DEFAULT": 0}
+
+
+def expected_streamed_rows(out: torch.Tensor, interleaved: bool, r: int, streaming_bytes: int | None = None) -> int:
+    """Rows of a new contiguous output that the kernel writes with streaming stores, when the output
+    is at least streaming_bytes (default: the threshold in force): those whose every register store
+    is aligned to the register size, i.e. the row start and, half-split, the start of its second
+    half (r/2 elements in)."""
+    w = STREAMING_STORE_BYTES[torch.ops.rope_ext.cpu_kernel_isa()]
+    if streaming_bytes is None:
+        streaming_bytes = current_thresholds()["streaming_bytes"]
+    if w == 0 or out.numel() * out.element_size() < streaming_bytes or out.dtype == torch.float64:
+        return 0  # (float64 has no streaming store)
+    d, e = out.shape[-1], out.element_size()
+    if not interleaved and (r // 2 * e) % w:
+        return 0
+    starts = out.data_ptr() + torch.arange(out.numel() // d, dtype=torch.int64) * (d * e)
+    return int((starts % w == 0).sum())

@@ -20,14 +20,13 @@ from, so each bad call differs from a working call only by what it gets wrong.
 
 from __future__ import annotations
 
-import json
 import re
 import signal
-import subprocess
-import sys
 from typing import NamedTuple
 
+import isolated
 import pytest
+from isolated import Outcome
 
 # Names every case can use; each is a valid input of the function it feeds.
 PRELUDE = """
@@ -429,73 +428,12 @@ CASES = {
     "patch_model_types_not_a_list": Bad("rope_hf.patch(42)", AS_TENSOR, r"model_types must be .*got int"),
 }
 
-# The helper interpreter: runs PRELUDE once, then forks one child per call. A child runs its call
-# and writes what it raised to <outdir>/<i>.json, its stderr to <i>.stderr. The helper prints
-# each child's exit code (negative: the signal that killed it; None: killed after the timeout).
-_FORK_SERVER = """
-import json, os, sys, time, traceback
-spec = json.load(sys.stdin)
-import torch
-torch.set_num_threads(1)  # no worker threads in the parent of the forks
-ns = {}
-exec(spec["prelude"], ns)
-exit_codes = []
-for i, call in enumerate(spec["calls"]):
-    sys.stdout.flush(), sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            fd = os.open(os.path.join(spec["outdir"], f"{i}.stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(fd, 2)
-            try:
-                exec(call, ns)
-            except Exception as e:
-                report = {"raised": True, "type": type(e).__qualname__, "message": str(e),
-                          "mro": [c.__qualname__ for c in type(e).__mro__], "traceback": traceback.format_exc()}
-            else:
-                report = {"raised": False}
-            with open(os.path.join(spec["outdir"], f"{i}.json"), "w") as f:
-                json.dump(report, f)
-        except BaseException:
-            traceback.print_exc()
-            code = 3
-        finally:
-            sys.stderr.flush()
-            os._exit(code)
-    deadline = time.monotonic() + spec["timeout"]
-    while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
-        time.sleep(0.001)
-    if done[0]:
-        exit_codes.append(os.waitstatus_to_exitcode(done[1]))
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        exit_codes.append(None)
-print(json.dumps(exit_codes))
-"""
 _TIMEOUT_S = 60  # per call
-
-
-class Outcome(NamedTuple):
-    exit_code: int | None  # None: did not finish within _TIMEOUT_S
-    report: dict | None  # what the call raised, if the child got to write it
-    stderr: str
 
 
 def run_isolated(calls: list[str], outdir) -> list[Outcome]:
     """Runs each call after PRELUDE in a process of its own; one Outcome per call."""
-    spec = {"prelude": PRELUDE, "calls": calls, "outdir": str(outdir), "timeout": _TIMEOUT_S}
-    proc = subprocess.run(
-        [sys.executable, "-c", _FORK_SERVER], input=json.dumps(spec), capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, f"the fork server failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    outcomes = []
-    for i, code in enumerate(json.loads(proc.stdout.splitlines()[-1])):
-        report_path, stderr_path = outdir / f"{i}.json", outdir / f"{i}.stderr"
-        report = json.loads(report_path.read_text()) if report_path.exists() else None
-        outcomes.append(Outcome(code, report, stderr_path.read_text() if stderr_path.exists() else ""))
-    return outcomes
+    return isolated.run_isolated(PRELUDE, calls, outdir, _TIMEOUT_S)
 
 
 def check_outcome(case: Bad, out: Outcome) -> None:
@@ -503,12 +441,9 @@ def check_outcome(case: Bad, out: Outcome) -> None:
     expected = case.exc if isinstance(case.exc, tuple) else (case.exc,)
     wanted = f"{' or '.join(e.__name__ for e in expected)} matching /{case.pattern}/"
     assert out.exit_code is not None, f"{case.call}: still running after {_TIMEOUT_S} s; expected {wanted}"
-    if out.exit_code < 0:
-        how = f"was killed by {signal.Signals(-out.exit_code).name}"
-    else:
-        how = f"exited with {out.exit_code}"
     assert out.exit_code == 0 and out.report is not None, (
-        f"{case.call}: the process {how} instead of raising {wanted}\nstderr:\n{out.stderr[-4000:]}"
+        f"{case.call}: the process {isolated.how_it_ended(out)} instead of raising {wanted}\n"
+        f"stderr:\n{out.stderr[-4000:]}"
     )
     r = out.report
     assert r["raised"], f"{case.call} raised nothing; expected {wanted}\nstderr:\n{out.stderr[-2000:]}"

@@ -2,6 +2,7 @@
 that do not depend on the variant, the thread count or the path taken."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -11,7 +12,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DTYPES, assert_matches_reference, randn, random_tables, rope_tables
+from conftest import (
+    DEFAULT_THRESHOLDS,
+    DTYPES,
+    STREAMING_STORE_BYTES,
+    assert_matches_reference,
+    cpu_thresholds,
+    current_thresholds,
+    expected_streamed_rows,
+    path_counts,
+    path_counts_since,
+    randn,
+    random_tables,
+    rope_tables,
+)
 
 import rope_ext
 
@@ -173,12 +187,23 @@ def test_large_outputs_equal_small_pieces_and_reference(spec, interleaved, gen):
 # values in either storage must come out bit for bit the same, whatever the tile and thread
 # boundaries. S = 77 leaves a partial tile. With 2 threads, shared positions (15 heads of
 # broadcast tables) split the heads between threads; per-row positions (5 heads, 231 tokens)
-# split the tokens, at a point inside a tile.
+# split the tokens, at a point inside a tile. TILINGS lowers the tile and grain so that the same
+# shape also takes tiles of 1 and 3 tokens, with the thread split forced onto the heads or onto the
+# tokens.
+TILINGS = {
+    "default": {},
+    "tile1_split_heads": {"tile_tokens": 1, "min_heads_per_thread": 1, "grain_elements": 1},
+    "tile3_split_tokens": {"tile_tokens": 3, "min_heads_per_thread": 2**40, "grain_elements": 64},
+}
+
+
+@pytest.mark.parametrize("tiling_name", TILINGS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("per_row", [False, True], ids=["shared_positions", "per_row_positions"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_head_major_storage_equals_token_major(dtype, interleaved, per_row, threads, gen):
+def test_head_major_storage_equals_token_major(dtype, interleaved, per_row, threads, tiling_name, gen):
+    tiling = TILINGS[tiling_name]
     B, H, S, D, r = 3, 5, 77, 64, 48  # partial rotary: 16 pass-through columns
     x_bhsd = randn(B, H, S, D, dtype=dtype, gen=gen)  # head-major: rows of a token S*D apart
     x_bshd = x_bhsd.transpose(1, 2).contiguous()  # token-major: a token's heads adjacent
@@ -191,11 +216,154 @@ def test_head_major_storage_equals_token_major(dtype, interleaved, per_row, thre
         torch.set_num_threads(threads)
         for conjugate in (False, True):
             kw = dict(interleaved=interleaved, conjugate=conjugate)
-            hm = rope_ext.rotary(x_bhsd, cos_bhsd, sin_bhsd, **kw)
+            counts = path_counts()
+            with cpu_thresholds(**tiling):
+                hm = rope_ext.rotary(x_bhsd, cos_bhsd, sin_bhsd, **kw)
+                inplace = rope_ext.rotary_(x_bhsd.clone(), cos_bhsd, sin_bhsd, **kw)
+            split = path_counts_since(counts)
+            if "split" in tiling_name:
+                side = "head_split_walks" if tiling_name.endswith("heads") else "token_split_walks"
+                assert split[side] == 2 and split["head_split_walks"] + split["token_split_walks"] == 2, split
             tm = rope_ext.rotary(x_bshd, cos_bshd, sin_bshd, **kw)
             assert hm.is_contiguous() and torch.equal(hm.transpose(1, 2), tm)
-            inplace = rope_ext.rotary_(x_bhsd.clone(), cos_bhsd, sin_bhsd, **kw)
             assert torch.equal(inplace, hm)
             assert_matches_reference(hm, x_bhsd, cos_bhsd, sin_bhsd, interleaved, conjugate)
     finally:
         torch.set_num_threads(before)
+
+
+# --- the kernel's path thresholds, and both sides of each -------------------------------------
+
+
+def test_thresholds_default_and_checked():
+    """The defaults are the documented ones (conftest.DEFAULT_THRESHOLDS), a change holds until
+    restored, and a value that no path can take is refused by name."""
+    assert current_thresholds() == DEFAULT_THRESHOLDS
+    with cpu_thresholds(streaming_bytes=0, tile_tokens=3):
+        assert current_thresholds() == {**DEFAULT_THRESHOLDS, "streaming_bytes": 0, "tile_tokens": 3}
+    assert current_thresholds() == DEFAULT_THRESHOLDS
+    bad = {"streaming_bytes": (-1, ">= 0"), "huge_page_bytes": (-1, ">= 0"), "grain_elements": (0, ">= 1"),
+           "tile_tokens": (0, r"in \[1, 4096\]"), "min_heads_per_thread": (0, ">= 1")}
+    for name, (value, expected) in bad.items():
+        with pytest.raises(RuntimeError, match=rf"_set_cpu_thresholds: {name} must be {expected}, got {value}"):
+            torch.ops.rope_ext._set_cpu_thresholds(**{**DEFAULT_THRESHOLDS, name: value})
+        assert current_thresholds() == DEFAULT_THRESHOLDS
+
+
+# Streaming stores on small outputs (threshold 0), for every dtype that streams, both pairings,
+# forward and transpose (the backward's op). A streaming store faults unless its address is a
+# multiple of the register size (32 bytes on AVX2, 64 on AVX-512), so the rows here start at every
+# alignment modulo 64 bytes: rows of an odd head dim d advance by d * elem_size bytes. Rotary dims
+# of 40, 72 and 74 put the second half of a half-split row off the register grid (r = 20 and 24
+# have too few pairs for the vector body and take the scalar tail only). Each result must equal the
+# same call with streaming off, bit for bit, and the float64 reference; and the kernel must have
+# streamed exactly the rows that the rule for this machine's register size allows
+# (conftest.expected_streamed_rows), so the streaming path demonstrably ran.
+STREAM_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+STREAM_DIMS = {40: (40, 24), 72: (72, 20), 80: (80, 32), 96: (96, 32), 33: (32, 20), 41: (40, 24), 75: (74,)}
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
+@pytest.mark.parametrize("dtype", STREAM_DTYPES, ids=str)
+def test_streaming_stores_at_every_row_alignment(dtype, interleaved, gen):
+    tokens, heads = 40, 3
+    row_starts, streamed = set(), 0
+    for d, rotary_dims in STREAM_DIMS.items():
+        x = randn(tokens, heads, d, dtype=dtype, gen=gen)
+        g = randn(tokens, heads, d, dtype=dtype, gen=gen)
+        for r in rotary_dims:
+            cos, sin = rope_tables(torch.arange(tokens)[:, None], r, interleaved)
+            for conjugate in (False, True):
+                kw = dict(interleaved=interleaved, conjugate=conjugate)
+                before = path_counts()
+                plain = rope_ext.rotary(x, cos, sin, **kw)
+                assert path_counts_since(before)["streamed_rows"] == 0
+                with cpu_thresholds(streaming_bytes=0):
+                    streamed_out = rope_ext.rotary(x, cos, sin, **kw)
+                n = path_counts_since(before)["streamed_rows"]
+                assert n == expected_streamed_rows(streamed_out, interleaved, r, 0), (d, r, conjugate)
+                streamed += n
+                assert torch.equal(streamed_out, plain)
+                assert_matches_reference(streamed_out, x, cos, sin, **kw)
+                row_starts |= {(streamed_out.data_ptr() + i * d * x.element_size()) % 64 for i in range(tokens * heads)}
+            # backward: the gradient is the transpose applied to g, a new (streamed) output
+            xg = x.clone().requires_grad_()
+            (expected,) = torch.autograd.grad(rope_ext.rotary(xg, cos, sin, interleaved=interleaved), xg, g)
+            before = path_counts()
+            with cpu_thresholds(streaming_bytes=0):
+                (got,) = torch.autograd.grad(rope_ext.rotary(xg, cos, sin, interleaved=interleaved), xg, g)
+            assert path_counts_since(before)["streamed_rows"] == 2 * expected_streamed_rows(got, interleaved, r, 0)
+            assert torch.equal(got, expected)
+    assert row_starts == set(range(0, 64, x.element_size())), "some row alignment was not reached"
+    if STREAMING_STORE_BYTES[rope_ext.cpu_kernel_isa()]:
+        assert streamed > 0
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
+@pytest.mark.parametrize("dtype", STREAM_DTYPES, ids=str)
+def test_in_place_rows_at_every_storage_offset(dtype, interleaved, gen):
+    """rotary_ on rows that start at every alignment modulo 64 bytes (views at every storage
+    offset; in place never streams), split between threads at every row (grain 1), gives rotary's
+    bits."""
+    tokens, heads, d, r = 40, 3, 72, 40
+    cos, sin = rope_tables(torch.arange(tokens)[:, None], r, interleaved)
+    elem = torch.empty((), dtype=dtype).element_size()
+    for offset in range(64 // elem):
+        buf = randn(offset + tokens * heads * d, dtype=dtype, gen=gen)
+        x = buf[offset:].view(tokens, heads, d)
+        assert (x.data_ptr() - buf.data_ptr()) % 64 == offset * elem
+        expected = rope_ext.rotary(x, cos, sin, interleaved=interleaved)
+        before = path_counts()
+        with cpu_thresholds(streaming_bytes=0, grain_elements=1):
+            rope_ext.rotary_(x, cos, sin, interleaved=interleaved)
+        assert path_counts_since(before)["streamed_rows"] == 0
+        assert torch.equal(x, expected)
+
+
+# Run in a fresh interpreter: the huge-page advice (madvise(MADV_HUGEPAGE)) marks the output's
+# mapping "hg" in /proc/self/smaps' VmFlags, whether or not the kernel then finds free huge pages.
+# The runs go from no advice to advice, so a mapping reused by the allocator cannot carry a flag
+# into a run that should have none. 8 MiB of output spans whole 2 MiB pages.
+_HUGE_PAGES_SCRIPT = """
+import json, re
+import torch, rope_ext
+from conftest import cpu_thresholds, path_counts, path_counts_since
+
+
+def advised(t):
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    flags, inside = [], False
+    for line in open("/proc/self/smaps"):
+        m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if m:
+            inside = int(m.group(1), 16) < hi and int(m.group(2), 16) > lo
+        elif inside and line.startswith("VmFlags:"):
+            flags.append("hg" in line.split()[1:])
+    return any(flags)
+
+
+x = torch.randn(4096, 4, 128)
+cos, sin = torch.randn(4096, 1, 128), torch.randn(4096, 1, 128)
+result = {}
+for name, huge_page_bytes in (("raised", 2**62), ("default", 32 << 20), ("lowered", 0)):
+    before = path_counts()
+    with cpu_thresholds(huge_page_bytes=huge_page_bytes):
+        out = rope_ext.rotary(x, cos, sin)
+    result[name] = [advised(out), path_counts_since(before)["huge_page_outputs"]]
+    del out
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+                    reason="the kernel has no transparent huge pages to advise")
+def test_huge_page_threshold_both_sides():
+    """A new output of at least huge_page_bytes is advised onto huge pages, a smaller one is not:
+    an 8 MiB output is advised with the threshold lowered to 0, and not at the default (32 MiB)
+    or raised."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, "-c", _HUGE_PAGES_SCRIPT], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got == {"raised": [False, 0], "default": [False, 0], "lowered": [True, 1]}, got

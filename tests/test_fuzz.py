@@ -8,6 +8,13 @@ with a random broadcast pattern (leading dims dropped or of size 1, per-row tabl
 dtype or float32, each with its own non-contiguous layout, filled from random positions
 (rope_ext.reference.angles_to_cos_sin, via conftest.rope_tables) or with arbitrary values.
 
+Each example also draws the CPU kernel's path thresholds (conftest.cpu_thresholds): streaming
+stores from 0 bytes up or never, huge pages likewise, parallel grains from 1 element, head-major
+tiles of 1 to 32 tokens, and the head/token thread split either way. So the small tensors here take
+the streaming-store and huge-page paths that only outputs of 16 and 32 MiB take by default (issue
+16), with row starts at every alignment that the drawn head dims and offsets produce, and the
+thread and tile boundaries fall anywhere. The thresholds apply to the forward and the backward.
+
 For every example it checks, against rope_ext.reference.rotary_reference in float64:
 - forward: within conftest.tolerance (assert_matches_reference); the output has
   torch.empty_like(x)'s strides and the inputs' buffers are not written; the CUDA kernels'
@@ -27,13 +34,23 @@ The total is split between the tests in the proportions of _SHARES.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import DTYPES, assert_matches_reference, randn, random_tables, rope_tables, tolerance
+from conftest import (
+    DEFAULT_THRESHOLDS,
+    DTYPES,
+    assert_matches_reference,
+    cpu_thresholds,
+    randn,
+    random_tables,
+    rope_tables,
+    tolerance,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -218,12 +235,29 @@ class Problem:
     interleaved: bool
     conjugate: bool
     seed: int
+    thresholds: tuple[tuple[str, int], ...]  # the CPU kernel's, as (name, value) pairs
+
+
+_NEVER = 2**62
+
+
+@st.composite
+def thresholds(draw):
+    """The CPU kernel's thresholds: either side of every switch, for tensors of a few KiB."""
+    d = DEFAULT_THRESHOLDS
+    return (
+        ("streaming_bytes", draw(st.sampled_from([0, 0, 256, 2048, _NEVER, d["streaming_bytes"]]))),
+        ("huge_page_bytes", draw(st.sampled_from([0, 1024, _NEVER, d["huge_page_bytes"]]))),
+        ("grain_elements", draw(st.sampled_from([1, 7, 64, 512, d["grain_elements"]]))),
+        ("tile_tokens", draw(st.sampled_from([1, 2, 3, 5, d["tile_tokens"]]))),
+        ("min_heads_per_thread", draw(st.sampled_from([1, 2, d["min_heads_per_thread"], _NEVER // 4]))),
+    )
 
 
 @st.composite
 def problems(draw):
     return Problem(draw(st.sampled_from(DTYPES)), draw(st.booleans()), draw(st.booleans()),
-                   draw(st.integers(0, 2**32 - 1)))
+                   draw(st.integers(0, 2**32 - 1)), draw(thresholds()))
 
 
 def _snapshot(*bufs):
@@ -322,6 +356,17 @@ def _build(op: Operand, dtype, interleaved, gen):
 # --- tests ---------------------------------------------------------------------------------
 
 
+def _under_drawn_thresholds(test):
+    """Runs the test (whose case starts with its Problem) under the CPU thresholds it drew."""
+
+    @functools.wraps(test)
+    def run(case):
+        with cpu_thresholds(**dict(case[0].thresholds)):
+            test(case)
+
+    return run
+
+
 @st.composite
 def rotary_problems(draw):
     p = draw(problems())
@@ -330,6 +375,7 @@ def rotary_problems(draw):
 
 @_settings("rotary")
 @given(case=rotary_problems())
+@_under_drawn_thresholds
 def test_rotary_forward_and_backward(case):
     p, op = case
     gen = torch.Generator().manual_seed(p.seed)
@@ -371,6 +417,7 @@ def qk_problems(draw):
 
 @_settings("qk")
 @given(case=qk_problems())
+@_under_drawn_thresholds
 def test_rotary_qk_forward_and_backward(case):
     p, qop, kop, separate = case
     gen = torch.Generator().manual_seed(p.seed)
@@ -426,6 +473,7 @@ _SHARED_MEMORY = (r"rope_ext.rotary_: x has elements that share memory \(e.g. an
 
 @_settings("inplace")
 @given(case=inplace_problems())
+@_under_drawn_thresholds
 def test_rotary_inplace(case):
     p, op, emulated = case
     gen = torch.Generator().manual_seed(p.seed)
