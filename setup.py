@@ -10,6 +10,9 @@ nvcc is found (CUDA_HOME); otherwise it is CPU-only. The architectures default t
 sm_89 and sm_90 plus every newer one the installed nvcc supports (PTX for the newest);
 TORCH_CUDA_ARCH_LIST overrides them.
 
+Platforms: Linux on x86-64, the one that is built and tested; others are refused before anything
+compiles (ROPE_EXT_UNTESTED_PLATFORM=1 tries anyway, for someone porting rope_ext).
+
 Environment:
   ROPE_EXT_CUDA=1|0   force the CUDA build on (an error if it cannot be done) or off.
   DEBUG=1             build with -O0 -g instead of -O3, and with the kernels' debug checks.
@@ -22,8 +25,23 @@ import re
 import subprocess
 from pathlib import Path
 
-import torch
 from setuptools import setup
+
+if (platform.system(), platform.machine().lower()) not in (("Linux", "x86_64"), ("Linux", "amd64")) and \
+        os.environ.get("ROPE_EXT_UNTESTED_PLATFORM") != "1":
+    raise SystemExit(
+        f"rope_ext is built and tested on Linux x86-64 only; this is {platform.system()} {platform.machine()}. "
+        "Set ROPE_EXT_UNTESTED_PLATFORM=1 to try the build anyway.")
+
+try:
+    import torch
+except ImportError:
+    raise SystemExit(
+        "rope_ext compiles against the torch it will run with, and this build environment has none: torch "
+        "is not installed, or pip is building in an isolated environment (its default), which cannot see "
+        "it. Install torch first, then build without isolation: `pip install --no-build-isolation rope_ext` "
+        "(or `.`, or `-e .` in a checkout)."
+    ) from None
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = Path(__file__).parent
@@ -123,8 +141,13 @@ if CUDA and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
     os.environ["TORCH_CUDA_ARCH_LIST"] = default_arch_list()
 Extension = CUDAExtension if CUDA else CppExtension
 
+# The binary uses torch's C++ ABI, which changes between minor releases: the package requires the
+# major.minor it was compiled against, so pip refuses (rather than breaks) it beside another torch.
+TORCH_MAJOR_MINOR = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
 setup(
     version=VERSION,
+    install_requires=[f"torch=={TORCH_MAJOR_MINOR}.*"],
     ext_modules=[
         Extension(
             "rope_ext._C",

@@ -1,0 +1,47 @@
+"""setup.py's guards, which run before anything compiles: a platform other than Linux x86-64 and a
+build environment without torch (an isolated `pip install`) each stop the build with a message that
+says what to do. (make dist-check builds the sdist and the wheel and checks the wheel's torch pin.)"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run_setup(prelude: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """Runs setup.py --version after `prelude` (which fakes the condition under test)."""
+    code = f"import runpy, sys\n{prelude}\nsys.argv = ['setup.py', '--version']\nrunpy.run_path('setup.py')"
+    env = {**os.environ, **env_extra} if env_extra else None
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+
+
+@pytest.mark.parametrize("system, machine", [("Linux", "aarch64"), ("Darwin", "arm64"), ("Windows", "AMD64")])
+def test_other_platforms_are_refused_before_compiling(system, machine):
+    prelude = f"import platform; platform.machine = lambda: {machine!r}; platform.system = lambda: {system!r}"
+    proc = _run_setup(prelude)
+    assert proc.returncode != 0
+    assert f"rope_ext is built and tested on Linux x86-64 only; this is {system} {machine}" in proc.stderr
+    assert "ROPE_EXT_UNTESTED_PLATFORM=1" in proc.stderr
+    if system == "Linux":  # the override lets the build go on (to --version, which compiles nothing);
+        # faking another system would also mislead torch's own import, which reads platform.system()
+        proc = _run_setup(prelude, {"ROPE_EXT_UNTESTED_PLATFORM": "1"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_linux_x86_64_prints_the_version():
+    proc = _run_setup("")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    header = (ROOT / "csrc" / "include" / "rope_ext" / "version.h").read_text()
+    assert f'#define ROPE_EXT_VERSION "{proc.stdout.strip().splitlines()[-1]}"' in header
+
+
+def test_a_build_without_torch_says_to_install_it_and_not_isolate():
+    proc = _run_setup("sys.modules['torch'] = None  # import torch raises ImportError")
+    assert proc.returncode != 0
+    assert "this build environment has none" in proc.stderr
+    assert "pip install --no-build-isolation rope_ext" in proc.stderr
