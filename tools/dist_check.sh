@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# `make dist-check`: rope_ext as a user gets it, from an sdist and from a wheel built from that sdist.
+#
+#  1. A fresh venv with only torch==2.13.0 (the CPU build) and the build tools builds the sdist from
+#     this checkout, unpacks it, and builds a wheel from the unpacked sdist without build isolation:
+#     a file that the sdist leaves out fails the build here.
+#  2. The wheel's metadata requires torch==<major.minor it was built against>.*.
+#  3. An isolated build (plain `pip install <sdist>`) stops at once with the message that says to
+#     install torch first and use --no-build-isolation, instead of compiling against another torch.
+#  4. Another fresh venv installs torch==2.13.0 and the wheel, and runs tools/smoke_test.py from
+#     outside the checkout: forward, backward, opcheck, torch.compile, RotaryEmbedding.
+# Everything lives in build/dist-check; the editable install and the machine's Python are untouched.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+PY=${PYTHON:-python3}
+OUT=$ROOT/build/dist-check
+TORCH=torch==2.13.0
+rm -rf "$OUT" && mkdir -p "$OUT/dist"
+fail() { echo "dist-check: FAILED: $*" >&2; exit 1; }
+pip_in() {  # pip_in <python> <log name> <pip install arguments>...: quiet, its output in build/dist-check
+  local py=$1 log=$OUT/$2.log
+  shift 2
+  "$py" -m pip install "$@" > "$log" 2>&1 || { tail -30 "$log"; fail "pip install $* (${log#"$ROOT"/})"; }
+}
+t0=$(date +%s)
+
+# ---- 1. sdist, then a wheel from it ---------------------------------------------------------------
+"$PY" -m venv "$OUT/build-env"
+B=$OUT/build-env/bin/python
+pip_in "$B" pip-build-env --upgrade pip
+pip_in "$B" pip-build-env-tools "$TORCH" "setuptools>=77" build
+"$B" -m build --sdist --no-isolation -o "$OUT/dist" . > "$OUT/sdist.log" 2>&1 || { tail -30 "$OUT/sdist.log"; fail "sdist"; }
+SDIST=$(ls "$OUT"/dist/rope_ext-*.tar.gz)
+tar tzf "$SDIST" > "$OUT/sdist-files.txt"
+for f in csrc/include/rope_ext/version.h csrc/rotary_math.h csrc/cuda/rotary_cuda.cu CMakeLists.txt \
+         cmake/rope_extConfig.cmake.in MANIFEST.in; do
+  grep -q "^rope_ext-[^/]*/$f$" "$OUT/sdist-files.txt" || fail "the sdist has no $f"
+done
+mkdir -p "$OUT/unpacked" && tar xzf "$SDIST" -C "$OUT/unpacked"
+t1=$(date +%s)
+(cd "$OUT"/unpacked/rope_ext-*/ && ROPE_EXT_CUDA=0 "$B" -m build --wheel --no-isolation -o "$OUT/dist" . \
+   > "$OUT/wheel.log" 2>&1) || { tail -30 "$OUT/wheel.log"; fail "the wheel build from the sdist"; }
+WHEEL=$(ls "$OUT"/dist/rope_ext-*.whl)
+t2=$(date +%s)
+echo "dist-check: $(basename "$SDIST") and $(basename "$WHEEL") (wheel built from the sdist in $((t2 - t1)) s)"
+
+# ---- 2. the wheel pins the torch it was built against ---------------------------------------------
+requires=$("$B" - "$WHEEL" <<'PYEOF'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    print("\n".join(l for l in z.read(meta).decode().splitlines() if l.startswith("Requires-Dist: torch")))
+PYEOF
+)
+[ "$requires" = "Requires-Dist: torch==2.13.*" ] || fail "the wheel requires '$requires', not torch==2.13.*"
+echo "dist-check: the wheel requires torch==2.13.*"
+
+# ---- 3. an isolated build refuses at once -----------------------------------------------------------
+"$PY" -m venv "$OUT/run-env"
+R=$OUT/run-env/bin/python
+pip_in "$R" pip-run-env --upgrade pip
+rc=0
+"$R" -m pip install --no-cache-dir "$SDIST" > "$OUT/isolated.log" 2>&1 || rc=$?
+[ "$rc" != 0 ] && grep -q -- "--no-build-isolation" "$OUT/isolated.log" ||
+  { tail -30 "$OUT/isolated.log"; fail "an isolated build of the sdist did not stop with the torch message (exit $rc)"; }
+! grep -q "Building wheel for rope_ext.*done\|Collecting torch" "$OUT/isolated.log" ||
+  fail "the isolated build compiled, or fetched a torch (build/dist-check/isolated.log)"
+echo "dist-check: an isolated build stops with the install-torch-first message"
+
+# ---- 4. a fresh venv runs the wheel ---------------------------------------------------------------
+pip_in "$R" pip-run-env-wheel "$TORCH" "$WHEEL"
+(cd "$OUT" && "$R" "$ROOT/tools/smoke_test.py") || fail "the smoke test of the installed wheel"
+t3=$(date +%s)
+echo "dist-check: passed in $((t3 - t0)) s"
