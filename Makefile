@@ -6,7 +6,7 @@ PIP := $(PYTHON) -m pip
 SOURCES := setup.py pyproject.toml $(shell find csrc -name '*.cpp' -o -name '*.h')
 STAMP := build/.installed
 
-.PHONY: setup test bench lint cuda-check sanitize gtest cpp-install cpp-test cpp-example clean FORCE
+.PHONY: setup test bench lint dist-check compat-check cuda-check sanitize gtest cpp-install cpp-test cpp-example clean FORCE
 
 setup: $(STAMP)
 
@@ -26,10 +26,23 @@ test: setup
 bench: setup
 	$(PYTHON) benchmarks/bench_rope.py --quick
 
+# The sdist, a wheel built from it, and that wheel installed into a fresh venv and smoke-tested,
+# all under build/dist-check (about 6 minutes). See tools/dist_check.sh.
+dist-check:
+	PYTHON=$(PYTHON) bash tools/dist_check.sh
+
+# The core tests against each torch the README claims: 2.13.0 here (the CPU build `make test`
+# uses) and 2.14.1 (a CUDA build, run on the CPU) through cuda-check, whose last step runs them.
+CORE_TESTS := tests/test_rotary.py tests/test_autograd.py tests/test_qk_and_inplace.py tests/test_errors.py \
+  tests/test_cpu_kernel.py tests/test_cuda_emulation.py tests/test_compile.py tests/test_export.py
+compat-check: setup
+	$(PYTHON) -m pytest -q $(CORE_TESTS)
+	$(MAKE) cuda-check
+
 # Build the CUDA kernels with nvcc and link them against a CUDA build of torch (in a venv
 # under build/, about 5.5 GB); no GPU needed. See tools/cuda_check.sh.
 cuda-check:
-	bash tools/cuda_check.sh
+	CORE_TESTS="$(CORE_TESTS)" bash tools/cuda_check.sh
 
 # Build the CPU extension with AddressSanitizer + UndefinedBehaviorSanitizer into build/sanitize
 # (the editable build in rope_ext/ is left alone) and run the core and fuzz tests against it;
@@ -64,7 +77,7 @@ cpp-example: cpp-install
 	build/example/rope_example
 
 lint:
-	$(PYTHON) -m ruff check rope_ext tests benchmarks setup.py
+	$(PYTHON) -m ruff check rope_ext tests benchmarks tools setup.py
 
 clean:
 	rm -rf build *.egg-info rope_ext/*.so

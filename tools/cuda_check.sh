@@ -4,7 +4,11 @@
 #  2. a copy of the source tree, built there with ROPE_EXT_CUDA=1: every .cu file through nvcc
 #     for the default arch list (or TORCH_CUDA_ARCH_LIST), linked against libtorch_cuda;
 #  3. tools/cuda_check.py: loads the library under the CUDA torch (every symbol resolves), checks
-#     the CUDA kernels are registered and the fatbin holds SASS for every requested arch.
+#     the CUDA kernels are registered and the fatbin holds SASS for every requested arch;
+#  4. the CMake build of the C++ library with CUDA, loaded and registering its CUDA kernels;
+#  5. the core tests (CORE_TESTS) under this torch 2.14.1, the newest on this machine, against the
+#     build of step 2, on the CPU (tests that need a CUDA device skip): with `make test` under
+#     torch 2.13.0, the supported range the README states.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(realpath -m "${CUDA_VENV:-build/venv-cuda}")
@@ -47,4 +51,16 @@ assert not missing, f"no CUDA kernel registered for {missing}"
 print("cuda-check: CMake build (ROPE_EXT_CUDA=ON): librope_ext.so loads and registers its CUDA kernels")
 PY
 t3=$(date +%s)
-echo "cuda-check: CUDA torch venv $((t1 - t0)) s, nvcc build + link $((t2 - t1)) s, CMake CUDA build $((t3 - t2)) s"
+
+# PYTHONSAFEPATH: the checkout (the current directory) stays off sys.path, so `import rope_ext` finds
+# the build in $OUT/site, not the checkout's own (built against another torch).
+CORE_TESTS=${CORE_TESTS:?"the core test files: run this through make cuda-check"}
+"$PY" -m pip install -q "pytest>=7" "hypothesis==6.155.2" expecttest numpy
+PYTHONSAFEPATH=1 PYTHONPATH="$OUT/site" "$PY" -c "
+import pathlib, rope_ext, torch
+assert pathlib.Path('$OUT/site') in pathlib.Path(rope_ext.__file__).resolve().parents, rope_ext.__file__
+print(f'cuda-check: core tests under torch {torch.__version__}, rope_ext from {rope_ext.__file__}')"
+PYTHONSAFEPATH=1 PYTHONPATH="$OUT/site" "$PY" -m pytest -q -p no:cacheprovider $CORE_TESTS
+t4=$(date +%s)
+echo "cuda-check: CUDA torch venv $((t1 - t0)) s, nvcc build + link $((t2 - t1)) s, CMake CUDA build $((t3 - t2)) s," \
+     "core tests under torch 2.14.1 $((t4 - t3)) s"
