@@ -1,12 +1,13 @@
 # rope_ext developer commands. `make test` and `make bench` each set up what they need
 # on a fresh machine: torch==2.13.0 (CPU build) if no torch is importable, then an
-# editable build of rope_ext with its test and bench extras.
+# editable build of rope_ext with its test and bench extras and the tests' hook library
+# (ROPE_EXT_TESTING=1). setup.py drives the CMake build with Ninja, MAX_JOBS jobs (default: all CPUs).
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
-SOURCES := setup.py pyproject.toml $(shell find csrc -name '*.cpp' -o -name '*.h')
+SOURCES := setup.py pyproject.toml CMakeLists.txt $(wildcard cmake/*) $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
 STAMP := build/.installed
 
-.PHONY: setup test bench lint dist-check compat-check cuda-check sanitize gtest cpp-install cpp-test cpp-example clean FORCE
+.PHONY: setup test bench lint dist-check compat-check cuda-check sanitize gtest cpp-test cpp-example clean FORCE
 
 setup: $(STAMP)
 
@@ -14,9 +15,11 @@ setup: $(STAMP)
 # (e.g. another clone was installed in editable mode since).
 $(STAMP): $(SOURCES) FORCE
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	@if [ ! -f $@ ] || [ -n "$$(find $(SOURCES) -newer $@)" ] || ! $(PYTHON) -c "import pathlib, rope_ext, sys; \
+	@$(PYTHON) -c "import ninja" 2>/dev/null || $(PIP) install ninja
+	@if [ ! -f $@ ] || [ -n "$$(find $(SOURCES) -newer $@)" ] || [ ! -f rope_ext/lib/librope_ext_testing.so ] || \
+	    ! $(PYTHON) -c "import pathlib, rope_ext, sys; \
 	    sys.exit(pathlib.Path(rope_ext.__file__).resolve().parent != pathlib.Path('rope_ext').resolve())" 2>/dev/null; \
-	then $(PIP) install --no-build-isolation -e ".[test,bench]" && mkdir -p build && touch $@; fi
+	then ROPE_EXT_TESTING=1 $(PIP) install --no-build-isolation -e ".[test,bench]" && mkdir -p build && touch $@; fi
 
 FORCE:
 
@@ -50,29 +53,24 @@ cuda-check:
 sanitize: setup
 	PYTHON=$(PYTHON) bash tools/sanitize.sh
 
-# The C++ library (CMakeLists.txt) against the LibTorch of the installed torch wheel: built in
-# build/cmake, installed as a CMake package into build/install. cpp-test runs its GoogleTest
-# tests (and the one-registration check with the Python extension, hence `setup`) with ctest;
-# cpp-example builds examples/cpp against the installed package, as a user would, and runs it.
-CMAKE_BUILD := build/cmake
-CPP_PREFIX := $(abspath build/install)
+# The C++ side, against the library the editable install put in rope_ext/ (the one Python loads),
+# found as a user's CMake project finds it: find_package(rope_ext) through rope_ext.cmake_prefix_path.
+# cpp-test builds and runs the GoogleTest tests (tests/cpp) with ctest; cpp-example builds
+# examples/cpp and runs it.
 TORCH_CMAKE = $(shell $(PYTHON) -c 'import torch; print(torch.utils.cmake_prefix_path)')
+ROPE_CMAKE = $(shell $(PYTHON) -c 'import rope_ext; print(rope_ext.cmake_prefix_path)')
 GENERATOR = $(shell command -v ninja >/dev/null && echo "-G Ninja")
 
 gtest:  # GoogleTest from Debian's packages, when the system has none
 	@[ -f /usr/include/gtest/gtest.h ] || { apt-get update -qq && apt-get install -y -qq libgtest-dev; }
 
-cpp-install: setup gtest
-	cmake -S . -B $(CMAKE_BUILD) $(GENERATOR) -DROPE_EXT_BUILD_TESTS=ON -DCMAKE_PREFIX_PATH="$(TORCH_CMAKE)" \
-	  -DCMAKE_INSTALL_PREFIX="$(CPP_PREFIX)" -DPython3_EXECUTABLE="$$($(PYTHON) -c 'import sys; print(sys.executable)')"
-	cmake --build $(CMAKE_BUILD)
-	cmake --install $(CMAKE_BUILD)
+cpp-test: setup gtest
+	cmake -S tests/cpp -B build/cpp-test $(GENERATOR) -DCMAKE_PREFIX_PATH="$(ROPE_CMAKE);$(TORCH_CMAKE)"
+	cmake --build build/cpp-test
+	ctest --test-dir build/cpp-test --output-on-failure
 
-cpp-test: cpp-install
-	ctest --test-dir $(CMAKE_BUILD) --output-on-failure
-
-cpp-example: cpp-install
-	cmake -S examples/cpp -B build/example $(GENERATOR) -DCMAKE_PREFIX_PATH="$(CPP_PREFIX);$(TORCH_CMAKE)"
+cpp-example: setup
+	cmake -S examples/cpp -B build/example $(GENERATOR) -DCMAKE_PREFIX_PATH="$(ROPE_CMAKE);$(TORCH_CMAKE)"
 	cmake --build build/example
 	build/example/rope_example
 
@@ -80,4 +78,4 @@ lint:
 	$(PYTHON) -m ruff check rope_ext tests benchmarks tools setup.py
 
 clean:
-	rm -rf build *.egg-info rope_ext/*.so
+	rm -rf build *.egg-info rope_ext/*.so rope_ext/lib rope_ext/include

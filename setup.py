@@ -1,31 +1,47 @@
-"""Build rope_ext's C++ extension.
+"""Build rope_ext: setup.py drives the CMake build (CMakeLists.txt), the one build there is.
 
-The CPU kernel body (csrc/cpu/rotary_kernel.h) is compiled once per CPU capability
-(DEFAULT, AVX2, AVX-512), each object with its own -m flags and CPU_CAPABILITY define,
-exactly as ATen builds its own kernels; rotary_cpu.cpp picks one at run time from
-at::get_cpu_capability().  Nothing is built with -march=native.
+CMake builds librope_ext.so once and installs it, with the headers and the CMake package, into the
+Python package: rope_ext/lib/librope_ext.so, rope_ext/include/rope_ext/*.h,
+rope_ext/lib/cmake/rope_ext/. `import rope_ext` loads that library (torch.ops.load_library), and C++
+programs link the same file through find_package(rope_ext) with
+CMAKE_PREFIX_PATH=$(python -c 'import rope_ext; print(rope_ext.cmake_prefix_path)').
 
-CUDA: the extension also gets the CUDA kernels (csrc/cuda/*.cu) when torch is a CUDA build and
-nvcc is found (CUDA_HOME); otherwise it is CPU-only. The architectures default to sm_80, sm_86,
-sm_89 and sm_90 plus every newer one the installed nvcc supports (PTX for the newest);
-TORCH_CUDA_ARCH_LIST overrides them.
+The library does not use Python's C API, so the wheel is tagged py3-none-<platform>: one wheel per
+platform and torch major.minor, for every Python version torch supports.
+
+CUDA: the library also gets the CUDA kernels (csrc/cuda/*.cu) when torch is a CUDA build and nvcc
+is found (CUDA_HOME); otherwise it is CPU-only. The architectures default to sm_80, sm_86, sm_89 and
+sm_90 plus every newer one the installed nvcc supports (PTX for the newest); TORCH_CUDA_ARCH_LIST
+overrides them.
 
 Platforms: Linux on x86-64, the one that is built and tested; others are refused before anything
 compiles (ROPE_EXT_UNTESTED_PLATFORM=1 tries anyway, for someone porting rope_ext).
 
 Environment:
+  MAX_JOBS=N          parallel compile jobs (default: the number of CPUs); nvcc also compiles that
+                      many architectures at once (--threads).
   ROPE_EXT_CUDA=1|0   force the CUDA build on (an error if it cannot be done) or off.
-  DEBUG=1             build with -O0 -g instead of -O3, and with the kernels' debug checks.
+  ROPE_EXT_TESTING=1  also build librope_ext_testing.so, the tests' hooks (`make setup` does;
+                      wheels leave it out).
+  DEBUG=1             a Debug build (-O0 -g), with the kernels' debug checks.
   ROPE_EXT_DEBUG_CHECKS=1  the kernels' debug checks (e.g. the alignment of every streaming
                       store) in an optimized build; `make sanitize` builds this way.
+  CXXFLAGS, LDFLAGS   added to CMake's compile and link flags on the first configure of a build
+                      directory (as CMake itself reads them); `make sanitize` passes its flags so.
+The CMake build directory is build/temp*/cmake-<hash of the configuration>: a rebuild with the
+same torch and options recompiles only what changed (headers included).
 """
+import hashlib
 import os
 import platform
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
+from setuptools.command.bdist_wheel import bdist_wheel
+from setuptools.command.build_ext import build_ext
 
 if (platform.system(), platform.machine().lower()) not in (("Linux", "x86_64"), ("Linux", "amd64")) and \
         os.environ.get("ROPE_EXT_UNTESTED_PLATFORM") != "1":
@@ -42,9 +58,9 @@ except ImportError:
         "it. Install torch first, then build without isolation: `pip install --no-build-isolation rope_ext` "
         "(or `.`, or `-e .` in a checkout)."
     ) from None
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+from torch.utils.cpp_extension import CUDA_HOME  # noqa: E402  (after the torch check)
 
-ROOT = Path(__file__).parent
+ROOT = Path(__file__).parent.resolve()
 # The version is written once, in the C++ header that CMake and the compiled code read too, as
 # MAJOR.MINOR.PATCH (CMake's project(VERSION) takes no other form).
 _version = re.search(r'^#define ROPE_EXT_VERSION "(\d+\.\d+\.\d+)"$',
@@ -52,55 +68,33 @@ _version = re.search(r'^#define ROPE_EXT_VERSION "(\d+\.\d+\.\d+)"$',
 if _version is None:
     raise SystemExit('csrc/include/rope_ext/version.h must have a line #define ROPE_EXT_VERSION "X.Y.Z"')
 VERSION = _version.group(1)
-DEBUG = os.environ.get("DEBUG", "0") == "1"
-DEBUG_CHECKS = DEBUG or os.environ.get("ROPE_EXT_DEBUG_CHECKS", "0") == "1"
-
-# Flags for the kernel objects of each capability, keyed by the file-name suffix.
-# They match what PyTorch passes for its own AVX2/AVX-512 kernel files.
-CAPABILITY_FLAGS = {
-    "_default.cpp": ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"],
-    "_avx2.cpp": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
-    "_avx512.cpp": [
-        "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512",
-        "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-    ],
-}
 
 
-class Build(BuildExtension):
-    """BuildExtension that adds per-source capability flags to the kernel objects."""
-
-    def build_extension(self, ext):
-        compile_one = self.compiler._compile  # already wrapped by BuildExtension
-
-        def compile_with_capability(obj, src, ext_, cc_args, extra_postargs, pp_opts):
-            extra = next((f for s, f in CAPABILITY_FLAGS.items() if src.endswith(s)), [])
-            if extra:  # BuildExtension passes {"cxx": [...], "nvcc": [...]} here
-                extra_postargs = {**extra_postargs, "cxx": extra_postargs["cxx"] + extra}
-            return compile_one(obj, src, ext_, cc_args, extra_postargs, pp_opts)
-
-        self.compiler._compile = compile_with_capability
-        try:
-            super().build_extension(ext)
-        finally:
-            self.compiler._compile = compile_one
+def env_flag(name: str) -> bool | None:
+    """An environment switch: True for 1, False for 0, None when unset; anything else is refused."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise SystemExit(f"{name} must be 0 or 1, got {value!r}")
+    return None if value == "" else value == "1"
 
 
-X86 = platform.machine().lower() in ("x86_64", "amd64")
-
-
-BASE_ARCHS = ["8.0", "8.6", "8.9", "9.0"]
+def max_jobs() -> int:
+    value = os.environ.get("MAX_JOBS", "").strip() or str(os.cpu_count() or 1)
+    if not value.isdigit() or int(value) < 1:
+        raise SystemExit(f"MAX_JOBS must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def want_cuda() -> bool:
-    force = os.environ.get("ROPE_EXT_CUDA", "").strip()
-    if force not in ("", "0", "1"):
-        raise SystemExit(f"ROPE_EXT_CUDA must be 0 or 1, got {force!r}")
+    force = env_flag("ROPE_EXT_CUDA")
     possible = torch.version.cuda is not None and CUDA_HOME is not None
-    if force == "1" and not possible:
+    if force and not possible:
         raise SystemExit(f"ROPE_EXT_CUDA=1, but the CUDA build needs a CUDA build of torch (torch.version.cuda = "
                          f"{torch.version.cuda}) and nvcc (CUDA_HOME = {CUDA_HOME})")
-    return possible if force == "" else force == "1"
+    return possible if force is None else force
+
+
+BASE_ARCHS = ["8.0", "8.6", "8.9", "9.0"]
 
 
 def default_arch_list() -> str:
@@ -113,33 +107,97 @@ def default_arch_list() -> str:
     return ";".join(archs[:-1] + [archs[-1] + "+PTX"])
 
 
-def sources(cuda: bool):
-    """All C++ sources, with the AVX2/AVX-512 kernel objects last.
+def cuda_args() -> list[str]:
+    args = [f"-DCMAKE_CUDA_COMPILER={Path(CUDA_HOME) / 'bin' / 'nvcc'}", f"-DCUDA_TOOLKIT_ROOT_DIR={CUDA_HOME}",
+            f"-DTORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST') or default_arch_list()}"]
+    # torch's CMake package wants libnvrtc, which a compiler-only CUDA install lacks; the nvidia
+    # wheels that a CUDA build of torch depends on have it.
+    if not list(Path(CUDA_HOME).glob("lib*/libnvrtc.so*")):
+        try:
+            import nvidia
+            nvrtc = next(p for r in nvidia.__path__ for p in sorted(Path(r).rglob("libnvrtc.so*")))
+            args.append(f"-DCUDA_nvrtc_LIBRARY={nvrtc}")
+        except (ImportError, StopIteration):
+            pass  # torch's CMake package then says what it misses
+    return args
 
-    Inline functions from headers (std::vector, c10 helpers) are emitted in every object, and
-    the linker keeps the first copy it meets. Linking the generically compiled objects first
-    keeps AVX instructions out of code that every CPU runs.
-    """
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cpp"))
-    simd = [f for f in files if f.endswith(("_avx2.cpp", "_avx512.cpp"))]
-    generic = [f for f in files if f not in simd]
-    cu = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cu")) if cuda else []
-    return generic + cu + (simd if X86 else [])
+
+def generator() -> list[str]:
+    """Ninja (the `ninja` package from PyPI, a build requirement, or one on PATH), else Makefiles."""
+    try:
+        import ninja
+        return ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={Path(ninja.BIN_DIR) / 'ninja'}"]
+    except ImportError:
+        return ["-G", "Ninja"] if shutil.which("ninja") else []
 
 
-# -ffp-contract=off: no FMA contraction, so the scalar, AVX2 and AVX-512 paths (and CUDA,
-# built with --fmad=false) round identically and give bitwise-equal results.
-# -fno-tree-slp-vectorize: GCC 12's SLP vectorizer turns the pair (x1*c1 - x2*s1, x2*c2 + x1*s2) into
-# vfmaddsub despite -ffp-contract=off; the kernels vectorize explicitly and do not need it.
-cxx_flags = ["-fopenmp", "-fvisibility=hidden", "-ffp-contract=off", "-fno-tree-slp-vectorize", "-Wno-unknown-pragmas"]
-cxx_flags += ["-O0", "-g"] if DEBUG else ["-O3"]
-# --fmad=false: the same roundings as the CPU kernels (no contraction), so CPU and GPU agree bitwise.
-nvcc_flags = ["--fmad=false", "-lineinfo"] + (["-O0", "-g", "-G"] if DEBUG else ["-O3"])
+def cmake() -> str:
+    """The cmake command (3.18 or newer) on PATH: the system's, or the `cmake` package from PyPI's.
+    (Not `import cmake`: the checkout's cmake/ directory would answer it.)"""
+    found = shutil.which("cmake")
+    if found is None:
+        raise SystemExit("rope_ext builds with CMake 3.18 or newer, and none is on PATH: `pip install cmake`, "
+                         "or install it with the system's package manager")
+    return found
 
-CUDA = want_cuda()
-if CUDA and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-    os.environ["TORCH_CUDA_ARCH_LIST"] = default_arch_list()
-Extension = CUDAExtension if CUDA else CppExtension
+
+class CMakeExtension(Extension):
+    """librope_ext.so, built and installed by CMake rather than compiled by setuptools."""
+
+    def __init__(self):
+        super().__init__("rope_ext.lib.librope_ext", sources=[])
+
+
+class CMakeBuild(build_ext):
+    """Configures, builds and installs CMakeLists.txt into the package directory."""
+
+    def get_ext_filename(self, fullname):
+        return os.path.join(*fullname.split(".")) + ".so"  # librope_ext.so, not a Python module's name
+
+    def build_extension(self, ext):
+        debug = bool(env_flag("DEBUG"))
+        cuda = want_cuda()
+        args = [
+            f"-DCMAKE_BUILD_TYPE={'Debug' if debug else 'Release'}",
+            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+            f"-DROPE_EXT_CUDA={'ON' if cuda else 'OFF'}",
+            f"-DROPE_EXT_TESTING={'ON' if env_flag('ROPE_EXT_TESTING') else 'OFF'}",
+            f"-DROPE_EXT_DEBUG_CHECKS={'ON' if debug or env_flag('ROPE_EXT_DEBUG_CHECKS') else 'OFF'}",
+            f"-DROPE_EXT_NVCC_THREADS={max_jobs()}",
+            # rope_ext/lib/librope_ext.so finds site-packages/torch/lib when no torch is loaded yet
+            # (a C++ program linking it); in Python, torch is always imported first.
+            "-DCMAKE_INSTALL_RPATH=$ORIGIN/../../torch/lib",
+            "-DCMAKE_INSTALL_LIBDIR=lib",
+            "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
+        ] + generator() + (cuda_args() if cuda else [])
+        # One build directory per configuration (and per torch), reused by every later build of it.
+        key = hashlib.sha256("\0".join(args + [torch.__file__, os.environ.get("CXXFLAGS", ""),
+                                               os.environ.get("LDFLAGS", "")]).encode()).hexdigest()[:12]
+        build_dir = Path(self.build_temp).resolve() / f"cmake-{key}"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        run = [cmake()]
+        subprocess.run(run + ["-S", str(ROOT), "-B", str(build_dir)] + args, check=True)
+        subprocess.run(run + ["--build", str(build_dir), "--parallel", str(max_jobs())], check=True)
+        # Into the package: build/lib*/rope_ext for a wheel; for an editable install,
+        # copy_extensions_to_source installs into the checkout's rope_ext/ as well.
+        self._cmake_build_dir = build_dir
+        self._install(Path(self.get_ext_fullpath(ext.name)).parent.parent)
+
+    def _install(self, package_dir: Path):
+        subprocess.run([cmake(), "--install", str(self._cmake_build_dir), "--prefix", str(package_dir)],
+                       check=True)
+
+    def copy_extensions_to_source(self):
+        # The library, the headers and the CMake package, not only the one file setuptools knows of.
+        self._install(ROOT / "rope_ext")
+
+
+class Wheel(bdist_wheel):
+    """py3-none-<platform>: the library links libtorch, not libpython."""
+
+    def get_tag(self):
+        return ("py3", "none", super().get_tag()[2])
+
 
 # The binary uses torch's C++ ABI, which changes between minor releases: the package requires the
 # major.minor it was compiled against, so pip refuses (rather than breaks) it beside another torch.
@@ -148,17 +206,6 @@ TORCH_MAJOR_MINOR = ".".join(torch.__version__.split("+")[0].split(".")[:2])
 setup(
     version=VERSION,
     install_requires=[f"torch=={TORCH_MAJOR_MINOR}.*"],
-    ext_modules=[
-        Extension(
-            "rope_ext._C",
-            sources(CUDA),
-            include_dirs=[str(ROOT / "csrc"), str(ROOT / "csrc" / "include")],
-            define_macros=([("ROPE_EXT_HAVE_AVX", None)] if X86 else []) + ([("ROPE_EXT_CUDA", None)] if CUDA else [])
-            + ([("ROPE_EXT_DEBUG_CHECKS", None)] if DEBUG_CHECKS else []),
-            extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
-            extra_link_args=["-fopenmp"] + (["-g"] if DEBUG else []),
-        )
-    ],
-    # Per-source flags need distutils' one-file-at-a-time compile path, not ninja.
-    cmdclass={"build_ext": Build.with_options(use_ninja=False)},
+    ext_modules=[CMakeExtension()],
+    cmdclass={"build_ext": CMakeBuild, "bdist_wheel": Wheel},
 )

@@ -433,6 +433,16 @@ def cases(args) -> list[tuple[Case, tuple[str, ...]]]:
     return out
 
 
+
+def parallel_threads_seen(n: int) -> int | str:
+    """How many threads at::parallel_for used for n items, from the tests' hook library when it
+    was built (ROPE_EXT_TESTING=1, as `make setup` does)."""
+    hooks = Path(rope_ext.__file__).resolve().parent / "lib" / "librope_ext_testing.so"
+    if not hooks.exists():
+        return f"unknown ({hooks.name} not built)"
+    torch.ops.load_library(str(hooks))
+    return torch.ops.rope_ext_testing.parallel_threads_used(n)
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="HF layout, 2 threads, decode B in {1, 32}, 2 rounds")
@@ -472,7 +482,7 @@ def main():
             if case.kind == "prefill" and case.layout == "hf_view" and case.threads == 2 and not memory:
                 memory = memory_report(case, fns)
     torch.set_num_threads(max(c.threads for c, _ in plan))
-    seen = torch.ops.rope_ext._parallel_threads_used(64)
+    seen = parallel_threads_seen(64)
     print(f"parallel_for threads seen at {torch.get_num_threads()} threads: {seen}")
     print()
     print_table(rows)

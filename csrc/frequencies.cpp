@@ -1,7 +1,7 @@
 // RoPE frequency schedules (every Hugging Face rope_type) and cos/sin tables, in float64.
 // The one implementation: the C++ API (include/rope_ext/rope.h) calls these functions directly
 // (cos_sin_tables through its op, api.cpp), Python's rope_ext.scaling and rope_ext.positions
-// through the ops _rope_frequencies, _inv_freq_for and cos_sin_tables (csrc/ops.cpp).
+// through the ops _rope_frequencies and cos_sin_tables (csrc/ops.cpp).
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -142,16 +142,17 @@ RopeFrequencies rope_frequencies(const RopeScaling& s, double base, int64_t d, i
   return out;
 }
 
-at::Tensor inv_freq_for_length(const at::Tensor& inv_freq, const std::optional<at::Tensor>& inv_freq_long,
+// dynamic / longrope theta_i for a batch whose largest position is the 0-dim max_position.
+static at::Tensor inv_freq_for_length(const at::Tensor& inv_freq, const std::optional<at::Tensor>& inv_freq_long,
                                c10::string_view rope_type, double base, int64_t rotary_dim,
                                int64_t switch_len, double factor, const at::Tensor& max_position) {
   const auto f64 = inv_freq.options().dtype(at::kDouble);
   const at::Tensor length = max_position.to(inv_freq.device(), at::kDouble) + 1;
   if (rope_type == "longrope") {
-    TORCH_CHECK(inv_freq_long.has_value(), "rope_ext._inv_freq_for: longrope needs inv_freq_long");
+    TORCH_CHECK(inv_freq_long.has_value(), "rope_ext.inv_freq_for: longrope needs inv_freq_long");
     return at::where(length > static_cast<double>(switch_len), inv_freq_long->to(f64), inv_freq.to(f64));
   }
-  TORCH_CHECK(rope_type == "dynamic", "rope_ext._inv_freq_for: only dynamic and longrope depend on the length, got '",
+  TORCH_CHECK(rope_type == "dynamic", "rope_ext.inv_freq_for: only dynamic and longrope depend on the length, got '",
               rope_type, "'");
   // dynamic NTK (transformers' rule): the base grows once the length exceeds switch_len.
   const int64_t d = rotary_dim;

@@ -11,12 +11,6 @@
 
 namespace rope_ext {
 
-// dynamic / longrope theta_i for a batch whose largest position is the 0-dim max_position:
-// pure tensor math (no host sync), so torch.compile traces it.
-at::Tensor inv_freq_for_length(const at::Tensor& inv_freq, const std::optional<at::Tensor>& inv_freq_long,
-                               c10::string_view rope_type, double base, int64_t rotary_dim,
-                               int64_t switch_len, double factor, const at::Tensor& max_position);
-
 // cos_sin_tables without the value check on positions (see the C++ API's cos_sin_tables).
 std::tuple<at::Tensor, at::Tensor> cos_sin_tables_impl(const at::Tensor& positions, const at::Tensor& inv_freq,
                                                        bool interleaved, double scale,

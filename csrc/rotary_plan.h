@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "internal_api.h"
 #include "rotary_math.h"
 
 namespace rope_ext {
@@ -37,23 +38,23 @@ struct ArgNames {
 };
 
 // Checks (x, cos, sin) against rotary's contract; `op` prefixes every message.
-void check_rotary_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
+ROPE_EXT_INTERNAL void check_rotary_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
                        const at::Tensor& sin, const ArgNames& names = {});
 
 // Checks q and k for rotary_qk once each passed check_rotary_args: they share a dtype. When
 // they share tables (`shared_cos`), they also share a rank and differ in at most one leading
 // dim (the head count, GQA/MQA), along which the tables broadcast; with separate k tables
 // their shapes are independent (e.g. q in (B,H,S,D), k in (B,S,H,D)).
-void check_qk_args(const char* op, const at::Tensor& q, const at::Tensor& k,
+ROPE_EXT_INTERNAL void check_qk_args(const char* op, const at::Tensor& q, const at::Tensor& k,
                    const std::optional<at::Tensor>& shared_cos);
 
 // Checks that x can be rotated in place: no element stored twice, no overlap with the tables.
-void check_inplace_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
+ROPE_EXT_INTERNAL void check_inplace_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
                         const at::Tensor& sin);
 
 // Builds the plan for out = rotary(x, cos, sin); the arguments must have passed
 // check_rotary_args and `out` must have x's sizes. No tensor data is touched or copied.
-RotaryPlan make_rotary_plan(const at::Tensor& x, const at::Tensor& out, const at::Tensor& cos,
+ROPE_EXT_INTERNAL RotaryPlan make_rotary_plan(const at::Tensor& x, const at::Tensor& out, const at::Tensor& cos,
                             const at::Tensor& sin);
 
 }  // namespace rope_ext

@@ -8,43 +8,52 @@ in one call), ``rotary_`` (in place), the ``RotaryEmbedding`` module (positions,
 packed sequences, HF rope scaling, xPos, M-RoPE), and drop-ins for HF's
 ``apply_rotary_pos_emb`` and flash-attn's ``apply_rotary_emb`` (``rope_ext.compat``).
 ``rope_ext.reference`` holds the same math in plain PyTorch.
+
+The ops live in one library, ``rope_ext/lib/librope_ext.so``, loaded here; C++ programs link the
+same file through CMake: ``find_package(rope_ext)`` with ``rope_ext.cmake_prefix_path`` on
+``CMAKE_PREFIX_PATH``.
 """
 
-import torch  # noqa: F401  (the extension links against libtorch: load it first)
+import os as _os
 
-try:
-    from rope_ext import _C  # noqa: F401  (registers torch.ops.rope_ext.*)
-except ImportError as e:  # never swallowed: say what failed and how to fix it
-    raise ImportError(
-        f"rope_ext: cannot load the compiled extension rope_ext._C ({e}). Build it against the "
-        "torch you are importing with `pip install --no-build-isolation -e .`."
-    ) from e
+import torch  # the library links against libtorch: load it first
 
-__version__ = _C.__version__  # written once, in csrc/include/rope_ext/version.h
+_PACKAGE_DIR = _os.path.dirname(_os.path.abspath(__file__))
+_LIBRARY = _os.path.join(_PACKAGE_DIR, "lib", "librope_ext.so")
+
+#: For CMake: ``-DCMAKE_PREFIX_PATH=<this>`` lets ``find_package(rope_ext)`` find this installation
+#: (the library, ``rope_ext/rope.h`` and the package files), as ``torch.utils.cmake_prefix_path``
+#: does for torch.
+cmake_prefix_path = _PACKAGE_DIR
 
 
-def _check_one_version() -> None:
-    """Refuse to run on operators that another version of rope_ext registered first.
+def _load_library() -> None:
+    """Load librope_ext.so, which registers torch.ops.rope_ext.*, and make sure its copy serves them.
 
-    Every copy of rope_ext in a process (this extension, a librope_ext.so loaded by C++ code)
-    shares the first copy's registrations (csrc/ops.cpp); with another version's kernels behind
-    them, this package's calls could silently compute something else.
+    Loading it again (here or from C++) is harmless: the dynamic loader maps a file once. A different
+    librope_ext.so loaded first (another build or install) would serve every call with its own
+    kernels; that is refused (csrc/ops.cpp).
     """
     try:
-        registered = torch.ops.rope_ext._version()
-    except AttributeError:  # a copy from before the op existed
-        registered = "of an unknown version (it has no rope_ext::_version)"
-    except Exception as e:  # a copy whose op is broken: still not this version
-        registered = f"of an unknown version (rope_ext::_version raised {e!r})"
-    if registered != __version__:
+        torch.ops.load_library(_LIBRARY)
+    except OSError as e:  # never swallowed: say what failed and how to fix it
         raise ImportError(
-            f"rope_ext {__version__}: the rope_ext operators in this process were registered by rope_ext "
-            f"{registered}, loaded first (e.g. a librope_ext.so of the C++ API), whose kernels would serve "
-            "this package's calls. Load a single version of rope_ext per process."
+            f"rope_ext: cannot load its library {_LIBRARY} ({e}). Build it against the torch you are importing: "
+            "`pip install --no-build-isolation .` (or `-e .`) in a checkout, after installing torch."
+        ) from e
+    try:
+        registered = torch.ops.rope_ext._library_path()
+    except Exception as e:  # a copy without the op, or whose op fails: not this one
+        registered = f"a rope_ext without a working rope_ext::_library_path ({e})"
+    if not _os.path.exists(registered) or not _os.path.samefile(registered, _LIBRARY):
+        raise ImportError(
+            f"rope_ext: the rope_ext operators in this process were registered by {registered}, loaded before "
+            f"this package's {_LIBRARY}; its kernels would serve every call. Load one librope_ext.so per process."
         )
 
 
-_check_one_version()
+_load_library()
+__version__ = torch.ops.rope_ext._version()  # written once, in csrc/include/rope_ext/version.h
 
 from rope_ext import compat, reference, scaling  # noqa: E402
 from rope_ext._ops import cpu_kernel_isa, rotary, rotary_, rotary_qk  # noqa: E402
@@ -62,4 +71,5 @@ __all__ = [
     "scaling",
     "compat",
     "cpu_kernel_isa",
+    "cmake_prefix_path",
 ]

@@ -2,12 +2,22 @@
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import pytest
 import torch
 
 import rope_ext  # noqa: F401  (loads the ops)
 from rope_ext import reference
+
+# The tests' hooks into librope_ext.so (csrc/testing/): a library of their own that the product
+# never loads, built beside it by `make setup` (ROPE_EXT_TESTING=1).
+TESTING_LIBRARY = Path(rope_ext.__file__).resolve().parent / "lib" / "librope_ext_testing.so"
+if not TESTING_LIBRARY.exists():
+    raise RuntimeError(f"{TESTING_LIBRARY} is missing: the tests need rope_ext built with its test hooks "
+                       "(ROPE_EXT_TESTING=1 pip install --no-build-isolation -e ., as `make setup` does)")
+torch.ops.load_library(str(TESTING_LIBRARY))
+TESTING = torch.ops.rope_ext_testing
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 CONVENTIONS = {"halfsplit": False, "interleaved": True}
@@ -137,8 +147,8 @@ def gen():
 #
 # The CPU kernel switches path at sizes (csrc/cpu/rotary_cpu.cpp gives the defaults and why):
 # streaming stores for outputs of >= 16 MiB, huge pages for new outputs of >= 32 MiB, the
-# parallel grain, the head-major tile and the head/token thread split. The private ops
-# rope_ext::_cpu_thresholds / _set_cpu_thresholds read and replace them, so that tests reach
+# parallel grain, the head-major tile and the head/token thread split. The test hooks
+# rope_ext_testing::cpu_thresholds / set_cpu_thresholds read and replace them, so that tests reach
 # both sides of every switch on small tensors.
 THRESHOLD_NAMES = ("streaming_bytes", "huge_page_bytes", "grain_elements", "tile_tokens", "min_heads_per_thread")
 DEFAULT_THRESHOLDS = {"streaming_bytes": 16 << 20, "huge_page_bytes": 32 << 20, "grain_elements": 32768,
@@ -146,7 +156,7 @@ DEFAULT_THRESHOLDS = {"streaming_bytes": 16 << 20, "huge_page_bytes": 32 << 20, 
 
 
 def current_thresholds() -> dict:
-    return dict(zip(THRESHOLD_NAMES, torch.ops.rope_ext._cpu_thresholds(), strict=True))
+    return dict(zip(THRESHOLD_NAMES, TESTING.cpu_thresholds(), strict=True))
 
 
 @contextlib.contextmanager
@@ -156,11 +166,11 @@ def cpu_thresholds(**changes):
     unknown = set(changes) - set(THRESHOLD_NAMES)
     assert not unknown, f"no such threshold: {sorted(unknown)}"
     before = current_thresholds()
-    torch.ops.rope_ext._set_cpu_thresholds(**{**before, **changes})
+    TESTING.set_cpu_thresholds(**{**before, **changes})
     try:
         yield
     finally:
-        torch.ops.rope_ext._set_cpu_thresholds(**before)
+        TESTING.set_cpu_thresholds(**before)
 
 
 PATH_COUNT_NAMES = ("streamed_rows", "huge_page_outputs", "head_split_walks", "token_split_walks")
@@ -168,7 +178,7 @@ PATH_COUNT_NAMES = ("streamed_rows", "huge_page_outputs", "head_split_walks", "t
 
 def path_counts() -> dict:
     """How often each side of the CPU kernel's switches ran in this process (cpu::PathCounts)."""
-    return dict(zip(PATH_COUNT_NAMES, torch.ops.rope_ext._cpu_path_counts(), strict=True))
+    return dict(zip(PATH_COUNT_NAMES, TESTING.cpu_path_counts(), strict=True))
 
 
 def path_counts_since(before: dict) -> dict:

@@ -16,6 +16,7 @@ from conftest import (
     DEFAULT_THRESHOLDS,
     DTYPES,
     STREAMING_STORE_BYTES,
+    TESTING,
     assert_matches_reference,
     cpu_thresholds,
     current_thresholds,
@@ -29,7 +30,7 @@ from conftest import (
 
 import rope_ext
 
-LIB = Path(rope_ext._C.__file__)
+LIB = Path(rope_ext.__file__).parent / "lib" / "librope_ext.so"
 
 
 def _cpu_flags() -> set[str]:
@@ -74,9 +75,9 @@ def test_parallel_for_is_really_parallel():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert torch.ops.rope_ext._parallel_threads_used(256) == 2
+        assert TESTING.parallel_threads_used(256) == 2
         torch.set_num_threads(1)
-        assert torch.ops.rope_ext._parallel_threads_used(256) == 1
+        assert TESTING.parallel_threads_used(256) == 1
     finally:
         torch.set_num_threads(before)
 
@@ -129,20 +130,19 @@ def test_bitwise_identical_to_default_variant(tmp_path):
 
 
 def test_import_failure_is_an_import_error_that_says_why():
-    """A broken extension surfaces as ImportError naming rope_ext._C and the fix; never swallowed."""
+    """A library that fails to load surfaces as ImportError naming it and the fix; never swallowed."""
     script = (
-        "import sys, importlib.abc\n"
-        "class Block(importlib.abc.MetaPathFinder):\n"
-        "    def find_spec(self, name, path, target=None):\n"
-        "        if name == 'rope_ext._C': raise ImportError('simulated: undefined symbol')\n"
-        "sys.meta_path.insert(0, Block())\n"
+        "import torch\n"
+        "def fail(path):\n"
+        "    raise OSError(f'{path}: undefined symbol: simulated')\n"
+        "torch.ops.load_library = fail\n"
         "try:\n"
         "    import rope_ext\n"
         "except ImportError as e:\n"
         "    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    assert "cannot load the compiled extension rope_ext._C (simulated: undefined symbol)" in out
+    assert f"rope_ext: cannot load its library {LIB} ({LIB}: undefined symbol: simulated)" in out, out
     assert "pip install --no-build-isolation" in out
 
 
@@ -245,8 +245,8 @@ def test_thresholds_default_and_checked():
     bad = {"streaming_bytes": (-1, ">= 0"), "huge_page_bytes": (-1, ">= 0"), "grain_elements": (0, ">= 1"),
            "tile_tokens": (0, r"in \[1, 4096\]"), "min_heads_per_thread": (0, ">= 1")}
     for name, (value, expected) in bad.items():
-        with pytest.raises(RuntimeError, match=rf"_set_cpu_thresholds: {name} must be {expected}, got {value}"):
-            torch.ops.rope_ext._set_cpu_thresholds(**{**DEFAULT_THRESHOLDS, name: value})
+        with pytest.raises(RuntimeError, match=rf"set_cpu_thresholds: {name} must be {expected}, got {value}"):
+            TESTING.set_cpu_thresholds(**{**DEFAULT_THRESHOLDS, name: value})
         assert current_thresholds() == DEFAULT_THRESHOLDS
 
 

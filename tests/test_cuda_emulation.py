@@ -1,12 +1,21 @@
 """The CUDA kernels' thread function, run on the CPU over every block and thread of the launch the
-CUDA launcher would choose (csrc/cuda/host_emulation.cpp). This tests the GPU code path's index
+CUDA launcher would choose (csrc/testing/host_emulation.cpp). This tests the GPU code path's index
 math, bounds, vector/scalar choice and tails on a machine without a GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CONVENTIONS, DTYPES, LAYOUTS, assert_matches_reference, make_layout, random_tables, rope_tables
+from conftest import (
+    CONVENTIONS,
+    DTYPES,
+    LAYOUTS,
+    TESTING,
+    assert_matches_reference,
+    make_layout,
+    random_tables,
+    rope_tables,
+)
 
 import rope_ext
 
@@ -15,7 +24,7 @@ CONFIG_FIELDS = ("grid_x", "grid_y", "block_x", "block_y", "vec", "pairs_per_ite
 
 
 def launch(x, cos, sin, interleaved):
-    return dict(zip(CONFIG_FIELDS, ops._cuda_launch_config(x, cos, sin, interleaved), strict=True))
+    return dict(zip(CONFIG_FIELDS, TESTING.cuda_launch_config(x, cos, sin, interleaved), strict=True))
 
 
 # (head_dim, rotary_dim): which path each takes depends on the dtype's 16-byte vector width
@@ -46,7 +55,7 @@ def test_emulated_kernel_matches_cpu_and_reference(interleaved, dtype, layout, d
         else:
             cos, sin = to_layout(cos), to_layout(sin)
         for conjugate in (False, True):
-            out = ops._cuda_emulate_rotary(x, cos, sin, interleaved, conjugate)
+            out = TESTING.cuda_emulate_rotary(x, cos, sin, interleaved, conjugate)
             assert_matches_reference(out, x, cos, sin, interleaved, conjugate)
             # same roundings as the CPU kernel (no FMA contraction on either): bit-identical
             assert torch.equal(out, rope_ext.rotary(x, cos, sin, interleaved=interleaved, conjugate=conjugate))
@@ -63,13 +72,13 @@ def test_emulated_general_tables_and_broadcasts(dtype, interleaved, gen):
     misaligned view (offset by one element) that must fall back to the scalar path."""
     x = make_layout("bshd", 3, 4, 5, 64, dtype, gen)[0]
     cos, sin = random_tables((4, 1, 48), torch.float32, gen)
-    out = ops._cuda_emulate_rotary(x, cos, sin, interleaved, False)
+    out = TESTING.cuda_emulate_rotary(x, cos, sin, interleaved, False)
     assert torch.equal(out, rope_ext.rotary(x, cos, sin, interleaved=interleaved))
     buf = torch.zeros(3 * 4 * 5 * 64 + 1, dtype=dtype)
     shifted = buf[1:].view(3, 4, 5, 64)
     shifted.copy_(x)
     assert launch(shifted, cos, sin, interleaved)["vec"] == 1
-    assert torch.equal(ops._cuda_emulate_rotary(shifted, cos, sin, interleaved, False), out)
+    assert torch.equal(TESTING.cuda_emulate_rotary(shifted, cos, sin, interleaved, False), out)
 
 
 def test_emulated_decode_and_many_heads_split_across_blocks(gen):
@@ -78,7 +87,7 @@ def test_emulated_decode_and_many_heads_split_across_blocks(gen):
     cos, sin = rope_tables(torch.tensor([[[1234]]]), 128, False)  # (1, 1, 1, 128)
     cfg = launch(x, cos, sin, False)
     assert cfg["grid_x"] == 1 and cfg["grid_y"] > 1
-    assert torch.equal(ops._cuda_emulate_rotary(x, cos, sin, False, False), rope_ext.rotary(x, cos, sin))
+    assert torch.equal(TESTING.cuda_emulate_rotary(x, cos, sin, False, False), rope_ext.rotary(x, cos, sin))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -89,7 +98,7 @@ def test_emulated_qk_and_inplace(interleaved, dtype, gen):
     cos, sin = rope_tables(torch.arange(6), 48, interleaved)
     cos_k, sin_k = random_tables((6, 48), dtype, gen)
     expected = rope_ext.rotary_qk(q, k, cos, sin, interleaved=interleaved, cos_k=cos_k, sin_k=sin_k)
-    got = ops._cuda_emulate_rotary_qk(q, k, cos, sin, interleaved, cos_k, sin_k, False)
+    got = TESTING.cuda_emulate_rotary_qk(q, k, cos, sin, interleaved, cos_k, sin_k, False)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
     for layout in ("qkv_slice", "strided_cols", "padded"):
@@ -98,7 +107,7 @@ def test_emulated_qk_and_inplace(interleaved, dtype, gen):
         base = x._base if x._base is not None else x
         before = base.clone()
         expected = rope_ext.rotary(x, c, s, interleaved=interleaved)
-        ops._cuda_emulate_rotary_(x, c, s, interleaved, False)
+        TESTING.cuda_emulate_rotary_(x, c, s, interleaved, False)
         assert torch.equal(x, expected)
         outside = torch.ones_like(base, dtype=torch.bool)
         outside.as_strided(x.shape, x.stride(), x.storage_offset() - base.storage_offset()).fill_(False)
@@ -108,12 +117,12 @@ def test_emulated_qk_and_inplace(interleaved, dtype, gen):
 def test_emulated_empty_and_single_element_rows(gen):
     x = torch.randn(0, 4, 16)
     c = torch.ones(0, 1, 16)
-    assert ops._cuda_emulate_rotary(x, c, c, False, False).shape == x.shape
+    assert TESTING.cuda_emulate_rotary(x, c, c, False, False).shape == x.shape
     x = torch.randn(3, 1, 2)
     c, s = random_tables((3, 1, 2), torch.float32, gen)
-    assert torch.equal(ops._cuda_emulate_rotary(x, c, s, True, False), rope_ext.rotary(x, c, s, interleaved=True))
+    assert torch.equal(TESTING.cuda_emulate_rotary(x, c, s, True, False), rope_ext.rotary(x, c, s, interleaved=True))
 
 
 def test_emulated_bad_input_uses_the_shared_checks():
     with pytest.raises(RuntimeError, match=r"rope_ext.rotary: the rotary dim cos.size\(-1\) must be a positive even"):
-        ops._cuda_emulate_rotary(torch.zeros(2, 8), torch.ones(2, 3), torch.ones(2, 3), False, False)
+        TESTING.cuda_emulate_rotary(torch.zeros(2, 8), torch.ones(2, 3), torch.ones(2, 3), False, False)

@@ -44,6 +44,7 @@ import torch
 from conftest import (
     DEFAULT_THRESHOLDS,
     DTYPES,
+    TESTING,
     assert_matches_reference,
     cpu_thresholds,
     randn,
@@ -387,7 +388,7 @@ def test_rotary_forward_and_backward(case):
     assert_matches_reference(out.detach(), x.detach(), cos.detach(), sin.detach(), **kw)
     assert out.stride() == torch.empty_like(x).stride()
     _assert_unchanged((xbuf, cbuf, sbuf), before)
-    emulated = ops._cuda_emulate_rotary(x.detach(), cos.detach(), sin.detach(), p.interleaved, p.conjugate)
+    emulated = TESTING.cuda_emulate_rotary(x.detach(), cos.detach(), sin.detach(), p.interleaved, p.conjugate)
     assert torch.equal(emulated, out.detach())
 
     xr, cr, sr = _ref_leaf(x), _ref_leaf(cos), _ref_leaf(sin)
@@ -437,7 +438,7 @@ def test_rotary_qk_forward_and_backward(case):
     assert_matches_reference(k_out.detach(), k.detach(), cos_k.detach(), sin_k.detach(), **kw)
     assert q_out.stride() == torch.empty_like(q).stride() and k_out.stride() == torch.empty_like(k).stride()
     _assert_unchanged(bufs, before)
-    emulated = ops._cuda_emulate_rotary_qk(q.detach(), k.detach(), cos.detach(), sin.detach(), p.interleaved,
+    emulated = TESTING.cuda_emulate_rotary_qk(q.detach(), k.detach(), cos.detach(), sin.detach(), p.interleaved,
                                            cos_k.detach() if separate else None,
                                            sin_k.detach() if separate else None, p.conjugate)
     assert torch.equal(emulated[0], q_out.detach()) and torch.equal(emulated[1], k_out.detach())
@@ -483,7 +484,7 @@ def test_rotary_inplace(case):
 
     def rotate_in_place():
         if emulated:
-            ops._cuda_emulate_rotary_(x, cos, sin, p.interleaved, p.conjugate)
+            TESTING.cuda_emulate_rotary_(x, cos, sin, p.interleaved, p.conjugate)
         else:
             assert rope_ext.rotary_(x, cos, sin, interleaved=p.interleaved, conjugate=p.conjugate) is x
 

@@ -29,7 +29,7 @@ import threading
 
 import pytest
 import torch
-from conftest import CONVENTIONS, DTYPES, LAYOUTS, randn, random_tables, rope_tables, tolerance
+from conftest import CONVENTIONS, DTYPES, LAYOUTS, TESTING, randn, random_tables, rope_tables, tolerance
 
 import rope_ext
 from rope_ext import reference
@@ -121,7 +121,7 @@ def test_nonfinite_x_propagates_like_reference(interleaved, dtype, layout, gen):
                 rope_ext.rotary_(x_inplace, cos, sin, **kw)
                 _assert_bitwise_with_nan(x_inplace, out)
 
-                _assert_bitwise_with_nan(ops._cuda_emulate_rotary(x, cos, sin, interleaved, conjugate), out)
+                _assert_bitwise_with_nan(TESTING.cuda_emulate_rotary(x, cos, sin, interleaved, conjugate), out)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -142,7 +142,7 @@ def test_nonfinite_tables_propagate_like_reference(interleaved, dtype, gen):
             assert expected[..., NF_R:].isfinite().all()  # pass-through columns never see the tables
             x_inplace = x.clone()
             _assert_bitwise_with_nan(rope_ext.rotary_(x_inplace, cos, sin, **kw), out)
-            _assert_bitwise_with_nan(ops._cuda_emulate_rotary(x, cos, sin, interleaved, conjugate), out)
+            _assert_bitwise_with_nan(TESTING.cuda_emulate_rotary(x, cos, sin, interleaved, conjugate), out)
 
 
 def _reference_grads(inputs, g, interleaved, conjugate, qk=False):
@@ -274,11 +274,11 @@ def test_empty_ops_forward_and_backward(dtype, case, view, gen):
             _assert_like(k_out, k)
             x_inplace = x.clone()
             assert rope_ext.rotary_(x_inplace, cos, sin, **kw) is x_inplace and x_inplace.shape == x.shape
-            _assert_like(ops._cuda_emulate_rotary(x, cos, sin, interleaved, conjugate), x)
-            emu_q, emu_k = ops._cuda_emulate_rotary_qk(x, k, cos, sin, interleaved, None, None, conjugate)
+            _assert_like(TESTING.cuda_emulate_rotary(x, cos, sin, interleaved, conjugate), x)
+            emu_q, emu_k = TESTING.cuda_emulate_rotary_qk(x, k, cos, sin, interleaved, None, None, conjugate)
             _assert_like(emu_q, x)
             _assert_like(emu_k, k)
-            ops._cuda_emulate_rotary_(x.clone(), cos, sin, interleaved, conjugate)
+            TESTING.cuda_emulate_rotary_(x.clone(), cos, sin, interleaved, conjugate)
 
             # backward: x, cos and sin gradients, with an (empty) explicit grad_output
             xg, kg, cg, sg = (t.detach().requires_grad_() for t in (x, k, cos, sin))
@@ -511,7 +511,7 @@ SPARSE = {
 
 
 def _emulated_inplace(x, cos, sin, interleaved, conjugate):
-    ops._cuda_emulate_rotary_(x, cos, sin, interleaved, conjugate)
+    TESTING.cuda_emulate_rotary_(x, cos, sin, interleaved, conjugate)
 
 
 def _cpu_inplace(x, cos, sin, interleaved, conjugate):
@@ -533,14 +533,14 @@ def test_offsets_beyond_2_pow_32_elements_cpu_and_emulated_cuda(case, interleave
     cos_sin = torch.stack(random_tables((T, r), torch.float16, gen), dim=1)  # (T, 2, r)
     tables = _sparse((T, 2, r), (table_stride, r, 1), cos_sin)
     cos, sin = tables[:, None, 0], tables[:, None, 1]  # (T, 1, r)
-    assert ops._cuda_launch_config(x, cos, sin, interleaved)[4] == 8  # vec: 8 float16 per load
+    assert TESTING.cuda_launch_config(x, cos, sin, interleaved)[4] == 8  # vec: 8 float16 per load
     before = x.clone()
     for conjugate in (False, True):
         args = (interleaved, conjugate)
         out = rope_ext.rotary(x, cos, sin, interleaved=interleaved, conjugate=conjugate)
         expected = reference.rotary_reference(x.double(), cos.double(), sin.double(), *args)
         torch.testing.assert_close(out.double(), expected, **tolerance(torch.float16))
-        assert torch.equal(ops._cuda_emulate_rotary(x, cos, sin, *args), out)
+        assert torch.equal(TESTING.cuda_emulate_rotary(x, cos, sin, *args), out)
         for inplace in (_cpu_inplace, _emulated_inplace):
             inplace(x, cos, sin, *args)
             assert torch.equal(x, out)

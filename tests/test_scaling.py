@@ -12,6 +12,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # set before transformers loads: these tests
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from conftest import TESTING  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding  # noqa: E402
@@ -200,16 +201,16 @@ def test_length_dependent_inv_freq_matches_transformers(name, seq_len, geometry)
 @pytest.mark.parametrize("name,seq_len", LENGTH_CASES, ids=[f"{n}-L{L}" for n, L in LENGTH_CASES])
 def test_length_dependent_inv_freq_of_python_and_cpp_agree(name, seq_len):
     """The per-call rule exists twice: in Python (RopeSchedule.inv_freq, traced by torch.compile)
-    and in C++ (the op _inv_freq_for behind the C++ API's inv_freq_for). Same formula, same
-    float64 operations: the same bits."""
+    and in C++ (the C++ API's inv_freq_for, called through the test hook
+    rope_ext_testing::inv_freq_for). Same formula, same float64 operations: the same bits."""
     head_dim, partial = LENGTH_GEOMETRIES["hd128"]
     params = _params(name, LENGTH_BASE, head_dim, partial)
     s = RopeSchedule.from_config(params, base=LENGTH_BASE, rotary_dim=head_dim, max_position_embeddings=MAX_POS)
     max_position = torch.tensor(seq_len - 1)
     long = None if s.inv_freq_long is None else torch.tensor(s.inv_freq_long, dtype=torch.float64)
-    cpp = torch.ops.rope_ext._inv_freq_for(
+    cpp = TESTING.inv_freq_for(
         torch.tensor(s.inv_freq_base, dtype=torch.float64), long, s.rope_type, s.base, s.rotary_dim, s.switch_len,
-        s.factor, max_position,
+        s.factor, seq_len - 1,
     )
     assert torch.equal(cpp, s.inv_freq(max_position))
 

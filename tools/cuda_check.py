@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -24,13 +25,13 @@ def cuobjdump() -> str:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--site", required=True)
-    p.add_argument("--build-log", required=True)
+    p.add_argument("--compile-commands", required=True, help="the CMake build's compile_commands.json")
     args = p.parse_args()
 
     import rope_ext
 
-    lib = Path(rope_ext._C.__file__)
-    assert Path(args.site).resolve() in lib.resolve().parents, f"imported the wrong rope_ext: {lib}"
+    lib = Path(torch.ops.rope_ext._library_path())
+    assert Path(args.site).resolve() in lib.resolve().parents, f"loaded the wrong librope_ext.so: {lib}"
     print(
         f"cuda-check: torch {torch.__version__} (CUDA {torch.version.cuda}), GPU present: "
         f"{torch.cuda.is_available()}; loaded {lib.name}: every symbol resolved against libtorch_cuda"
@@ -45,7 +46,10 @@ def main():
         raise SystemExit(f"cuda-check: no CUDA kernel registered for {missing}")
     print("cuda-check: CUDA kernels registered for rope_ext::rotary, rotary_qk, rotary_")
 
-    log = Path(args.build_log).read_text()
+    cu = [c["command"] for c in json.loads(Path(args.compile_commands).read_text()) if c["file"].endswith(".cu")]
+    if not cu:
+        raise SystemExit(f"cuda-check: no .cu file in {args.compile_commands}")
+    log = "\n".join(cu)
     requested = sorted(set(re.findall(r"arch=compute_(\d+),code=sm_\d+", log)), key=int)
     ptx = sorted(set(re.findall(r"arch=compute_(\d+),code=compute_\d+", log)), key=int)
     listing = subprocess.run([cuobjdump(), "--list-elf", str(lib)], capture_output=True, text=True, check=True).stdout

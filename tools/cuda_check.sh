@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# `make cuda-check`: build rope_ext's CUDA extension on a machine without a GPU, and prove it.
-#  1. a venv with a CUDA build of torch (torch==2.14.1, cu130) and cuobjdump, kept in build/;
-#  2. a copy of the source tree, built there with ROPE_EXT_CUDA=1: every .cu file through nvcc
-#     for the default arch list (or TORCH_CUDA_ARCH_LIST), linked against libtorch_cuda;
+# `make cuda-check`: build rope_ext's CUDA library on a machine without a GPU, and prove it.
+#  1. a venv with a CUDA build of torch (torch==2.14.1, cu130), cuobjdump and ninja, kept in build/;
+#  2. a copy of the source tree, built there with ROPE_EXT_CUDA=1 through setup.py's CMake build
+#     (the one build): every .cu file through nvcc for the default arch list (or
+#     TORCH_CUDA_ARCH_LIST), linked against libtorch_cuda, with the test hooks (ROPE_EXT_TESTING=1);
 #  3. tools/cuda_check.py: loads the library under the CUDA torch (every symbol resolves), checks
 #     the CUDA kernels are registered and the fatbin holds SASS for every requested arch;
-#  4. the CMake build of the C++ library with CUDA, loaded and registering its CUDA kernels;
+#  4. examples/cpp built against that installed package through find_package(rope_ext), as a C++
+#     user of a CUDA build links it, and run;
 #  5. the core tests (CORE_TESTS) under this torch 2.14.1, the newest on this machine, against the
 #     build of step 2, on the CPU (tests that need a CUDA device skip): with `make test` under
 #     torch 2.13.0, the supported range the README states.
@@ -19,37 +21,33 @@ PY="$VENV/bin/python"
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 
 t0=$(date +%s)
-if ! "$PY" -c "import torch; assert torch.version.cuda" 2>/dev/null; then
+if ! "$PY" -c "import torch, ninja; assert torch.version.cuda" 2>/dev/null; then
   python3 -m venv "$VENV"
-  "$PY" -m pip install -q torch==2.14.1 setuptools wheel "nvidia-cuda-cuobjdump>=13,<14"
+  "$PY" -m pip install -q torch==2.14.1 setuptools wheel ninja "nvidia-cuda-cuobjdump>=13,<14"
 fi
 t1=$(date +%s)
 
 rm -rf "$OUT" && mkdir -p "$OUT/src"
 git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C "$OUT/src"
-( cd "$OUT/src" && ROPE_EXT_CUDA=1 "$PY" -m pip install -v --no-build-isolation --no-deps \
+( cd "$OUT/src" && ROPE_EXT_CUDA=1 ROPE_EXT_TESTING=1 "$PY" -m pip install -v --no-build-isolation --no-deps \
     --target "$OUT/site" . > "$OUT/build.log" 2>&1 ) || { tail -40 "$OUT/build.log"; exit 1; }
 t2=$(date +%s)
-grep -o -- "-gencode[= ]arch=[^ ]*" "$OUT/build.log" | sort -u > "$OUT/gencode.txt" || true
+COMMANDS=$(ls "$OUT"/src/build/temp*/cmake-*/compile_commands.json)
 
-PYTHONPATH="$OUT/site" "$PY" tools/cuda_check.py --site "$OUT/site" --build-log "$OUT/build.log"
+PYTHONPATH="$OUT/site" "$PY" tools/cuda_check.py --site "$OUT/site" --compile-commands "$COMMANDS"
 
-# 4. The C++ library (CMakeLists.txt) with -DROPE_EXT_CUDA=ON against the same torch: configured,
-#    built, linked, loaded, and its CUDA kernels registered. torch's CMake config wants libnvrtc,
-#    which a compiler-only CUDA install lacks: the torch wheel's nvidia package has it.
+# 4. A C++ program linking this CUDA build through find_package(rope_ext), from the installed
+#    package. torch's CMake package wants libnvrtc, which a compiler-only CUDA install lacks: the
+#    torch wheel's nvidia package has it.
 NVRTC=$("$PY" -c 'import nvidia, pathlib; print(next(p for r in nvidia.__path__ for p in sorted(pathlib.Path(r).rglob("libnvrtc.so*"))))')
-cmake -S "$OUT/src" -B "$OUT/cmake" $(command -v ninja > /dev/null && echo "-G Ninja") -DROPE_EXT_CUDA=ON \
-  -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" -DCUDA_TOOLKIT_ROOT_DIR="$CUDA_HOME" -DTORCH_CUDA_ARCH_LIST="8.0;9.0" \
-  -DCUDA_nvrtc_LIBRARY="$NVRTC" -DCMAKE_PREFIX_PATH="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
-  > "$OUT/cmake.log" 2>&1 && cmake --build "$OUT/cmake" >> "$OUT/cmake.log" 2>&1 || { tail -40 "$OUT/cmake.log"; exit 1; }
-"$PY" - "$OUT/cmake/librope_ext.so" <<'PY'
-import sys, torch
-torch.ops.load_library(sys.argv[1])
-missing = [op for op in ("rotary", "rotary_qk", "rotary_")
-           if not torch._C._dispatch_has_kernel_for_dispatch_key(f"rope_ext::{op}", "CUDA")]
-assert not missing, f"no CUDA kernel registered for {missing}"
-print("cuda-check: CMake build (ROPE_EXT_CUDA=ON): librope_ext.so loads and registers its CUDA kernels")
-PY
+PREFIXES="$(PYTHONSAFEPATH=1 PYTHONPATH="$OUT/site" "$PY" -c 'import rope_ext; print(rope_ext.cmake_prefix_path)');$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+{ cmake -S "$OUT/src/examples/cpp" -B "$OUT/example" -G Ninja -DCMAKE_MAKE_PROGRAM="$("$PY" -c 'import ninja, os; print(os.path.join(ninja.BIN_DIR, "ninja"))')" \
+    -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" -DCUDA_TOOLKIT_ROOT_DIR="$CUDA_HOME" -DCUDA_nvrtc_LIBRARY="$NVRTC" \
+    -DCMAKE_PREFIX_PATH="$PREFIXES" && cmake --build "$OUT/example" && "$OUT/example/rope_example"; } > "$OUT/example.log" 2>&1 ||
+  { tail -40 "$OUT/example.log"; exit 1; }
+ldd "$OUT/example/rope_example" | grep -q "librope_ext.so => $OUT/site/rope_ext/lib/librope_ext.so" ||
+  { ldd "$OUT/example/rope_example"; echo "cuda-check: the example does not link the installed package's library"; exit 1; }
+echo "cuda-check: examples/cpp built against the installed CUDA package (find_package(rope_ext)) and ran: $(tail -1 "$OUT/example.log")"
 t3=$(date +%s)
 
 # PYTHONSAFEPATH: the checkout (the current directory) stays off sys.path, so `import rope_ext` finds
@@ -62,5 +60,5 @@ assert pathlib.Path('$OUT/site') in pathlib.Path(rope_ext.__file__).resolve().pa
 print(f'cuda-check: core tests under torch {torch.__version__}, rope_ext from {rope_ext.__file__}')"
 PYTHONSAFEPATH=1 PYTHONPATH="$OUT/site" "$PY" -m pytest -q -p no:cacheprovider $CORE_TESTS
 t4=$(date +%s)
-echo "cuda-check: CUDA torch venv $((t1 - t0)) s, nvcc build + link $((t2 - t1)) s, CMake CUDA build $((t3 - t2)) s," \
+echo "cuda-check: CUDA torch venv $((t1 - t0)) s, CUDA build (setup.py -> CMake) $((t2 - t1)) s, C++ example $((t3 - t2)) s," \
      "core tests under torch 2.14.1 $((t4 - t3)) s"

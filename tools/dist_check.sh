@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # `make dist-check`: rope_ext as a user gets it, from an sdist and from a wheel built from that sdist.
 #
-#  1. A fresh venv with only torch==2.13.0 (the CPU build) and the build tools builds the sdist from
-#     this checkout, unpacks it, and builds a wheel from the unpacked sdist without build isolation:
-#     a file that the sdist leaves out fails the build here.
-#  2. The wheel's metadata requires torch==<major.minor it was built against>.*.
+#  1. A fresh venv with only torch==2.13.0 (the CPU build) and the build tools (setuptools, build,
+#     ninja; CMake is the system's) builds the sdist from this checkout, unpacks it, and builds a
+#     wheel from the unpacked sdist without build isolation: a file that the sdist leaves out fails
+#     the build here. The build went through CMake with Ninja.
+#  2. The wheel: tagged py3-none-<platform> (the library does not use Python's C API); it holds
+#     librope_ext.so, the headers and the CMake package, and not the test hooks' library; its
+#     metadata requires torch==<major.minor it was built against>.*.
 #  3. An isolated build (plain `pip install <sdist>`) stops at once with the message that says to
 #     install torch first and use --no-build-isolation, instead of compiling against another torch.
 #  4. Another fresh venv installs torch==2.13.0 and the wheel, and runs tools/smoke_test.py from
-#     outside the checkout: forward, backward, opcheck, torch.compile, RotaryEmbedding.
+#     outside the checkout: forward, backward, opcheck, torch.compile, RotaryEmbedding. Then
+#     examples/cpp is built against the installed wheel through find_package(rope_ext), as a C++
+#     user would, and run: it links the very file Python loads.
 # Everything lives in build/dist-check; the editable install and the machine's Python are untouched.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +34,7 @@ t0=$(date +%s)
 "$PY" -m venv "$OUT/build-env"
 B=$OUT/build-env/bin/python
 pip_in "$B" pip-build-env --upgrade pip
-pip_in "$B" pip-build-env-tools "$TORCH" "setuptools>=77" build
+pip_in "$B" pip-build-env-tools "$TORCH" "setuptools>=77" build ninja
 "$B" -m build --sdist --no-isolation -o "$OUT/dist" . > "$OUT/sdist.log" 2>&1 || { tail -30 "$OUT/sdist.log"; fail "sdist"; }
 SDIST=$(ls "$OUT"/dist/rope_ext-*.tar.gz)
 tar tzf "$SDIST" > "$OUT/sdist-files.txt"
@@ -43,6 +48,16 @@ t1=$(date +%s)
    > "$OUT/wheel.log" 2>&1) || { tail -30 "$OUT/wheel.log"; fail "the wheel build from the sdist"; }
 WHEEL=$(ls "$OUT"/dist/rope_ext-*.whl)
 t2=$(date +%s)
+grep -qx "CMAKE_GENERATOR:INTERNAL=Ninja" "$OUT"/unpacked/rope_ext-*/build/temp*/cmake-*/CMakeCache.txt ||
+  fail "the wheel was not built by CMake with Ninja"
+[[ $(basename "$WHEEL") == rope_ext-*-py3-none-linux_x86_64.whl ]] || fail "the wheel is not tagged py3-none: $WHEEL"
+"$B" -c 'import sys, zipfile; print("\n".join(zipfile.ZipFile(sys.argv[1]).namelist()))' "$WHEEL" > "$OUT/wheel-files.txt"
+for f in rope_ext/__init__.py rope_ext/lib/librope_ext.so rope_ext/include/rope_ext/rope.h \
+         rope_ext/include/rope_ext/version.h rope_ext/lib/cmake/rope_ext/rope_extConfig.cmake; do
+  grep -qx "$f" "$OUT/wheel-files.txt" || fail "the wheel has no $f"
+done
+! grep -q "testing" "$OUT/wheel-files.txt" || fail "the wheel carries the test hooks: $(grep testing "$OUT/wheel-files.txt")"
+[ "$(grep -c '\.so$' "$OUT/wheel-files.txt")" = 1 ] || fail "the wheel has more than one library: $(grep '\.so$' "$OUT/wheel-files.txt")"
 echo "dist-check: $(basename "$SDIST") and $(basename "$WHEEL") (wheel built from the sdist in $((t2 - t1)) s)"
 
 # ---- 2. the wheel pins the torch it was built against ---------------------------------------------
@@ -71,5 +86,14 @@ echo "dist-check: an isolated build stops with the install-torch-first message"
 # ---- 4. a fresh venv runs the wheel ---------------------------------------------------------------
 pip_in "$R" pip-run-env-wheel "$TORCH" "$WHEEL"
 (cd "$OUT" && "$R" "$ROOT/tools/smoke_test.py") || fail "the smoke test of the installed wheel"
+t3=$(date +%s)
+SITE_LIB=$(cd "$OUT" && "$R" -c 'import rope_ext, os; print(os.path.join(rope_ext.cmake_prefix_path, "lib", "librope_ext.so"))')
+PREFIXES="$(cd "$OUT" && "$R" -c 'import rope_ext, torch; print(rope_ext.cmake_prefix_path + ";" + torch.utils.cmake_prefix_path)')"
+{ cmake -S "$ROOT/examples/cpp" -B "$OUT/example" -DCMAKE_PREFIX_PATH="$PREFIXES" && cmake --build "$OUT/example" &&
+  "$OUT/example/rope_example"; } > "$OUT/example.log" 2>&1 || { tail -30 "$OUT/example.log"; fail "examples/cpp against the wheel"; }
+ldd "$OUT/example/rope_example" | grep -q "librope_ext.so => $SITE_LIB" ||
+  fail "examples/cpp does not link the wheel's $SITE_LIB: $(ldd "$OUT/example/rope_example" | grep rope_ext)"
+echo "dist-check: examples/cpp built against the installed wheel (find_package(rope_ext)) links $SITE_LIB and ran" \
+     "in $(($(date +%s) - t3)) s"
 t3=$(date +%s)
 echo "dist-check: passed in $((t3 - t0)) s"

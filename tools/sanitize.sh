@@ -1,26 +1,24 @@
 #!/usr/bin/env bash
-# `make sanitize`: build rope_ext's CPU extension with AddressSanitizer and UndefinedBehaviorSanitizer
+# `make sanitize`: build rope_ext's CPU library with AddressSanitizer and UndefinedBehaviorSanitizer
 # (GCC) and run the core and fuzz tests against that build. Any sanitizer report fails the run.
 #
-#  1. Build out of tree, into build/sanitize/{tmp,lib}: the editable build (rope_ext/_C*.so) that
-#     `make test` and everyone else import is never touched. setup.py's own flags stay (-O3, the
-#     per-capability -m flags, -ffp-contract=off, ...); CXXFLAGS replaces only Python's default
-#     "-Wsign-compare -DNDEBUG -g -fwrapv -O3 -Wall" (setuptools takes CXXFLAGS instead of it):
-#     -DNDEBUG and -g stay, -fwrapv is left out on purpose (it defines signed overflow, which would
-#     hide it from UBSan). -fno-sanitize-recover=all makes every check fatal, UBSan's included.
-#     The build is redone only when csrc/, setup.py, the flags, the compiler or torch changed
-#     (SANITIZE_REBUILD=1 forces it): distutils alone would not notice an edited header.
-#     The build also has the kernels' debug checks (ROPE_EXT_DEBUG_CHECKS=1, as DEBUG=1 has): every
-#     streaming store's alignment is asserted, which ASan cannot see (below).
-#  2. Prove the sanitizers are in: every object file calls into ASan and UBSan, the library needs
-#     libasan and libubsan, and a 10-line canary built with the same flags has its heap overflow
+#  1. Build out of tree, through setup.py's CMake build, into build/sanitize/{tmp,lib}: the editable
+#     build (rope_ext/lib/) that `make test` and everyone else import is never touched. The build's
+#     own flags stay (-O3, the per-capability -m flags, -ffp-contract=off, ...); CXXFLAGS and LDFLAGS
+#     add the sanitizers (CMake reads them when it configures). -fno-sanitize-recover=all makes every
+#     check fatal, UBSan's included. CMake's build directory is kept and rebuilds only what changed
+#     (SANITIZE_REBUILD=1 starts afresh). The test hooks' library (ROPE_EXT_TESTING=1) is built and
+#     sanitized too. The build also has the kernels' debug checks (ROPE_EXT_DEBUG_CHECKS=1, as
+#     DEBUG=1 has): every streaming store's alignment is asserted, which ASan cannot see (below).
+#  2. Prove the sanitizers are in: every object file was compiled with them (compile_commands.json)
+#     and calls into ASan and UBSan, the library needs libasan and libubsan, and a 10-line canary built with the same flags has its heap overflow
 #     and its signed overflow reported, with a nonzero exit, in the form step 4 looks for. A last
 #     canary, a pytest test reading one byte past a tensor in the exact test environment, proves
 #     that such a report from inside a test ends pytest and is found in its log.
-#  3. build/sanitize/pkg/rope_ext = the Python files of rope_ext/ + the sanitized _C*.so, run by
+#  3. build/sanitize/pkg/rope_ext = the Python files of rope_ext/ + the sanitized lib/, run by
 #     pytest with PYTHONPATH pointing there and libasan preloaded (the interpreter is not
 #     instrumented, so the ASan runtime must come first). A pytest plugin written below refuses
-#     to run unless rope_ext and rope_ext._C come from build/sanitize/pkg (PYTHONSAFEPATH keeps the
+#     to run unless rope_ext and its library come from build/sanitize/pkg (PYTHONSAFEPATH keeps the
 #     checkout itself off sys.path; the editable install's finder comes after PYTHONPATH), both
 #     runtimes are mapped in, and torch's tensors get ASan redzones (the byte after a tensor's
 #     storage is poisoned, so a kernel reading or writing past it is caught).
@@ -60,43 +58,42 @@ SAN="-fsanitize=address,undefined,float-cast-overflow -fno-sanitize-recover=all 
 BUILD_FLAGS="-DNDEBUG -g $SAN"
 
 # ---- 1. build -----------------------------------------------------------------------------------
-stamp=$( { echo "$BUILD_FLAGS ${DEBUG:-0} debug-checks"; "$CXX" --version | head -1;
-           "$PY" -c "import torch; print(torch.__version__)";
-           find csrc setup.py -type f | LC_ALL=C sort | xargs sha256sum; } | sha256sum | cut -c1-16)
-SO=$(find "$OUT/lib/rope_ext" -maxdepth 1 -name '_C*.so' 2>/dev/null | head -1 || true)
 t0=$(date +%s)
-if [ "${SANITIZE_REBUILD:-0}" = 1 ] || [ -z "$SO" ] || [ "$(cat "$OUT/stamp" 2>/dev/null)" != "$stamp" ]; then
-  echo "sanitize: building the CPU extension with $SAN (a few minutes; log: build/sanitize/build.log)"
-  rm -rf "$OUT/tmp" "$OUT/lib" "$OUT/stamp" && mkdir -p "$OUT"
-  # CFLAGS too: older setuptools compile C++ with the C compiler command line.
-  if ! ROPE_EXT_CUDA=0 ROPE_EXT_DEBUG_CHECKS=1 CFLAGS="$BUILD_FLAGS" CXXFLAGS="$BUILD_FLAGS" LDFLAGS="$SAN" \
-      "$PY" setup.py build_ext --build-temp "$OUT/tmp" --build-lib "$OUT/lib" > "$OUT/build.log" 2>&1; then
-    tail -40 "$OUT/build.log"; echo "sanitize: build failed (build/sanitize/build.log)"; exit 1
-  fi
-  SO=$(find "$OUT/lib/rope_ext" -maxdepth 1 -name '_C*.so' | head -1)
-  echo "$stamp" > "$OUT/stamp"
-else
-  echo "sanitize: sanitized build up to date ($stamp; SANITIZE_REBUILD=1 rebuilds)"
+[ "${SANITIZE_REBUILD:-0}" = 1 ] && rm -rf "$OUT/tmp"
+rm -rf "$OUT/lib" && mkdir -p "$OUT"
+echo "sanitize: building the CPU library with $SAN (log: build/sanitize/build.log)"
+if ! ROPE_EXT_CUDA=0 ROPE_EXT_TESTING=1 ROPE_EXT_DEBUG_CHECKS=1 CXXFLAGS="$BUILD_FLAGS" LDFLAGS="$SAN" \
+    "$PY" setup.py build_ext --build-temp "$OUT/tmp" --build-lib "$OUT/lib" > "$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"; echo "sanitize: build failed (build/sanitize/build.log)"; exit 1
 fi
+LIBDIR=$OUT/lib/rope_ext/lib
+SO=$LIBDIR/librope_ext.so
 t1=$(date +%s)
 
 # ---- 2. the sanitizers are compiled in and report --------------------------------------------------
 fail() { echo "sanitize: FAILED: $*" >&2; exit 1; }
-objs=$(find "$OUT/tmp" -name '*.o' | LC_ALL=C sort)
-[ -n "$objs" ] || fail "no object files under build/sanitize/tmp"
+# setup.py's CMake build directory for these flags (one per configuration): the newest that has them.
+CMAKE_DIR=$(dirname "$(ls -t $(grep -lF -- "$SAN" "$OUT"/tmp/cmake-*/CMakeCache.txt) | head -1)")
+[ -f "$CMAKE_DIR/compile_commands.json" ] || fail "no compile_commands.json in build/sanitize/tmp"
+"$PY" - "$CMAKE_DIR/compile_commands.json" "$SAN" <<'PYEOF' || fail "objects compiled without the sanitizers"
+import json, sys
+commands, san = json.load(open(sys.argv[1])), sys.argv[2]
+bad = [c["file"] for c in commands if san not in c["command"]]
+assert commands and not bad, f"compiled without {san}: {bad}"
+PYEOF
+objs=$(find "$CMAKE_DIR/CMakeFiles" -name '*.o' | LC_ALL=C sort)
+[ "$(wc -w <<<"$objs")" = "$("$PY" -c "import json, sys; print(len(json.load(open(sys.argv[1]))))" \
+    "$CMAKE_DIR/compile_commands.json")" ] || fail "the object files and compile_commands.json disagree"
 for o in $objs; do
-  src=${o#"$OUT/tmp/"}
-  grep -F -- "-o $o " "$OUT/build.log" | grep -q -- "$SAN .*-c ${src%.o}.cpp " ||
-    fail "${o#"$ROOT"/} was not compiled with $SAN (build/sanitize/build.log)"
   undef=$(nm -u "$o")
   grep -q '__asan_' <<<"$undef" || fail "${o#"$ROOT"/} has no AddressSanitizer instrumentation"
-  # python_module.cpp (PyInit__C) has nothing UBSan checks: no arithmetic, shift, cast or access.
-  [[ $o == */python_module.o ]] || grep -q '__ubsan_handle_' <<<"$undef" || fail "${o#"$ROOT"/} has no UBSan checks"
+  grep -q '__ubsan_handle_' <<<"$undef" || fail "${o#"$ROOT"/} has no UBSan checks"
 done
 # The debug checks are compiled in: the streaming-store assertion's message is in the library.
 grep -aq "misaligned streaming store" "$SO" || fail "$SO was built without the kernels' debug checks"
 needed=$(readelf -d "$SO" | grep NEEDED)
 for lib in libasan libubsan; do grep -q "\[$lib\.so" <<<"$needed" || fail "$SO does not need $lib"; done
+[ -f "$LIBDIR/librope_ext_testing.so" ] || fail "no librope_ext_testing.so in ${LIBDIR#"$ROOT"/}"
 echo "sanitize: $(wc -w <<<"$objs") objects instrumented; ${SO#"$ROOT"/} imports" \
      "$(nm -D -u "$SO" | grep -c ' __asan_') __asan_* and $(nm -D -u "$SO" | grep -c ' __ubsan_') __ubsan_* symbols"
 
@@ -139,8 +136,8 @@ echo "sanitize: canary heap overflow and signed overflow both reported, exit != 
 
 # ---- 3. the package under test ------------------------------------------------------------------
 rm -rf "$OUT/pkg" "$OUT/plugin" && mkdir -p "$OUT/pkg" "$OUT/plugin"
-tar -cf - --exclude='*.so' --exclude=__pycache__ rope_ext | tar -xf - -C "$OUT/pkg"
-cp "$SO" "$OUT/pkg/rope_ext/"
+tar -cf - --exclude=lib --exclude=include --exclude=__pycache__ rope_ext | tar -xf - -C "$OUT/pkg"
+cp -r "$OUT/lib/rope_ext/lib" "$OUT/lib/rope_ext/include" "$OUT/pkg/rope_ext/"
 cat > "$OUT/plugin/rope_ext_sanitize_guard.py" <<'EOF'
 """Written by tools/sanitize.sh: pytest must be running the sanitized rope_ext, under live sanitizers."""
 import ctypes
@@ -158,9 +155,9 @@ def _check():
 
     import rope_ext
 
-    lib = Path(sys.modules["rope_ext._C"].__file__).resolve()
+    lib = Path(torch.ops.rope_ext._library_path()).resolve()
     problems = [f"{name} is {path}, not under {PKG}" for name, path in
-                (("rope_ext", Path(rope_ext.__file__).resolve()), ("rope_ext._C", lib)) if PKG not in path.parents]
+                (("rope_ext", Path(rope_ext.__file__).resolve()), ("librope_ext.so", lib)) if PKG not in path.parents]
     maps = Path("/proc/self/maps").read_text()
     problems += [f"{rt} is not loaded" for rt in ("libasan.so", "libubsan.so") if rt not in maps]
     if str(lib) not in maps:
@@ -184,13 +181,15 @@ def pytest_configure(config):
 
 def pytest_sessionstart(session):
     session.config.pluginmanager.get_plugin("terminalreporter").write_line(
-        f"sanitize: rope_ext._C = {session.config._rope_ext_sanitized}; ASan + UBSan loaded, tensor redzones live")
+        f"sanitize: librope_ext.so = {session.config._rope_ext_sanitized}; ASan + UBSan loaded, tensor redzones live")
 
 
 def pytest_sessionfinish(session):
-    lib = Path(sys.modules["rope_ext._C"].__file__).resolve()
+    import torch
+
+    lib = Path(torch.ops.rope_ext._library_path()).resolve()
     if lib != session.config._rope_ext_sanitized:
-        print(f"\nsanitize: rope_ext._C changed to {lib} during the run", file=sys.stderr)
+        print(f"\nsanitize: librope_ext.so changed to {lib} during the run", file=sys.stderr)
         session.exitstatus = 1
 EOF
 

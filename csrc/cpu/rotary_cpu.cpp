@@ -4,7 +4,6 @@
 #include "rotary_ops.h"
 
 #include <ATen/Version.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -41,15 +40,6 @@ const Variant& variant() {
 }  // namespace
 
 std::string kernel_isa() { return variant().name; }
-
-int64_t parallel_threads_used(int64_t n) {
-  TORCH_CHECK(n >= 0, "rope_ext._parallel_threads_used: n must be >= 0, got ", n);
-  std::atomic<uint64_t> seen{0};
-  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
-    seen.fetch_or(uint64_t{1} << (at::get_thread_num() % 64));
-  });
-  return __builtin_popcountll(seen.load());
-}
 
 namespace {
 
@@ -99,7 +89,7 @@ Thresholds thresholds() {
 }
 
 void set_thresholds(const Thresholds& t) {
-  const char* op = "rope_ext._set_cpu_thresholds";
+  const char* op = "rope_ext_testing.set_cpu_thresholds";
   TORCH_CHECK(t.streaming_bytes >= 0, op, ": streaming_bytes must be >= 0, got ", t.streaming_bytes);
   TORCH_CHECK(t.huge_page_bytes >= 0, op, ": huge_page_bytes must be >= 0, got ", t.huge_page_bytes);
   TORCH_CHECK(t.grain_elements >= 1, op, ": grain_elements must be >= 1, got ", t.grain_elements);

@@ -7,12 +7,13 @@
 #include <atomic>
 #include <string>
 
+#include "internal_api.h"
 #include "rotary_plan.h"
 
 namespace rope_ext::cpu {
 
 // The sizes at which the CPU kernel changes path. The defaults (rotary_cpu.cpp) are what every
-// user gets; tests lower or raise them through the private op rope_ext::_set_cpu_thresholds, so
+// user gets; tests lower or raise them through rope_ext_testing::set_cpu_thresholds (csrc/testing/), so
 // that both sides of each switch run on small tensors (issue 16: a path that only tensors of
 // 16 MiB took crashed, and no test had reached it).
 struct Thresholds {
@@ -25,8 +26,8 @@ struct Thresholds {
 
 // The thresholds in force, and their replacement for the whole process (set_thresholds checks
 // each value and refuses the lot if one is out of range).
-Thresholds thresholds();
-void set_thresholds(const Thresholds& t);
+ROPE_EXT_INTERNAL Thresholds thresholds();
+ROPE_EXT_INTERNAL void set_thresholds(const Thresholds& t);
 
 // How often each side of the switches above was taken since the library loaded, so that tests can
 // show a path ran rather than assume it. Counted once per call or per parallel chunk (relaxed
@@ -37,7 +38,7 @@ struct PathCounts {
   std::atomic<int64_t> head_split_walks{0};     // head-major calls whose threads split the heads
   std::atomic<int64_t> token_split_walks{0};    // head-major calls whose threads split the tokens
 };
-PathCounts& path_counts();
+ROPE_EXT_INTERNAL PathCounts& path_counts();
 
 #define ROPE_EXT_DECLARE_KERNEL(CAP)                                                        \
   namespace CAP {                                                                           \
@@ -55,11 +56,6 @@ ROPE_EXT_DECLARE_KERNEL(AVX512)
 // The kernel variant this process runs: "AVX512", "AVX2" or "DEFAULT". It follows
 // at::get_cpu_capability(), so ATEN_CPU_CAPABILITY=default|avx2 selects a lower one.
 std::string kernel_isa();
-
-// Runs at::parallel_for over n items with grain 1 and returns how many distinct threads
-// took part. It is compiled with this extension's flags, so it shows whether
-// parallel_for really is parallel here (it is serial in a build without OpenMP).
-int64_t parallel_threads_used(int64_t n);
 
 // out = rotary(x, cos, sin) on the CPU for checked arguments (out may be x); the ops are
 // RotaryOps<&run> (rotary_ops.h).

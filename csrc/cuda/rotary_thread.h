@@ -1,6 +1,6 @@
 // The CUDA kernel's per-thread work and its launch configuration, with no CUDA runtime
 // dependency: nvcc compiles it into the kernel (csrc/cuda/rotary_cuda.cu) and the host
-// compiler into the emulator (csrc/cuda/host_emulation.cpp), which runs every block and thread
+// compiler into the emulator (csrc/testing/host_emulation.cpp), which runs every block and thread
 // of the launch the launcher would choose, on the CPU. Index math, bounds, vector/scalar
 // choice and tails are thereby tested on a machine without a GPU.
 #pragma once

@@ -1,0 +1,86 @@
+// The registration site of librope_ext_testing.so (testing.h): test hooks into librope_ext.so,
+// under torch.ops.rope_ext_testing. The product library registers none of them.
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cpu/rotary_cpu.h"
+#include "rope_ext/rope.h"
+#include "testing/testing.h"
+
+namespace rope_ext::testing {
+namespace {
+
+// How many distinct threads at::parallel_for uses for n items with grain 1. Compiled with the
+// library's flags (CMakeLists.txt gives both libraries the same), so it shows whether the
+// kernels' parallel_for really is parallel in this build (it is serial without OpenMP).
+int64_t parallel_threads_used(int64_t n) {
+  TORCH_CHECK(n >= 0, "rope_ext_testing.parallel_threads_used: n must be >= 0, got ", n);
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { seen.fetch_or(uint64_t{1} << (at::get_thread_num() % 64)); });
+  return __builtin_popcountll(seen.load());
+}
+
+// The C++ API's inv_freq_for (rope.h) for a schedule given field by field, so that tests can
+// compare it with Python's rope_ext.scaling.RopeSchedule.inv_freq.
+at::Tensor inv_freq_for(const at::Tensor& inv_freq, const std::optional<at::Tensor>& inv_freq_long,
+                        const std::string& rope_type, double base, int64_t rotary_dim, int64_t switch_len,
+                        double factor, int64_t max_position) {
+  RopeFrequencies f;
+  f.rope_type = rope_type;
+  f.base = base;
+  f.rotary_dim = rotary_dim;
+  f.inv_freq = inv_freq;
+  if (inv_freq_long.has_value()) f.inv_freq_long = *inv_freq_long;
+  f.switch_len = switch_len;
+  f.factor = factor;
+  return rope_ext::inv_freq_for(f, max_position);
+}
+
+TORCH_LIBRARY(rope_ext_testing, m) {
+  // The CUDA kernels' thread function run on the CPU over the launch grid the CUDA launcher would
+  // choose, with the semantics of rope_ext::rotary, rotary_qk and rotary_; and that launch:
+  // [grid_x, grid_y, block_x, block_y, vec, pairs_per_item, rot_items, pass_items].
+  m.def("cuda_emulate_rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved=False, bool conjugate=False) -> Tensor");
+  m.def(
+      "cuda_emulate_rotary_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved=False, "
+      "Tensor? cos_k=None, Tensor? sin_k=None, bool conjugate=False) -> (Tensor, Tensor)");
+  m.def("cuda_emulate_rotary_(Tensor(a!) x, Tensor cos, Tensor sin, bool interleaved=False, bool conjugate=False) -> ()");
+  m.def("cuda_launch_config(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> int[]");
+
+  m.def("parallel_threads_used(int n) -> int", &parallel_threads_used);
+  m.def(
+      "inv_freq_for(Tensor inv_freq, Tensor? inv_freq_long, str rope_type, float base, int rotary_dim, "
+      "int switch_len, float factor, int max_position) -> Tensor",
+      &inv_freq_for);
+
+  // The sizes at which librope_ext.so's CPU kernel changes path (cpu::Thresholds, whose defaults
+  // rotary_cpu.cpp gives), in this order, and their replacement for every caller in the process
+  // (checked: an error names the value out of range). Tests lower them so that small tensors take
+  // the paths that otherwise only large ones reach, and read how often each path ran
+  // (cpu::PathCounts, in order).
+  m.def("cpu_thresholds() -> int[]", []() -> std::vector<int64_t> {
+    const cpu::Thresholds t = cpu::thresholds();
+    return {t.streaming_bytes, t.huge_page_bytes, t.grain_elements, t.tile_tokens, t.min_heads_per_thread};
+  });
+  m.def(
+      "set_cpu_thresholds(int streaming_bytes, int huge_page_bytes, int grain_elements, int tile_tokens, "
+      "int min_heads_per_thread) -> ()",
+      [](int64_t streaming, int64_t huge, int64_t grain, int64_t tile, int64_t min_heads) {
+        cpu::set_thresholds({streaming, huge, grain, tile, min_heads});
+      });
+  m.def("cpu_path_counts() -> int[]", []() -> std::vector<int64_t> {
+    const cpu::PathCounts& c = cpu::path_counts();
+    return {c.streamed_rows.load(), c.huge_page_outputs.load(), c.head_split_walks.load(),
+            c.token_split_walks.load()};
+  });
+}
+
+TORCH_LIBRARY_IMPL(rope_ext_testing, CPU, m) { register_cuda_emulation(m); }
+
+}  // namespace
+}  // namespace rope_ext::testing
