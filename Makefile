@@ -47,7 +47,7 @@ compat-check: setup
 cuda-check:
 	CORE_TESTS="$(CORE_TESTS)" bash tools/cuda_check.sh
 
-# Build the CPU extension with AddressSanitizer + UndefinedBehaviorSanitizer into build/sanitize
+# Build the CPU library with AddressSanitizer + UndefinedBehaviorSanitizer into build/sanitize
 # (the editable build in rope_ext/ is left alone) and run the core and fuzz tests against it;
 # any sanitizer report fails. `setup` provides torch and the test dependencies. See tools/sanitize.sh.
 sanitize: setup

@@ -23,13 +23,13 @@ Environment:
   ROPE_EXT_CUDA=1|0   force the CUDA build on (an error if it cannot be done) or off.
   ROPE_EXT_TESTING=1  also build librope_ext_testing.so, the tests' hooks (`make setup` does;
                       wheels leave it out).
-  DEBUG=1             a Debug build (-O0 -g), with the kernels' debug checks.
+  DEBUG=1             a Debug build (-O0 -g; nvcc -G), with the kernels' debug checks.
   ROPE_EXT_DEBUG_CHECKS=1  the kernels' debug checks (e.g. the alignment of every streaming
                       store) in an optimized build; `make sanitize` builds this way.
-  CXXFLAGS, LDFLAGS   added to CMake's compile and link flags on the first configure of a build
-                      directory (as CMake itself reads them); `make sanitize` passes its flags so.
-The CMake build directory is build/temp*/cmake-<hash of the configuration>: a rebuild with the
-same torch and options recompiles only what changed (headers included).
+  CXXFLAGS, LDFLAGS, CXX, ...  read by CMake when it configures a build directory (CMAKE_ENV);
+                      `make sanitize` passes its flags so.
+The CMake build directory is build/cmake-<hash of the configuration> in the source tree: a rebuild
+with the same torch, options and compilers recompiles only what changed (headers included).
 """
 import hashlib
 import os
@@ -37,6 +37,7 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -79,7 +80,8 @@ def env_flag(name: str) -> bool | None:
 
 
 def max_jobs() -> int:
-    value = os.environ.get("MAX_JOBS", "").strip() or str(os.cpu_count() or 1)
+    """MAX_JOBS, else the CPUs this process may run on (its affinity, not the machine's count)."""
+    value = os.environ.get("MAX_JOBS", "").strip() or str(len(os.sched_getaffinity(0)))
     if not value.isdigit() or int(value) < 1:
         raise SystemExit(f"MAX_JOBS must be a positive integer, got {value!r}")
     return int(value)
@@ -126,19 +128,27 @@ def generator() -> list[str]:
     """Ninja (the `ninja` package from PyPI, a build requirement, or one on PATH), else Makefiles."""
     try:
         import ninja
-        return ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={Path(ninja.BIN_DIR) / 'ninja'}"]
+        program = Path(ninja.BIN_DIR or "-") / "ninja"
     except ImportError:
-        return ["-G", "Ninja"] if shutil.which("ninja") else []
+        program = None
+    if program is None or not program.is_file():
+        program = shutil.which("ninja")
+    return ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={program}"] if program else []
 
 
 def cmake() -> str:
     """The cmake command (3.18 or newer) on PATH: the system's, or the `cmake` package from PyPI's.
     (Not `import cmake`: the checkout's cmake/ directory would answer it.)"""
-    found = shutil.which("cmake")
+    beside_python = Path(sys.executable).parent / "cmake"  # pip install cmake into an unactivated venv
+    found = shutil.which("cmake") or (str(beside_python) if beside_python.is_file() else None)
     if found is None:
         raise SystemExit("rope_ext builds with CMake 3.18 or newer, and none is on PATH: `pip install cmake`, "
                          "or install it with the system's package manager")
     return found
+
+
+# Read by CMake from the environment when it first configures a build directory.
+CMAKE_ENV = ("CC", "CXX", "CUDACXX", "CUDAHOSTCXX", "CFLAGS", "CXXFLAGS", "CUDAFLAGS", "LDFLAGS")
 
 
 class CMakeExtension(Extension):
@@ -152,10 +162,11 @@ class CMakeBuild(build_ext):
     """Configures, builds and installs CMakeLists.txt into the package directory."""
 
     def get_ext_filename(self, fullname):
-        return os.path.join(*fullname.split(".")) + ".so"  # librope_ext.so, not a Python module's name
+        # rope_ext/lib/librope_ext.so.<major.minor>, its soname (CMakeLists.txt), not a Python module's name
+        return os.path.join(*fullname.split(".")) + ".so." + ".".join(VERSION.split(".")[:2])
 
     def build_extension(self, ext):
-        debug = bool(env_flag("DEBUG"))
+        debug = os.environ.get("DEBUG", "0") == "1"  # a common variable: anything else is off, not an error
         cuda = want_cuda()
         args = [
             f"-DCMAKE_BUILD_TYPE={'Debug' if debug else 'Release'}",
@@ -163,20 +174,23 @@ class CMakeBuild(build_ext):
             f"-DROPE_EXT_CUDA={'ON' if cuda else 'OFF'}",
             f"-DROPE_EXT_TESTING={'ON' if env_flag('ROPE_EXT_TESTING') else 'OFF'}",
             f"-DROPE_EXT_DEBUG_CHECKS={'ON' if debug or env_flag('ROPE_EXT_DEBUG_CHECKS') else 'OFF'}",
-            f"-DROPE_EXT_NVCC_THREADS={max_jobs()}",
             # rope_ext/lib/librope_ext.so finds site-packages/torch/lib when no torch is loaded yet
             # (a C++ program linking it); in Python, torch is always imported first.
             "-DCMAKE_INSTALL_RPATH=$ORIGIN/../../torch/lib",
             "-DCMAKE_INSTALL_LIBDIR=lib",
             "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
         ] + generator() + (cuda_args() if cuda else [])
-        # One build directory per configuration (and per torch), reused by every later build of it.
-        key = hashlib.sha256("\0".join(args + [torch.__file__, os.environ.get("CXXFLAGS", ""),
-                                               os.environ.get("LDFLAGS", "")]).encode()).hexdigest()[:12]
-        build_dir = Path(self.build_temp).resolve() / f"cmake-{key}"
+        # One build directory per configuration: the options, the torch, and what CMake reads from the
+        # environment only when it first configures (compilers, flags). It lives in the source tree's
+        # build/, not in setuptools' build_temp, which an editable install deletes after each build.
+        configured_from_env = [f"{v}={os.environ.get(v, '')}" for v in CMAKE_ENV]
+        key = hashlib.sha256("\0".join(args + [torch.__file__] + configured_from_env).encode()).hexdigest()[:12]
+        build_dir = ROOT / "build" / f"cmake-{key}"
         build_dir.mkdir(parents=True, exist_ok=True)
+        print(f"rope_ext: CMake build directory {build_dir}", flush=True)
         run = [cmake()]
-        subprocess.run(run + ["-S", str(ROOT), "-B", str(build_dir)] + args, check=True)
+        subprocess.run(run + ["-S", str(ROOT), "-B", str(build_dir), f"-DROPE_EXT_NVCC_THREADS={max_jobs()}"] + args,
+                       check=True)
         subprocess.run(run + ["--build", str(build_dir), "--parallel", str(max_jobs())], check=True)
         # Into the package: build/lib*/rope_ext for a wheel; for an editable install,
         # copy_extensions_to_source installs into the checkout's rope_ext/ as well.
@@ -184,6 +198,13 @@ class CMakeBuild(build_ext):
         self._install(Path(self.get_ext_fullpath(ext.name)).parent.parent)
 
     def _install(self, package_dir: Path):
+        # cmake --install only adds files: clear what an earlier build installed (a testing library,
+        # another version's library) and any Python-module build of rope_ext, so that only this
+        # build's files reach the package and a wheel made from it.
+        for stale in ("lib", "include"):
+            shutil.rmtree(package_dir / stale, ignore_errors=True)
+        for stale in package_dir.glob("*.so"):
+            stale.unlink()
         subprocess.run([cmake(), "--install", str(self._cmake_build_dir), "--prefix", str(package_dir)],
                        check=True)
 

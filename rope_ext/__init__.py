@@ -9,17 +9,25 @@ packed sequences, HF rope scaling, xPos, M-RoPE), and drop-ins for HF's
 ``apply_rotary_pos_emb`` and flash-attn's ``apply_rotary_emb`` (``rope_ext.compat``).
 ``rope_ext.reference`` holds the same math in plain PyTorch.
 
-The ops live in one library, ``rope_ext/lib/librope_ext.so``, loaded here; C++ programs link the
+The ops live in one library, ``rope_ext/lib/librope_ext.so.<major.minor>``, loaded here; C++ programs link the
 same file through CMake: ``find_package(rope_ext)`` with ``rope_ext.cmake_prefix_path`` on
 ``CMAKE_PREFIX_PATH``.
 """
 
+import glob as _glob
 import os as _os
 
 import torch  # the library links against libtorch: load it first
 
-_PACKAGE_DIR = _os.path.dirname(_os.path.abspath(__file__))
-_LIBRARY = _os.path.join(_PACKAGE_DIR, "lib", "librope_ext.so")
+_PACKAGE_DIR = _os.path.dirname(_os.path.realpath(__file__))
+# lib/librope_ext.so.<major.minor>: the soname carries the release (CMakeLists.txt).
+_found = sorted(_glob.glob(_os.path.join(_PACKAGE_DIR, "lib", "librope_ext.so.*")))
+if len(_found) != 1:
+    raise ImportError(
+        f"rope_ext: expected one library {_PACKAGE_DIR}/lib/librope_ext.so.<version>, found {_found or 'none'}. "
+        "Build it against the torch you are importing: `pip install --no-build-isolation .` (or `-e .`) in a checkout."
+    )
+_LIBRARY = _found[0]
 
 #: For CMake: ``-DCMAKE_PREFIX_PATH=<this>`` lets ``find_package(rope_ext)`` find this installation
 #: (the library, ``rope_ext/rope.h`` and the package files), as ``torch.utils.cmake_prefix_path``

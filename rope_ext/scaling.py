@@ -199,7 +199,7 @@ class RopeSchedule:
         inv = torch.tensor(self.inv_freq_base, dtype=torch.float64, device=device)
         if max_position is None or self.rope_type not in ("dynamic", "longrope"):
             return inv
-        # Python rather than the C++ op _inv_freq_for: the same formula, but here torch.compile
+        # Python rather than the C++ API's inv_freq_for: the same formula, but here torch.compile
         # keeps base and factor symbolic (a float argument of a custom op would be specialized).
         # tests/test_scaling.py checks that both give the same numbers.
         length = max_position.to(device=device, dtype=torch.float64) + 1

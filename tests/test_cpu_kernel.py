@@ -30,7 +30,7 @@ from conftest import (
 
 import rope_ext
 
-LIB = Path(rope_ext.__file__).parent / "lib" / "librope_ext.so"
+LIB = Path(rope_ext._LIBRARY)
 
 
 def _cpu_flags() -> set[str]:

@@ -45,3 +45,28 @@ def test_a_build_without_torch_says_to_install_it_and_not_isolate():
     assert proc.returncode != 0
     assert "this build environment has none" in proc.stderr
     assert "pip install --no-build-isolation rope_ext" in proc.stderr
+
+
+def test_the_cmake_package_refuses_another_torch_release(tmp_path):
+    """find_package(rope_ext) with a torch of another major.minor than the one rope_ext was built
+    against (a stand-in Torch package of version 9.9.0, found first on CMAKE_PREFIX_PATH) fails at
+    configure time, naming both versions, rather than linking a library of another ABI."""
+    import torch
+
+    import rope_ext
+
+    fake = tmp_path / "fake-torch" / "share" / "cmake" / "Torch"
+    fake.mkdir(parents=True)
+    (fake / "TorchConfig.cmake").write_text('set(TORCH_LIBRARIES "")\nset(Torch_FOUND TRUE)\n')
+    (fake / "TorchConfigVersion.cmake").write_text(
+        'set(PACKAGE_VERSION "9.9.0")\nset(PACKAGE_VERSION_COMPATIBLE TRUE)\n')
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.18)\nproject(uses_rope_ext CXX)\nfind_package(rope_ext REQUIRED)\n")
+    built = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    proc = subprocess.run(["cmake", "-S", str(project), "-B", str(tmp_path / "build"),
+                           f"-DCMAKE_PREFIX_PATH={rope_ext.cmake_prefix_path};{tmp_path / 'fake-torch'}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0, proc.stdout
+    assert f"was built against torch {built} and needs it; found torch 9.9.0" in proc.stderr, proc.stderr

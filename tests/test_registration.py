@@ -22,7 +22,7 @@ import rope_ext
 
 HEADER = Path(__file__).resolve().parents[1] / "csrc" / "include" / "rope_ext" / "version.h"
 PACKAGE = Path(rope_ext.__file__).resolve().parent
-LIB = PACKAGE / "lib" / "librope_ext.so"
+LIB = Path(rope_ext._LIBRARY)
 PUBLIC_OPS = {"rotary", "rotary_qk", "rotary_", "cpu_kernel_isa", "cos_sin_tables", "_rope_frequencies", "_version",
               "_library_path"}
 
@@ -44,14 +44,19 @@ def test_the_package_holds_one_library_for_python_and_cmake():
     find_package(rope_ext) reads from rope_ext.cmake_prefix_path (tests/cpp builds against them),
     and no Python extension module."""
     assert Path(torch.ops.rope_ext._library_path()).resolve() == LIB
+    major_minor = ".".join(rope_ext.__version__.split(".")[:2])
+    assert LIB == PACKAGE / "lib" / f"librope_ext.so.{major_minor}"
+    soname = subprocess.run(["readelf", "-d", str(LIB)], capture_output=True, text=True, check=True).stdout
+    assert f"Library soname: [librope_ext.so.{major_minor}]" in soname  # a program built against
+    # another 0.x release, whose API structs differ, fails to load instead of misreading them
     prefix = Path(rope_ext.cmake_prefix_path)
-    for f in ("lib/librope_ext.so", "include/rope_ext/rope.h", "include/rope_ext/version.h",
+    for f in (f"lib/librope_ext.so.{major_minor}", "include/rope_ext/rope.h", "include/rope_ext/version.h",
               "lib/cmake/rope_ext/rope_extConfig.cmake", "lib/cmake/rope_ext/rope_extConfigVersion.cmake",
               "lib/cmake/rope_ext/rope_extTargets.cmake"):
         assert (prefix / f).is_file(), f
     assert sorted(p.name for p in PACKAGE.glob("*.so")) == []
     targets = "".join(p.read_text() for p in (prefix / "lib" / "cmake" / "rope_ext").glob("rope_extTargets*.cmake"))
-    assert "${_IMPORT_PREFIX}/lib/librope_ext.so" in targets
+    assert f"${{_IMPORT_PREFIX}}/lib/librope_ext.so.{major_minor}" in targets
 
 
 def test_the_product_registers_no_test_hooks():
@@ -125,3 +130,40 @@ def test_another_library_loaded_later_registers_nothing(tmp_path):
     assert "registered once, and working" in run.stdout
     assert (f"rope_ext {rope_ext.__version__} at {other} registers nothing: the rope_ext operators in this process "
             f"were registered by {LIB}, loaded first") in run.stderr, run.stderr
+
+
+# Another rope_ext registered the operators first, played by schemas defined from Python: one
+# without rope_ext::_library_path (an older copy), or with one that fails.
+DEFINED_FROM_PYTHON_FIRST = """
+import torch
+first = torch.library.Library("rope_ext", "DEF")
+first.define("rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved=False, bool conjugate=False) -> Tensor")
+if {broken}:
+    def library_path():
+        raise ValueError("broken")
+    first.define("_library_path() -> str")
+    first.impl("_library_path", library_path, "CompositeExplicitAutograd")
+try:
+    import rope_ext
+except ImportError as e:
+    print("ImportError:", e)
+has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+print("kernels:", [key for key in ("CPU", "Autograd") if has_kernel("rope_ext::rotary", key)])
+"""
+
+
+@pytest.mark.parametrize(
+    "broken, warned",
+    [(False, "(a rope_ext without rope_ext::_library_path)"), (True, "(unknown: rope_ext::_library_path failed: ")],
+    ids=["without_library_path", "broken_library_path"],
+)
+def test_another_rope_ext_that_cannot_say_which_it_is_is_refused(broken, warned):
+    """A first copy that cannot name its library is not this package's: the library adds none of its
+    kernels under that copy's schemas and warns, and `import rope_ext` raises ImportError."""
+    run = run_python(DEFINED_FROM_PYTHON_FIRST.format(broken=broken))
+    assert run.returncode == 0, run.stderr
+    assert ("ImportError: rope_ext: the rope_ext operators in this process were registered by a rope_ext without a "
+            "working rope_ext::_library_path (") in run.stdout, run.stdout
+    assert "kernels: []" in run.stdout, run.stdout
+    assert f"registers nothing: the rope_ext operators in this process were registered by {warned}" in run.stderr, \
+        run.stderr

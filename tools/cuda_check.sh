@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # `make cuda-check`: build rope_ext's CUDA library on a machine without a GPU, and prove it.
 #  1. a venv with a CUDA build of torch (torch==2.14.1, cu130), cuobjdump and ninja, kept in build/;
-#  2. a copy of the source tree, built there with ROPE_EXT_CUDA=1 through setup.py's CMake build
-#     (the one build): every .cu file through nvcc for the default arch list (or
-#     TORCH_CUDA_ARCH_LIST), linked against libtorch_cuda, with the test hooks (ROPE_EXT_TESTING=1);
+#  2. a copy of the source tree, pip-installed into that venv with ROPE_EXT_CUDA=1 through setup.py's
+#     CMake build (the one build): every .cu file through nvcc for the default arch list (or
+#     TORCH_CUDA_ARCH_LIST), linked against libtorch_cuda, with the test hooks (ROPE_EXT_TESTING=1).
+#     Installed as a user's is, beside torch in site-packages, where the library's RUNPATH
+#     ($ORIGIN/../../torch/lib) finds libtorch_cuda for a C++ program (step 4);
 #  3. tools/cuda_check.py: loads the library under the CUDA torch (every symbol resolves), checks
 #     the CUDA kernels are registered and the fatbin holds SASS for every requested arch;
 #  4. examples/cpp built against that installed package through find_package(rope_ext), as a C++
@@ -30,35 +32,36 @@ t1=$(date +%s)
 rm -rf "$OUT" && mkdir -p "$OUT/src"
 git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C "$OUT/src"
 ( cd "$OUT/src" && ROPE_EXT_CUDA=1 ROPE_EXT_TESTING=1 "$PY" -m pip install -v --no-build-isolation --no-deps \
-    --target "$OUT/site" . > "$OUT/build.log" 2>&1 ) || { tail -40 "$OUT/build.log"; exit 1; }
+    --force-reinstall . > "$OUT/build.log" 2>&1 ) || { tail -40 "$OUT/build.log"; exit 1; }
+SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 t2=$(date +%s)
-COMMANDS=$(ls "$OUT"/src/build/temp*/cmake-*/compile_commands.json)
+COMMANDS=$(ls "$OUT"/src/build/cmake-*/compile_commands.json)
 
-PYTHONPATH="$OUT/site" "$PY" tools/cuda_check.py --site "$OUT/site" --compile-commands "$COMMANDS"
+"$PY" tools/cuda_check.py --site "$SITE" --compile-commands "$COMMANDS"
 
 # 4. A C++ program linking this CUDA build through find_package(rope_ext), from the installed
 #    package. torch's CMake package wants libnvrtc, which a compiler-only CUDA install lacks: the
 #    torch wheel's nvidia package has it.
 NVRTC=$("$PY" -c 'import nvidia, pathlib; print(next(p for r in nvidia.__path__ for p in sorted(pathlib.Path(r).rglob("libnvrtc.so*"))))')
-PREFIXES="$(PYTHONSAFEPATH=1 PYTHONPATH="$OUT/site" "$PY" -c 'import rope_ext; print(rope_ext.cmake_prefix_path)');$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+PREFIXES="$(PYTHONSAFEPATH=1 "$PY" -c 'import rope_ext; print(rope_ext.cmake_prefix_path)');$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 { cmake -S "$OUT/src/examples/cpp" -B "$OUT/example" -G Ninja -DCMAKE_MAKE_PROGRAM="$("$PY" -c 'import ninja, os; print(os.path.join(ninja.BIN_DIR, "ninja"))')" \
     -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" -DCUDA_TOOLKIT_ROOT_DIR="$CUDA_HOME" -DCUDA_nvrtc_LIBRARY="$NVRTC" \
     -DCMAKE_PREFIX_PATH="$PREFIXES" && cmake --build "$OUT/example" && "$OUT/example/rope_example"; } > "$OUT/example.log" 2>&1 ||
   { tail -40 "$OUT/example.log"; exit 1; }
-ldd "$OUT/example/rope_example" | grep -q "librope_ext.so => $OUT/site/rope_ext/lib/librope_ext.so" ||
+ldd "$OUT/example/rope_example" | grep -q "librope_ext.so.[0-9.]* => $SITE/rope_ext/lib/librope_ext.so." ||
   { ldd "$OUT/example/rope_example"; echo "cuda-check: the example does not link the installed package's library"; exit 1; }
 echo "cuda-check: examples/cpp built against the installed CUDA package (find_package(rope_ext)) and ran: $(tail -1 "$OUT/example.log")"
 t3=$(date +%s)
 
 # PYTHONSAFEPATH: the checkout (the current directory) stays off sys.path, so `import rope_ext` finds
-# the build in $OUT/site, not the checkout's own (built against another torch).
+# the venv's build, not the checkout's own (built against another torch).
 CORE_TESTS=${CORE_TESTS:?"the core test files: run this through make cuda-check"}
 "$PY" -m pip install -q "pytest>=7" "hypothesis==6.155.2" expecttest numpy
-PYTHONSAFEPATH=1 PYTHONPATH="$OUT/site" "$PY" -c "
+PYTHONSAFEPATH=1 "$PY" -c "
 import pathlib, rope_ext, torch
-assert pathlib.Path('$OUT/site') in pathlib.Path(rope_ext.__file__).resolve().parents, rope_ext.__file__
+assert pathlib.Path('$SITE') in pathlib.Path(rope_ext.__file__).resolve().parents, rope_ext.__file__
 print(f'cuda-check: core tests under torch {torch.__version__}, rope_ext from {rope_ext.__file__}')"
-PYTHONSAFEPATH=1 PYTHONPATH="$OUT/site" "$PY" -m pytest -q -p no:cacheprovider $CORE_TESTS
+PYTHONSAFEPATH=1 "$PY" -m pytest -q -p no:cacheprovider $CORE_TESTS
 t4=$(date +%s)
 echo "cuda-check: CUDA torch venv $((t1 - t0)) s, CUDA build (setup.py -> CMake) $((t2 - t1)) s, C++ example $((t3 - t2)) s," \
      "core tests under torch 2.14.1 $((t4 - t3)) s"

@@ -21,6 +21,8 @@ ROOT=$(pwd)
 PY=${PYTHON:-python3}
 OUT=$ROOT/build/dist-check
 TORCH=torch==2.13.0
+# The library's file name and soname carry the release's major.minor (CMakeLists.txt).
+LIBNAME=librope_ext.so.$(sed -n 's/^#define ROPE_EXT_VERSION "\([0-9]*\.[0-9]*\)\..*"$/\1/p' csrc/include/rope_ext/version.h)
 rm -rf "$OUT" && mkdir -p "$OUT/dist"
 fail() { echo "dist-check: FAILED: $*" >&2; exit 1; }
 pip_in() {  # pip_in <python> <log name> <pip install arguments>...: quiet, its output in build/dist-check
@@ -48,16 +50,17 @@ t1=$(date +%s)
    > "$OUT/wheel.log" 2>&1) || { tail -30 "$OUT/wheel.log"; fail "the wheel build from the sdist"; }
 WHEEL=$(ls "$OUT"/dist/rope_ext-*.whl)
 t2=$(date +%s)
-grep -qx "CMAKE_GENERATOR:INTERNAL=Ninja" "$OUT"/unpacked/rope_ext-*/build/temp*/cmake-*/CMakeCache.txt ||
+grep -qx "CMAKE_GENERATOR:INTERNAL=Ninja" "$OUT"/unpacked/rope_ext-*/build/cmake-*/CMakeCache.txt ||
   fail "the wheel was not built by CMake with Ninja"
 [[ $(basename "$WHEEL") == rope_ext-*-py3-none-linux_x86_64.whl ]] || fail "the wheel is not tagged py3-none: $WHEEL"
 "$B" -c 'import sys, zipfile; print("\n".join(zipfile.ZipFile(sys.argv[1]).namelist()))' "$WHEEL" > "$OUT/wheel-files.txt"
-for f in rope_ext/__init__.py rope_ext/lib/librope_ext.so rope_ext/include/rope_ext/rope.h \
+for f in rope_ext/__init__.py rope_ext/lib/$LIBNAME rope_ext/include/rope_ext/rope.h \
          rope_ext/include/rope_ext/version.h rope_ext/lib/cmake/rope_ext/rope_extConfig.cmake; do
   grep -qx "$f" "$OUT/wheel-files.txt" || fail "the wheel has no $f"
 done
 ! grep -q "testing" "$OUT/wheel-files.txt" || fail "the wheel carries the test hooks: $(grep testing "$OUT/wheel-files.txt")"
-[ "$(grep -c '\.so$' "$OUT/wheel-files.txt")" = 1 ] || fail "the wheel has more than one library: $(grep '\.so$' "$OUT/wheel-files.txt")"
+[ "$(grep -cE '\.so(\.[0-9]+)*$' "$OUT/wheel-files.txt")" = 1 ] ||
+  fail "the wheel has not exactly one library: $(grep -E '\.so(\.[0-9]+)*$' "$OUT/wheel-files.txt")"
 echo "dist-check: $(basename "$SDIST") and $(basename "$WHEEL") (wheel built from the sdist in $((t2 - t1)) s)"
 
 # ---- 2. the wheel pins the torch it was built against ---------------------------------------------
@@ -87,11 +90,11 @@ echo "dist-check: an isolated build stops with the install-torch-first message"
 pip_in "$R" pip-run-env-wheel "$TORCH" "$WHEEL"
 (cd "$OUT" && "$R" "$ROOT/tools/smoke_test.py") || fail "the smoke test of the installed wheel"
 t3=$(date +%s)
-SITE_LIB=$(cd "$OUT" && "$R" -c 'import rope_ext, os; print(os.path.join(rope_ext.cmake_prefix_path, "lib", "librope_ext.so"))')
+SITE_LIB=$(cd "$OUT" && "$R" -c 'import rope_ext; print(rope_ext._LIBRARY)')
 PREFIXES="$(cd "$OUT" && "$R" -c 'import rope_ext, torch; print(rope_ext.cmake_prefix_path + ";" + torch.utils.cmake_prefix_path)')"
 { cmake -S "$ROOT/examples/cpp" -B "$OUT/example" -DCMAKE_PREFIX_PATH="$PREFIXES" && cmake --build "$OUT/example" &&
   "$OUT/example/rope_example"; } > "$OUT/example.log" 2>&1 || { tail -30 "$OUT/example.log"; fail "examples/cpp against the wheel"; }
-ldd "$OUT/example/rope_example" | grep -q "librope_ext.so => $SITE_LIB" ||
+ldd "$OUT/example/rope_example" | grep -q "$LIBNAME => $SITE_LIB" ||
   fail "examples/cpp does not link the wheel's $SITE_LIB: $(ldd "$OUT/example/rope_example" | grep rope_ext)"
 echo "dist-check: examples/cpp built against the installed wheel (find_package(rope_ext)) links $SITE_LIB and ran" \
      "in $(($(date +%s) - t3)) s"

@@ -6,8 +6,9 @@
 #     build (rope_ext/lib/) that `make test` and everyone else import is never touched. The build's
 #     own flags stay (-O3, the per-capability -m flags, -ffp-contract=off, ...); CXXFLAGS and LDFLAGS
 #     add the sanitizers (CMake reads them when it configures). -fno-sanitize-recover=all makes every
-#     check fatal, UBSan's included. CMake's build directory is kept and rebuilds only what changed
-#     (SANITIZE_REBUILD=1 starts afresh). The test hooks' library (ROPE_EXT_TESTING=1) is built and
+#     check fatal, UBSan's included. CMake's build directory (build/cmake-<configuration>, as for
+#     every build through setup.py) is kept and rebuilds only what changed (SANITIZE_REBUILD=1
+#     starts afresh). The test hooks' library (ROPE_EXT_TESTING=1) is built and
 #     sanitized too. The build also has the kernels' debug checks (ROPE_EXT_DEBUG_CHECKS=1, as
 #     DEBUG=1 has): every streaming store's alignment is asserted, which ASan cannot see (below).
 #  2. Prove the sanitizers are in: every object file was compiled with them (compile_commands.json)
@@ -59,31 +60,39 @@ BUILD_FLAGS="-DNDEBUG -g $SAN"
 
 # ---- 1. build -----------------------------------------------------------------------------------
 t0=$(date +%s)
-[ "${SANITIZE_REBUILD:-0}" = 1 ] && rm -rf "$OUT/tmp"
+# SANITIZE_REBUILD=1: start from an empty CMake build directory (setup.py keeps one per configuration).
+if [ "${SANITIZE_REBUILD:-0}" = 1 ]; then
+  for cache in "$ROOT"/build/cmake-*/CMakeCache.txt; do
+    [ -f "$cache" ] && grep -qF -- "$SAN" "$cache" && rm -rf "$(dirname "$cache")"
+  done
+fi
 rm -rf "$OUT/lib" && mkdir -p "$OUT"
 echo "sanitize: building the CPU library with $SAN (log: build/sanitize/build.log)"
-if ! ROPE_EXT_CUDA=0 ROPE_EXT_TESTING=1 ROPE_EXT_DEBUG_CHECKS=1 CXXFLAGS="$BUILD_FLAGS" LDFLAGS="$SAN" \
+if ! ROPE_EXT_CUDA=0 ROPE_EXT_TESTING=1 ROPE_EXT_DEBUG_CHECKS=1 CXX="$CXX" CXXFLAGS="$BUILD_FLAGS" LDFLAGS="$SAN" \
     "$PY" setup.py build_ext --build-temp "$OUT/tmp" --build-lib "$OUT/lib" > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"; echo "sanitize: build failed (build/sanitize/build.log)"; exit 1
 fi
 LIBDIR=$OUT/lib/rope_ext/lib
-SO=$LIBDIR/librope_ext.so
+SO=$(ls "$LIBDIR"/librope_ext.so.*)
 t1=$(date +%s)
 
 # ---- 2. the sanitizers are compiled in and report --------------------------------------------------
 fail() { echo "sanitize: FAILED: $*" >&2; exit 1; }
-# setup.py's CMake build directory for these flags (one per configuration): the newest that has them.
-CMAKE_DIR=$(dirname "$(ls -t $(grep -lF -- "$SAN" "$OUT"/tmp/cmake-*/CMakeCache.txt) | head -1)")
-[ -f "$CMAKE_DIR/compile_commands.json" ] || fail "no compile_commands.json in build/sanitize/tmp"
-"$PY" - "$CMAKE_DIR/compile_commands.json" "$SAN" <<'PYEOF' || fail "objects compiled without the sanitizers"
-import json, sys
+# The CMake build directory setup.py used (it says which), and every object its compile commands made.
+CMAKE_DIR=$(sed -n 's/^rope_ext: CMake build directory //p' "$OUT/build.log" | tail -1)
+[ -f "$CMAKE_DIR/compile_commands.json" ] || fail "no compile_commands.json in '$CMAKE_DIR' (build/sanitize/build.log)"
+objs=$("$PY" - "$CMAKE_DIR/compile_commands.json" "$SAN" <<'PYEOF'
+import json, os, sys
 commands, san = json.load(open(sys.argv[1])), sys.argv[2]
 bad = [c["file"] for c in commands if san not in c["command"]]
 assert commands and not bad, f"compiled without {san}: {bad}"
+for c in commands:  # the object is the command's -o argument (CMake 3.25 writes no "output" field)
+    args = c["command"].split()
+    obj = os.path.join(c["directory"], args[args.index("-o") + 1])
+    assert os.path.isfile(obj), f"{obj} was not built"
+    print(obj)
 PYEOF
-objs=$(find "$CMAKE_DIR/CMakeFiles" -name '*.o' | LC_ALL=C sort)
-[ "$(wc -w <<<"$objs")" = "$("$PY" -c "import json, sys; print(len(json.load(open(sys.argv[1]))))" \
-    "$CMAKE_DIR/compile_commands.json")" ] || fail "the object files and compile_commands.json disagree"
+) || fail "the objects were not all compiled with the sanitizers"
 for o in $objs; do
   undef=$(nm -u "$o")
   grep -q '__asan_' <<<"$undef" || fail "${o#"$ROOT"/} has no AddressSanitizer instrumentation"

@@ -13,7 +13,7 @@ import rope_ext
 here = pathlib.Path(rope_ext.__file__).resolve().parent
 assert "site-packages" in here.parts, f"rope_ext imported from {here}, not from an installed wheel"
 library = pathlib.Path(torch.ops.rope_ext._library_path()).resolve()
-assert library == here / "lib" / "librope_ext.so", f"the ops were registered by {library}"
+assert library == pathlib.Path(rope_ext._LIBRARY) and library.parent == here / "lib", f"the ops came from {library}"
 hooks = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("rope_ext_testing::")]
 assert not hooks, f"the installed package registers test hooks: {hooks}"
 
