@@ -166,6 +166,7 @@ class CMakeBuild(build_ext):
         return os.path.join(*fullname.split(".")) + ".so." + ".".join(VERSION.split(".")[:2])
 
     def build_extension(self, ext):
+        jobs = max_jobs()
         debug = os.environ.get("DEBUG", "0") == "1"  # a common variable: anything else is off, not an error
         cuda = want_cuda()
         args = [
@@ -189,9 +190,11 @@ class CMakeBuild(build_ext):
         build_dir.mkdir(parents=True, exist_ok=True)
         print(f"rope_ext: CMake build directory {build_dir}", flush=True)
         run = [cmake()]
-        subprocess.run(run + ["-S", str(ROOT), "-B", str(build_dir), f"-DROPE_EXT_NVCC_THREADS={max_jobs()}"] + args,
+        subprocess.run(run + ["-S", str(ROOT), "-B", str(build_dir), f"-DROPE_EXT_NVCC_THREADS={jobs}"] + args,
                        check=True)
-        subprocess.run(run + ["--build", str(build_dir), "--parallel", str(max_jobs())], check=True)
+        build = run + ["--build", str(build_dir), "--parallel", str(jobs)]
+        print(f"rope_ext: {' '.join(build)}", flush=True)
+        subprocess.run(build, check=True)
         # Into the package: build/lib*/rope_ext for a wheel; for an editable install,
         # copy_extensions_to_source installs into the checkout's rope_ext/ as well.
         self._cmake_build_dir = build_dir

@@ -88,6 +88,16 @@ def run_isolated(prelude: str, calls: list[str], outdir, timeout_s: float = 60) 
     return outcomes
 
 
+def run_collected(request, test_name: str, prelude: str, calls: dict[str, str], outdir,
+                  timeout_s: float = 60) -> dict[str, Outcome]:
+    """name -> Outcome of every collected case of `test_name` (parametrized by "name") in the requesting
+    test module, all run by one fork server: the body of such a module's module-scoped fixture.
+    `calls` maps each case name to its call."""
+    names = [item.callspec.params["name"] for item in request.session.items
+             if getattr(item, "originalname", None) == test_name and item.module is request.module]
+    return dict(zip(names, run_isolated(prelude, [calls[n] for n in names], outdir, timeout_s), strict=True))
+
+
 def how_it_ended(out: Outcome) -> str:
     """'was killed by SIGSEGV', 'exited with 3', 'did not finish in time'."""
     if out.exit_code is None:

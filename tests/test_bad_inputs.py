@@ -459,13 +459,9 @@ def check_outcome(case: Bad, out: Outcome) -> None:
 @pytest.fixture(scope="module")
 def outcomes(request, tmp_path_factory):
     """name -> Outcome for every collected test_bad_call case, all run by one fork server."""
-    names = [
-        item.callspec.params["name"]
-        for item in request.session.items
-        if getattr(item, "originalname", None) == "test_bad_call" and item.module.__name__ == __name__
-    ]
-    results = run_isolated([CASES[n].call for n in names], tmp_path_factory.mktemp("bad_inputs"))
-    return dict(zip(names, results, strict=True))
+    calls = {name: case.call for name, case in CASES.items()}
+    return isolated.run_collected(request, "test_bad_call", PRELUDE, calls, tmp_path_factory.mktemp("bad_inputs"),
+                                  _TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -115,10 +115,8 @@ CASES["issue16-fp16-d40-r32-20MiB"] = Case(torch.float16, 8192, 32, 40, 32, Fals
 @pytest.fixture(scope="module")
 def outcomes(request, tmp_path_factory):
     """name -> Outcome of every collected case, all run by one fork server."""
-    names = [item.callspec.params["name"] for item in request.session.items
-             if getattr(item, "originalname", None) == "test_large_shape" and item.module.__name__ == __name__]
-    results = isolated.run_isolated(PRELUDE, [CASES[n].call for n in names], tmp_path_factory.mktemp("large"), 60)
-    return dict(zip(names, results, strict=True))
+    calls = {name: case.call for name, case in CASES.items()}
+    return isolated.run_collected(request, "test_large_shape", PRELUDE, calls, tmp_path_factory.mktemp("large"), 60)
 
 
 @pytest.mark.parametrize("name", CASES)

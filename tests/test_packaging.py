@@ -70,3 +70,14 @@ def test_the_cmake_package_refuses_another_torch_release(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0, proc.stdout
     assert f"was built against torch {built} and needs it; found torch 9.9.0" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_a_bad_max_jobs_is_refused_before_compiling(value, tmp_path):
+    """MAX_JOBS must be a positive integer; anything else stops the build before CMake runs."""
+    proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-temp", str(tmp_path / "t"),
+                           "--build-lib", str(tmp_path / "l")], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "MAX_JOBS": value}, timeout=300)
+    assert proc.returncode != 0
+    assert f"MAX_JOBS must be a positive integer, got {value!r}" in proc.stderr, proc.stderr[-2000:]
+    assert "rope_ext: CMake build directory" not in proc.stdout
