@@ -48,8 +48,9 @@ PREFIXES="$(PYTHONSAFEPATH=1 "$PY" -c 'import rope_ext; print(rope_ext.cmake_pre
     -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" -DCUDA_TOOLKIT_ROOT_DIR="$CUDA_HOME" -DCUDA_nvrtc_LIBRARY="$NVRTC" \
     -DCMAKE_PREFIX_PATH="$PREFIXES" && cmake --build "$OUT/example" && "$OUT/example/rope_example"; } > "$OUT/example.log" 2>&1 ||
   { tail -40 "$OUT/example.log"; exit 1; }
-ldd "$OUT/example/rope_example" | grep -q "librope_ext.so.[0-9.]* => $SITE/rope_ext/lib/librope_ext.so." ||
-  { ldd "$OUT/example/rope_example"; echo "cuda-check: the example does not link the installed package's library"; exit 1; }
+LIB=$(PYTHONSAFEPATH=1 "$PY" -c 'import rope_ext; print(rope_ext._LIBRARY)')
+cmake -DEXE="$OUT/example/rope_example" -DLIB="$LIB" -P tests/cpp/check_linked_library.cmake >> "$OUT/example.log" 2>&1 ||
+  { tail -5 "$OUT/example.log"; echo "cuda-check: the example does not link the installed package's $LIB"; exit 1; }
 echo "cuda-check: examples/cpp built against the installed CUDA package (find_package(rope_ext)) and ran: $(tail -1 "$OUT/example.log")"
 t3=$(date +%s)
 

@@ -94,8 +94,8 @@ SITE_LIB=$(cd "$OUT" && "$R" -c 'import rope_ext; print(rope_ext._LIBRARY)')
 PREFIXES="$(cd "$OUT" && "$R" -c 'import rope_ext, torch; print(rope_ext.cmake_prefix_path + ";" + torch.utils.cmake_prefix_path)')"
 { cmake -S "$ROOT/examples/cpp" -B "$OUT/example" -DCMAKE_PREFIX_PATH="$PREFIXES" && cmake --build "$OUT/example" &&
   "$OUT/example/rope_example"; } > "$OUT/example.log" 2>&1 || { tail -30 "$OUT/example.log"; fail "examples/cpp against the wheel"; }
-ldd "$OUT/example/rope_example" | grep -q "$LIBNAME => $SITE_LIB" ||
-  fail "examples/cpp does not link the wheel's $SITE_LIB: $(ldd "$OUT/example/rope_example" | grep rope_ext)"
+cmake -DEXE="$OUT/example/rope_example" -DLIB="$SITE_LIB" -P "$ROOT/tests/cpp/check_linked_library.cmake" \
+  >> "$OUT/example.log" 2>&1 || { tail -5 "$OUT/example.log"; fail "examples/cpp does not link the wheel's $SITE_LIB"; }
 echo "dist-check: examples/cpp built against the installed wheel (find_package(rope_ext)) links $SITE_LIB and ran" \
      "in $(($(date +%s) - t3)) s"
 t3=$(date +%s)

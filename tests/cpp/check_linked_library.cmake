@@ -1,5 +1,6 @@
 # cmake -DEXE=<test executable> -DLIB=<rope_ext::rope_ext's file> -P check_linked_library.cmake:
-# the executable's loader resolves librope_ext.so to LIB, the file of the installed package.
+# the executable's loader resolves librope_ext.so to LIB, the file of the installed package. Used by
+# ctest (tests/cpp), make dist-check and make cuda-check.
 execute_process(COMMAND ldd ${EXE} OUTPUT_VARIABLE LDD RESULT_VARIABLE RC)
 if(NOT RC EQUAL 0)
   message(FATAL_ERROR "ldd ${EXE} failed")
