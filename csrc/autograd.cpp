@@ -165,6 +165,173 @@ struct RotaryQKFunction : torch::autograd::Function<RotaryQKFunction> {
   }
 };
 
+Tensor call_rotary_pos(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                       bool interleaved, bool conjugate) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("rope_ext::rotary_pos", "")
+          .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, bool)>();
+  return op.call(x, cos, sin, positions, interleaved, conjugate);
+}
+
+std::tuple<Tensor, Tensor> call_rotary_pos_qk(const Tensor& q, const Tensor& k, const Tensor& cos,
+                                              const Tensor& sin, const Tensor& positions, bool interleaved,
+                                              bool conjugate) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("rope_ext::rotary_pos_qk", "")
+                             .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                               const Tensor&, const Tensor&, bool, bool)>();
+  return op.call(q, k, cos, sin, positions, interleaved, conjugate);
+}
+
+// The gradients of the half-width caches (P, r/2) of one rotary_pos call. Per pair i with members
+// (a, b) the forward is o_a = x_a c - x_b s, o_b = x_b c + x_a s (s negated for the transpose), so
+//   dc_i = g_a x_a + g_b x_b,   ds_i = g_b x_a - g_a x_b   (negated for the transpose),
+// summed over the heads (the dims positions broadcast over) and scattered into the rows the
+// positions name (index_add: a position that repeats adds up). Undefined where not needed.
+std::pair<Tensor, Tensor> cache_grads(const Tensor& grad, const Tensor& x, const Tensor& cos, const Tensor& positions,
+                                      bool interleaved, bool conjugate, bool need_cos, bool need_sin) {
+  const c10::SymInt half = cos.sym_size(1);
+  const auto dtype = at::promote_types(x.scalar_type(), cos.scalar_type());
+  const Tensor g = grad.narrow_symint(-1, 0, 2 * half).to(dtype);
+  const Tensor xr = x.narrow_symint(-1, 0, 2 * half).to(dtype);
+  const auto members = [&](const Tensor& v) -> std::pair<Tensor, Tensor> {
+    if (interleaved) return {v.slice(-1, 0, c10::nullopt, 2), v.slice(-1, 1, c10::nullopt, 2)};
+    return {v.narrow_symint(-1, 0, half), v.narrow_symint(-1, half, half)};
+  };
+  const auto [ga, gb] = members(g);
+  const auto [xa, xb] = members(xr);
+  // positions.shape + (r/2,): the per-token sums, one row per element of positions.
+  std::vector<c10::SymInt> per_token(positions.sym_sizes().begin(), positions.sym_sizes().end());
+  per_token.push_back(half);
+  const Tensor index = positions.flatten();
+  const auto scatter = [&](const Tensor& d) {
+    const Tensor rows = at::sum_to(d, per_token).reshape_symint({index.sym_size(0), half});
+    return at::zeros_symint(cos.sym_sizes(), rows.options()).index_add(0, index, rows).to(cos.scalar_type());
+  };
+  Tensor dcos, dsin;
+  if (need_cos) dcos = scatter(ga * xa + gb * xb);
+  if (need_sin) dsin = scatter(conjugate ? ga * xb - gb * xa : gb * xa - ga * xb);
+  return {dcos, dsin};
+}
+
+struct RotaryPosFunction : torch::autograd::Function<RotaryPosFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin,
+                        const Tensor& positions, bool interleaved, bool conjugate) {
+    ctx->saved_data["interleaved"] = interleaved;
+    ctx->saved_data["conjugate"] = conjugate;
+    const bool caches_need_grad = cos.requires_grad() || sin.requires_grad();
+    ctx->save_for_backward({cos, sin, positions, caches_need_grad ? x : Tensor()});
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_rotary_pos(x, cos, sin, positions, interleaved, conjugate);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &cos = saved[0], &sin = saved[1], &positions = saved[2], &x = saved[3];
+    const bool interleaved = ctx->saved_data["interleaved"].toBool();
+    const bool conjugate = ctx->saved_data["conjugate"].toBool();
+    const Tensor& g = grads[0];
+    Tensor dx, dcos, dsin;
+    if (ctx->needs_input_grad(0)) dx = call_rotary_pos(g, cos, sin, positions, interleaved, !conjugate);
+    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
+      std::tie(dcos, dsin) = cache_grads(g, x, cos, positions, interleaved, conjugate, ctx->needs_input_grad(1),
+                                         ctx->needs_input_grad(2));
+    }
+    return {dx, dcos, dsin, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct RotaryPosQKFunction : torch::autograd::Function<RotaryPosQKFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& cos,
+                               const Tensor& sin, const Tensor& positions, bool interleaved, bool conjugate) {
+    ctx->saved_data["interleaved"] = interleaved;
+    ctx->saved_data["conjugate"] = conjugate;
+    const bool caches_need_grad = cos.requires_grad() || sin.requires_grad();
+    ctx->save_for_backward({cos, sin, positions, caches_need_grad ? q : Tensor(), caches_need_grad ? k : Tensor()});
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [q_out, k_out] = call_rotary_pos_qk(q, k, cos, sin, positions, interleaved, conjugate);
+    return {q_out, k_out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &cos = saved[0], &sin = saved[1], &positions = saved[2], &q = saved[3], &k = saved[4];
+    const bool interleaved = ctx->saved_data["interleaved"].toBool();
+    const bool conjugate = ctx->saved_data["conjugate"].toBool();
+    const bool need_q = ctx->needs_input_grad(0), need_k = ctx->needs_input_grad(1);
+    const bool need_cos = ctx->needs_input_grad(2), need_sin = ctx->needs_input_grad(3);
+    const Tensor &gq = grads[0], &gk = grads[1];
+    Tensor dq, dk, dcos, dsin;
+    if (need_q || need_k) std::tie(dq, dk) = call_rotary_pos_qk(gq, gk, cos, sin, positions, interleaved, !conjugate);
+    if (need_cos || need_sin) {
+      std::tie(dcos, dsin) = cache_grads(gq, q, cos, positions, interleaved, conjugate, need_cos, need_sin);
+      auto [kc, ks] = cache_grads(gk, k, cos, positions, interleaved, conjugate, need_cos, need_sin);
+      dcos = add_defined(dcos, kc);
+      dsin = add_defined(dsin, ks);
+    }
+    return {need_q ? dq : Tensor(), need_k ? dk : Tensor(), dcos, dsin, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+Tensor rotary_pos_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                           bool interleaved, bool conjugate) {
+  if (!at::GradMode::is_enabled() || !any_requires_grad({&x, &cos, &sin})) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_rotary_pos(x, cos, sin, positions, interleaved, conjugate);
+  }
+  return RotaryPosFunction::apply(x, cos, sin, positions, interleaved, conjugate);
+}
+
+std::tuple<Tensor, Tensor> rotary_pos_qk_autograd(const Tensor& q, const Tensor& k, const Tensor& cos,
+                                                  const Tensor& sin, const Tensor& positions, bool interleaved,
+                                                  bool conjugate) {
+  if (!at::GradMode::is_enabled() || !any_requires_grad({&q, &k, &cos, &sin})) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_rotary_pos_qk(q, k, cos, sin, positions, interleaved, conjugate);
+  }
+  const auto outs = RotaryPosQKFunction::apply(q, k, cos, sin, positions, interleaved, conjugate);
+  return {outs[0], outs[1]};
+}
+
+// The in-place ops are for inference. Rather than record a wrong (or no) gradient, they refuse
+// inputs that need one, and bump the rotated tensors' version counters so that a tensor saved for
+// someone else's backward and then rotated in place raises autograd's "modified by an inplace
+// operation".
+void refuse_grad(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> inputs,
+                 const char* out_of_place) {
+  if (!at::GradMode::is_enabled()) return;
+  for (const auto& [name, t] : inputs) {
+    TORCH_CHECK(!(t->defined() && t->requires_grad()), op, ": ", name,
+                " requires grad, but the in-place op records no gradient. Use ", out_of_place,
+                " (out of place) for training, or call it under torch.no_grad() or "
+                "torch.inference_mode() (in C++: at::NoGradGuard or c10::InferenceMode)");
+  }
+}
+
+void bump(const Tensor& t) {
+  if (t.defined() && !t.is_inference()) torch::autograd::impl::bump_version(t);
+}
+
+void rotary_pos_inplace_autograd(at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& cos,
+                                 const at::Tensor& sin, const at::Tensor& positions, bool interleaved,
+                                 bool conjugate) {
+  const Tensor kt = k.value_or(Tensor());
+  refuse_grad("rope_ext.rotary_pos_", {{"q", &q}, {"k", &kt}, {"cos_cache", &cos}, {"sin_cache", &sin}},
+              "rope_ext.rotary_pos");
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("rope_ext::rotary_pos_", "")
+            .typed<void(at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, bool, bool)>();
+    op.call(q, k, cos, sin, positions, interleaved, conjugate);
+  }
+  bump(q);
+  bump(kt);
+}
+
 // Without a graph to record (no grad mode, or nothing requires grad) the op runs directly.
 Tensor rotary_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved, bool conjugate) {
   if (!at::GradMode::is_enabled() || !any_requires_grad({&x, &cos, &sin})) {
@@ -187,21 +354,9 @@ std::tuple<Tensor, Tensor> rotary_qk_autograd(const Tensor& q, const Tensor& k, 
   return {outs[0], outs[1]};
 }
 
-// rotary_ is for inference. Rather than record a wrong (or no) gradient, it refuses inputs
-// that need one, and bumps x's version counter so that a tensor saved for someone else's
-// backward and then rotated in place raises autograd's "modified by an inplace operation".
 void rotary_inplace_autograd(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                              bool interleaved, bool conjugate) {
-  if (at::GradMode::is_enabled()) {
-    const char* needs = x.requires_grad()     ? "x"
-                        : cos.requires_grad() ? "cos"
-                        : sin.requires_grad() ? "sin"
-                                              : nullptr;
-    TORCH_CHECK(needs == nullptr, "rope_ext.rotary_: ", needs,
-                " requires grad, but the in-place op records no gradient. Use rope_ext.rotary "
-                "(out of place) for training, or call rotary_ under torch.no_grad() or "
-                "torch.inference_mode() (in C++: at::NoGradGuard or c10::InferenceMode)");
-  }
+  refuse_grad("rope_ext.rotary_", {{"x", &x}, {"cos", &cos}, {"sin", &sin}}, "rope_ext.rotary");
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto op = c10::Dispatcher::singleton()
@@ -209,7 +364,7 @@ void rotary_inplace_autograd(at::Tensor& x, const at::Tensor& cos, const at::Ten
                                .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool)>();
     op.call(x, cos, sin, interleaved, conjugate);
   }
-  if (!x.is_inference()) torch::autograd::impl::bump_version(x);
+  bump(x);
 }
 
 }  // namespace
@@ -219,4 +374,7 @@ void rope_ext::register_autograd_kernels(torch::Library& m) {
   m.impl("rotary", &rotary_autograd);
   m.impl("rotary_qk", &rotary_qk_autograd);
   m.impl("rotary_", &rotary_inplace_autograd);
+  m.impl("rotary_pos", &rotary_pos_autograd);
+  m.impl("rotary_pos_qk", &rotary_pos_qk_autograd);
+  m.impl("rotary_pos_", &rotary_pos_inplace_autograd);
 }

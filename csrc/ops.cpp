@@ -50,6 +50,26 @@ void define_schemas(torch::Library& m) {
   // In-place rotary for inference: x = rotary(x, cos, sin). Refuses inputs that need grad.
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin, bool interleaved=False, bool conjugate=False) -> ()");
 
+  // RoPE by positions: the tables are rows of half-width caches, cos_cache/sin_cache of shape
+  // (max_positions, r/2) holding cos and sin of p * theta_i for pair i, gathered inside the kernel
+  // at positions (int32/int64, broadcasting against x.shape[:-1]). Otherwise as rotary: both
+  // pairings, partial rotary, any strides; conjugate rotates by -theta. A position outside
+  // [0, max_positions) is an error (CPU) or a device-side assert (CUDA), never a read.
+  m.def(
+      "rotary_pos(Tensor x, Tensor cos_cache, Tensor sin_cache, Tensor positions, bool interleaved=False, "
+      "bool conjugate=False) -> Tensor");
+
+  // rotary_pos on q and k in one call (one CUDA launch); they share positions and caches and may
+  // differ in head count (GQA/MQA) and strides.
+  m.def(
+      "rotary_pos_qk(Tensor q, Tensor k, Tensor cos_cache, Tensor sin_cache, Tensor positions, "
+      "bool interleaved=False, bool conjugate=False) -> (Tensor, Tensor)");
+
+  // In-place rotary_pos on q and, if given, k (vLLM's rotary_embedding). Refuses inputs that need grad.
+  m.def(
+      "rotary_pos_(Tensor(a!) q, Tensor(b!)? k, Tensor cos_cache, Tensor sin_cache, Tensor positions, "
+      "bool interleaved=False, bool conjugate=False) -> ()");
+
   // rope_ext's version (rope_ext/version.h), and the file of the library that registered these
   // schemas (see the top of this file).
   m.def("_version() -> str", []() -> std::string { return ROPE_EXT_VERSION; });

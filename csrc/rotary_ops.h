@@ -1,6 +1,6 @@
-// The three rotary ops written once for every backend: argument checks, output allocation,
-// and the calls into a backend's `run`, which computes out = rotary(x, cos, sin) for checked
-// arguments (out may be x). Backends (CPU, CUDA, the CUDA host emulator) differ only in run.
+// The rotary ops written once for every backend: argument checks, output allocation, and the
+// calls into a backend's `run`, which computes what a RotaryCall describes for checked arguments.
+// Backends (CPU, CUDA, the CUDA host emulator) differ only in run.
 #pragma once
 
 #include <ATen/ops/empty_like.h>
@@ -12,8 +12,22 @@
 
 namespace rope_ext {
 
-using RunFn = void (*)(const at::Tensor& x, at::Tensor& out, const at::Tensor& cos,
-                       const at::Tensor& sin, bool interleaved, bool conjugate);
+// One backend call: out = rotary(x, tables) and, when k is set, k_out = rotary(k, the same
+// tables) (rotary_pos_qk; one CUDA launch covers both). out may be x and k_out may be k (in place).
+struct RotaryCall {
+  const at::Tensor& x;
+  at::Tensor& out;
+  const at::Tensor& cos;  // full-form tables (..., r), or half-width caches (P, r/2) with positions
+  const at::Tensor& sin;
+  const at::Tensor* positions = nullptr;  // set: cos/sin are caches gathered at these positions
+  const at::Tensor* k = nullptr;
+  at::Tensor* k_out = nullptr;
+  bool interleaved = false;
+  bool conjugate = false;
+  const char* op = "rope_ext";  // for error messages raised while running
+};
+
+using RunFn = void (*)(const RotaryCall& call);
 
 template <RunFn run>
 struct RotaryOps {
@@ -21,7 +35,7 @@ struct RotaryOps {
                            bool interleaved, bool conjugate) {
     check_rotary_args("rope_ext.rotary", x, cos, sin);
     at::Tensor out = at::empty_like(x);  // x's memory layout, new storage
-    run(x, out, cos, sin, interleaved, conjugate);
+    run({x, out, cos, sin, nullptr, nullptr, nullptr, interleaved, conjugate});
     return out;
   }
 
@@ -42,16 +56,60 @@ struct RotaryOps {
     check_qk_args("rope_ext.rotary_qk", q, k, cos_k.has_value() ? std::nullopt : std::optional(cos));
     at::Tensor q_out = at::empty_like(q);
     at::Tensor k_out = at::empty_like(k);
-    run(q, q_out, cos, sin, interleaved, conjugate);
-    run(k, k_out, ck, sk, interleaved, conjugate);
+    run({q, q_out, cos, sin, nullptr, nullptr, nullptr, interleaved, conjugate});
+    run({k, k_out, ck, sk, nullptr, nullptr, nullptr, interleaved, conjugate});
     return {q_out, k_out};
   }
 
   static void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                       bool interleaved, bool conjugate) {
     check_rotary_args("rope_ext.rotary_", x, cos, sin);
-    check_inplace_args("rope_ext.rotary_", x, cos, sin);
-    run(x, x, cos, sin, interleaved, conjugate);
+    check_inplace_args("rope_ext.rotary_", x, {{"cos", &cos}, {"sin", &sin}});
+    run({x, x, cos, sin, nullptr, nullptr, nullptr, interleaved, conjugate});
+  }
+
+  static at::Tensor rotary_pos(const at::Tensor& x, const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                               const at::Tensor& positions, bool interleaved, bool conjugate) {
+    check_rotary_pos_args("rope_ext.rotary_pos", x, cos_cache, sin_cache, positions);
+    at::Tensor out = at::empty_like(x);
+    run({x, out, cos_cache, sin_cache, &positions, nullptr, nullptr, interleaved, conjugate, "rope_ext.rotary_pos"});
+    return out;
+  }
+
+  static std::tuple<at::Tensor, at::Tensor> rotary_pos_qk(const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& cos_cache,
+                                                          const at::Tensor& sin_cache,
+                                                          const at::Tensor& positions, bool interleaved,
+                                                          bool conjugate) {
+    const char* op = "rope_ext.rotary_pos_qk";
+    check_rotary_pos_args(op, q, cos_cache, sin_cache, positions, "q");
+    check_rotary_pos_args(op, k, cos_cache, sin_cache, positions, "k");
+    check_qk_pos_args(op, q, k, positions);
+    at::Tensor q_out = at::empty_like(q);
+    at::Tensor k_out = at::empty_like(k);
+    run({q, q_out, cos_cache, sin_cache, &positions, &k, &k_out, interleaved, conjugate, op});
+    return {q_out, k_out};
+  }
+
+  static void rotary_pos_(at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& cos_cache,
+                          const at::Tensor& sin_cache, const at::Tensor& positions, bool interleaved,
+                          bool conjugate) {
+    const char* op = "rope_ext.rotary_pos_";
+    check_rotary_pos_args(op, q, cos_cache, sin_cache, positions, "q");
+    const std::initializer_list<NamedTensor> inputs = {
+        {"cos_cache", &cos_cache}, {"sin_cache", &sin_cache}, {"positions", &positions}};
+    check_inplace_args(op, q, inputs, "q");
+    if (!k.has_value()) {
+      run({q, q, cos_cache, sin_cache, &positions, nullptr, nullptr, interleaved, conjugate, op});
+      return;
+    }
+    // The schema marks k mutable, so the optional holds the caller's tensor (a shared handle).
+    at::Tensor kt = *k;
+    check_rotary_pos_args(op, kt, cos_cache, sin_cache, positions, "k");
+    check_qk_pos_args(op, q, kt, positions);
+    check_inplace_args(op, kt, inputs, "k");
+    check_inplace_args(op, q, {{"k", &kt}}, "q");
+    run({q, q, cos_cache, sin_cache, &positions, &kt, &kt, interleaved, conjugate, op});
   }
 };
 

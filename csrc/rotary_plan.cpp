@@ -56,6 +56,67 @@ void check_rotary_args(const char* op, const at::Tensor& x, const at::Tensor& co
   }
 }
 
+void check_rotary_pos_args(const char* op, const at::Tensor& x, const at::Tensor& cos_cache,
+                           const at::Tensor& sin_cache, const at::Tensor& positions, const char* nx) {
+  TORCH_CHECK(x.defined(), op, ": ", nx, " must be a Tensor, got None");
+  TORCH_CHECK(cos_cache.defined(), op, ": cos_cache must be a Tensor, got None");
+  TORCH_CHECK(sin_cache.defined(), op, ": sin_cache must be a Tensor, got None");
+  TORCH_CHECK(positions.defined(), op, ": positions must be a Tensor, got None");
+  TORCH_CHECK(x.dim() >= 1, op, ": ", nx, " must have at least one dimension (..., head_dim), got a 0-dim tensor");
+  TORCH_CHECK(x.dim() <= kMaxDims, op, ": ", nx, " may have at most ", kMaxDims, " dims, got ", x.dim());
+  const auto xt = x.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kDouble || xt == at::kHalf || xt == at::kBFloat16, op, ": ", nx,
+              " must be float32, float64, float16 or bfloat16, got ", xt);
+  TORCH_CHECK(cos_cache.dim() == 2, op, ": cos_cache must be 2-D, (max_positions, rotary_dim / 2), got shape ",
+              cos_cache.sizes());
+  TORCH_CHECK(cos_cache.sizes() == sin_cache.sizes(), op,
+              ": cos_cache and sin_cache must have the same shape, got cos_cache ", cos_cache.sizes(),
+              " and sin_cache ", sin_cache.sizes());
+  TORCH_CHECK(cos_cache.scalar_type() == sin_cache.scalar_type(), op,
+              ": cos_cache and sin_cache must have the same dtype, got cos_cache ", cos_cache.scalar_type(),
+              " and sin_cache ", sin_cache.scalar_type());
+  TORCH_CHECK(cos_cache.scalar_type() == xt || cos_cache.scalar_type() == at::kFloat, op,
+              ": cos_cache and sin_cache must have ", nx, "'s dtype (", xt, ") or float32, got ",
+              cos_cache.scalar_type());
+  const auto pt = positions.scalar_type();
+  TORCH_CHECK(pt == at::kInt || pt == at::kLong, op, ": positions must be int32 or int64, got ", pt);
+  TORCH_CHECK(cos_cache.device() == x.device() && sin_cache.device() == x.device() &&
+                  positions.device() == x.device(),
+              op, ": ", nx, ", cos_cache, sin_cache and positions must be on the same device, got ", nx, " on ",
+              x.device(), ", cos_cache on ", cos_cache.device(), ", sin_cache on ", sin_cache.device(),
+              " and positions on ", positions.device());
+  const int64_t half = cos_cache.size(1);
+  TORCH_CHECK(half > 0, op, ": cos_cache.size(1) = rotary_dim / 2 must be positive, got 0");
+  TORCH_CHECK(2 * half <= x.size(-1), op, ": the rotary dim 2 * cos_cache.size(1) = ", 2 * half,
+              " exceeds the head dim ", nx, ".size(-1) = ", x.size(-1));
+  bool broadcasts = positions.dim() < x.dim();
+  for (int64_t i = 1; broadcasts && i <= positions.dim(); ++i) {
+    const int64_t n = positions.size(-i);
+    broadcasts = n == 1 || n == x.size(-i - 1);
+  }
+  TORCH_CHECK(broadcasts, op, ": positions of shape ", positions.sizes(), " do not broadcast against ", nx,
+              ".shape[:-1] = ", x.sizes().slice(0, x.dim() - 1),
+              " (one position per token; unsqueeze the head dim, e.g. (S, 1) for (B, S, H, D) x)");
+}
+
+void check_positions_in_range(const char* op, const at::Tensor& positions, int64_t rows) {
+  TORCH_CHECK(positions.device().is_cpu(), "check_positions_in_range reads a CPU tensor");
+  const at::Tensor p = positions.contiguous();  // positions are small: one per token at most
+  const auto check = [&](const auto* v) {
+    for (int64_t i = 0; i < p.numel(); ++i) {
+      if (v[i] >= 0 && v[i] < rows) continue;
+      TORCH_CHECK(false, op, ": position ", v[i], " (positions.flatten()[", i, "]) is outside the cache, whose ",
+                  rows, " rows hold positions 0 to ", rows - 1,
+                  "; build the cache for more positions (or check the positions)");
+    }
+  };
+  if (p.scalar_type() == at::kInt) {
+    check(p.const_data_ptr<int32_t>());
+  } else {
+    check(p.const_data_ptr<int64_t>());
+  }
+}
+
 void check_qk_args(const char* op, const at::Tensor& q, const at::Tensor& k,
                    const std::optional<at::Tensor>& shared_cos) {
   TORCH_CHECK(q.scalar_type() == k.scalar_type(), op, ": q and k must have the same dtype, got q ",
@@ -73,6 +134,23 @@ void check_qk_args(const char* op, const at::Tensor& q, const at::Tensor& k,
     TORCH_CHECK(differing == 1 && tables_broadcast, op, ": q ", q.sizes(), " and k ", k.sizes(),
                 " may differ only in the head count (one dim along which cos/sin of shape ",
                 cos.sizes(), " broadcast); batch and sequence dims must match");
+  }
+}
+
+void check_qk_pos_args(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions) {
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), op, ": q and k must have the same dtype, got q ",
+              q.scalar_type(), " and k ", k.scalar_type());
+  TORCH_CHECK(q.dim() == k.dim(), op, ": q and k must have the same number of dims, got q ", q.sizes(),
+              " and k ", k.sizes());
+  int64_t differing = 0;
+  for (int64_t d = 0; d + 1 < q.dim(); ++d) {
+    if (q.size(d) == k.size(d)) continue;
+    ++differing;
+    const int64_t from_end = q.dim() - 1 - d;  // positions' dim aligned with d, if any
+    const bool broadcast = positions.dim() < from_end || positions.size(-from_end) == 1;
+    TORCH_CHECK(differing == 1 && broadcast, op, ": q ", q.sizes(), " and k ", k.sizes(),
+                " may differ only in the head count (one dim along which positions of shape ", positions.sizes(),
+                " broadcast); batch and sequence dims must match");
   }
 }
 
@@ -98,36 +176,29 @@ bool spans_intersect(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
-void check_inplace_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
-                        const at::Tensor& sin) {
-  TORCH_CHECK(at::has_internal_overlap(x) != at::MemOverlap::Yes, op,
-              ": x has elements that share memory (e.g. an expanded view), so it cannot be ",
-              "rotated in place; use rope_ext.rotary");
-  for (const auto* t : {&cos, &sin}) {
+void check_inplace_args(const char* op, const at::Tensor& x, std::initializer_list<NamedTensor> others,
+                        const char* nx) {
+  TORCH_CHECK(at::has_internal_overlap(x) != at::MemOverlap::Yes, op, ": ", nx,
+              " has elements that share memory (e.g. an expanded view), so it cannot be rotated in place; ",
+              "use the out-of-place op");
+  for (const auto& [name, t] : others) {
     // ATen answers TooHard for non-dense views; then any intersection of the two views' byte
     // ranges is refused: never a missed overlap, and a false alarm only for disjoint views whose
     // ranges interleave (rows of one buffer split between x and a table).
     const auto status = at::get_overlap_status(x, *t);
     const bool overlap = status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial ||
                          (status == at::MemOverlapStatus::TooHard && spans_intersect(x, *t));
-    TORCH_CHECK(!overlap, op,
-                ": x shares memory with ", t == &cos ? "cos" : "sin",
-                "; in-place rotation would overwrite the table while reading it");
+    TORCH_CHECK(!overlap, op, ": ", nx, " shares memory with ", name,
+                "; in-place rotation would overwrite it while reading it");
   }
 }
 
-RotaryPlan make_rotary_plan(const at::Tensor& x, const at::Tensor& out, const at::Tensor& cos,
-                            const at::Tensor& sin) {
-  RotaryPlan p;
-  p.head_dim = x.size(-1);
-  p.rotary_dim = cos.size(-1);
+namespace {
 
-  // Broadcast views (no copies): stride 0 along every dim that cos/sin broadcast over.
-  std::vector<int64_t> table_shape(x.sizes().begin(), x.sizes().end());
-  table_shape.back() = p.rotary_dim;
-  const at::Tensor c = cos.expand(table_shape);
-  const at::Tensor s = sin.expand(table_shape);
-
+// Splits x's leading dims into the plan's token and head dims. c and s are the tables as views
+// over x.shape[:-1] (+ the table's last dim, if any): a dim along which either varies is a token dim.
+void split_dims(RotaryPlan& p, const at::Tensor& x, const at::Tensor& out, const at::Tensor& c,
+                const at::Tensor& s) {
   for (int64_t d = 0; d + 1 < x.dim(); ++d) {
     const int64_t n = x.size(d);
     if (n == 1) continue;
@@ -149,8 +220,43 @@ RotaryPlan make_rotary_plan(const at::Tensor& x, const at::Tensor& out, const at
   }
   p.x_col = x.stride(-1);
   p.out_col = out.stride(-1);
+}
+
+}  // namespace
+
+RotaryPlan make_rotary_plan(const at::Tensor& x, const at::Tensor& out, const at::Tensor& cos,
+                            const at::Tensor& sin) {
+  RotaryPlan p;
+  p.head_dim = x.size(-1);
+  p.rotary_dim = cos.size(-1);
+  // Broadcast views (no copies): stride 0 along every dim that cos/sin broadcast over.
+  std::vector<int64_t> table_shape(x.sizes().begin(), x.sizes().end());
+  table_shape.back() = p.rotary_dim;
+  const at::Tensor c = cos.expand(table_shape);
+  const at::Tensor s = sin.expand(table_shape);
+  split_dims(p, x, out, c, s);
   p.cos_col = c.stride(-1);
   p.sin_col = s.stride(-1);
+  return p;
+}
+
+RotaryPlan make_rotary_pos_plan(const at::Tensor& x, const at::Tensor& out, const at::Tensor& cos_cache,
+                                const at::Tensor& sin_cache, const at::Tensor& positions) {
+  RotaryPlan p;
+  p.head_dim = x.size(-1);
+  p.rotary_dim = 2 * cos_cache.size(1);
+  // positions as a view over x.shape[:-1] + (1,), so that split_dims sees x's rank.
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = 1;
+  const at::Tensor pos = positions.unsqueeze(-1).expand(shape);
+  split_dims(p, x, out, pos, pos);
+  p.gathered = true;
+  p.positions_int32 = positions.scalar_type() == at::kInt;
+  p.cos_col = cos_cache.stride(1);
+  p.sin_col = sin_cache.stride(1);
+  p.cos_row = cos_cache.stride(0);
+  p.sin_row = sin_cache.stride(0);
+  p.cache_rows = cos_cache.size(0);
   return p;
 }
 

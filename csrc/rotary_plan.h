@@ -1,16 +1,19 @@
-// Device-agnostic ATen glue shared by the CPU and CUDA implementations of rotary:
+// Device-agnostic ATen glue shared by the CPU and CUDA implementations of the rotary ops:
 // argument checks with messages that name the argument, and the "plan" that turns
-// (x, out, cos, sin) into the pointer/size/stride description the kernels consume.
+// (x, out, tables) into the pointer/size/stride description the kernels consume.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+
+#include <initializer_list>
 
 #include "internal_api.h"
 #include "rotary_math.h"
 
 namespace rope_ext {
 
-// Operand slots in RotaryPlan::tokens.
+// Operand slots in RotaryPlan::tokens. With gathered tables (rotary_pos*), kCos and kSin both
+// step through the positions tensor.
 enum TokenOperand { kX = 0, kOut = 1, kCos = 2, kSin = 3 };
 
 // How a rotary call walks memory. x's leading dims (all but the last) are split into
@@ -25,6 +28,15 @@ struct RotaryPlan {
   int64_t rotary_dim = 0;  // r = cos.size(-1), even, <= head_dim
   // Strides along the last dim, in elements.
   int64_t x_col = 1, out_col = 1, cos_col = 1, sin_col = 1;
+
+  // Gathered tables (rotary_pos*): cos and sin are half-width caches, one row per position and
+  // one column per pair (column i serves both members of pair i). A token's cos row starts at
+  // cos + positions[tokens' kCos offset] * cos_row. Positions outside [0, cache_rows) are refused
+  // before any read (check_positions_in_range on the CPU, a device-side assert on CUDA).
+  bool gathered = false;
+  bool positions_int32 = false;  // positions are int32 (else int64)
+  int64_t cos_row = 0, sin_row = 0;
+  int64_t cache_rows = 0;
 
   int64_t num_tokens() const { return tokens.numel(); }
   int64_t num_heads() const { return heads.numel(); }
@@ -48,13 +60,41 @@ ROPE_EXT_INTERNAL void check_rotary_args(const char* op, const at::Tensor& x, co
 ROPE_EXT_INTERNAL void check_qk_args(const char* op, const at::Tensor& q, const at::Tensor& k,
                    const std::optional<at::Tensor>& shared_cos);
 
-// Checks that x can be rotated in place: no element stored twice, no overlap with the tables.
-ROPE_EXT_INTERNAL void check_inplace_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
-                        const at::Tensor& sin);
+// Checks (x, cos_cache, sin_cache, positions) against rotary_pos's contract: caches
+// (max_positions, r/2) of one shape and dtype (x's or float32), 2 * r/2 <= head_dim; positions
+// int32 or int64, broadcasting against x.shape[:-1]; all on x's device. Values are not read.
+ROPE_EXT_INTERNAL void check_rotary_pos_args(const char* op, const at::Tensor& x, const at::Tensor& cos_cache,
+                                             const at::Tensor& sin_cache, const at::Tensor& positions,
+                                             const char* x_name = "x");
+
+// Checks that every position of a CPU tensor is a row of a cache with `rows` rows; the error
+// names the first one that is not. (On CUDA the kernel asserts it on the device instead.)
+ROPE_EXT_INTERNAL void check_positions_in_range(const char* op, const at::Tensor& positions, int64_t rows);
+
+// check_qk_args for rotary_pos_qk: q and k share a dtype and a rank and differ in at most one
+// leading dim (the head count), along which positions broadcast.
+ROPE_EXT_INTERNAL void check_qk_pos_args(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& positions);
+
+// A tensor and the name error messages give it.
+struct NamedTensor {
+  const char* name;
+  const at::Tensor* tensor;
+};
+
+// Checks that x (called `x_name`) can be rotated in place: no element stored twice, and no memory
+// shared with any of `others` (the tables, positions, the other of q and k).
+ROPE_EXT_INTERNAL void check_inplace_args(const char* op, const at::Tensor& x,
+                                          std::initializer_list<NamedTensor> others, const char* x_name = "x");
 
 // Builds the plan for out = rotary(x, cos, sin); the arguments must have passed
 // check_rotary_args and `out` must have x's sizes. No tensor data is touched or copied.
 ROPE_EXT_INTERNAL RotaryPlan make_rotary_plan(const at::Tensor& x, const at::Tensor& out, const at::Tensor& cos,
                             const at::Tensor& sin);
+
+// The plan for out = rotary_pos(x, cos_cache, sin_cache, positions), for checked arguments.
+ROPE_EXT_INTERNAL RotaryPlan make_rotary_pos_plan(const at::Tensor& x, const at::Tensor& out,
+                                                  const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                                                  const at::Tensor& positions);
 
 }  // namespace rope_ext

@@ -64,7 +64,7 @@ _load_library()
 __version__ = torch.ops.rope_ext._version()  # written once, in csrc/include/rope_ext/version.h
 
 from rope_ext import compat, reference, scaling  # noqa: E402
-from rope_ext._ops import cpu_kernel_isa, rotary, rotary_, rotary_qk  # noqa: E402
+from rope_ext._ops import cpu_kernel_isa, rotary, rotary_, rotary_pos, rotary_pos_, rotary_pos_qk, rotary_qk  # noqa: E402
 from rope_ext.compat.hf import apply_multimodal_rotary_pos_emb, apply_rotary_pos_emb  # noqa: E402
 from rope_ext.module import RotaryEmbedding  # noqa: E402
 
@@ -72,6 +72,9 @@ __all__ = [
     "rotary",
     "rotary_qk",
     "rotary_",
+    "rotary_pos",
+    "rotary_pos_qk",
+    "rotary_pos_",
     "RotaryEmbedding",
     "apply_rotary_pos_emb",
     "apply_multimodal_rotary_pos_emb",

@@ -13,6 +13,9 @@ import torch
 _rotary = torch.ops.rope_ext.rotary.default
 _rotary_qk = torch.ops.rope_ext.rotary_qk.default
 _rotary_inplace = torch.ops.rope_ext.rotary_.default
+_rotary_pos = torch.ops.rope_ext.rotary_pos.default
+_rotary_pos_qk = torch.ops.rope_ext.rotary_pos_qk.default
+_rotary_pos_inplace = torch.ops.rope_ext.rotary_pos_.default
 
 
 def rotary(
@@ -102,6 +105,119 @@ def rotary_(
     """
     _rotary_inplace(x, cos, sin, interleaved, conjugate)
     return x
+
+
+def _resolve_positions(positions, x: torch.Tensor, seq_dim: int | None) -> torch.Tensor:
+    """positions as the op takes them: a tensor as given, or an int offset as ``offset + arange(S)``
+    along ``seq_dim`` of x, shaped to broadcast against ``x.shape[:-1]``."""
+    if isinstance(positions, torch.Tensor):
+        return positions
+    if isinstance(positions, bool) or not isinstance(positions, int):
+        raise TypeError(
+            f"rope_ext: positions must be an integer tensor or an int offset, got {type(positions).__name__}"
+        )
+    if seq_dim is None:
+        raise TypeError(
+            "rope_ext: an int offset as positions needs seq_dim, the dim of x that holds the sequence "
+            "(-2 for (batch, heads, seqlen, head_dim), -3 for (batch, seqlen, heads, head_dim))"
+        )
+    lead = x.dim() - 1
+    if (
+        isinstance(seq_dim, bool)
+        or not isinstance(seq_dim, int)
+        or not -x.dim() <= seq_dim < x.dim()
+        or seq_dim % x.dim() == lead
+    ):
+        raise ValueError(f"rope_ext: seq_dim must index one of x's leading dims {tuple(x.shape[:-1])}, got {seq_dim!r}")
+    d = seq_dim % x.dim()
+    steps = torch.arange(positions, positions + x.shape[d], device=x.device)
+    return steps.view(-1, *([1] * (lead - 1 - d)))
+
+
+def rotary_pos(
+    x: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    positions: torch.Tensor | int,
+    *,
+    interleaved: bool = False,
+    conjugate: bool = False,
+    seq_dim: int | None = None,
+) -> torch.Tensor:
+    """Rotate ``x`` by the positions of its tokens, reading their angles from a cache.
+
+    Row ``p`` of the caches holds ``cos(p * theta_i)`` and ``sin(p * theta_i)`` for each pair ``i``
+    (half width: one value per pair, as vLLM, FlashInfer and flash-attn store them). The kernel
+    gathers each token's row itself, so nothing is built per call; the result equals
+    :func:`rotary` with the full-width tables of those rows.
+
+    Args:
+        x: ``(..., head_dim)``, any layout and strides, float32/float64/float16/bfloat16.
+        cos_cache, sin_cache: ``(max_positions, r/2)``, same shape and dtype, x's dtype or
+            float32, any strides (e.g. the two halves of vLLM's ``cat(cos, sin)`` cache).
+            ``r = 2 * cos_cache.shape[1]`` columns rotate, at most ``head_dim``; the rest pass through.
+        positions: int32/int64 tensor broadcasting against ``x.shape[:-1]``, one position per
+            token: ``(S, 1)`` or ``(B, S, 1)`` for ``(B, S, H, D)`` x; ``(S,)`` or ``(B, 1, S)`` for
+            ``(B, H, S, D)`` x; ``(T, 1)`` for packed ``(T, H, D)`` x. Or an int offset: positions
+            ``offset + 0, 1, ...`` along ``seq_dim``. Each must lie in ``[0, max_positions)``: on the
+            CPU a position outside raises a RuntimeError naming it, on CUDA it is a device-side
+            assert; never a read out of bounds. Checked on the device: no host sync.
+        interleaved, conjugate: as in :func:`rotary` (conjugate: rotation by ``-theta``).
+        seq_dim: x's sequence dim, needed only when positions is an int.
+
+    Returns:
+        A new tensor like ``torch.empty_like(x)``.
+
+    Autograd: x's gradient is ``rotary_pos(grad, ..., conjugate=not conjugate)``; caches that
+    require grad get theirs scattered (added) into the rows the positions name.
+    """
+    return _rotary_pos(x, cos_cache, sin_cache, _resolve_positions(positions, x, seq_dim), interleaved, conjugate)
+
+
+def rotary_pos_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    positions: torch.Tensor | int,
+    *,
+    interleaved: bool = False,
+    conjugate: bool = False,
+    seq_dim: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotary_pos` on q and k in one op call (one kernel launch on CUDA).
+
+    Args:
+        q, k: same rank and dtype; k may have another head count (GQA/MQA) and other strides,
+            all other leading dims equal q's. positions broadcast along the head dim.
+        cos_cache, sin_cache, positions, interleaved, conjugate, seq_dim: as in :func:`rotary_pos`.
+
+    Returns:
+        ``(q_out, k_out)``, new tensors like q and k. One autograd node covers both.
+    """
+    pos = _resolve_positions(positions, q, seq_dim)
+    return _rotary_pos_qk(q, k, cos_cache, sin_cache, pos, interleaved, conjugate)
+
+
+def rotary_pos_(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    positions: torch.Tensor | int,
+    *,
+    interleaved: bool = False,
+    conjugate: bool = False,
+    seq_dim: int | None = None,
+):
+    """In-place :func:`rotary_pos_qk` for inference: overwrites q and, unless None, k.
+
+    Returns ``q`` or ``(q, k)``. Like :func:`rotary_`, it refuses inputs that need grad and bumps
+    the version counters; q and k must not share memory with each other, the caches or positions.
+    """
+    pos = _resolve_positions(positions, q, seq_dim)
+    _rotary_pos_inplace(q, k, cos_cache, sin_cache, pos, interleaved, conjugate)
+    return q if k is None else (q, k)
 
 
 def cpu_kernel_isa() -> str:
@@ -222,3 +338,112 @@ def _rotary_qk_fake(q, k, cos, sin, interleaved=False, cos_k=None, sin_k=None, c
 @torch.library.register_fake("rope_ext::rotary_")
 def _rotary_inplace_fake(x, cos, sin, interleaved=False, conjugate=False):
     _check_rotary_args("rope_ext.rotary_", x, cos, sin)
+
+
+def _check_rotary_pos_args(op, x, cos_cache, sin_cache, positions, nx="x"):
+    for name, t in ((nx, x), ("cos_cache", cos_cache), ("sin_cache", sin_cache), ("positions", positions)):
+        torch._check(
+            isinstance(t, torch.Tensor), lambda name=name, t=t: f"{op}: {name} must be a Tensor, got {type(t).__name__}"
+        )
+    torch._check(
+        x.dim() >= 1, lambda: f"{op}: {nx} must have at least one dimension (..., head_dim), got a 0-dim tensor"
+    )
+    torch._check(
+        x.dtype in _X_DTYPES, lambda: f"{op}: {nx} must be float32, float64, float16 or bfloat16, got {x.dtype}"
+    )
+    torch._check(
+        cos_cache.dim() == 2,
+        lambda: f"{op}: cos_cache must be 2-D, (max_positions, rotary_dim / 2), got shape {list(cos_cache.shape)}",
+    )
+    torch._check(
+        cos_cache.shape == sin_cache.shape,
+        lambda: (
+            f"{op}: cos_cache and sin_cache must have the same shape, got cos_cache {list(cos_cache.shape)} "
+            f"and sin_cache {list(sin_cache.shape)}"
+        ),
+    )
+    torch._check(
+        cos_cache.dtype == sin_cache.dtype,
+        lambda: (
+            f"{op}: cos_cache and sin_cache must have the same dtype, got cos_cache {cos_cache.dtype} "
+            f"and sin_cache {sin_cache.dtype}"
+        ),
+    )
+    torch._check(
+        cos_cache.dtype in (x.dtype, torch.float32),
+        lambda: f"{op}: cos_cache and sin_cache must have {nx}'s dtype ({x.dtype}) or float32, got {cos_cache.dtype}",
+    )
+    torch._check(
+        positions.dtype in (torch.int32, torch.int64),
+        lambda: f"{op}: positions must be int32 or int64, got {positions.dtype}",
+    )
+    torch._check(
+        cos_cache.device == x.device and sin_cache.device == x.device and positions.device == x.device,
+        lambda: (
+            f"{op}: {nx}, cos_cache, sin_cache and positions must be on the same device, got {nx} on {x.device}, "
+            f"cos_cache on {cos_cache.device}, sin_cache on {sin_cache.device} and positions on {positions.device}"
+        ),
+    )
+    half = cos_cache.shape[1]
+    torch._check(half > 0, lambda: f"{op}: cos_cache.size(1) = rotary_dim / 2 must be positive, got 0")
+    torch._check(
+        2 * half <= x.shape[-1],
+        lambda: (
+            f"{op}: the rotary dim 2 * cos_cache.size(1) = {2 * half} exceeds the head dim "
+            f"{nx}.size(-1) = {x.shape[-1]}"
+        ),
+    )
+    broadcasts = positions.dim() < x.dim() and all(
+        positions.shape[-i] in (1, x.shape[-i - 1]) for i in range(1, positions.dim() + 1)
+    )
+    torch._check(
+        broadcasts,
+        lambda: (
+            f"{op}: positions of shape {list(positions.shape)} do not broadcast against {nx}.shape[:-1] = "
+            f"{list(x.shape[:-1])} (one position per token; unsqueeze the head dim, e.g. (S, 1) for (B, S, H, D) x)"
+        ),
+    )
+
+
+def _check_qk_pos_args(op, q, k, positions):
+    torch._check(q.dtype == k.dtype, lambda: f"{op}: q and k must have the same dtype, got q {q.dtype} and k {k.dtype}")
+    torch._check(
+        q.dim() == k.dim(),
+        lambda: f"{op}: q and k must have the same number of dims, got q {list(q.shape)} and k {list(k.shape)}",
+    )
+    differing = [d for d in range(q.dim() - 1) if q.shape[d] != k.shape[d]]
+    ok = len(differing) <= 1 and all(
+        positions.dim() < q.dim() - 1 - d or positions.shape[d - q.dim() + 1] == 1 for d in differing
+    )
+    torch._check(
+        ok,
+        lambda: (
+            f"{op}: q {list(q.shape)} and k {list(k.shape)} may differ only in the head count "
+            f"(one dim along which positions of shape {list(positions.shape)} broadcast); "
+            "batch and sequence dims must match"
+        ),
+    )
+
+
+@torch.library.register_fake("rope_ext::rotary_pos")
+def _rotary_pos_fake(x, cos_cache, sin_cache, positions, interleaved=False, conjugate=False):
+    _check_rotary_pos_args("rope_ext.rotary_pos", x, cos_cache, sin_cache, positions)
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("rope_ext::rotary_pos_qk")
+def _rotary_pos_qk_fake(q, k, cos_cache, sin_cache, positions, interleaved=False, conjugate=False):
+    op = "rope_ext.rotary_pos_qk"
+    _check_rotary_pos_args(op, q, cos_cache, sin_cache, positions, "q")
+    _check_rotary_pos_args(op, k, cos_cache, sin_cache, positions, "k")
+    _check_qk_pos_args(op, q, k, positions)
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.register_fake("rope_ext::rotary_pos_")
+def _rotary_pos_inplace_fake(q, k, cos_cache, sin_cache, positions, interleaved=False, conjugate=False):
+    op = "rope_ext.rotary_pos_"
+    _check_rotary_pos_args(op, q, cos_cache, sin_cache, positions, "q")
+    if k is not None:
+        _check_rotary_pos_args(op, k, cos_cache, sin_cache, positions, "k")
+        _check_qk_pos_args(op, q, k, positions)

@@ -162,7 +162,7 @@ CASES = {
     "rotary__cos_a_strided_window_of_x": Bad(
         "(lambda y: rope_ext.rotary_(y, y[:, 4:20], torch.zeros(5, 16)))(torch.randn(5, 24))",
         RuntimeError,
-        r"rotary_: x shares memory with cos; in-place rotation would overwrite the table while reading it",
+        r"rotary_: x shares memory with cos; in-place rotation would overwrite it while reading it",
     ),
     "rotary__x_none": Bad("rope_ext.rotary_(None, COS, SIN)", RuntimeError, r"rotary_: x must be a Tensor, got None"),
     # --- rope_ext.apply_rotary_pos_emb (HF) ---------------------------------------------------------

@@ -20,7 +20,9 @@ from conftest import (
 import rope_ext
 
 ops = torch.ops.rope_ext
-CONFIG_FIELDS = ("grid_x", "grid_y", "block_x", "block_y", "vec", "pairs_per_item", "rot_items", "pass_items")
+CONFIG_FIELDS = (
+    "grid_x", "grid_y", "block_x", "block_y", "vec", "pairs_per_item", "rot_items", "pass_items", "table_vec"
+)
 
 
 def launch(x, cos, sin, interleaved):

@@ -469,7 +469,7 @@ def inplace_problems(draw):
 
 
 _SHARED_MEMORY = (r"rope_ext.rotary_: x has elements that share memory \(e.g. an expanded view\), "
-                  r"so it cannot be rotated in place; use rope_ext.rotary")
+                  r"so it cannot be rotated in place; use the out-of-place op")
 
 
 @_settings("inplace")

@@ -127,13 +127,28 @@ void advise_huge_pages(const at::Tensor& out, int64_t huge_page_bytes) {
 #endif
 }
 
-// out = rotary(x, cos, sin) for checked arguments; out may be x.
-void run(const at::Tensor& x, at::Tensor& out, const at::Tensor& cos, const at::Tensor& sin,
-         bool interleaved, bool conjugate) {
-  const RotaryPlan plan = make_rotary_plan(x, out, cos, sin);
-  const Thresholds th = thresholds();
+namespace {
+
+void run_one(const at::Tensor& x, at::Tensor& out, const RotaryCall& c, const Thresholds& th) {
+  if (out.numel() == 0) return;
+  const RotaryPlan plan = c.positions ? make_rotary_pos_plan(x, out, c.cos, c.sin, *c.positions)
+                                      : make_rotary_plan(x, out, c.cos, c.sin);
   if (!out.is_same(x)) advise_huge_pages(out, th.huge_page_bytes);  // a new output
-  variant().fn(plan, x, out, cos, sin, interleaved, conjugate, th);
+  variant().fn(plan, x, out, c.cos, c.sin, c.positions ? c.positions->const_data_ptr() : nullptr,
+               c.interleaved, c.conjugate, th);
+}
+
+}  // namespace
+
+// What a RotaryCall describes, for checked arguments, on the CPU.
+void run(const RotaryCall& c) {
+  const bool any = c.x.numel() > 0 || (c.k != nullptr && c.k->numel() > 0);
+  // Every position is checked before anything is written: an in-place call that fails leaves its
+  // input as it was.
+  if (c.positions != nullptr && any) check_positions_in_range(c.op, *c.positions, c.cos.size(0));
+  const Thresholds th = thresholds();
+  run_one(c.x, c.out, c, th);
+  if (c.k != nullptr) run_one(*c.k, *c.k_out, c, th);
 }
 
 }  // namespace rope_ext::cpu
@@ -143,4 +158,7 @@ void rope_ext::register_cpu_kernels(torch::Library& m) {
   m.impl("rotary", &Ops::rotary);
   m.impl("rotary_qk", &Ops::rotary_qk);
   m.impl("rotary_", &Ops::rotary_);
+  m.impl("rotary_pos", &Ops::rotary_pos);
+  m.impl("rotary_pos_qk", &Ops::rotary_pos_qk);
+  m.impl("rotary_pos_", &Ops::rotary_pos_);
 }

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "internal_api.h"
+#include "rotary_ops.h"
 #include "rotary_plan.h"
 
 namespace rope_ext::cpu {
@@ -43,8 +44,8 @@ ROPE_EXT_INTERNAL PathCounts& path_counts();
 #define ROPE_EXT_DECLARE_KERNEL(CAP)                                                        \
   namespace CAP {                                                                           \
   void rotary_kernel(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,             \
-                     const at::Tensor& cos, const at::Tensor& sin, bool interleaved,        \
-                     bool conjugate, const Thresholds& thresholds);                         \
+                     const at::Tensor& cos, const at::Tensor& sin, const void* positions,   \
+                     bool interleaved, bool conjugate, const Thresholds& thresholds);       \
   }
 ROPE_EXT_DECLARE_KERNEL(DEFAULT)
 #ifdef ROPE_EXT_HAVE_AVX
@@ -57,9 +58,8 @@ ROPE_EXT_DECLARE_KERNEL(AVX512)
 // at::get_cpu_capability(), so ATEN_CPU_CAPABILITY=default|avx2 selects a lower one.
 std::string kernel_isa();
 
-// out = rotary(x, cos, sin) on the CPU for checked arguments (out may be x); the ops are
-// RotaryOps<&run> (rotary_ops.h).
-void run(const at::Tensor& x, at::Tensor& out, const at::Tensor& cos, const at::Tensor& sin,
-         bool interleaved, bool conjugate);
+// What `call` describes, on the CPU, for checked arguments; the ops are RotaryOps<&run>
+// (rotary_ops.h). With positions, every one is checked against the cache before anything runs.
+void run(const RotaryCall& call);
 
 }  // namespace rope_ext::cpu

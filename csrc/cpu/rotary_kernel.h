@@ -171,9 +171,29 @@ struct PairTables {
 // Builds a token's PairTables. When the tables already are contiguous opmath values in
 // half-split order they are used in place; otherwise they are converted and de-interleaved
 // once into `buf` (4 * half values), then reused for every head of the token.
-template <bool kInterleaved, typename opmath_t, typename table_t>
+//
+// kGathered: cos and sin are a row of half-width caches (rotary_pos), one value per pair for
+// both members, so c2 = c1 and s2 = s1: a contiguous opmath row is used in place, others are
+// converted once into buf (2 * half values), whatever the pairing.
+template <bool kInterleaved, bool kGathered, typename opmath_t, typename table_t>
 PairTables<opmath_t> token_tables(const table_t* cos, int64_t cos_col, const table_t* sin,
                                   int64_t sin_col, int64_t half, opmath_t* buf) {
+  if constexpr (kGathered) {
+    if (cos_col == 1 && sin_col == 1) {
+      if constexpr (std::is_same_v<table_t, opmath_t>) {
+        return {cos, sin, cos, sin};
+      } else if constexpr (std::is_same_v<opmath_t, float>) {
+        convert_span(cos, buf, half);
+        convert_span(sin, buf + half, half);
+        return {buf, buf + half, buf, buf + half};
+      }
+    }
+    for (int64_t i = 0; i < half; ++i) {
+      buf[i] = static_cast<opmath_t>(cos[i * cos_col]);
+      buf[half + i] = static_cast<opmath_t>(sin[i * sin_col]);
+    }
+    return {buf, buf + half, buf, buf + half};
+  }
   if constexpr (!kInterleaved) {
     if (cos_col == 1 && sin_col == 1) {
       if constexpr (std::is_same_v<table_t, opmath_t>) {
@@ -216,8 +236,9 @@ void rotate_pairs_scalar(const scalar_t* x, int64_t x_col, scalar_t* out, int64_
 }
 
 // Rotates one row whose x and out columns are contiguous: vector body, scalar tail. With
-// kStream the vector body's stores are non-temporal (the caller checks their alignment).
-template <bool kConj, bool kInterleaved, bool kStream, typename scalar_t, typename opmath_t>
+// kStream the vector body's stores are non-temporal (the caller checks their alignment). With
+// kGathered the tables hold one value per pair (c2 = c1, s2 = s1), loaded once.
+template <bool kConj, bool kInterleaved, bool kStream, bool kGathered, typename scalar_t, typename opmath_t>
 void rotate_row_contiguous(const scalar_t* x, scalar_t* out, const PairTables<opmath_t>& t,
                            int64_t half) {
   using IO = VecIO<scalar_t>;
@@ -240,8 +261,13 @@ void rotate_row_contiguous(const scalar_t* x, scalar_t* out, const PairTables<op
     }
     for (int k = 0; k < 2; ++k) {
       const int64_t j = i + k * V;
-      rotate_pair<kConj>(x1[k], x2[k], Vec::loadu(t.c1 + j), Vec::loadu(t.s1 + j),
-                         Vec::loadu(t.c2 + j), Vec::loadu(t.s2 + j), o1[k], o2[k]);
+      if constexpr (kGathered) {
+        const Vec c = Vec::loadu(t.c1 + j), s = Vec::loadu(t.s1 + j);
+        rotate_pair<kConj>(x1[k], x2[k], c, s, c, s, o1[k], o2[k]);
+      } else {
+        rotate_pair<kConj>(x1[k], x2[k], Vec::loadu(t.c1 + j), Vec::loadu(t.s1 + j),
+                           Vec::loadu(t.c2 + j), Vec::loadu(t.s2 + j), o1[k], o2[k]);
+      }
     }
     const auto store = [](scalar_t* p, const Vec& a, const Vec& b) {
       kStream ? IO::store_streaming(p, a, b) : IO::store(p, a, b);
@@ -260,14 +286,55 @@ void rotate_row_contiguous(const scalar_t* x, scalar_t* out, const PairTables<op
   rotate_pairs_scalar<kConj, kInterleaved>(x, 1, out, 1, t, i, half);
 }
 
-template <typename scalar_t, typename table_t, bool kConj, bool kInterleaved>
+// Walks the linear indices of a StridedDims in order, keeping each operand's offset: the first
+// position costs an unravel (divisions), each next one an add and rarely a carry.
+template <int kOperands>
+struct StridedCursor {
+  const StridedDims<kOperands>& dims;
+  int64_t index[kMaxDims];
+  int64_t off[kOperands];
+
+  void seek(int64_t linear) {
+    for (int k = 0; k < kOperands; ++k) off[k] = 0;
+    for (int d = dims.ndim - 1; d >= 0; --d) {
+      index[d] = linear % dims.sizes[d];
+      linear /= dims.sizes[d];
+      for (int k = 0; k < kOperands; ++k) off[k] += index[d] * dims.strides[k][d];
+    }
+  }
+  void next() {
+    for (int d = dims.ndim - 1; d >= 0; --d) {
+      for (int k = 0; k < kOperands; ++k) off[k] += dims.strides[k][d];
+      if (++index[d] < dims.sizes[d]) return;
+      for (int k = 0; k < kOperands; ++k) off[k] -= dims.sizes[d] * dims.strides[k][d];
+      index[d] = 0;
+    }
+  }
+};
+
+template <typename scalar_t, typename table_t, bool kConj, bool kInterleaved, bool kGathered>
 void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
-                  const at::Tensor& cos, const at::Tensor& sin, const Thresholds& th) {
+                  const at::Tensor& cos, const at::Tensor& sin, const void* positions, const Thresholds& th) {
   using opmath_t = at::opmath_type<scalar_t>;
   const scalar_t* x_base = x.const_data_ptr<scalar_t>();
   scalar_t* out_base = out.mutable_data_ptr<scalar_t>();
   const table_t* cos_base = cos.const_data_ptr<table_t>();
   const table_t* sin_base = sin.const_data_ptr<table_t>();
+
+  // A token's PairTables, from the tables' offsets `tok` (kCos, kSin) or, gathered, from the row
+  // of the caches its position (at offset tok[kCos] of positions) selects. The caller has checked
+  // every position against the cache.
+  const auto tables_at = [&](const int64_t (&tok)[4], opmath_t* buf) {
+    if constexpr (kGathered) {
+      const int64_t pos = p.positions_int32 ? int64_t{static_cast<const int32_t*>(positions)[tok[kCos]]}
+                                            : static_cast<const int64_t*>(positions)[tok[kCos]];
+      return token_tables<kInterleaved, true>(cos_base + pos * p.cos_row, p.cos_col, sin_base + pos * p.sin_row,
+                                              p.sin_col, p.rotary_dim / 2, buf);
+    } else {
+      return token_tables<kInterleaved, false>(cos_base + tok[kCos], p.cos_col, sin_base + tok[kSin], p.sin_col,
+                                               p.rotary_dim / 2, buf);
+    }
+  };
 
   const int64_t half = p.rotary_dim / 2;
   const int64_t pass = p.head_dim - p.rotary_dim;  // pass-through columns per row
@@ -291,10 +358,10 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
       for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
       if (stream && streaming_row_aligned(reinterpret_cast<std::uintptr_t>(outr), half, sizeof(scalar_t),
                                           kInterleaved, kStreamStoreBytes)) {
-        rotate_row_contiguous<kConj, kInterleaved, true>(xr, outr, t, half);
+        rotate_row_contiguous<kConj, kInterleaved, true, kGathered>(xr, outr, t, half);
         ++streamed;
       } else {
-        rotate_row_contiguous<kConj, kInterleaved, false>(xr, outr, t, half);
+        rotate_row_contiguous<kConj, kInterleaved, false, kGathered>(xr, outr, t, half);
       }
       if (pass > 0 && outr != xr) {  // in place, the pass-through columns are already there
         std::memcpy(outr + p.rotary_dim, xr + p.rotary_dim, pass * sizeof(scalar_t));
@@ -314,18 +381,17 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
       std::vector<opmath_t> buf(4 * half);
       int64_t streamed = 0;
+      StridedCursor<2> head{p.heads};
       for (int64_t row = begin; row < end;) {
         const int64_t token = row / nheads;
         const int64_t h_begin = row % nheads;
         const int64_t h_end = std::min(nheads, h_begin + (end - row));
         int64_t tok[4];
         p.tokens.offsets(token, tok);
-        const auto t = token_tables<kInterleaved>(cos_base + tok[kCos], p.cos_col,
-                                                  sin_base + tok[kSin], p.sin_col, half, buf.data());
-        for (int64_t h = h_begin; h < h_end; ++h) {
-          int64_t hd[2];
-          p.heads.offsets(h, hd);
-          rotate_row(x_base + tok[kX] + hd[kX], out_base + tok[kOut] + hd[kOut], t, streamed);
+        const auto t = tables_at(tok, buf.data());
+        head.seek(h_begin);  // then no division per row
+        for (int64_t h = h_begin; h < h_end; ++h, head.next()) {
+          rotate_row(x_base + tok[kX] + head.off[kX], out_base + tok[kOut] + head.off[kOut], t, streamed);
         }
         row += h_end - h_begin;
       }
@@ -354,16 +420,14 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
       const int64_t n = std::min(tile, t_end - t0);
       for (int64_t j = 0; j < n; ++j) {
         p.tokens.offsets(t0 + j, tok[j].of);
-        tables[j] = token_tables<kInterleaved>(cos_base + tok[j].of[kCos], p.cos_col,
-                                               sin_base + tok[j].of[kSin], p.sin_col, half,
-                                               buf.data() + j * 4 * half);
+        tables[j] = tables_at(tok[j].of, buf.data() + j * 4 * half);
       }
-      for (int64_t h = h_begin; h < h_end; ++h) {
-        int64_t hd[2];
-        p.heads.offsets(h, hd);
+      StridedCursor<2> head{p.heads};
+      head.seek(h_begin);
+      for (int64_t h = h_begin; h < h_end; ++h, head.next()) {
         for (int64_t j = 0; j < n; ++j) {
-          rotate_row(x_base + tok[j].of[kX] + hd[kX], out_base + tok[j].of[kOut] + hd[kOut], tables[j],
-                     streamed);
+          rotate_row(x_base + tok[j].of[kX] + head.off[kX], out_base + tok[j].of[kOut] + head.off[kOut],
+                     tables[j], streamed);
         }
       }
     }
@@ -385,18 +449,23 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
 // been allocated by the caller with x's sizes and `p` describes all four tensors. `out` may
 // be x itself (in place): each pair is read completely before it is written.
 void rotary_kernel(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out, const at::Tensor& cos,
-                   const at::Tensor& sin, bool interleaved, bool conjugate, const Thresholds& th) {
+                   const at::Tensor& sin, const void* positions, bool interleaved, bool conjugate,
+                   const Thresholds& th) {
   if (out.numel() == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rope_ext.rotary", [&] {
     auto run = [&](auto table_tag) {
       using table_t = decltype(table_tag);
-      if (interleaved) {
-        conjugate ? rotary_typed<scalar_t, table_t, true, true>(p, x, out, cos, sin, th)
-                  : rotary_typed<scalar_t, table_t, false, true>(p, x, out, cos, sin, th);
-      } else {
-        conjugate ? rotary_typed<scalar_t, table_t, true, false>(p, x, out, cos, sin, th)
-                  : rotary_typed<scalar_t, table_t, false, false>(p, x, out, cos, sin, th);
-      }
+      const auto typed = [&](auto conj, auto inter, auto gathered) {
+        rotary_typed<scalar_t, table_t, decltype(conj)::value, decltype(inter)::value, decltype(gathered)::value>(
+            p, x, out, cos, sin, positions, th);
+      };
+      const auto by_gathered = [&](auto conj, auto inter) {
+        p.gathered ? typed(conj, inter, std::true_type{}) : typed(conj, inter, std::false_type{});
+      };
+      const auto by_inter = [&](auto conj) {
+        interleaved ? by_gathered(conj, std::true_type{}) : by_gathered(conj, std::false_type{});
+      };
+      conjugate ? by_inter(std::true_type{}) : by_inter(std::false_type{});
     };
     // check_rotary_args allows tables in x's dtype or in float32.
     if (cos.scalar_type() == x.scalar_type()) {

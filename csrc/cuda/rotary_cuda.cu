@@ -20,18 +20,16 @@ __global__ void __launch_bounds__(kMaxThreads) rotary_kernel(const Thread t, con
   t(blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y, L);
 }
 
-void run_cuda(const at::Tensor& x, at::Tensor& out, const at::Tensor& cos, const at::Tensor& sin,
-              bool interleaved, bool conjugate) {
-  if (out.numel() == 0) return;
-  const c10::cuda::CUDAGuard guard(x.device());
-  const RotaryPlan plan = make_rotary_plan(x, out, cos, sin);
-  const RotaryLaunch L =
-      choose_launch(plan, x.element_size(), interleaved, x.const_data_ptr(), out.const_data_ptr());
+void run_cuda(const RotaryCall& c) {
+  if (c.out.numel() == 0 && (c.k_out == nullptr || c.k_out->numel() == 0)) return;
+  const c10::cuda::CUDAGuard guard(c.x.device());
+  const CallLaunch cl = plan_call(c);
+  const RotaryLaunch& L = cl.launch;
   const dim3 grid(static_cast<unsigned>(L.grid_x), static_cast<unsigned>(L.grid_y));
   const dim3 block(static_cast<unsigned>(L.block_x), static_cast<unsigned>(L.block_y));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_thread(x, cos, conjugate, interleaved, L.vec, [&]<class Thread>() {
-    rotary_kernel<Thread><<<grid, block, 0, stream>>>(Thread::make(plan, x, out, cos, sin), L);
+  dispatch_thread(c.x, c.cos, c.conjugate, c.interleaved, L.vec, c.positions != nullptr, [&]<class Thread>() {
+    rotary_kernel<Thread><<<grid, block, 0, stream>>>(make_thread<Thread>(c, cl), L);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -44,4 +42,7 @@ void rope_ext::register_cuda_kernels(torch::Library& m) {
   m.impl("rotary", &Ops::rotary);
   m.impl("rotary_qk", &Ops::rotary_qk);
   m.impl("rotary_", &Ops::rotary_);
+  m.impl("rotary_pos", &Ops::rotary_pos);
+  m.impl("rotary_pos_qk", &Ops::rotary_pos_qk);
+  m.impl("rotary_pos_", &Ops::rotary_pos_);
 }

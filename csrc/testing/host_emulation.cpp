@@ -4,6 +4,7 @@
 // the semantics of the real ones and the same tests and references apply.
 #include "testing/testing.h"
 
+#include <optional>
 #include <vector>
 
 #include "cuda/rotary_thread.h"
@@ -14,14 +15,12 @@ namespace {
 
 using cuda::RotaryLaunch;
 
-void run_emulated(const at::Tensor& x, at::Tensor& out, const at::Tensor& cos,
-                  const at::Tensor& sin, bool interleaved, bool conjugate) {
-  if (out.numel() == 0) return;
-  const RotaryPlan plan = make_rotary_plan(x, out, cos, sin);
-  const RotaryLaunch L =
-      cuda::choose_launch(plan, x.element_size(), interleaved, x.const_data_ptr(), out.const_data_ptr());
-  cuda::dispatch_thread(x, cos, conjugate, interleaved, L.vec, [&]<class Thread>() {
-    const Thread t = Thread::make(plan, x, out, cos, sin);
+void run_emulated(const RotaryCall& c) {
+  if (c.out.numel() == 0 && (c.k_out == nullptr || c.k_out->numel() == 0)) return;
+  const cuda::CallLaunch cl = cuda::plan_call(c);
+  const RotaryLaunch& L = cl.launch;
+  cuda::dispatch_thread(c.x, c.cos, c.conjugate, c.interleaved, L.vec, c.positions != nullptr, [&]<class Thread>() {
+    const Thread t = cuda::make_thread<Thread>(c, cl);
     for (int64_t bx = 0; bx < L.grid_x; ++bx)
       for (int64_t by = 0; by < L.grid_y; ++by)
         for (int64_t ty = 0; ty < L.block_y; ++ty)
@@ -29,14 +28,34 @@ void run_emulated(const at::Tensor& x, at::Tensor& out, const at::Tensor& cos,
   });
 }
 
-// [grid_x, grid_y, block_x, block_y, vec, pairs_per_item, rot_items, pass_items]
+std::vector<int64_t> as_list(const RotaryLaunch& L) {
+  return {L.grid_x, L.grid_y, L.block_x, L.block_y, L.vec, L.pairs_per_item, L.rot_items, L.pass_items,
+          L.table_vec};
+}
+
+// [grid_x, grid_y, block_x, block_y, vec, pairs_per_item, rot_items, pass_items, table_vec]
 std::vector<int64_t> launch_config(const at::Tensor& x, const at::Tensor& cos,
                                    const at::Tensor& sin, bool interleaved) {
   check_rotary_args("rope_ext_testing.cuda_launch_config", x, cos, sin);
-  const at::Tensor out = at::empty_like(x);
-  const RotaryLaunch L = cuda::choose_launch(make_rotary_plan(x, out, cos, sin), x.element_size(),
-                                             interleaved, x.const_data_ptr(), out.const_data_ptr());
-  return {L.grid_x, L.grid_y, L.block_x, L.block_y, L.vec, L.pairs_per_item, L.rot_items, L.pass_items};
+  at::Tensor out = at::empty_like(x);
+  return as_list(cuda::plan_call({x, out, cos, sin, nullptr, nullptr, nullptr, interleaved}).launch);
+}
+
+// The same for rotary_pos_qk(q, k, ...) (k optional), out of place.
+std::vector<int64_t> pos_launch_config(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                                       const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                                       const at::Tensor& positions, bool interleaved) {
+  const char* op = "rope_ext_testing.cuda_pos_launch_config";
+  check_rotary_pos_args(op, q, cos_cache, sin_cache, positions, "q");
+  at::Tensor q_out = at::empty_like(q);
+  if (!k.has_value()) {
+    return as_list(cuda::plan_call({q, q_out, cos_cache, sin_cache, &positions, nullptr, nullptr, interleaved}).launch);
+  }
+  check_rotary_pos_args(op, *k, cos_cache, sin_cache, positions, "k");
+  check_qk_pos_args(op, q, *k, positions);
+  at::Tensor k_out = at::empty_like(*k);
+  return as_list(
+      cuda::plan_call({q, q_out, cos_cache, sin_cache, &positions, &*k, &k_out, interleaved}).launch);
 }
 
 }  // namespace
@@ -46,7 +65,11 @@ void register_cuda_emulation(torch::Library& m) {
   m.impl("cuda_emulate_rotary", &Ops::rotary);
   m.impl("cuda_emulate_rotary_qk", &Ops::rotary_qk);
   m.impl("cuda_emulate_rotary_", &Ops::rotary_);
+  m.impl("cuda_emulate_rotary_pos", &Ops::rotary_pos);
+  m.impl("cuda_emulate_rotary_pos_qk", &Ops::rotary_pos_qk);
+  m.impl("cuda_emulate_rotary_pos_", &Ops::rotary_pos_);
   m.impl("cuda_launch_config", &launch_config);
+  m.impl("cuda_pos_launch_config", &pos_launch_config);
 }
 
 }  // namespace rope_ext::testing

@@ -44,13 +44,25 @@ at::Tensor inv_freq_for(const at::Tensor& inv_freq, const std::optional<at::Tens
 TORCH_LIBRARY(rope_ext_testing, m) {
   // The CUDA kernels' thread function run on the CPU over the launch grid the CUDA launcher would
   // choose, with the semantics of rope_ext::rotary, rotary_qk and rotary_; and that launch:
-  // [grid_x, grid_y, block_x, block_y, vec, pairs_per_item, rot_items, pass_items].
+  // [grid_x, grid_y, block_x, block_y, vec, pairs_per_item, rot_items, pass_items, table_vec].
   m.def("cuda_emulate_rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved=False, bool conjugate=False) -> Tensor");
   m.def(
       "cuda_emulate_rotary_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved=False, "
       "Tensor? cos_k=None, Tensor? sin_k=None, bool conjugate=False) -> (Tensor, Tensor)");
   m.def("cuda_emulate_rotary_(Tensor(a!) x, Tensor cos, Tensor sin, bool interleaved=False, bool conjugate=False) -> ()");
+  m.def(
+      "cuda_emulate_rotary_pos(Tensor x, Tensor cos_cache, Tensor sin_cache, Tensor positions, "
+      "bool interleaved=False, bool conjugate=False) -> Tensor");
+  m.def(
+      "cuda_emulate_rotary_pos_qk(Tensor q, Tensor k, Tensor cos_cache, Tensor sin_cache, Tensor positions, "
+      "bool interleaved=False, bool conjugate=False) -> (Tensor, Tensor)");
+  m.def(
+      "cuda_emulate_rotary_pos_(Tensor(a!) q, Tensor(b!)? k, Tensor cos_cache, Tensor sin_cache, "
+      "Tensor positions, bool interleaved=False, bool conjugate=False) -> ()");
   m.def("cuda_launch_config(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> int[]");
+  m.def(
+      "cuda_pos_launch_config(Tensor q, Tensor? k, Tensor cos_cache, Tensor sin_cache, Tensor positions, "
+      "bool interleaved=False) -> int[]");
 
   m.def("parallel_threads_used(int n) -> int", &parallel_threads_used);
   m.def(
