@@ -39,6 +39,31 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool i
   handle.call(x, cos, sin, interleaved, conjugate);
 }
 
+at::Tensor rotary_pos(const at::Tensor& x, const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                      const at::Tensor& positions, bool interleaved, bool conjugate) {
+  static const auto handle =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool)>(
+          "rope_ext::rotary_pos");
+  return handle.call(x, cos_cache, sin_cache, positions, interleaved, conjugate);
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_pos_qk(const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                                                 const at::Tensor& positions, bool interleaved, bool conjugate) {
+  static const auto handle = op<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool)>(
+      "rope_ext::rotary_pos_qk");
+  return handle.call(q, k, cos_cache, sin_cache, positions, interleaved, conjugate);
+}
+
+void rotary_pos_(at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& cos_cache,
+                 const at::Tensor& sin_cache, const at::Tensor& positions, bool interleaved, bool conjugate) {
+  static const auto handle =
+      op<void(at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              bool, bool)>("rope_ext::rotary_pos_");
+  handle.call(q, k, cos_cache, sin_cache, positions, interleaved, conjugate);
+}
+
 std::tuple<at::Tensor, at::Tensor> cos_sin_tables(const at::Tensor& positions, const at::Tensor& inv_freq,
                                                   bool interleaved, double scale, at::ScalarType dtype) {
   static const auto handle =

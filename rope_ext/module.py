@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from rope_ext import positions as P
-from rope_ext._ops import rotary_qk
+from rope_ext._ops import rotary_pos_qk, rotary_qk
 from rope_ext._validate import require_bool, require_int_list, require_number, require_tensor
 from rope_ext.scaling import RopeSchedule
 
@@ -104,12 +104,18 @@ class RotaryEmbedding(nn.Module):
             )
 
         self.dim, self.rotary_dim, self.interleaved, self.layout = dim, rotary_dim, interleaved, layout
+        self.max_position_embeddings = int(max_position_embeddings)
         self.xpos_scale_base = xpos_scale_base
         self.mrope_section = None if mrope_section is None else tuple(int(s) for s in mrope_section)
         self.schedule = RopeSchedule.from_config(
             scaling, base=base, rotary_dim=rotary_dim, max_position_embeddings=max_position_embeddings
         )
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+        # Half-width (positions, r/2) float32 tables that forward gathers from (rotary_pos_qk), and
+        # arange(positions) for int offsets (a slice of it is a view: no kernel per call).
+        self.register_buffer("cos_cache", torch.empty(0), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+        self.register_buffer("_steps", torch.empty(0, dtype=torch.int64), persistent=False)
         self._init_buffers(torch.get_default_device() if device is None else torch.device(device))
 
     @classmethod
@@ -149,6 +155,42 @@ class RotaryEmbedding(nn.Module):
 
     def _init_buffers(self, device):
         self.inv_freq = self.schedule.inv_freq(device=device)  # float64 (r/2,)
+        self._build_cache(max(self.cos_cache.shape[0], self.max_position_embeddings), device)
+
+    @property
+    def _uses_cache(self) -> bool:
+        """Whether forward gathers from cos_cache/sin_cache. Dynamic NTK and longrope frequencies
+        depend on each batch's length, M-RoPE mixes three position streams and xPos scales q and k
+        apart: those build per-call tables (still one op call on q and k)."""
+        static = self.schedule.rope_type not in ("dynamic", "longrope")
+        return static and self.mrope_section is None and self.xpos_scale_base is None
+
+    def _build_cache(self, n: int, device) -> None:
+        """cos_cache, sin_cache of positions 0..n-1: cos/sin of p * theta_i (angles in float64)
+        times the attention factor, rounded once to float32."""
+        if not self._uses_cache:
+            return
+        angles = torch.arange(n, dtype=torch.float64, device=device)[:, None] * self.inv_freq.to(device)
+        self.cos_cache = (angles.cos() * self.attention_factor).float()
+        self.sin_cache = (angles.sin() * self.attention_factor).float()
+        self._steps = torch.arange(n, dtype=torch.int64, device=device)
+
+    #: The most positions the cache grows to (64 MiB of float32 tables at rotary_dim 128), unless
+    #: max_position_embeddings is larger. Positions past it are rotated with tables built for the
+    #: call (exact float64 angles at any position), as are all positions of the non-cached types.
+    max_cache_positions = 1 << 17
+
+    def _cache_covers(self, needed: int) -> bool:
+        """Whether the cache covers positions < needed, growing it if allowed (eager only: under
+        torch.compile the buffers are fixed, and a position past them is the op's bounds error)."""
+        rows = self.cos_cache.shape[0]
+        if needed <= rows or torch.compiler.is_compiling():
+            return True
+        if needed > max(self.max_cache_positions, self.max_position_embeddings):
+            return False
+        self._build_cache(min(max(needed, 2 * rows), max(self.max_cache_positions, self.max_position_embeddings)),
+                          self.inv_freq.device)
+        return True
 
     def _apply(self, fn, recurse=True):
         # .to(dtype), .half(), to_empty(): keep the frequencies float64 and exact by rebuilding
@@ -237,6 +279,13 @@ class RotaryEmbedding(nn.Module):
 
         Returns:
             ``(q_out, k_out)``, rotated, with q's and k's shapes, dtypes and layouts.
+
+        Cost: one op call on q and k (rotary_pos_qk), which gathers each token's row of
+        ``cos_cache``/``sin_cache`` in the kernel. Nothing in it waits for the device: checks that
+        need tensor values run on CPU tensors only, and the kernel checks every position against
+        the cache (a RuntimeError on the CPU, a device-side assert on CUDA). The cache covers
+        ``max_position_embeddings`` positions and grows in eager mode when an int offset or CPU
+        positions ask for more; device positions past it are the kernel's error.
         """
         require_tensor(q, "q")
         require_tensor(k, "k")
@@ -261,13 +310,19 @@ class RotaryEmbedding(nn.Module):
                         f"rope_ext.RotaryEmbedding: position_ids of packed q must have shape {(*streams, T)}, "
                         f"got {tuple(position_ids.shape)}"
                     )
-            return self._rotate(q, k, position_ids, lambda t: t[:, None, :])
+            return self._rotate(q, k, position_ids, lambda t: t[:, None, :], lambda p: p[:, None])
         if q.dim() != 4:
             raise ValueError(
                 f"rope_ext.RotaryEmbedding: q must be 4-D ({'B, H, S, D' if self.layout == 'bhsd' else 'B, S, H, D'}"
                 f" for layout {self.layout!r}), got shape {tuple(q.shape)}"
             )
         B, S = q.shape[0], q.shape[2] if self.layout == "bhsd" else q.shape[1]
+        # positions (B, S) or (S,) -> broadcast over heads
+        pos_layout = (lambda p: p.unsqueeze(-2)) if self.layout == "bhsd" else (lambda p: p.unsqueeze(-1))
+        if position_ids is None and self._uses_cache:
+            P._check_offsets(offset, B, S, "offset", "(batch,)")
+            if isinstance(offset, int) and self._cache_covers(offset + S):  # a view of arange: no kernel
+                return self._rotate(q, k, None, None, pos_layout, positions=self._steps[offset : offset + S])
         if position_ids is None:
             position_ids = P.sequence_positions(B, S, offset, device=q.device)
         else:
@@ -283,9 +338,19 @@ class RotaryEmbedding(nn.Module):
                 position_ids = position_ids.unsqueeze(-2)
         # tables (B, S, r) -> broadcast over heads
         to_layout = (lambda t: t[..., None, :, :]) if self.layout == "bhsd" else (lambda t: t[..., None, :])
-        return self._rotate(q, k, position_ids, to_layout)
+        return self._rotate(q, k, position_ids, to_layout, pos_layout)
 
-    def _rotate(self, q, k, position_ids, to_layout):
+    def _rotate(self, q, k, position_ids, to_layout, pos_layout, positions=None):
+        """One op call on q and k: rotary_pos_qk on the cache, or rotary_qk on per-call tables.
+        positions: ready-made positions for the cache (an arange view), instead of position_ids."""
+        if positions is None and self._uses_cache:
+            readable = P._readable(position_ids) and position_ids.numel()
+            if not readable or self._cache_covers(int(position_ids.numpy().max()) + 1):
+                positions = position_ids
+        if positions is not None:
+            return rotary_pos_qk(
+                q, k, self.cos_cache, self.sin_cache, pos_layout(positions), interleaved=self.interleaved
+            )
         cos, sin = self._cos_sin(position_ids)
         if self.xpos_scale_base is None:
             return rotary_qk(q, k, to_layout(cos), to_layout(sin), interleaved=self.interleaved)

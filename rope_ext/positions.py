@@ -21,8 +21,16 @@ __all__ = ["sequence_positions", "packed_positions", "cos_sin_tables", "check_po
 
 
 def _validating() -> bool:
-    # Value checks need the data (a host sync on GPU); torch.compile traces without it.
+    # Shape checks that torch.compile would turn into guards run in eager only.
     return not torch.compiler.is_compiling()
+
+
+def _readable(t: torch.Tensor) -> bool:
+    """Whether checks may read t's values: a CPU tensor in eager mode. Reading a device tensor
+    would wait for the device (a host sync per layer per step, and no CUDA-graph capture); those
+    values are checked by the kernels instead (rotary_pos's bounds check) or on the device.
+    Values are read through numpy, which records no aten op (no aten::item)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not t.requires_grad
 
 
 def check_positions(positions: torch.Tensor, name: str = "position_ids") -> None:
@@ -31,8 +39,8 @@ def check_positions(positions: torch.Tensor, name: str = "position_ids") -> None
         raise TypeError(f"rope_ext: {name} must be an integer tensor, got {type(positions).__name__}")
     if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
         raise TypeError(f"rope_ext: {name} must be an integer tensor (int32 or int64), got {positions.dtype}")
-    if _validating() and positions.numel() and bool((positions < 0).any()):
-        raise ValueError(f"rope_ext: {name} must be >= 0, got a minimum of {int(positions.min())}")
+    if _readable(positions) and positions.numel() and (least := int(positions.numpy().min())) < 0:
+        raise ValueError(f"rope_ext: {name} must be >= 0, got a minimum of {least}")
 
 
 def _check_offsets(offset, count: int, span: int, name: str, what: str) -> None:
@@ -42,8 +50,8 @@ def _check_offsets(offset, count: int, span: int, name: str, what: str) -> None:
         check_positions(offset, name)
         if offset.shape != (count,):
             raise ValueError(f"rope_ext: {name} must have shape {what} = ({count},), got {tuple(offset.shape)}")
-        if _validating() and offset.numel():
-            require_int64_span(int(offset.max()), span, name)
+        if _readable(offset) and offset.numel():
+            require_int64_span(int(offset.numpy().max()), span, name)
         return
     if isinstance(offset, bool) or not isinstance(offset, int):
         raise TypeError(f"rope_ext: {name} must be an int or a {what} integer tensor, got {type(offset).__name__}")
@@ -71,14 +79,17 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"rope_ext: cu_seqlens must have shape (num_seqs + 1,), got {tuple(cu_seqlens.shape)}")
     cu = cu_seqlens.to(torch.int64)
-    if _validating():
-        if int(cu[0]) != 0 or int(cu[-1]) != total:
+    if _readable(cu):
+        v = cu.numpy()
+        if v[0] != 0 or v[-1] != total:
             raise ValueError(
-                f"rope_ext: cu_seqlens must start at 0 and end at the token count {total}, "
-                f"got {int(cu[0])} and {int(cu[-1])}"
+                f"rope_ext: cu_seqlens must start at 0 and end at the token count {total}, got {v[0]} and {v[-1]}"
             )
-        if bool((cu[1:] < cu[:-1]).any()):
+        if (v[1:] < v[:-1]).any():
             raise ValueError("rope_ext: cu_seqlens must be non-decreasing")
+    elif cu.device.type != "cpu":  # checked on the device, without waiting for it
+        ok = (cu[0] == 0) & (cu[-1] == total) & (cu[1:] >= cu[:-1]).all()
+        torch._assert_async(ok, f"rope_ext: cu_seqlens must be non-decreasing from 0 to the token count {total}")
     return cu
 
 

@@ -221,8 +221,8 @@ CASES = {
     ),
     "flash_tensor_offset_past_the_tables": Bad(
         "apply_rotary_emb(FX, FCOS, FSIN, seqlen_offsets=torch.tensor([0, 59]))",
-        ValueError,
-        r"position 64 \(from seqlen_offsets and the sequence length\) is past the cos/sin tables' 64 rows",
+        RuntimeError,
+        r"position 64 \(positions.flatten\(\)\[11\]\) is outside the cache, whose 64 rows",
     ),
     "flash_negative_tensor_offset": Bad(
         "apply_rotary_emb(FX, FCOS, FSIN, seqlen_offsets=torch.tensor([0, -1]))",
@@ -231,8 +231,8 @@ CASES = {
     ),
     "flash_rotary_dim_wider_than_head_dim": Bad(
         "apply_rotary_emb(FX, torch.ones(64, 12), torch.zeros(64, 12))",
-        ValueError,
-        r"rotary_dim = 2 \* cos.size\(1\) = 24 exceeds the head dim x.size\(-1\) = 16",
+        RuntimeError,
+        r"the rotary dim 2 \* cos_cache.size\(1\) = 24 exceeds the head dim x.size\(-1\) = 16",
     ),
     "flash_cu_seqlens_short_of_total": Bad(
         "apply_rotary_emb(PX, FCOS, FSIN, cu_seqlens=torch.tensor([0, 4, 8]))",
@@ -367,10 +367,12 @@ CASES = {
     "forward_int64_q_and_k": Bad(
         "rope(Q.long(), K.long())",
         RuntimeError,
-        r"rotary_qk: q must be float32, float64, float16 or bfloat16, got Long",
+        r"rotary_pos_qk: q must be float32, float64, float16 or bfloat16, got Long",
     ),
     "forward_k_on_meta": Bad(
-        "rope(Q, K.to('meta'))", RuntimeError, r"k, cos and sin must be on the same device, got k on meta, cos on cpu"
+        "rope(Q, K.to('meta'))",
+        RuntimeError,
+        r"k, cos_cache, sin_cache and positions must be on the same device, got k on meta, cos_cache on cpu",
     ),
     "forward_position_ids_list": Bad(
         "rope(Q, K, [0, 1, 2, 3, 4])", TypeError, r"position_ids must be an integer tensor, got list"

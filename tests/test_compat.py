@@ -129,7 +129,7 @@ def test_flash_attn_grad_flows_to_x(gen):
 
 
 FLASH_BAD = {
-    "past_the_tables": (dict(seqlen_offsets=60), ValueError, "past the cos/sin tables' 64 rows"),
+    "past_the_tables": (dict(seqlen_offsets=60), RuntimeError, "position 64 .* is outside the cache, whose 64 rows"),
     "full_width_tables": (dict(cos=torch.ones(64, 1, 32)), ValueError, r"cos must be a \(seqlen_ro, rotary_dim / 2\)"),
     "negative_offset": (dict(seqlen_offsets=-1), ValueError, "seqlen_offsets must be >= 0"),
     "3d_x_without_cu_seqlens": (dict(x=torch.zeros(6, 4, 48)), ValueError, r"x must be \(batch, seqlen, nheads"),

@@ -8,11 +8,11 @@ from conftest import randn
 
 import rope_ext
 
-OPS = {torch.ops.rope_ext.rotary.default, torch.ops.rope_ext.rotary_qk.default}
+OPS = {torch.ops.rope_ext.rotary.default, torch.ops.rope_ext.rotary_pos_qk.default}
 
 
 class Attention(torch.nn.Module):
-    """q/k projections, RoPE through the module (rotary_qk) and a plain rotary on v's stand-in."""
+    """q/k projections, RoPE through the module (rotary_pos_qk) and a plain rotary on v's stand-in."""
 
     def __init__(self):
         super().__init__()

@@ -2,4 +2,5 @@
 
 - :mod:`rope_ext.compat.hf`: transformers' ``apply_rotary_pos_emb`` (and the multimodal form).
 - :mod:`rope_ext.compat.flash_attn`: flash-attn's ``apply_rotary_emb``.
+- :mod:`rope_ext.compat.vllm`: vLLM's ``rotary_embedding`` (in place, positions and a cat(cos, sin) cache).
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rope_ext import positions as P
-from rope_ext._ops import rotary, rotary_
+from rope_ext._ops import rotary_pos, rotary_pos_
 from rope_ext._validate import require_bool, require_float_tensor, require_tensor
 
 __all__ = ["apply_rotary_emb"]
@@ -29,7 +29,8 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
 
     Returns:
         x rotated: ``(batch, seqlen, nheads, headdim)`` or ``(total_seqlen, nheads, headdim)``.
-        Positions past ``seqlen_ro`` raise a ValueError rather than read out of bounds.
+        Positions past ``seqlen_ro`` are the op's error (RuntimeError on the CPU, a device-side
+        assert on CUDA), never a read out of bounds.
     """
     require_tensor(x, "x")
     require_bool(interleaved, "interleaved")
@@ -41,6 +42,10 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
             raise ValueError(
                 f"rope_ext: x, cos and sin must be on the same device, got x on {x.device}, {name} on {t.device}"
             )
+    if sin.shape != cos.shape:
+        raise ValueError(
+            f"rope_ext: cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
     if cu_seqlens is None:
         if x.dim() != 4:
             raise ValueError(f"rope_ext: x must be (batch, seqlen, nheads, headdim), got {tuple(x.shape)}")
@@ -52,28 +57,10 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
                 f"rope_ext: with cu_seqlens, x must be (total_seqlen, nheads, headdim), got {tuple(x.shape)}"
             )
         pos = P.packed_positions(cu_seqlens, x.shape[0], seqlen_offsets, name="seqlen_offsets")  # (T,)
-    if sin.shape != cos.shape:
-        raise ValueError(
-            f"rope_ext: cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
-        )
-    if 2 * cos.shape[1] > x.shape[-1]:
-        raise ValueError(
-            f"rope_ext: rotary_dim = 2 * cos.size(1) = {2 * cos.shape[1]} exceeds the head dim "
-            f"x.size(-1) = {x.shape[-1]}"
-        )
-    if not torch.compiler.is_compiling() and pos.numel() and int(pos.max()) >= cos.shape[0]:
-        raise ValueError(
-            f"rope_ext: position {int(pos.max())} (from seqlen_offsets and the sequence length) is "
-            f"past the cos/sin tables' {cos.shape[0]} rows"
-        )
-    c, s = cos[pos], sin[pos]  # (..., rotary_dim / 2), one row per token
-    if interleaved:
-        c, s = c.repeat_interleave(2, dim=-1), s.repeat_interleave(2, dim=-1)
-    else:
-        c, s = torch.cat((c, c), dim=-1), torch.cat((s, s), dim=-1)
-    c, s = c.unsqueeze(-2), s.unsqueeze(-2)  # broadcast over heads
-    if c.dtype not in (x.dtype, torch.float32):  # flash-attn accepts tables in another dtype
-        c, s = c.float(), s.float()
+    if cos.dtype not in (x.dtype, torch.float32):  # flash-attn accepts tables in another dtype
+        cos, sin = cos.float(), sin.float()
+    # The op gathers each token's row of the half-width tables itself, and checks it against
+    # seqlen_ro (an error on the CPU, a device-side assert on CUDA): no gathered tables, no host sync.
     if inplace:
-        return rotary_(x, c, s, interleaved=interleaved)
-    return rotary(x, c, s, interleaved=interleaved)
+        return rotary_pos_(x, None, cos, sin, pos[..., None], interleaved=interleaved)
+    return rotary_pos(x, cos, sin, pos[..., None], interleaved=interleaved)

@@ -1,7 +1,7 @@
 // rope_ext's C++ API: fused rotary positional embedding (RoPE) for LibTorch programs.
 //
 // Link with the CMake package (find_package(rope_ext), target rope_ext::rope_ext). The library
-// registers the ops rope_ext::rotary, rotary_qk and rotary_ with PyTorch's dispatcher when it is
+// registers the ops rope_ext::rotary, rotary_qk, rotary_ and rotary_pos* with PyTorch's dispatcher when it is
 // loaded; the functions below call them through the dispatcher, so CPU and CUDA tensors, autograd
 // (torch::autograd::grad, double backward) and torch.compile'd or exported programs all see the
 // same ops as Python's rope_ext.
@@ -73,6 +73,34 @@ ROPE_EXT_API std::tuple<at::Tensor, at::Tensor> rotary_qk(
 /// when x shares memory with cos or sin.
 ROPE_EXT_API void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                           bool interleaved = false, bool conjugate = false);
+
+/// Rotates x by its tokens' positions, reading their angles from half-width caches inside the
+/// kernel: row p of cos_cache / sin_cache holds cos / sin of p * theta_i for pair i. Equal to
+/// rotary() with the full-form tables of those rows, without building them.
+///
+/// @param x           (..., head_dim) tensor; any strides.
+/// @param cos_cache, sin_cache  (max_positions, r/2), r = 2 * cos_cache.size(1) <= head_dim; x's
+///                    dtype or float32; any strides (e.g. the halves of a cat(cos, sin) cache).
+/// @param positions   int32 or int64, broadcastable to x.shape[:-1]: (S, 1) or (B, S, 1) for
+///                    (B, S, H, D) x, (S) or (B, 1, S) for (B, H, S, D) x. Each in
+///                    [0, max_positions): c10::Error on the CPU, a device-side assert on CUDA.
+/// @return a new tensor of x's shape, dtype and memory layout.
+ROPE_EXT_API at::Tensor rotary_pos(const at::Tensor& x, const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                                   const at::Tensor& positions, bool interleaved = false, bool conjugate = false);
+
+/// rotary_pos on q and k in one call (one CUDA launch). k may differ from q only in the head
+/// count (positions broadcast along it) and in strides. Caches that require grad get gradients.
+ROPE_EXT_API std::tuple<at::Tensor, at::Tensor> rotary_pos_qk(const at::Tensor& q, const at::Tensor& k,
+                                                              const at::Tensor& cos_cache,
+                                                              const at::Tensor& sin_cache,
+                                                              const at::Tensor& positions,
+                                                              bool interleaved = false, bool conjugate = false);
+
+/// In-place rotary_pos on q and, when given, k, for inference; refuses what rotary_ refuses, and
+/// q and k sharing memory.
+ROPE_EXT_API void rotary_pos_(at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& cos_cache,
+                              const at::Tensor& sin_cache, const at::Tensor& positions, bool interleaved = false,
+                              bool conjugate = false);
 
 /// A rope-scaling configuration, the fields of a Hugging Face `rope_scaling` /
 /// `rope_parameters` dict. Unset optionals take transformers' defaults where it has one;

@@ -1,0 +1,140 @@
+"""RotaryEmbedding on its cache: every position mode is one rotary_pos_qk call that gathers rows of
+cos_cache/sin_cache, with results bit-identical to rotary_qk on the tables cos_sin() builds; no host
+sync in a forward (checked with the profiler); the cache grows in eager mode up to
+max_cache_positions, past which a call builds its own tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo.testing
+from conftest import CONVENTIONS, randn
+
+import rope_ext
+
+SCALINGS = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+}
+
+SYNC_OPS = {"aten::item", "aten::_local_scalar_dense", "aten::is_nonzero"}
+
+
+def table_path(rope, q, k, position_ids, bhsd=True):
+    """rotary_qk on the full-form tables the module's cos_sin() builds: the pre-cache path."""
+    cos, sin = rope.cos_sin(position_ids)  # (B, S, r)
+    unsq = 1 if bhsd else 2
+    return rope_ext.rotary_qk(q, k, cos.unsqueeze(unsq), sin.unsqueeze(unsq), interleaved=rope.interleaved)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS.values(), ids=SCALINGS.keys())
+@pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
+def test_every_position_mode_equals_the_table_path(interleaved, scaling, gen):
+    rope = rope_ext.RotaryEmbedding(32, 5e5, interleaved=interleaved, rotary_dim=24, scaling=scaling,
+                                    max_position_embeddings=256)
+    assert rope._uses_cache
+    B, S = 2, 6
+    q, k = randn(B, 4, S, 32, dtype=torch.bfloat16, gen=gen), randn(B, 2, S, 32, dtype=torch.bfloat16, gen=gen)
+    offsets = torch.tensor([5, 100])
+    modes = {
+        "default": ({}, torch.arange(S).expand(B, S)),
+        "int_offset": (dict(offset=17), torch.arange(17, 17 + S).expand(B, S)),
+        "row_offsets": (dict(offset=offsets), offsets[:, None] + torch.arange(S)),
+        "position_ids": (dict(position_ids=torch.randint(0, 256, (B, S), generator=gen)), None),
+    }
+    for name, (kwargs, pos) in modes.items():
+        pos = kwargs.get("position_ids", pos)
+        got = rope(q, k, **kwargs)
+        want = table_path(rope, q, k, pos)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
+    # packed sequences: positions restart at each start
+    cu = torch.tensor([0, 2, 2, 7])
+    pq, pk = randn(7, 4, 32, gen=gen), randn(7, 2, 32, gen=gen)
+    pos = torch.tensor([0, 1, 0, 1, 2, 3, 4])
+    got = rope(pq, pk, cu_seqlens=cu)
+    cos, sin = rope.cos_sin(pos)
+    want = rope_ext.rotary_qk(pq, pk, cos[:, None], sin[:, None], interleaved=interleaved)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _profile(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events()]
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_forward_is_one_op_call_without_host_sync(layout, gen):
+    """Positions from position_ids, cu_seqlens and offsets: no item/_local_scalar_dense/is_nonzero
+    (each a device round trip on a GPU) and exactly one rope_ext op."""
+    rope = rope_ext.RotaryEmbedding(64, layout=layout, max_position_embeddings=512)
+    B, S = 2, 5
+    shape_q, shape_k = ((B, 8, S, 64), (B, 2, S, 64)) if layout == "bhsd" else ((B, S, 8, 64), (B, S, 2, 64))
+    q, k = randn(*shape_q, gen=gen), randn(*shape_k, gen=gen)
+    pq, pk = randn(9, 8, 64, gen=gen), randn(9, 2, 64, gen=gen)
+    calls = {
+        "position_ids": lambda: rope(q, k, torch.randint(0, 512, (B, S), generator=gen)),
+        "cu_seqlens": lambda: rope(pq, pk, cu_seqlens=torch.tensor([0, 4, 9])),
+        "cu_seqlens_offsets": lambda: rope(pq, pk, cu_seqlens=torch.tensor([0, 4, 9]), offset=torch.tensor([3, 7])),
+        "int_offset": lambda: rope(q, k, offset=100),
+        "row_offsets": lambda: rope(q, k, offset=torch.tensor([3, 9])),
+    }
+    for name, call in calls.items():
+        call()  # the cache is built; a second call is the steady state
+        events = _profile(call)
+        assert not SYNC_OPS & set(events), (name, sorted(SYNC_OPS & set(events)))
+        ours = [e for e in events if e.startswith("rope_ext::")]
+        assert ours == ["rope_ext::rotary_pos_qk"], (name, ours)
+
+
+def test_cache_grows_in_eager_and_past_the_cap_builds_tables(gen):
+    rope = rope_ext.RotaryEmbedding(16, max_position_embeddings=32)
+    q, k = randn(1, 2, 4, 16, gen=gen), randn(1, 2, 4, 16, gen=gen)
+    assert rope.cos_cache.shape == (32, 8)
+    got = rope(q, k, offset=40)  # grows (doubles)
+    assert rope.cos_cache.shape == (64, 8)
+    want = table_path(rope, q, k, torch.arange(40, 44)[None])
+    assert torch.equal(got[0], want[0])
+    got = rope(q, k, torch.tensor([[100, 3, 5, 7]]))  # CPU position_ids are read: grows
+    assert rope.cos_cache.shape == (128, 8)
+    rope.max_cache_positions = 128  # the knob: past it, a call builds its own tables
+    for kwargs, pos in ((dict(offset=500), torch.arange(500, 504)[None]),
+                        (dict(position_ids=torch.tensor([[900, 0, 1, 2]])), torch.tensor([[900, 0, 1, 2]]))):
+        before = _profile(lambda kwargs=kwargs: rope(q, k, **kwargs))
+        assert rope.cos_cache.shape == (128, 8)
+        assert [e for e in before if e.startswith("rope_ext::")].count("rope_ext::rotary_qk") == 1
+        got, want = rope(q, k, **kwargs), table_path(rope, q, k, pos)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_cache_survives_moves_and_dtype_changes(gen):
+    rope = rope_ext.RotaryEmbedding(16, max_position_embeddings=32)
+    q, k = randn(1, 2, 4, 16, gen=gen), randn(1, 2, 4, 16, gen=gen)
+    want = rope(q, k, offset=3)
+    rope.to(torch.bfloat16)
+    assert rope.cos_cache.dtype == torch.float32 and rope.cos_cache.shape == (32, 8)
+    got = rope(q, k, offset=3)
+    assert torch.equal(got[0], want[0])
+    meta = rope_ext.RotaryEmbedding(16, max_position_embeddings=32, device="meta").to_empty(device="cpu")
+    got = meta(q, k, offset=3)
+    assert torch.equal(got[0], want[0])
+    assert "cos_cache" not in rope.state_dict()
+
+
+def test_compile_sees_a_fixed_buffer_and_does_not_recompile(gen):
+    rope = rope_ext.RotaryEmbedding(16, max_position_embeddings=64)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(rope, fullgraph=True, dynamic=True, backend=counter)
+    for s in (3, 5, 9, 17):
+        q, k = randn(2, 2, s, 16, gen=gen), randn(2, 1, s, 16, gen=gen)
+        pos = torch.randint(0, 64, (2, s), generator=gen)
+        got, want = compiled(q, k, pos), rope(q, k, pos)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert counter.frame_count == 1
+    q = randn(1, 1, 2, 16, gen=gen)
+    with pytest.raises(RuntimeError, match="is outside the cache, whose 64 rows"):
+        compiled(q, q, torch.tensor([[1, 64]]))
+    assert rope.cos_cache.shape == (64, 8)
