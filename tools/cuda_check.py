@@ -22,10 +22,38 @@ def cuobjdump() -> str:
     raise SystemExit("cuda-check: cuobjdump not found in the nvidia wheels")
 
 
+def resource_usage(lib: Path, arch: str, out: Path) -> None:
+    """Prints, for sm_<arch>, each kernel's registers, stack (where spills and dynamically indexed
+    arrays live), local memory and parameter constant bank, from cuobjdump --dump-resource-usage;
+    the full table goes to `out`."""
+    dump = subprocess.run(
+        [cuobjdump(), "--dump-resource-usage", "-arch", f"sm_{arch}", str(lib)], capture_output=True, text=True,
+        check=True,
+    ).stdout
+    demangled = subprocess.run(["c++filt"], input=dump, capture_output=True, text=True, check=True).stdout
+    rows = re.findall(
+        r"RotaryThread<([^>]*)> >\(.*?\):\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+) CONSTANT\[0\]:(\d+)",
+        demangled,
+    )
+    if not rows:
+        raise SystemExit(f"cuda-check: no rotary kernel in cuobjdump's resource usage for sm_{arch}")
+    lines = [f"{'kernel (scalar, table, conj, interleaved, vec, gathered)':60} REG STACK LOCAL PARAM_BANK"]
+    lines += [f"{args.replace(' ', ''):60} {r:>3} {st:>5} {lo:>5} {c0:>10}" for args, r, st, lo, c0 in rows]
+    out.write_text("\n".join(lines) + "\n")
+    regs = [int(r[1]) for r in rows]
+    stacked = [r for r in rows if int(r[2]) or int(r[3])]
+    print(
+        f"cuda-check: sm_{arch} resource usage of {len(rows)} kernels (table: {out}): registers "
+        f"{min(regs)}-{max(regs)}, parameter bank {max(int(r[4]) for r in rows)} bytes, "
+        f"{len(stacked)} with stack or local memory (up to {max((int(r[2]) for r in rows), default=0)} bytes of stack)"
+    )
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--site", required=True)
     p.add_argument("--compile-commands", required=True, help="the CMake build's compile_commands.json")
+    p.add_argument("--resource-table", type=Path, required=True, help="where the sm_90 resource usage table goes")
     args = p.parse_args()
 
     import rope_ext
@@ -39,12 +67,12 @@ def main():
 
     missing = [
         op
-        for op in ("rotary", "rotary_qk", "rotary_")
+        for op in ("rotary", "rotary_qk", "rotary_", "rotary_pos", "rotary_pos_qk", "rotary_pos_")
         if not torch._C._dispatch_has_kernel_for_dispatch_key(f"rope_ext::{op}", "CUDA")
     ]
     if missing:
         raise SystemExit(f"cuda-check: no CUDA kernel registered for {missing}")
-    print("cuda-check: CUDA kernels registered for rope_ext::rotary, rotary_qk, rotary_")
+    print("cuda-check: CUDA kernels registered for rope_ext::rotary, rotary_qk, rotary_, rotary_pos, rotary_pos_qk, rotary_pos_")
 
     cu = [c["command"] for c in json.loads(Path(args.compile_commands).read_text()) if c["file"].endswith(".cu")]
     if not cu:
@@ -60,6 +88,8 @@ def main():
     )
     if not requested or set(requested) - set(present):
         raise SystemExit(f"cuda-check: SASS missing for sm_{sorted(set(requested) - set(present))}")
+
+    resource_usage(lib, "90", args.resource_table)
 
     # The CPU path of the CUDA build still computes the right thing.
     x, c = torch.randn(2, 5, 3, 16), torch.randn(5, 1, 16)

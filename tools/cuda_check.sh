@@ -7,7 +7,8 @@
 #     Installed as a user's is, beside torch in site-packages, where the library's RUNPATH
 #     ($ORIGIN/../../torch/lib) finds libtorch_cuda for a C++ program (step 4);
 #  3. tools/cuda_check.py: loads the library under the CUDA torch (every symbol resolves), checks
-#     the CUDA kernels are registered and the fatbin holds SASS for every requested arch;
+#     the CUDA kernels are registered and the fatbin holds SASS for every requested arch, and prints
+#     the sm_90 kernels' registers, stack, local memory and parameter bank (cuobjdump);
 #  4. examples/cpp built against that installed package through find_package(rope_ext), as a C++
 #     user of a CUDA build links it, and run;
 #  5. the core tests (CORE_TESTS) under this torch 2.14.1, the newest on this machine, against the
@@ -37,7 +38,7 @@ SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 t2=$(date +%s)
 COMMANDS=$(ls "$OUT"/src/build/cmake-*/compile_commands.json)
 
-"$PY" tools/cuda_check.py --site "$SITE" --compile-commands "$COMMANDS"
+"$PY" tools/cuda_check.py --site "$SITE" --compile-commands "$COMMANDS" --resource-table "$OUT/resource-usage-sm_90.txt"
 
 # 4. A C++ program linking this CUDA build through find_package(rope_ext), from the installed
 #    package. torch's CMake package wants libnvrtc, which a compiler-only CUDA install lacks: the
