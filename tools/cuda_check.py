@@ -65,14 +65,15 @@ def main():
         f"{torch.cuda.is_available()}; loaded {lib.name}: every symbol resolved against libtorch_cuda"
     )
 
+    ops = ("rotary", "rotary_qk", "rotary_", "rotary_pos", "rotary_pos_qk", "rotary_pos_")
     missing = [
         op
-        for op in ("rotary", "rotary_qk", "rotary_", "rotary_pos", "rotary_pos_qk", "rotary_pos_")
+        for op in ops
         if not torch._C._dispatch_has_kernel_for_dispatch_key(f"rope_ext::{op}", "CUDA")
     ]
     if missing:
         raise SystemExit(f"cuda-check: no CUDA kernel registered for {missing}")
-    print("cuda-check: CUDA kernels registered for rope_ext::rotary, rotary_qk, rotary_, rotary_pos, rotary_pos_qk, rotary_pos_")
+    print(f"cuda-check: CUDA kernels registered for rope_ext::{', '.join(ops)}")
 
     cu = [c["command"] for c in json.loads(Path(args.compile_commands).read_text()) if c["file"].endswith(".cu")]
     if not cu:
