@@ -2,6 +2,7 @@
 
     python benchmarks/bench_rope.py            # the full suite (the run behind benchmarks/RESULTS.md)
     python benchmarks/bench_rope.py --quick    # what `make bench` runs: HF layout, 2 threads
+    python benchmarks/bench_rope.py --positions  # issue 18: positions + caches (positions_suite.py)
 
 Shape: Llama-3-8B attention, 32 q heads and 8 kv heads of head dim 128.
   prefill  S = 2048, with B chosen so that q + k take 160 MiB in every dtype, 5x the 32 MiB
@@ -452,7 +453,13 @@ def main():
     p.add_argument("--no-compile", action="store_true", help="leave out hf_compiled (saves the compile time)")
     p.add_argument("--reuse-memory", action="store_true", help="rerun under GLIBC_TUNABLES that reuse freed outputs")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    p.add_argument("--positions", action="store_true", help="the positions + caches suite (positions_suite.py)")
     args = p.parse_args()
+    if args.positions:
+        import positions_suite
+
+        positions_suite.run(rounds=args.rounds or 5)
+        return
     if args.reuse_memory and os.environ.get("GLIBC_TUNABLES") != REUSE_TUNABLES:
         # glibc reads its tunables once, at startup: the process has to start again with them.
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": REUSE_TUNABLES})

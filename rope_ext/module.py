@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from rope_ext import positions as P
-from rope_ext._ops import rotary_pos_qk, rotary_qk
+from rope_ext._ops import _rotary_pos_qk, rotary_qk
 from rope_ext._validate import require_bool, require_int_list, require_number, require_tensor
 from rope_ext.scaling import RopeSchedule
 
@@ -116,6 +116,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
         self.register_buffer("_steps", torch.empty(0, dtype=torch.int64), persistent=False)
+        self._cached = self._uses_cache  # (the configuration never changes after construction)
         self._init_buffers(torch.get_default_device() if device is None else torch.device(device))
 
     @classmethod
@@ -165,6 +166,16 @@ class RotaryEmbedding(nn.Module):
         static = self.schedule.rope_type not in ("dynamic", "longrope")
         return static and self.mrope_section is None and self.xpos_scale_base is None
 
+    def ensure_positions(self, n: int) -> None:
+        """Makes the cache cover positions 0..n-1 (eager). forward grows it by itself for int
+        offsets; position tensors are never read (that would wait for the device), so a position
+        past the cache is the op's error (a RuntimeError on the CPU naming it, a device-side assert
+        on CUDA) unless this was called first."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"rope_ext.RotaryEmbedding.ensure_positions: n must be an int >= 0, got {n!r}")
+        if self._uses_cache and n > self.cos_cache.shape[0]:
+            self._build_cache(n, self.inv_freq.device)
+
     def _build_cache(self, n: int, device) -> None:
         """cos_cache, sin_cache of positions 0..n-1: cos/sin of p * theta_i (angles in float64)
         times the attention factor, rounded once to float32."""
@@ -174,6 +185,9 @@ class RotaryEmbedding(nn.Module):
         self.cos_cache = (angles.cos() * self.attention_factor).float()
         self.sin_cache = (angles.sin() * self.attention_factor).float()
         self._steps = torch.arange(n, dtype=torch.int64, device=device)
+        # The same tensors as a plain attribute: forward reads them without nn.Module.__getattr__
+        # (about 2 us per buffer, a tenth of a decode step's op call).
+        self._fast = (self.cos_cache, self.sin_cache, self._steps)
 
     #: The most positions the cache grows to (64 MiB of float32 tables at rotary_dim 128), unless
     #: max_position_embeddings is larger. Positions past it are rotated with tables built for the
@@ -281,18 +295,29 @@ class RotaryEmbedding(nn.Module):
             ``(q_out, k_out)``, rotated, with q's and k's shapes, dtypes and layouts.
 
         Cost: one op call on q and k (rotary_pos_qk), which gathers each token's row of
-        ``cos_cache``/``sin_cache`` in the kernel. Nothing in it waits for the device: checks that
-        need tensor values run on CPU tensors only, and the kernel checks every position against
-        the cache (a RuntimeError on the CPU, a device-side assert on CUDA). The cache covers
-        ``max_position_embeddings`` positions and grows in eager mode when an int offset or CPU
-        positions ask for more; device positions past it are the kernel's error.
+        ``cos_cache``/``sin_cache`` in the kernel. Nothing in it reads tensor values or waits for
+        the device: the kernel checks every position against the cache. The cache covers
+        ``max_position_embeddings`` positions; in eager mode it grows (up to
+        ``max_cache_positions``, then the call builds its own tables) for int offsets and for CPU
+        positions past it. On a GPU, size it for the positions you pass (``max_position_embeddings``
+        or :meth:`ensure_positions`): a position past it is a device-side assert.
         """
         require_tensor(q, "q")
         require_tensor(k, "k")
         if position_ids is not None:
-            P.check_positions(position_ids)
+            P.require_int_tensor(position_ids, "position_ids")
             if not (isinstance(offset, int) and offset == 0):
                 raise ValueError("rope_ext.RotaryEmbedding: give position_ids or offset, not both")
+        if self._cached:
+            positions = self._cache_positions(q, position_ids, offset, cu_seqlens)
+            if positions is not None:  # one op call; the kernel checks every position against the cache
+                cos, sin, _ = self._fast
+                try:
+                    return _rotary_pos_qk(q, k, cos, sin, positions, self.interleaved, False)
+                except RuntimeError as e:  # costs nothing unless raised
+                    return self._past_the_cache(e, q, k, positions)
+        if position_ids is not None:
+            P.check_positions(position_ids)
         streams = () if self.mrope_section is None else (3,)
         if cu_seqlens is not None:
             if q.dim() != 3:
@@ -310,19 +335,13 @@ class RotaryEmbedding(nn.Module):
                         f"rope_ext.RotaryEmbedding: position_ids of packed q must have shape {(*streams, T)}, "
                         f"got {tuple(position_ids.shape)}"
                     )
-            return self._rotate(q, k, position_ids, lambda t: t[:, None, :], lambda p: p[:, None])
+            return self._rotate(q, k, position_ids, lambda t: t[:, None, :])
         if q.dim() != 4:
             raise ValueError(
                 f"rope_ext.RotaryEmbedding: q must be 4-D ({'B, H, S, D' if self.layout == 'bhsd' else 'B, S, H, D'}"
                 f" for layout {self.layout!r}), got shape {tuple(q.shape)}"
             )
         B, S = q.shape[0], q.shape[2] if self.layout == "bhsd" else q.shape[1]
-        # positions (B, S) or (S,) -> broadcast over heads
-        pos_layout = (lambda p: p.unsqueeze(-2)) if self.layout == "bhsd" else (lambda p: p.unsqueeze(-1))
-        if position_ids is None and self._uses_cache:
-            P._check_offsets(offset, B, S, "offset", "(batch,)")
-            if isinstance(offset, int) and self._cache_covers(offset + S):  # a view of arange: no kernel
-                return self._rotate(q, k, None, None, pos_layout, positions=self._steps[offset : offset + S])
         if position_ids is None:
             position_ids = P.sequence_positions(B, S, offset, device=q.device)
         else:
@@ -338,19 +357,74 @@ class RotaryEmbedding(nn.Module):
                 position_ids = position_ids.unsqueeze(-2)
         # tables (B, S, r) -> broadcast over heads
         to_layout = (lambda t: t[..., None, :, :]) if self.layout == "bhsd" else (lambda t: t[..., None, :])
-        return self._rotate(q, k, position_ids, to_layout, pos_layout)
+        return self._rotate(q, k, position_ids, to_layout)
 
-    def _rotate(self, q, k, position_ids, to_layout, pos_layout, positions=None):
-        """One op call on q and k: rotary_pos_qk on the cache, or rotary_qk on per-call tables.
-        positions: ready-made positions for the cache (an arange view), instead of position_ids."""
-        if positions is None and self._uses_cache:
-            readable = P._readable(position_ids) and position_ids.numel()
-            if not readable or self._cache_covers(int(position_ids.numpy().max()) + 1):
-                positions = position_ids
-        if positions is not None:
-            return rotary_pos_qk(
-                q, k, self.cos_cache, self.sin_cache, pos_layout(positions), interleaved=self.interleaved
+    def _cache_positions(self, q, position_ids, offset, cu_seqlens):
+        """Positions for rotary_pos_qk on the cache, shaped to broadcast over q's heads, or None when
+        this call must build its own tables (an int offset past max_cache_positions). Reads no tensor
+        values: bounds, negative and int64-overflowing positions are the kernel's error."""
+        if cu_seqlens is not None:
+            if q.dim() != 3:
+                raise ValueError(
+                    f"rope_ext.RotaryEmbedding: with cu_seqlens, q and k must be packed (T, H, D), "
+                    f"got q of shape {tuple(q.shape)}"
+                )
+            T = q.shape[0]
+            if position_ids is None:
+                position_ids = P.packed_positions(cu_seqlens, T, offset, name="offset")
+            else:
+                P.check_cu_seqlens(cu_seqlens, T)
+                if P._validating() and tuple(position_ids.shape) != (T,):
+                    raise ValueError(
+                        f"rope_ext.RotaryEmbedding: position_ids of packed q must have shape {(T,)}, "
+                        f"got {tuple(position_ids.shape)}"
+                    )
+            return position_ids.unsqueeze(1)
+        if q.dim() != 4:
+            raise ValueError(
+                f"rope_ext.RotaryEmbedding: q must be 4-D ({'B, H, S, D' if self.layout == 'bhsd' else 'B, S, H, D'}"
+                f" for layout {self.layout!r}), got shape {tuple(q.shape)}"
             )
+        bhsd = self.layout == "bhsd"
+        B, S = q.shape[0], q.shape[2] if bhsd else q.shape[1]
+        if position_ids is None:
+            if isinstance(offset, int) and not isinstance(offset, bool):
+                if offset < 0:
+                    raise ValueError(f"rope_ext: offset must be >= 0, got {offset}")
+                if not self._cache_covers(offset + S):
+                    return None
+                steps = self._fast[2][offset : offset + S]  # a view: no kernel
+                return steps if bhsd else steps.unsqueeze(1)
+            P._check_offsets(offset, B, S, "offset", "(batch,)")
+            position_ids = offset.to(torch.int64).unsqueeze(1) + self._fast[2][:S]  # (B, S)
+        elif P._validating() and tuple(position_ids.shape) not in ((S,), (1, S), (B, S)):
+            raise ValueError(
+                f"rope_ext.RotaryEmbedding: position_ids must have shape {(B, S)} or {(S,)} for q of shape "
+                f"{tuple(q.shape)}, got {tuple(position_ids.shape)}"
+            )
+        if bhsd:
+            return position_ids if position_ids.dim() == 1 else position_ids.unsqueeze(1)
+        return position_ids.unsqueeze(-1)
+
+    def _past_the_cache(self, error: RuntimeError, q, k, positions):
+        """A CPU call whose positions the cache does not cover (the op checks them all before
+        writing anything): negative positions are refused by name, the cache grows up to
+        max_cache_positions, and past that the call builds its own tables. Device positions are
+        never read; there, sizing the cache (max_position_embeddings, ensure_positions) is the
+        caller's part, and a position past it is the kernel's device-side assert."""
+        if "is outside the cache" not in str(error) or not P._readable(positions) or not positions.numel():
+            raise error
+        values = positions.numpy()
+        if (least := int(values.min())) < 0:
+            raise ValueError(f"rope_ext: position_ids must be >= 0, got a minimum of {least}") from error
+        if self._cache_covers(int(values.max()) + 1):
+            return _rotary_pos_qk(q, k, self.cos_cache, self.sin_cache, positions, self.interleaved, False)
+        cos, sin = self._cos_sin(positions)  # positions.shape + (r,): broadcasts like positions
+        return rotary_qk(q, k, cos, sin, interleaved=self.interleaved)
+
+    def _rotate(self, q, k, position_ids, to_layout):
+        """rotary_qk on tables built for this call's position_ids (the non-cached types, and int
+        offsets past max_cache_positions)."""
         cos, sin = self._cos_sin(position_ids)
         if self.xpos_scale_base is None:
             return rotary_qk(q, k, to_layout(cos), to_layout(sin), interleaved=self.interleaved)

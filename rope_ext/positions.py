@@ -33,12 +33,17 @@ def _readable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling() and not t.requires_grad
 
 
-def check_positions(positions: torch.Tensor, name: str = "position_ids") -> None:
-    """Positions must be an integer tensor of non-negative values."""
+def require_int_tensor(positions, name: str = "position_ids") -> None:
+    """An integer tensor (its values unread)."""
     if not isinstance(positions, torch.Tensor):
         raise TypeError(f"rope_ext: {name} must be an integer tensor, got {type(positions).__name__}")
     if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
         raise TypeError(f"rope_ext: {name} must be an integer tensor (int32 or int64), got {positions.dtype}")
+
+
+def check_positions(positions: torch.Tensor, name: str = "position_ids") -> None:
+    """Positions must be an integer tensor of non-negative values (the values are read on CPU only)."""
+    require_int_tensor(positions, name)
     if _readable(positions) and positions.numel() and (least := int(positions.numpy().min())) < 0:
         raise ValueError(f"rope_ext: {name} must be >= 0, got a minimum of {least}")
 
