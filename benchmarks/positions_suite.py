@@ -7,7 +7,7 @@ Results are checked against each other before anything is timed.
 
   decode    Llama-3-8B heads (32 q, 8 kv, head dim 128), bfloat16, q (B, 32, 1, 128) and k
             (B, 8, 1, 128) in HF's layout, position 1000 + b for row b, B in {1, 32}, 1 thread:
-              module         RotaryEmbedding(128, 5e5)(q, k, position_ids): one rotary_pos_qk call
+              module         RotaryEmbedding(128, 5e5, layout="bhsd")(q, k, position_ids): one rotary_pos_qk call
               module_offset  the same with offset=1000 (an int: positions are a view of a buffer)
               table_path     what the module did before issue 18: cos_sin(position_ids), then
                              rotary_qk on those tables
@@ -65,7 +65,7 @@ def decode(rounds, min_run_time, lines):
     config = LlamaConfig(hidden_size=HQ * D, num_attention_heads=HQ, num_key_value_heads=HKV, rope_theta=BASE,
                          max_position_embeddings=8192)
     hf_rope = LlamaRotaryEmbedding(config)
-    rope = rope_ext.RotaryEmbedding(D, BASE, max_position_embeddings=8192)
+    rope = rope_ext.RotaryEmbedding(D, BASE, max_position_embeddings=8192, layout="bhsd")
     g = torch.Generator().manual_seed(0)
     for batch in (1, 32):
         q = torch.randn(batch, HQ, 1, D, generator=g).bfloat16()
@@ -147,7 +147,7 @@ def kernel(rounds, min_run_time, lines):
 
 def prefill(rounds, min_run_time, lines):
     batch, seq = 4, 4096
-    rope = rope_ext.RotaryEmbedding(D, BASE, max_position_embeddings=8192)
+    rope = rope_ext.RotaryEmbedding(D, BASE, max_position_embeddings=8192, layout="bhsd")
     g = torch.Generator().manual_seed(2)
     q = torch.randn(batch, seq, HQ, D, generator=g).bfloat16().transpose(1, 2)  # HF's view
     k = torch.randn(batch, seq, HKV, D, generator=g).bfloat16().transpose(1, 2)

@@ -32,9 +32,11 @@ class RotaryEmbedding(nn.Module):
         scaling: HF ``rope_scaling`` / ``rope_parameters`` dict (``rope_type`` default, linear,
             dynamic, yarn, longrope or llama3, with that type's keys); see :mod:`rope_ext.scaling`.
         max_position_embeddings: the model's context length (used by the scaling types).
-        layout: ``"bhsd"``: q, k are (batch, heads, seqlen, D), HF's layout (the default);
+        layout: required, keyword. ``"bhsd"``: q, k are (batch, heads, seqlen, D), HF's layout;
             ``"bshd"``: (batch, seqlen, heads, D), flash-attn's. Packed inputs (cu_seqlens) are
-            always (total_tokens, heads, D).
+            always (total_tokens, heads, D). There is no default: with as many q as k heads the
+            two layouts have the same shapes, and the wrong one rotates along the head axis
+            without an error. (:meth:`from_hf_config` takes ``"bhsd"``, HF attention's layout.)
         xpos_scale_base: enables xPos (Sun et al., 2022): q is scaled by zeta^(n / scale_base)
             and k by zeta^(-n / scale_base), zeta_i = (2i + 0.4 r) / (1.4 r). None: off.
         mrope_section: multimodal M-RoPE (Qwen2-VL): frequencies split into sections
@@ -60,7 +62,7 @@ class RotaryEmbedding(nn.Module):
         partial_rotary_factor: float | None = None,
         scaling: dict | None = None,
         max_position_embeddings: int = 2048,
-        layout: str = "bhsd",
+        layout: str | None = None,
         xpos_scale_base: float | None = None,
         mrope_section: list[int] | None = None,
         device=None,
@@ -90,6 +92,13 @@ class RotaryEmbedding(nn.Module):
         ):
             raise ValueError(
                 f"rope_ext.RotaryEmbedding: rotary_dim must be an even int in (0, dim={dim}], got {rotary_dim!r}"
+            )
+        if layout is None:
+            raise TypeError(
+                "rope_ext.RotaryEmbedding: give layout='bhsd' for q, k of shape (batch, heads, seqlen, head_dim) "
+                "(HF) or layout='bshd' for (batch, seqlen, heads, head_dim) (flash-attn). It has no default: "
+                "with as many q as k heads both have the same shapes, and the wrong one would silently rotate "
+                "along the head axis"
             )
         if layout not in LAYOUTS:
             raise ValueError(f"rope_ext.RotaryEmbedding: layout must be one of {LAYOUTS}, got {layout!r}")

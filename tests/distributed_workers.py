@@ -54,7 +54,7 @@ def context_parallel_rotation(rank, world, port, out_path):
     try:
         gen = torch.Generator().manual_seed(6)
         q, k = torch.randn(2, 8, 64, 32, generator=gen), torch.randn(2, 2, 64, 32, generator=gen)
-        rope = rope_ext.RotaryEmbedding(32, 5e5)
+        rope = rope_ext.RotaryEmbedding(32, 5e5, layout="bhsd")
         shard = 64 // world
         sl = slice(rank * shard, (rank + 1) * shard)
         q_out, k_out = rope(q[:, :, sl].contiguous(), k[:, :, sl].contiguous(), offset=rank * shard)

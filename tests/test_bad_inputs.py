@@ -52,7 +52,8 @@ PX = torch.randn(10, 4, 16)
 CU = torch.tensor([0, 4, 10], dtype=torch.int32)            # cu_seqlens of PQ, PK and PX
 POS = torch.arange(5).expand(2, 5)                          # (batch, seqlen) position_ids
 INV = 10000.0 ** -(torch.arange(0, 16, 2, dtype=torch.float64) / 16)  # (rotary_dim / 2,) inv_freq
-rope = rope_ext.RotaryEmbedding(16)
+rope = rope_ext.RotaryEmbedding(16, layout="bhsd")
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0}
 """
 
 # The working calls the bad cases are variations of.
@@ -76,9 +77,9 @@ P.cos_sin_tables(torch.tensor([0, 1]), INV)
 parse_scaling({"rope_type": "linear", "factor": 2.0})
 parse_scaling({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})
 RopeSchedule.from_config({"rope_type": "linear", "factor": 2.0}, base=1e4, rotary_dim=16, max_position_embeddings=64)
-rope_ext.RotaryEmbedding(16, partial_rotary_factor=0.5, xpos_scale_base=512.0, max_position_embeddings=1)
-rope_ext.RotaryEmbedding(16, mrope_section=[4, 2, 2], interleaved=True, scaling={"rope_type": "dynamic", "factor": 2.0})
-rope_ext.RotaryEmbedding(16, scaling={"rope_type": "yarn", "factor": 4})
+rope_ext.RotaryEmbedding(16, partial_rotary_factor=0.5, xpos_scale_base=512.0, max_position_embeddings=1, layout="bhsd")
+rope_ext.RotaryEmbedding(16, layout="bhsd", mrope_section=[4, 2, 2], interleaved=True, scaling=DYNAMIC)
+rope_ext.RotaryEmbedding(16, scaling={"rope_type": "yarn", "factor": 4}, layout="bhsd")
 rope(Q, K)
 rope(Q, K, POS)
 rope(Q, K, torch.arange(5))
@@ -87,7 +88,7 @@ rope(Q, K, offset=2**62)
 rope(PQ, PK, cu_seqlens=CU, offset=torch.tensor([0, 7]))
 rope(PQ, PK, torch.arange(10), cu_seqlens=CU)
 rope.cos_sin(POS)
-rope_ext.RotaryEmbedding(16, mrope_section=[4, 2, 2]).cos_sin(POS.expand(3, 2, 5))
+rope_ext.RotaryEmbedding(16, mrope_section=[4, 2, 2], layout="bhsd").cos_sin(POS.expand(3, 2, 5))
 """
 
 
@@ -328,36 +329,48 @@ CASES = {
         r"rotary_dim must be a positive even int, got 15",
     ),
     "module_infinite_dynamic_factor": Bad(
-        "rope_ext.RotaryEmbedding(16, scaling={'rope_type': 'dynamic', 'factor': INF})",
+        "rope_ext.RotaryEmbedding(16, scaling={'rope_type': 'dynamic', 'factor': INF}, layout='bhsd')",
         ValueError,
         r"scaling\['factor'\] must be a finite positive number, got inf",
     ),
     "module_yarn_factor_string": Bad(
-        "rope_ext.RotaryEmbedding(16, scaling={'rope_type': 'yarn', 'factor': '4'})",
+        "rope_ext.RotaryEmbedding(16, scaling={'rope_type': 'yarn', 'factor': '4'}, layout='bhsd')",
         ValueError,
         r"scaling\['factor'\] must be a finite positive number, got '4'",
     ),
     # --- RotaryEmbedding(...) -----------------------------------------------------------------------
-    "module_dim_zero": Bad("rope_ext.RotaryEmbedding(0)", ValueError, r"dim must be a positive int, got 0"),
+    "module_dim_zero": Bad(
+        "rope_ext.RotaryEmbedding(0, layout='bhsd')",
+        ValueError,
+        r"dim must be a positive int, got 0",
+    ),
     "module_max_position_embeddings_zero": Bad(
-        "rope_ext.RotaryEmbedding(16, max_position_embeddings=0)",
+        "rope_ext.RotaryEmbedding(16, max_position_embeddings=0, layout='bhsd')",
         ValueError,
         r"max_position_embeddings must be a positive int, got 0",
     ),
     "module_partial_rotary_factor_string": Bad(
-        "rope_ext.RotaryEmbedding(16, partial_rotary_factor='0.5')", AS_TENSOR, r"partial_rotary_factor must be .*'0.5'"
+        "rope_ext.RotaryEmbedding(16, partial_rotary_factor='0.5', layout='bhsd')",
+        AS_TENSOR,
+        r"partial_rotary_factor must be .*'0.5'",
     ),
     "module_xpos_scale_base_string": Bad(
-        "rope_ext.RotaryEmbedding(16, xpos_scale_base='512')", AS_TENSOR, r"xpos_scale_base must be .*'512'"
+        "rope_ext.RotaryEmbedding(16, xpos_scale_base='512', layout='bhsd')",
+        AS_TENSOR,
+        r"xpos_scale_base must be .*'512'",
     ),
     "module_mrope_section_int": Bad(
-        "rope_ext.RotaryEmbedding(16, mrope_section=8)", AS_TENSOR, r"mrope_section must be .*got 8"
+        "rope_ext.RotaryEmbedding(16, mrope_section=8, layout='bhsd')", AS_TENSOR, r"mrope_section must be .*got 8"
     ),
     "module_interleaved_string": Bad(
-        "rope_ext.RotaryEmbedding(16, interleaved='no')", AS_TENSOR, r"interleaved must be a bool, got 'no'"
+        "rope_ext.RotaryEmbedding(16, interleaved='no', layout='bhsd')",
+        AS_TENSOR,
+        r"interleaved must be a bool, got 'no'",
     ),
     "module_negative_base": Bad(
-        "rope_ext.RotaryEmbedding(16, base=-1.0)", ValueError, r"\bbase must be a finite positive number, got -1.0"
+        "rope_ext.RotaryEmbedding(16, base=-1.0, layout='bhsd')",
+        ValueError,
+        r"\bbase must be a finite positive number, got -1.0",
     ),
     # --- RotaryEmbedding.forward / cos_sin ----------------------------------------------------------
     "forward_q_3d_without_cu_seqlens": Bad(
@@ -419,7 +432,7 @@ CASES = {
         r"position_ids must be an integer tensor \(int32 or int64\), got torch.float32",
     ),
     "cos_sin_mrope_two_streams": Bad(
-        "rope_ext.RotaryEmbedding(16, mrope_section=[4, 2, 2]).cos_sin(POS)",
+        "rope_ext.RotaryEmbedding(16, mrope_section=[4, 2, 2], layout='bhsd').cos_sin(POS)",
         ValueError,
         r"with mrope_section, position_ids must have shape \(3, batch, seqlen\), got \(2, 5\)",
     ),

@@ -68,7 +68,7 @@ def test_cuda_device_mismatch_is_a_clear_error(cuda):
 
 def test_cuda_graphs_reduce_overhead(cuda, gen):
     """torch.compile(mode="reduce-overhead") captures the op in a CUDA graph and replays it."""
-    rope = rope_ext.RotaryEmbedding(64).to(cuda)
+    rope = rope_ext.RotaryEmbedding(64, layout="bhsd").to(cuda)
     q, k = randn(2, 4, 16, 64, gen=gen).to(cuda), randn(2, 2, 16, 64, gen=gen).to(cuda)
     compiled = torch.compile(rope, mode="reduce-overhead", fullgraph=True)
     for _ in range(3):

@@ -45,5 +45,5 @@ def test_context_parallel_rotation_equals_unsharded(tmp_path):
     q_cp, k_cp = torch.load(out)
     gen = torch.Generator().manual_seed(6)
     q, k = torch.randn(2, 8, 64, 32, generator=gen), torch.randn(2, 2, 64, 32, generator=gen)
-    q_ref, k_ref = rope_ext.RotaryEmbedding(32, 5e5)(q, k)
+    q_ref, k_ref = rope_ext.RotaryEmbedding(32, 5e5, layout="bhsd")(q, k)
     assert torch.equal(q_cp, q_ref) and torch.equal(k_cp, k_ref)

@@ -16,7 +16,7 @@ class Attention(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.rope = rope_ext.RotaryEmbedding(16, 5e5, interleaved=False)
+        self.rope = rope_ext.RotaryEmbedding(16, 5e5, interleaved=False, layout="bhsd")
         self.proj = torch.nn.Linear(64, 64)
 
     def forward(self, x, position_ids):

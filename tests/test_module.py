@@ -54,7 +54,7 @@ def test_layouts_agree(gen):
 @pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
 def test_step_by_step_decode_equals_full_pass(interleaved, gen):
     """Prefill 5 tokens, then decode one at a time with offset = cached length: bit-identical."""
-    m = rope_ext.RotaryEmbedding(D, interleaved=interleaved)
+    m = rope_ext.RotaryEmbedding(D, interleaved=interleaved, layout="bhsd")
     q, k = randn(2, 4, 12, D, dtype=torch.bfloat16, gen=gen), randn(2, 2, 12, D, dtype=torch.bfloat16, gen=gen)
     full_q, full_k = m(q, k)
     pre_q, pre_k = m(q[:, :, :5], k[:, :, :5])
@@ -67,7 +67,7 @@ def test_step_by_step_decode_equals_full_pass(interleaved, gen):
 def test_per_batch_offsets_and_left_padding(gen):
     """Row b decoding at its own cache length, and left-padded rows via position_ids, each
     equal the row run alone."""
-    m = rope_ext.RotaryEmbedding(D)
+    m = rope_ext.RotaryEmbedding(D, layout="bhsd")
     q, k = randn(3, 4, 1, D, gen=gen), randn(3, 2, 1, D, gen=gen)
     offsets = torch.tensor([0, 17, 4000])
     out_q, out_k = m(q, k, offset=offsets)
@@ -101,7 +101,7 @@ LONG_POSITIONS = [0, 1, 255, 256, 2047, 2048, 2049, 4095, 15962, 48039, 65536, 1
 
 @pytest.mark.parametrize("base", [1e4, 5e5, 1e6], ids=str)
 def test_precision_at_long_positions(base, gen):
-    m = rope_ext.RotaryEmbedding(128, base)
+    m = rope_ext.RotaryEmbedding(128, base, layout="bhsd")
     pos = torch.tensor(LONG_POSITIONS)
     cos, sin = m.cos_sin(pos)
     angles = pos.double()[:, None] * inv_freq(128, base)
@@ -117,7 +117,7 @@ def test_precision_at_long_positions(base, gen):
 def test_tables_ignore_autocast_tf32_and_module_dtype(gen):
     m = rope_ext.RotaryEmbedding(
         D, scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
-    )
+    , layout="bhsd")
     pos = torch.arange(0, 300_000, 997)[None]
     ref = m.cos_sin(pos)
     tf32 = torch.get_float32_matmul_precision()
@@ -137,17 +137,19 @@ def test_tables_ignore_autocast_tf32_and_module_dtype(gen):
 
 def test_meta_init_then_to_empty_and_state_dict(gen):
     with torch.device("meta"):
-        m = rope_ext.RotaryEmbedding(D, 5e5, scaling={"rope_type": "linear", "factor": 2.0})
+        m = rope_ext.RotaryEmbedding(D, 5e5, scaling={"rope_type": "linear", "factor": 2.0}, layout="bhsd")
     assert m.inv_freq.is_meta
     m = m.to_empty(device="cpu")
-    ref = rope_ext.RotaryEmbedding(D, 5e5, scaling={"rope_type": "linear", "factor": 2.0})
+    ref = rope_ext.RotaryEmbedding(D, 5e5, scaling={"rope_type": "linear", "factor": 2.0}, layout="bhsd")
     pos = torch.arange(50)[None]
     assert torch.equal(m.cos_sin(pos)[0], ref.cos_sin(pos)[0])
     assert len(m.state_dict()) == 0  # frequencies are not persistent: checkpoints stay HF-compatible
 
 
 def test_compile_fullgraph_no_recompile_over_lengths(gen):
-    m = rope_ext.RotaryEmbedding(D, scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=16)
+    m = rope_ext.RotaryEmbedding(
+        D, scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=16, layout="bhsd"
+    )
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     compiled = torch.compile(m, fullgraph=True, dynamic=True, backend=counter)
     for s in (5, 9, 20, 33):  # crosses max_position_embeddings: dynamic NTK changes the base
@@ -162,14 +164,14 @@ def test_xpos(interleaved, gen):
     """q scaled by zeta^(n/base), k by zeta^(-n/base): the score picks up zeta^((m-n)/base)
     and stays a function of m - n."""
     scale_base, r = 512.0, D
-    m = rope_ext.RotaryEmbedding(D, interleaved=interleaved, xpos_scale_base=scale_base)
+    m = rope_ext.RotaryEmbedding(D, interleaved=interleaved, xpos_scale_base=scale_base, layout="bhsd")
     q, k = randn(1, 1, 40, D, dtype=torch.float64, gen=gen), randn(1, 1, 40, D, dtype=torch.float64, gen=gen)
     q_out, k_out = m(q, k)
     pos = torch.arange(40)
     zeta = (torch.arange(0, r, 2, dtype=torch.float64) + 0.4 * r) / (1.4 * r)
     scale = zeta ** (pos.double()[:, None] / scale_base)
     scale = scale.repeat_interleave(2, -1) if interleaved else torch.cat((scale, scale), -1)
-    plain_q, plain_k = rope_ext.RotaryEmbedding(D, interleaved=interleaved)(q, k)
+    plain_q, plain_k = rope_ext.RotaryEmbedding(D, interleaved=interleaved, layout="bhsd")(q, k)
     tol = {"atol": 1e-6, "rtol": 1e-6}  # tables are float32: one rounding of cos*scale
     torch.testing.assert_close(q_out, plain_q * scale, **tol)
     torch.testing.assert_close(k_out, plain_k / scale, **tol)
@@ -216,6 +218,7 @@ MODULE_BAD = {
     "both_partial_args": (dict(dim=64, rotary_dim=32, partial_rotary_factor=0.5), ValueError, "not both"),
     "bad_partial_factor": (dict(dim=64, partial_rotary_factor=1.5), ValueError, "partial_rotary_factor"),
     "bad_layout": (dict(dim=64, layout="sbhd"), ValueError, "layout must be one of"),
+    "no_layout": (dict(dim=64, layout=None), TypeError, "give layout='bhsd'"),
     "bad_mrope_section": (dict(dim=64, mrope_section=[8, 8, 8]), ValueError, "mrope_section must be positive sizes"),
     "unknown_rope_type": (dict(dim=64, scaling={"rope_type": "ntk-by-parts"}), ValueError, "rope_type"),
     "zero_base": (dict(dim=64, base=0.0), ValueError, r"base must be a finite positive number, got 0.0"),
@@ -226,7 +229,7 @@ MODULE_BAD = {
 def test_module_bad_arguments(name):
     kwargs, exc, msg = MODULE_BAD[name]
     with pytest.raises(exc, match=msg):
-        rope_ext.RotaryEmbedding(**kwargs)
+        rope_ext.RotaryEmbedding(**{"layout": "bhsd", **kwargs})
 
 
 FORWARD_BAD = {
@@ -246,7 +249,7 @@ FORWARD_BAD = {
 @pytest.mark.parametrize("name", FORWARD_BAD)
 def test_forward_bad_arguments(name):
     kwargs, exc, msg = FORWARD_BAD[name]
-    m = rope_ext.RotaryEmbedding(16)
+    m = rope_ext.RotaryEmbedding(16, layout="bhsd")
     with pytest.raises(exc, match=msg):
         m(torch.zeros(2, 2, 5, 16), torch.zeros(2, 1, 5, 16), **kwargs)
 
@@ -262,7 +265,7 @@ PACKED_BAD = {
 @pytest.mark.parametrize("name", PACKED_BAD)
 def test_packed_bad_cu_seqlens(name):
     cu, msg = PACKED_BAD[name]
-    m = rope_ext.RotaryEmbedding(16)
+    m = rope_ext.RotaryEmbedding(16, layout="bhsd")
     with pytest.raises((ValueError, TypeError), match=msg):
         m(torch.zeros(5, 2, 16), torch.zeros(5, 1, 16), cu_seqlens=cu)
 

@@ -34,7 +34,7 @@ def table_path(rope, q, k, position_ids, bhsd=True):
 @pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
 def test_every_position_mode_equals_the_table_path(interleaved, scaling, gen):
     rope = rope_ext.RotaryEmbedding(32, 5e5, interleaved=interleaved, rotary_dim=24, scaling=scaling,
-                                    max_position_embeddings=256)
+                                    max_position_embeddings=256, layout="bhsd")
     assert rope._uses_cache
     B, S = 2, 6
     q, k = randn(B, 4, S, 32, dtype=torch.bfloat16, gen=gen), randn(B, 2, S, 32, dtype=torch.bfloat16, gen=gen)
@@ -91,7 +91,7 @@ def test_forward_is_one_op_call_without_host_sync(layout, gen):
 
 
 def test_cache_grows_in_eager_and_past_the_cap_builds_tables(gen):
-    rope = rope_ext.RotaryEmbedding(16, max_position_embeddings=32)
+    rope = rope_ext.RotaryEmbedding(16, max_position_embeddings=32, layout="bhsd")
     q, k = randn(1, 2, 4, 16, gen=gen), randn(1, 2, 4, 16, gen=gen)
     assert rope.cos_cache.shape == (32, 8)
     got = rope(q, k, offset=40)  # grows (doubles)
@@ -111,21 +111,21 @@ def test_cache_grows_in_eager_and_past_the_cap_builds_tables(gen):
 
 
 def test_cache_survives_moves_and_dtype_changes(gen):
-    rope = rope_ext.RotaryEmbedding(16, max_position_embeddings=32)
+    rope = rope_ext.RotaryEmbedding(16, max_position_embeddings=32, layout="bhsd")
     q, k = randn(1, 2, 4, 16, gen=gen), randn(1, 2, 4, 16, gen=gen)
     want = rope(q, k, offset=3)
     rope.to(torch.bfloat16)
     assert rope.cos_cache.dtype == torch.float32 and rope.cos_cache.shape == (32, 8)
     got = rope(q, k, offset=3)
     assert torch.equal(got[0], want[0])
-    meta = rope_ext.RotaryEmbedding(16, max_position_embeddings=32, device="meta").to_empty(device="cpu")
+    meta = rope_ext.RotaryEmbedding(16, max_position_embeddings=32, device="meta", layout="bhsd").to_empty(device="cpu")
     got = meta(q, k, offset=3)
     assert torch.equal(got[0], want[0])
     assert "cos_cache" not in rope.state_dict()
 
 
 def test_compile_sees_a_fixed_buffer_and_does_not_recompile(gen):
-    rope = rope_ext.RotaryEmbedding(16, max_position_embeddings=64)
+    rope = rope_ext.RotaryEmbedding(16, max_position_embeddings=64, layout="bhsd")
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     compiled = torch.compile(rope, fullgraph=True, dynamic=True, backend=counter)
     for s in (3, 5, 9, 17):
@@ -138,3 +138,28 @@ def test_compile_sees_a_fixed_buffer_and_does_not_recompile(gen):
     with pytest.raises(RuntimeError, match="is outside the cache, whose 64 rows"):
         compiled(q, q, torch.tensor([[1, 64]]))
     assert rope.cos_cache.shape == (64, 8)
+
+
+def test_layout_is_required_and_names_both_choices():
+    with pytest.raises(TypeError, match=r"give layout='bhsd' .* or layout='bshd'.*silently rotate along the head axis"):
+        rope_ext.RotaryEmbedding(64)
+    # what a default would have hidden: MHA q, k in (B, S, H, D) read as (B, H, S, D)
+    q = torch.randn(1, 6, 4, 64)
+    right = rope_ext.RotaryEmbedding(64, layout="bshd")(q, q)[0]
+    wrong = rope_ext.RotaryEmbedding(64, layout="bhsd")(q, q)[0]
+    assert not torch.allclose(right, wrong)
+    assert torch.equal(right.transpose(1, 2), rope_ext.RotaryEmbedding(64, layout="bhsd")(*[q.transpose(1, 2)] * 2)[0])
+
+
+def test_ensure_positions_sizes_the_cache_for_device_positions(gen):
+    rope = rope_ext.RotaryEmbedding(16, layout="bshd", max_position_embeddings=8)
+    rope.ensure_positions(300)
+    assert rope.cos_cache.shape == (300, 8)
+    q = randn(1, 3, 2, 16, gen=gen)
+    pos = torch.tensor([[299, 0, 150]])
+    events = _profile(lambda: rope(q, q, pos))
+    assert [e for e in events if e.startswith("rope_ext::")] == ["rope_ext::rotary_pos_qk"]
+    want = table_path(rope, q, q, pos, bhsd=False)
+    assert torch.equal(rope(q, q, pos)[0], want[0])
+    with pytest.raises(ValueError, match="n must be an int >= 0"):
+        rope.ensure_positions(-1)

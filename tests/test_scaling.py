@@ -347,7 +347,7 @@ ENTRY_POINTS = {
     ),
     "RotaryEmbedding": lambda scaling: rope_ext.RotaryEmbedding(
         BAD_DIM, scaling=scaling, max_position_embeddings=MAX_POS
-    ),
+    , layout="bhsd"),
 }
 
 

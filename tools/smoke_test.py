@@ -45,7 +45,7 @@ compiled = torch.compile(lambda t: rope_ext.rotary(t, cos.float(), sin.float()),
 xf = x.detach().float()
 torch.testing.assert_close(compiled(xf), rope_ext.rotary(xf, cos.float(), sin.float()), rtol=0, atol=0)
 
-rope = rope_ext.RotaryEmbedding(D)  # layout (B, H, S, D)
+rope = rope_ext.RotaryEmbedding(D, layout="bhsd")  # layout (B, H, S, D)
 q, k = torch.randn(B, H, S, D), torch.randn(B, 1, S, D)
 q_out, k_out = rope(q, k)
 table_cos, table_sin = cos.float().transpose(0, 1), sin.float().transpose(0, 1)  # (1, S, D)
