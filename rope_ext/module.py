@@ -206,7 +206,7 @@ class RotaryEmbedding(nn.Module):
     def _cache_covers(self, needed: int) -> bool:
         """Whether the cache covers positions < needed, growing it if allowed (eager only: under
         torch.compile the buffers are fixed, and a position past them is the op's bounds error)."""
-        rows = self.cos_cache.shape[0]
+        rows = self._fast[0].shape[0]
         if needed <= rows or torch.compiler.is_compiling():
             return True
         if needed > max(self.max_cache_positions, self.max_position_embeddings):
@@ -402,7 +402,7 @@ class RotaryEmbedding(nn.Module):
                     raise ValueError(f"rope_ext: offset must be >= 0, got {offset}")
                 if not self._cache_covers(offset + S):
                     return None
-                steps = self._fast[2][offset : offset + S]  # a view: no kernel
+                steps = self._fast[2].narrow(0, offset, S)  # a view: no kernel
                 return steps if bhsd else steps.unsqueeze(1)
             P._check_offsets(offset, B, S, "offset", "(batch,)")
             position_ids = offset.to(torch.int64).unsqueeze(1) + self._fast[2][:S]  # (B, S)
