@@ -84,7 +84,7 @@ struct RotaryOps {
     const char* op = "rope_ext.rotary_pos_qk";
     check_rotary_pos_args(op, q, cos_cache, sin_cache, positions, "q");
     check_rotary_pos_args(op, k, cos_cache, sin_cache, positions, "k");
-    check_qk_pos_args(op, q, k, positions);
+    check_qk_args(op, q, k, positions, "positions", 0);
     at::Tensor q_out = at::empty_like(q);
     at::Tensor k_out = at::empty_like(k);
     run({q, q_out, cos_cache, sin_cache, &positions, &k, &k_out, interleaved, conjugate, op});
@@ -106,7 +106,7 @@ struct RotaryOps {
     // The schema marks k mutable, so the optional holds the caller's tensor (a shared handle).
     at::Tensor kt = *k;
     check_rotary_pos_args(op, kt, cos_cache, sin_cache, positions, "k");
-    check_qk_pos_args(op, q, kt, positions);
+    check_qk_args(op, q, kt, positions, "positions", 0);
     check_inplace_args(op, kt, inputs, "k");
     check_inplace_args(op, q, {{"k", &kt}}, "q");
     run({q, q, cos_cache, sin_cache, &positions, &kt, &kt, interleaved, conjugate, op});

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 
 namespace rope_ext {
@@ -118,38 +119,25 @@ void check_positions_in_range(const char* op, const at::Tensor& positions, int64
 }
 
 void check_qk_args(const char* op, const at::Tensor& q, const at::Tensor& k,
-                   const std::optional<at::Tensor>& shared_cos) {
+                   const std::optional<at::Tensor>& shared, const char* name, int64_t trailing) {
   TORCH_CHECK(q.scalar_type() == k.scalar_type(), op, ": q and k must have the same dtype, got q ",
               q.scalar_type(), " and k ", k.scalar_type());
-  if (!shared_cos.has_value()) return;
-  const at::Tensor& cos = *shared_cos;
-  TORCH_CHECK(q.dim() == k.dim(), op, ": q and k must have the same number of dims, got q ",
-              q.sizes(), " and k ", k.sizes());
-  int64_t differing = 0;
-  for (int64_t d = 0; d + 1 < q.dim(); ++d) {
-    if (q.size(d) == k.size(d)) continue;
-    ++differing;
-    const int64_t from_end = q.dim() - d;  // the tables' dim aligned with d, if any
-    const bool tables_broadcast = cos.dim() < from_end || cos.size(-from_end) == 1;
-    TORCH_CHECK(differing == 1 && tables_broadcast, op, ": q ", q.sizes(), " and k ", k.sizes(),
-                " may differ only in the head count (one dim along which cos/sin of shape ",
-                cos.sizes(), " broadcast); batch and sequence dims must match");
-  }
-}
-
-void check_qk_pos_args(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions) {
-  TORCH_CHECK(q.scalar_type() == k.scalar_type(), op, ": q and k must have the same dtype, got q ",
-              q.scalar_type(), " and k ", k.scalar_type());
+  if (!shared.has_value()) return;
+  const at::Tensor& t = *shared;
   TORCH_CHECK(q.dim() == k.dim(), op, ": q and k must have the same number of dims, got q ", q.sizes(),
               " and k ", k.sizes());
+  if (trailing == 0) {  // positions: q and k share one launch, whose items follow the head dim
+    TORCH_CHECK(q.size(-1) == k.size(-1), op, ": q and k must have the same head dim, got q ", q.sizes(),
+                " and k ", k.sizes());
+  }
   int64_t differing = 0;
   for (int64_t d = 0; d + 1 < q.dim(); ++d) {
     if (q.size(d) == k.size(d)) continue;
     ++differing;
-    const int64_t from_end = q.dim() - 1 - d;  // positions' dim aligned with d, if any
-    const bool broadcast = positions.dim() < from_end || positions.size(-from_end) == 1;
+    const int64_t from_end = q.dim() - 1 - d + trailing;  // the shared tensor's dim aligned with d, if any
+    const bool broadcast = t.dim() < from_end || t.size(-from_end) == 1;
     TORCH_CHECK(differing == 1 && broadcast, op, ": q ", q.sizes(), " and k ", k.sizes(),
-                " may differ only in the head count (one dim along which positions of shape ", positions.sizes(),
+                " may differ only in the head count (one dim along which ", name, " of shape ", t.sizes(),
                 " broadcast); batch and sequence dims must match");
   }
 }
@@ -174,6 +162,39 @@ bool spans_intersect(const at::Tensor& a, const at::Tensor& b) {
   return a_lo <= b_hi && b_lo <= a_hi;
 }
 
+// An exact answer, where spans_intersect is only a bound, for views of one buffer that repeat with one
+// period: each has a dim whose stride L is its largest, and everything else it holds lies within L
+// elements of that dim's steps (rows of a fused qkv buffer split between q, k and v). Then each view
+// occupies one interval of offsets modulo L, and two views are disjoint when their intervals are.
+// False when the pattern does not apply (the caller then assumes they may intersect).
+bool disjoint_by_period(const at::Tensor& a, const at::Tensor& b) {
+  if (a.element_size() != b.element_size() || a.dim() == 0 || b.dim() == 0) return false;
+  struct Period {
+    int64_t stride = 0, span = 1;  // the period L, and the extent within it
+  };
+  const auto period_of = [](const at::Tensor& t) -> std::optional<Period> {
+    int64_t outer = -1;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      if (t.size(d) > 1 && t.stride(d) <= 0) return std::nullopt;
+      if (t.size(d) > 1 && (outer < 0 || t.stride(d) > t.stride(outer))) outer = d;
+    }
+    Period p;
+    if (outer < 0) return std::nullopt;
+    p.stride = t.stride(outer);
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      if (d != outer) p.span += (t.size(d) - 1) * t.stride(d);
+    }
+    if (p.span > p.stride) return std::nullopt;
+    return p;
+  };
+  const auto pa = period_of(a), pb = period_of(b);
+  if (!pa || !pb || pa->stride != pb->stride) return false;
+  const int64_t L = pa->stride;
+  const auto mod = [L](int64_t v) { return ((v % L) + L) % L; };
+  const int64_t ra = mod(a.storage_offset()), rb = mod(b.storage_offset());
+  return mod(rb - ra) >= pa->span && mod(ra - rb) >= pb->span;
+}
+
 }  // namespace
 
 void check_inplace_args(const char* op, const at::Tensor& x, std::initializer_list<NamedTensor> others,
@@ -182,12 +203,13 @@ void check_inplace_args(const char* op, const at::Tensor& x, std::initializer_li
               " has elements that share memory (e.g. an expanded view), so it cannot be rotated in place; ",
               "use the out-of-place op");
   for (const auto& [name, t] : others) {
-    // ATen answers TooHard for non-dense views; then any intersection of the two views' byte
-    // ranges is refused: never a missed overlap, and a false alarm only for disjoint views whose
-    // ranges interleave (rows of one buffer split between x and a table).
+    // ATen answers TooHard for non-dense views; then two views whose byte ranges intersect are
+    // refused unless disjoint_by_period proves them apart (rows of one buffer split between q and
+    // k): never a missed overlap, and a false alarm only for interleavings of other shapes.
     const auto status = at::get_overlap_status(x, *t);
-    const bool overlap = status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial ||
-                         (status == at::MemOverlapStatus::TooHard && spans_intersect(x, *t));
+    const bool overlap =
+        status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial ||
+        (status == at::MemOverlapStatus::TooHard && spans_intersect(x, *t) && !disjoint_by_period(x, *t));
     TORCH_CHECK(!overlap, op, ": ", nx, " shares memory with ", name,
                 "; in-place rotation would overwrite it while reading it");
   }

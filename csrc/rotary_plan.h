@@ -53,12 +53,14 @@ struct ArgNames {
 ROPE_EXT_INTERNAL void check_rotary_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
                        const at::Tensor& sin, const ArgNames& names = {});
 
-// Checks q and k for rotary_qk once each passed check_rotary_args: they share a dtype. When
-// they share tables (`shared_cos`), they also share a rank and differ in at most one leading
-// dim (the head count, GQA/MQA), along which the tables broadcast; with separate k tables
-// their shapes are independent (e.g. q in (B,H,S,D), k in (B,S,H,D)).
+// Checks q and k once each passed its single-tensor checks: they share a dtype. When they share
+// tables or positions (`shared`), they also share a rank and differ in at most one leading dim (the
+// head count, GQA/MQA), along which `shared` broadcasts. `shared` aligns with q.shape[:-1] from the
+// right after its last `trailing` dims: 1 for tables (their last dim is the rotary dim), 0 for
+// positions. Without it (rotary_qk with separate k tables) their shapes are independent.
 ROPE_EXT_INTERNAL void check_qk_args(const char* op, const at::Tensor& q, const at::Tensor& k,
-                   const std::optional<at::Tensor>& shared_cos);
+                                     const std::optional<at::Tensor>& shared, const char* name = "cos/sin",
+                                     int64_t trailing = 1);
 
 // Checks (x, cos_cache, sin_cache, positions) against rotary_pos's contract: caches
 // (max_positions, r/2) of one shape and dtype (x's or float32), 2 * r/2 <= head_dim; positions
@@ -70,11 +72,6 @@ ROPE_EXT_INTERNAL void check_rotary_pos_args(const char* op, const at::Tensor& x
 // Checks that every position of a CPU tensor is a row of a cache with `rows` rows; the error
 // names the first one that is not. (On CUDA the kernel asserts it on the device instead.)
 ROPE_EXT_INTERNAL void check_positions_in_range(const char* op, const at::Tensor& positions, int64_t rows);
-
-// check_qk_args for rotary_pos_qk: q and k share a dtype and a rank and differ in at most one
-// leading dim (the head count), along which positions broadcast.
-ROPE_EXT_INTERNAL void check_qk_pos_args(const char* op, const at::Tensor& q, const at::Tensor& k,
-                                         const at::Tensor& positions);
 
 // A tensor and the name error messages give it.
 struct NamedTensor {

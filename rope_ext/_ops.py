@@ -237,9 +237,13 @@ def cpu_kernel_isa() -> str:
 _X_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _check_rotary_args(op, x, cos, sin, names=("x", "cos", "sin")):
+def _check_x_and_tables(op, x, cos, sin, names, others=()):
+    """What rotary and rotary_pos require alike of x and a (cos, sin) pair: tensors, a float x, the
+    pair of one shape and dtype (x's or float32), everything (with `others`, (name, tensor) pairs)
+    on x's device. `names` are x's, cos's and sin's."""
     nx, nc, ns = names
-    for name, t in zip(names, (x, cos, sin), strict=True):
+    named = [(nx, x), (nc, cos), (ns, sin), *others]
+    for name, t in named:
         torch._check(
             isinstance(t, torch.Tensor), lambda name=name, t=t: f"{op}: {name} must be a Tensor, got {type(t).__name__}"
         )
@@ -262,12 +266,18 @@ def _check_rotary_args(op, x, cos, sin, names=("x", "cos", "sin")):
         lambda: f"{op}: {nc} and {ns} must have {nx}'s dtype ({x.dtype}) or float32, got {cos.dtype}",
     )
     torch._check(
-        cos.device == x.device and sin.device == x.device,
+        all(t.device == x.device for _, t in named),
         lambda: (
-            f"{op}: {nx}, {nc} and {ns} must be on the same device, got {nx} on {x.device}, "
-            f"{nc} on {cos.device} and {ns} on {sin.device}"
+            f"{op}: {', '.join(n for n, _ in named[:-1])} and {named[-1][0]} must be on the same device, got "
+            + ", ".join(f"{n} on {t.device}" for n, t in named[:-1])
+            + f" and {named[-1][0]} on {named[-1][1].device}"
         ),
     )
+
+
+def _check_rotary_args(op, x, cos, sin, names=("x", "cos", "sin")):
+    nx, nc, ns = names
+    _check_x_and_tables(op, x, cos, sin, names)
     torch._check(
         cos.dim() >= 1,
         lambda: f"{op}: {nc} and {ns} must have at least one dimension (..., rotary_dim), got 0-dim tensors",
@@ -290,19 +300,32 @@ def _check_rotary_args(op, x, cos, sin, names=("x", "cos", "sin")):
     )
 
 
-def _check_qk_args(op, q, k, cos):
+def _check_qk_args(op, q, k, shared, name="cos/sin", trailing=1):
+    """q and k share a dtype and a rank and differ in at most one leading dim (the head count), along
+    which `shared` broadcasts: the tables (aligned with q.shape[:-1] after their last dim, the rotary
+    dim: trailing = 1) or the positions (trailing = 0)."""
     torch._check(q.dtype == k.dtype, lambda: f"{op}: q and k must have the same dtype, got q {q.dtype} and k {k.dtype}")
     torch._check(
         q.dim() == k.dim(),
         lambda: f"{op}: q and k must have the same number of dims, got q {list(q.shape)} and k {list(k.shape)}",
     )
+    if trailing == 0:  # positions: q and k share one launch, whose items follow the head dim
+        torch._check(
+            q.shape[-1] == k.shape[-1],
+            lambda: f"{op}: q and k must have the same head dim, got q {list(q.shape)} and k {list(k.shape)}",
+        )
     differing = [d for d in range(q.dim() - 1) if q.shape[d] != k.shape[d]]
-    ok = len(differing) <= 1 and all(cos.dim() < q.dim() - d or cos.shape[d - q.dim()] == 1 for d in differing)
+
+    def broadcasts(d):  # along q's dim d; `shared`'s aligned dim is from_end from its end, if it has one
+        from_end = q.dim() - 1 - d + trailing
+        return shared.dim() < from_end or shared.shape[-from_end] == 1
+
+    ok = len(differing) <= 1 and all(broadcasts(d) for d in differing)
     torch._check(
         ok,
         lambda: (
             f"{op}: q {list(q.shape)} and k {list(k.shape)} may differ only in the head count "
-            f"(one dim along which cos/sin of shape {list(cos.shape)} broadcast); "
+            f"(one dim along which {name} of shape {list(shared.shape)} broadcast); "
             "batch and sequence dims must match"
         ),
     )
@@ -341,48 +364,15 @@ def _rotary_inplace_fake(x, cos, sin, interleaved=False, conjugate=False):
 
 
 def _check_rotary_pos_args(op, x, cos_cache, sin_cache, positions, nx="x"):
-    for name, t in ((nx, x), ("cos_cache", cos_cache), ("sin_cache", sin_cache), ("positions", positions)):
-        torch._check(
-            isinstance(t, torch.Tensor), lambda name=name, t=t: f"{op}: {name} must be a Tensor, got {type(t).__name__}"
-        )
-    torch._check(
-        x.dim() >= 1, lambda: f"{op}: {nx} must have at least one dimension (..., head_dim), got a 0-dim tensor"
-    )
-    torch._check(
-        x.dtype in _X_DTYPES, lambda: f"{op}: {nx} must be float32, float64, float16 or bfloat16, got {x.dtype}"
-    )
-    torch._check(
-        cos_cache.dim() == 2,
-        lambda: f"{op}: cos_cache must be 2-D, (max_positions, rotary_dim / 2), got shape {list(cos_cache.shape)}",
-    )
-    torch._check(
-        cos_cache.shape == sin_cache.shape,
-        lambda: (
-            f"{op}: cos_cache and sin_cache must have the same shape, got cos_cache {list(cos_cache.shape)} "
-            f"and sin_cache {list(sin_cache.shape)}"
-        ),
-    )
-    torch._check(
-        cos_cache.dtype == sin_cache.dtype,
-        lambda: (
-            f"{op}: cos_cache and sin_cache must have the same dtype, got cos_cache {cos_cache.dtype} "
-            f"and sin_cache {sin_cache.dtype}"
-        ),
-    )
-    torch._check(
-        cos_cache.dtype in (x.dtype, torch.float32),
-        lambda: f"{op}: cos_cache and sin_cache must have {nx}'s dtype ({x.dtype}) or float32, got {cos_cache.dtype}",
-    )
+    names = (nx, "cos_cache", "sin_cache")
+    _check_x_and_tables(op, x, cos_cache, sin_cache, names, others=[("positions", positions)])
     torch._check(
         positions.dtype in (torch.int32, torch.int64),
         lambda: f"{op}: positions must be int32 or int64, got {positions.dtype}",
     )
     torch._check(
-        cos_cache.device == x.device and sin_cache.device == x.device and positions.device == x.device,
-        lambda: (
-            f"{op}: {nx}, cos_cache, sin_cache and positions must be on the same device, got {nx} on {x.device}, "
-            f"cos_cache on {cos_cache.device}, sin_cache on {sin_cache.device} and positions on {positions.device}"
-        ),
+        cos_cache.dim() == 2,
+        lambda: f"{op}: cos_cache must be 2-D, (max_positions, rotary_dim / 2), got shape {list(cos_cache.shape)}",
     )
     half = cos_cache.shape[1]
     torch._check(half > 0, lambda: f"{op}: cos_cache.size(1) = rotary_dim / 2 must be positive, got 0")
@@ -405,26 +395,6 @@ def _check_rotary_pos_args(op, x, cos_cache, sin_cache, positions, nx="x"):
     )
 
 
-def _check_qk_pos_args(op, q, k, positions):
-    torch._check(q.dtype == k.dtype, lambda: f"{op}: q and k must have the same dtype, got q {q.dtype} and k {k.dtype}")
-    torch._check(
-        q.dim() == k.dim(),
-        lambda: f"{op}: q and k must have the same number of dims, got q {list(q.shape)} and k {list(k.shape)}",
-    )
-    differing = [d for d in range(q.dim() - 1) if q.shape[d] != k.shape[d]]
-    ok = len(differing) <= 1 and all(
-        positions.dim() < q.dim() - 1 - d or positions.shape[d - q.dim() + 1] == 1 for d in differing
-    )
-    torch._check(
-        ok,
-        lambda: (
-            f"{op}: q {list(q.shape)} and k {list(k.shape)} may differ only in the head count "
-            f"(one dim along which positions of shape {list(positions.shape)} broadcast); "
-            "batch and sequence dims must match"
-        ),
-    )
-
-
 @torch.library.register_fake("rope_ext::rotary_pos")
 def _rotary_pos_fake(x, cos_cache, sin_cache, positions, interleaved=False, conjugate=False):
     _check_rotary_pos_args("rope_ext.rotary_pos", x, cos_cache, sin_cache, positions)
@@ -436,7 +406,7 @@ def _rotary_pos_qk_fake(q, k, cos_cache, sin_cache, positions, interleaved=False
     op = "rope_ext.rotary_pos_qk"
     _check_rotary_pos_args(op, q, cos_cache, sin_cache, positions, "q")
     _check_rotary_pos_args(op, k, cos_cache, sin_cache, positions, "k")
-    _check_qk_pos_args(op, q, k, positions)
+    _check_qk_args(op, q, k, positions, "positions", trailing=0)
     return torch.empty_like(q), torch.empty_like(k)
 
 
@@ -446,4 +416,4 @@ def _rotary_pos_inplace_fake(q, k, cos_cache, sin_cache, positions, interleaved=
     _check_rotary_pos_args(op, q, cos_cache, sin_cache, positions, "q")
     if k is not None:
         _check_rotary_pos_args(op, k, cos_cache, sin_cache, positions, "k")
-        _check_qk_pos_args(op, q, k, positions)
+        _check_qk_args(op, q, k, positions, "positions", trailing=0)

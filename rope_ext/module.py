@@ -190,13 +190,12 @@ class RotaryEmbedding(nn.Module):
         times the attention factor, rounded once to float32."""
         if not self._uses_cache:
             return
-        angles = torch.arange(n, dtype=torch.float64, device=device)[:, None] * self.inv_freq.to(device)
-        self.cos_cache = (angles.cos() * self.attention_factor).float()
-        self.sin_cache = (angles.sin() * self.attention_factor).float()
-        self._steps = torch.arange(n, dtype=torch.int64, device=device)
-        # The same tensors as a plain attribute: forward reads them without nn.Module.__getattr__
-        # (about 2 us per buffer, a tenth of a decode step's op call).
-        self._fast = (self.cos_cache, self.sin_cache, self._steps)
+        # Ordinary tensors even when grown under inference_mode, so that training can use them later.
+        with torch.inference_mode(False), torch.no_grad():
+            angles = torch.arange(n, dtype=torch.float64, device=device)[:, None] * self.inv_freq.to(device)
+            self.cos_cache = (angles.cos() * self.attention_factor).float()
+            self.sin_cache = (angles.sin() * self.attention_factor).float()
+            self._steps = torch.arange(n, dtype=torch.int64, device=device)
 
     #: The most positions the cache grows to (64 MiB of float32 tables at rotary_dim 128), unless
     #: max_position_embeddings is larger. Positions past it are rotated with tables built for the
@@ -205,8 +204,9 @@ class RotaryEmbedding(nn.Module):
 
     def _cache_covers(self, needed: int) -> bool:
         """Whether the cache covers positions < needed, growing it if allowed (eager only: under
-        torch.compile the buffers are fixed, and a position past them is the op's bounds error)."""
-        rows = self._fast[0].shape[0]
+        torch.compile the buffers are fixed; positions past them are the op's bounds error, and an
+        int offset's window past them fails to trace)."""
+        rows = self._buffers["cos_cache"].shape[0]
         if needed <= rows or torch.compiler.is_compiling():
             return True
         if needed > max(self.max_cache_positions, self.max_position_embeddings):
@@ -320,7 +320,9 @@ class RotaryEmbedding(nn.Module):
         if self._cached:
             positions = self._cache_positions(q, position_ids, offset, cu_seqlens)
             if positions is not None:  # one op call; the kernel checks every position against the cache
-                cos, sin, _ = self._fast
+                # (read from _buffers: nn.Module.__getattr__ costs about 2 us per buffer, a tenth of a
+                # decode step's op call)
+                cos, sin = self._buffers["cos_cache"], self._buffers["sin_cache"]
                 try:
                     return _rotary_pos_qk(q, k, cos, sin, positions, self.interleaved, False)
                 except RuntimeError as e:  # costs nothing unless raised
@@ -329,21 +331,7 @@ class RotaryEmbedding(nn.Module):
             P.check_positions(position_ids)
         streams = () if self.mrope_section is None else (3,)
         if cu_seqlens is not None:
-            if q.dim() != 3:
-                raise ValueError(
-                    f"rope_ext.RotaryEmbedding: with cu_seqlens, q and k must be packed (T, H, D), "
-                    f"got q of shape {tuple(q.shape)}"
-                )
-            T = q.shape[0]
-            if position_ids is None:
-                position_ids = P.packed_positions(cu_seqlens, T, offset, name="offset")
-            else:
-                P.check_cu_seqlens(cu_seqlens, T)
-                if P._validating() and tuple(position_ids.shape) != (*streams, T):
-                    raise ValueError(
-                        f"rope_ext.RotaryEmbedding: position_ids of packed q must have shape {(*streams, T)}, "
-                        f"got {tuple(position_ids.shape)}"
-                    )
+            position_ids = self._packed_position_ids(q, position_ids, offset, cu_seqlens, streams)
             return self._rotate(q, k, position_ids, lambda t: t[:, None, :])
         if q.dim() != 4:
             raise ValueError(
@@ -368,27 +356,31 @@ class RotaryEmbedding(nn.Module):
         to_layout = (lambda t: t[..., None, :, :]) if self.layout == "bhsd" else (lambda t: t[..., None, :])
         return self._rotate(q, k, position_ids, to_layout)
 
+    @staticmethod
+    def _packed_position_ids(q, position_ids, offset, cu_seqlens, streams):
+        """(*streams, T) positions of packed q (T, H, D): given, or restarting at each cu_seqlens start."""
+        if q.dim() != 3:
+            raise ValueError(
+                f"rope_ext.RotaryEmbedding: with cu_seqlens, q and k must be packed (T, H, D), "
+                f"got q of shape {tuple(q.shape)}"
+            )
+        T = q.shape[0]
+        if position_ids is None:
+            return P.packed_positions(cu_seqlens, T, offset, name="offset")
+        P.check_cu_seqlens(cu_seqlens, T)
+        if P._validating() and tuple(position_ids.shape) != (*streams, T):
+            raise ValueError(
+                f"rope_ext.RotaryEmbedding: position_ids of packed q must have shape {(*streams, T)}, "
+                f"got {tuple(position_ids.shape)}"
+            )
+        return position_ids
+
     def _cache_positions(self, q, position_ids, offset, cu_seqlens):
         """Positions for rotary_pos_qk on the cache, shaped to broadcast over q's heads, or None when
         this call must build its own tables (an int offset past max_cache_positions). Reads no tensor
         values: bounds, negative and int64-overflowing positions are the kernel's error."""
         if cu_seqlens is not None:
-            if q.dim() != 3:
-                raise ValueError(
-                    f"rope_ext.RotaryEmbedding: with cu_seqlens, q and k must be packed (T, H, D), "
-                    f"got q of shape {tuple(q.shape)}"
-                )
-            T = q.shape[0]
-            if position_ids is None:
-                position_ids = P.packed_positions(cu_seqlens, T, offset, name="offset")
-            else:
-                P.check_cu_seqlens(cu_seqlens, T)
-                if P._validating() and tuple(position_ids.shape) != (T,):
-                    raise ValueError(
-                        f"rope_ext.RotaryEmbedding: position_ids of packed q must have shape {(T,)}, "
-                        f"got {tuple(position_ids.shape)}"
-                    )
-            return position_ids.unsqueeze(1)
+            return self._packed_position_ids(q, position_ids, offset, cu_seqlens, ()).unsqueeze(1)
         if q.dim() != 4:
             raise ValueError(
                 f"rope_ext.RotaryEmbedding: q must be 4-D ({'B, H, S, D' if self.layout == 'bhsd' else 'B, S, H, D'}"
@@ -402,10 +394,13 @@ class RotaryEmbedding(nn.Module):
                     raise ValueError(f"rope_ext: offset must be >= 0, got {offset}")
                 if not self._cache_covers(offset + S):
                     return None
-                steps = self._fast[2].narrow(0, offset, S)  # a view: no kernel
+                steps = self._buffers["_steps"].narrow(0, offset, S)  # a view: no kernel
                 return steps if bhsd else steps.unsqueeze(1)
             P._check_offsets(offset, B, S, "offset", "(batch,)")
-            position_ids = offset.to(torch.int64).unsqueeze(1) + self._fast[2][:S]  # (B, S)
+            if not self._cache_covers(S):
+                return None
+            steps = self._buffers["_steps"]
+            position_ids = offset.to(device=steps.device, dtype=torch.int64).unsqueeze(1) + steps.narrow(0, 0, S)
         elif P._validating() and tuple(position_ids.shape) not in ((S,), (1, S), (B, S)):
             raise ValueError(
                 f"rope_ext.RotaryEmbedding: position_ids must have shape {(B, S)} or {(S,)} for q of shape "

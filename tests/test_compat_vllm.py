@@ -61,14 +61,17 @@ def test_matches_vllm_semantics_in_place(neox, case, dtype, gen):
         assert torch.equal(q1.unflatten(-1, (hq, head_size))[..., rot:], tail)
 
 
-def test_key_none_split_heads_and_strided_rows(gen):
+def test_fused_qkv_split_heads_and_strided_rows(gen):
     positions = torch.tensor([3, 0, 9, 9])
     cache = vllm_cache(16, 32, torch.float32)
     qkv = randn(4, 3 * 2 * 32, gen=gen)  # fused qkv projection: q is a strided slice
-    q = qkv[:, : 2 * 32]
-    want = vllm_reference(positions, q, 32, cache, True)
-    rotary_embedding(positions, q, None, 32, cache, True)
-    torch.testing.assert_close(qkv[:, : 2 * 32].double(), want, **tolerance(torch.float32))
+    q, k = qkv[:, : 2 * 32], qkv[:, 2 * 32 : 4 * 32]  # vLLM's split of its fused projection
+    want_q, want_k = (vllm_reference(positions, t, 32, cache, True) for t in (q, k))
+    v = qkv[:, 4 * 32 :].clone()
+    rotary_embedding(positions, q, k, 32, cache, True)
+    torch.testing.assert_close(qkv[:, : 2 * 32].double(), want_q, **tolerance(torch.float32))
+    torch.testing.assert_close(qkv[:, 2 * 32 : 4 * 32].double(), want_k, **tolerance(torch.float32))
+    assert torch.equal(qkv[:, 4 * 32 :], v)
     q3 = randn(4, 2, 32, gen=gen)  # (tokens, heads, head_size)
     want = vllm_reference(positions, q3.flatten(-2), 32, cache, False).unflatten(-1, (2, 32))
     rotary_embedding(positions, q3, None, 32, cache, False)

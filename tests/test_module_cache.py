@@ -163,3 +163,40 @@ def test_ensure_positions_sizes_the_cache_for_device_positions(gen):
     assert torch.equal(rope(q, q, pos)[0], want[0])
     with pytest.raises(ValueError, match="n must be an int >= 0"):
         rope.ensure_positions(-1)
+
+
+def test_buffers_are_what_forward_reads(gen):
+    """forward reads the registered buffers themselves: export lifts them as buffers (moved by
+    .to()), functional_call's replacements are honoured."""
+    m = rope_ext.RotaryEmbedding(32, layout="bshd", max_position_embeddings=16)
+    q, k = randn(1, 4, 2, 32, gen=gen), randn(1, 4, 1, 32, gen=gen)
+    ep = torch.export.export(m, (q, k), kwargs={"position_ids": torch.arange(4)[None]})
+    assert not ep.graph_signature.lifted_tensor_constants
+    assert {"cos_cache", "sin_cache"} <= set(ep.graph_signature.buffers)
+    gm = ep.module().to("meta")
+    out = gm(q.to("meta"), k.to("meta"), position_ids=torch.arange(4, device="meta")[None])
+    assert out[0].device.type == "meta"
+    z = torch.zeros_like(m.cos_cache)
+    swapped = torch.func.functional_call(m, {"cos_cache": z, "sin_cache": z}, (q, k))
+    assert swapped[0].abs().max() == 0
+
+
+def test_cache_grown_under_inference_mode_serves_training(gen):
+    m = rope_ext.RotaryEmbedding(16, layout="bhsd", max_position_embeddings=8)
+    q = randn(1, 2, 4, 16, gen=gen)
+    with torch.inference_mode():
+        m(q, q, offset=20)  # grows the cache
+    assert not m.cos_cache.is_inference()
+    x = q.clone().requires_grad_()
+    out = m(x, x, offset=20)
+    out[0].sum().backward()
+    assert x.grad is not None
+
+
+def test_tensor_offsets_past_the_cache_grow_it(gen):
+    m = rope_ext.RotaryEmbedding(16, layout="bshd", max_position_embeddings=8)
+    q = randn(2, 12, 2, 16, gen=gen)  # 12 tokens: more than the 8 rows
+    offsets = torch.tensor([0, 3])
+    got = m(q, q, offset=offsets)
+    want = table_path(m, q, q, offsets[:, None] + torch.arange(12), bhsd=False)
+    assert torch.equal(got[0], want[0])

@@ -445,3 +445,38 @@ def test_export_holds_the_op(gen):
     assert ops.rotary_pos_qk.default in {n.target for n in ep.graph.nodes if n.op == "call_function"}
     for a, b in zip(ep.module()(q, k, pos), Rope()(q, k, pos), strict=True):
         assert torch.equal(a, b)
+
+
+def test_q_and_k_need_the_same_head_dim():
+    """One launch sizes its work by the head dim: q and k must share it (the CPU and the emulated
+    CUDA thread refuse alike, and so does the fake kernel)."""
+    cc, sc = caches(16)
+    pos = torch.arange(3)[:, None]
+    for device in ("cpu", "meta"):
+        q, k = torch.randn(3, 2, 64, device=device), torch.randn(3, 1, 128, device=device)
+        with pytest.raises(RuntimeError, match=r"rope_ext.rotary_pos_qk: q and k must have the same head dim"):
+            ops.rotary_pos_qk(q, k, cc.to(device), sc.to(device), pos.to(device), False, False)
+    with pytest.raises(RuntimeError, match=r"q and k must have the same head dim"):
+        TESTING.cuda_emulate_rotary_pos_qk(torch.randn(3, 2, 128), torch.randn(3, 1, 64), cc, sc, pos, False, False)
+    with pytest.raises(RuntimeError, match=r"rope_ext.rotary_pos_: q and k must have the same head dim"):
+        ops.rotary_pos_(torch.randn(3, 2, 64), torch.randn(3, 1, 128), cc, sc, pos, False, False)
+
+
+def test_inplace_q_and_k_split_from_one_fused_buffer(gen):
+    """vLLM's q and k are column slices of one (tokens, (Hq + 2 Hk) * D) qkv buffer: their byte ranges
+    interleave but no element is shared, so in place is allowed; views that do share are refused."""
+    cc, sc = caches(32)
+    qkv = randn(5, (4 + 2 * 2) * 32, gen=gen)
+    q, k, v = (t.unflatten(-1, (-1, 32)) for t in qkv.split([4 * 32, 2 * 32, 2 * 32], -1))
+    pos = torch.randint(0, MAX_POS, (5, 1), generator=gen)
+    want = ops.rotary_pos_qk(q, k, cc, sc, pos, False, False)
+    v_before = v.clone()
+    for inplace in (ops.rotary_pos_, TESTING.cuda_emulate_rotary_pos_):
+        qq, kk = qkv.clone().split([4 * 32, 2 * 32, 2 * 32], -1)[:2]
+        qq, kk = qq.unflatten(-1, (-1, 32)), kk.unflatten(-1, (-1, 32))
+        inplace(qq, kk, cc, sc, pos, False, False)
+        assert torch.equal(qq, want[0]) and torch.equal(kk, want[1])
+    assert torch.equal(v, v_before)
+    overlapping = qkv.unflatten(-1, (-1, 32))[:, 1:3]  # heads 1-2: inside q's heads 0-3
+    with pytest.raises(RuntimeError, match="q shares memory with k"):
+        ops.rotary_pos_(q, overlapping, cc, sc, pos, False, False)

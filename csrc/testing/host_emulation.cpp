@@ -52,7 +52,7 @@ std::vector<int64_t> pos_launch_config(const at::Tensor& q, const std::optional<
     return as_list(cuda::plan_call({q, q_out, cos_cache, sin_cache, &positions, nullptr, nullptr, interleaved}).launch);
   }
   check_rotary_pos_args(op, *k, cos_cache, sin_cache, positions, "k");
-  check_qk_pos_args(op, q, *k, positions);
+  check_qk_args(op, q, *k, positions, "positions", 0);
   at::Tensor k_out = at::empty_like(*k);
   return as_list(
       cuda::plan_call({q, q_out, cos_cache, sin_cache, &positions, &*k, &k_out, interleaved}).launch);
