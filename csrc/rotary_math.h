@@ -73,14 +73,38 @@ struct StridedDims {
     return n;
   }
 
-  // offsets[k] = sum_d index_d * strides[k][d], where (index_d) is `linear` unraveled.
+  // offsets[k] = sum_d index_d * strides[k][d], where (index_d) is `linear` unraveled. The
+  // outermost dim takes what is left without a division, so a single dim (what the plans' dim
+  // collapsing leaves for most layouts) costs none.
   ROPE_HD void offsets(int64_t linear, int64_t (&out)[kOperands]) const {
     for (int k = 0; k < kOperands; ++k) out[k] = 0;
-    for (int d = ndim - 1; d >= 0; --d) {
+    for (int d = ndim - 1; d > 0; --d) {
       const int64_t i = linear % sizes[d];
       linear /= sizes[d];
       for (int k = 0; k < kOperands; ++k) out[k] += i * strides[k][d];
     }
+    if (ndim > 0) {
+      for (int k = 0; k < kOperands; ++k) out[k] += linear * strides[k][0];
+    }
+  }
+
+  // Merges each pair of adjacent dims that every operand steps through as one (stride of the outer
+  // = stride of the inner * size of the inner), keeping the order of the linear index.
+  ROPE_HD void collapse() {
+    int n = 0;
+    for (int d = 0; d < ndim; ++d) {
+      bool merge = n > 0;
+      for (int k = 0; merge && k < kOperands; ++k) merge = strides[k][n - 1] == strides[k][d] * sizes[d];
+      if (merge) {
+        sizes[n - 1] *= sizes[d];
+        for (int k = 0; k < kOperands; ++k) strides[k][n - 1] = strides[k][d];
+      } else {
+        sizes[n] = sizes[d];
+        for (int k = 0; k < kOperands; ++k) strides[k][n] = strides[k][d];
+        ++n;
+      }
+    }
+    ndim = n;
   }
 };
 

@@ -240,6 +240,8 @@ void split_dims(RotaryPlan& p, const at::Tensor& x, const at::Tensor& out, const
       ++h.ndim;
     }
   }
+  p.tokens.collapse();
+  p.heads.collapse();
   p.x_col = x.stride(-1);
   p.out_col = out.stride(-1);
 }
