@@ -418,10 +418,10 @@ class RotaryEmbedding(nn.Module):
         caller's part, and a position past it is the kernel's device-side assert."""
         if "is outside the cache" not in str(error) or not P._readable(positions) or not positions.numel():
             raise error
-        values = positions.numpy()
-        if (least := int(values.min())) < 0:
+        least, most = P.extremes(positions)
+        if least < 0:
             raise ValueError(f"rope_ext: position_ids must be >= 0, got a minimum of {least}") from error
-        if self._cache_covers(int(values.max()) + 1):
+        if self._cache_covers(most + 1):
             return _rotary_pos_qk(q, k, self.cos_cache, self.sin_cache, positions, self.interleaved, False)
         cos, sin = self._cos_sin(positions)  # positions.shape + (r,): broadcasts like positions
         return rotary_qk(q, k, cos, sin, interleaved=self.interleaved)

@@ -29,7 +29,8 @@ def _readable(t: torch.Tensor) -> bool:
     """Whether checks may read t's values: a CPU tensor in eager mode. Reading a device tensor
     would wait for the device (a host sync per layer per step, and no CUDA-graph capture); those
     values are checked by the kernels instead (rotary_pos's bounds check) or on the device.
-    Values are read through numpy, which records no aten op (no aten::item)."""
+    Values are read with tolist() on 1-D tensors (extremes), which reads memory without aten::item
+    and without numpy, which torch does not require."""
     return t.device.type == "cpu" and not torch.compiler.is_compiling() and not t.requires_grad
 
 
@@ -41,10 +42,16 @@ def require_int_tensor(positions, name: str = "position_ids") -> None:
         raise TypeError(f"rope_ext: {name} must be an integer tensor (int32 or int64), got {positions.dtype}")
 
 
+def extremes(t: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of a readable, non-empty integer tensor."""
+    least, most = torch.stack(torch.aminmax(t.flatten())).tolist()
+    return least, most
+
+
 def check_positions(positions: torch.Tensor, name: str = "position_ids") -> None:
     """Positions must be an integer tensor of non-negative values (the values are read on CPU only)."""
     require_int_tensor(positions, name)
-    if _readable(positions) and positions.numel() and (least := int(positions.numpy().min())) < 0:
+    if _readable(positions) and positions.numel() and (least := extremes(positions)[0]) < 0:
         raise ValueError(f"rope_ext: {name} must be >= 0, got a minimum of {least}")
 
 
@@ -56,7 +63,7 @@ def _check_offsets(offset, count: int, span: int, name: str, what: str) -> None:
         if offset.shape != (count,):
             raise ValueError(f"rope_ext: {name} must have shape {what} = ({count},), got {tuple(offset.shape)}")
         if _readable(offset) and offset.numel():
-            require_int64_span(int(offset.numpy().max()), span, name)
+            require_int64_span(extremes(offset)[1], span, name)
         return
     if isinstance(offset, bool) or not isinstance(offset, int):
         raise TypeError(f"rope_ext: {name} must be an int or a {what} integer tensor, got {type(offset).__name__}")
@@ -85,12 +92,12 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
         raise ValueError(f"rope_ext: cu_seqlens must have shape (num_seqs + 1,), got {tuple(cu_seqlens.shape)}")
     cu = cu_seqlens.to(torch.int64)
     if _readable(cu):
-        v = cu.numpy()
+        v = cu.tolist()  # num_seqs + 1 values
         if v[0] != 0 or v[-1] != total:
             raise ValueError(
                 f"rope_ext: cu_seqlens must start at 0 and end at the token count {total}, got {v[0]} and {v[-1]}"
             )
-        if (v[1:] < v[:-1]).any():
+        if any(b < a for a, b in zip(v, v[1:])):
             raise ValueError("rope_ext: cu_seqlens must be non-decreasing")
     elif cu.device.type != "cpu":  # checked on the device, without waiting for it
         ok = (cu[0] == 0) & (cu[-1] == total) & (cu[1:] >= cu[:-1]).all()

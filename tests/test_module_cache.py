@@ -200,3 +200,27 @@ def test_tensor_offsets_past_the_cache_grow_it(gen):
     got = m(q, q, offset=offsets)
     want = table_path(m, q, q, offsets[:, None] + torch.arange(12), bhsd=False)
     assert torch.equal(got[0], want[0])
+
+
+def test_values_are_read_without_numpy(gen, monkeypatch):
+    """torch does not require numpy: the CPU checks that read positions, offsets and cu_seqlens
+    work without it (and record no aten::item)."""
+
+    def no_numpy(self, *args, **kwargs):
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+    m = rope_ext.RotaryEmbedding(16, layout="bhsd", max_position_embeddings=8)
+    q = randn(2, 2, 3, 16, gen=gen)
+    m(q, q, torch.tensor([[1, 2, 30], [0, 1, 2]]))  # past the cache: read, then grown
+    assert m.cos_cache.shape[0] >= 31
+    with pytest.raises(ValueError, match="position_ids must be >= 0, got a minimum of -2"):
+        m(q, q, torch.tensor([[1, -2, 3], [0, 1, 2]]))
+    with pytest.raises(ValueError, match="offset must be >= 0"):
+        m(q, q, offset=torch.tensor([1, -1]))
+    pq = randn(5, 2, 16, gen=gen)
+    m(pq, pq, cu_seqlens=torch.tensor([0, 2, 5]))
+    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+        m(pq, pq, cu_seqlens=torch.tensor([0, 3, 2, 5]))
+    with pytest.raises(ValueError, match="position_ids must be >= 0"):
+        m.cos_sin(torch.tensor([[-1, 0]]))
