@@ -97,7 +97,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
             raise ValueError(
                 f"rope_ext: cu_seqlens must start at 0 and end at the token count {total}, got {v[0]} and {v[-1]}"
             )
-        if any(b < a for a, b in zip(v, v[1:])):
+        if any(b < a for a, b in zip(v[:-1], v[1:], strict=True)):
             raise ValueError("rope_ext: cu_seqlens must be non-decreasing")
     elif cu.device.type != "cpu":  # checked on the device, without waiting for it
         ok = (cu[0] == 0) & (cu[-1] == total) & (cu[1:] >= cu[:-1]).all()
