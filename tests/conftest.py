@@ -134,6 +134,11 @@ LAYOUTS = {
 }
 
 
+# The fields of rope_ext_testing.cuda_launch_config and cuda_pos_launch_config (cuda::RotaryLaunch).
+LAUNCH_FIELDS = ("grid_x", "grid_y", "block_x", "block_y", "vec", "pairs_per_item", "rot_items", "pass_items",
+                 "table_vec", "compact")
+
+
 def make_layout(name: str, B: int, S: int, H: int, D: int, dtype, gen=None):
     return LAYOUTS[name](randn(B, S, H, D, dtype=dtype, gen=gen))
 

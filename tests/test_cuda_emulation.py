@@ -9,6 +9,7 @@ import torch
 from conftest import (
     CONVENTIONS,
     DTYPES,
+    LAUNCH_FIELDS,
     LAYOUTS,
     TESTING,
     assert_matches_reference,
@@ -20,13 +21,10 @@ from conftest import (
 import rope_ext
 
 ops = torch.ops.rope_ext
-CONFIG_FIELDS = (
-    "grid_x", "grid_y", "block_x", "block_y", "vec", "pairs_per_item", "rot_items", "pass_items", "table_vec"
-)
 
 
 def launch(x, cos, sin, interleaved):
-    return dict(zip(CONFIG_FIELDS, TESTING.cuda_launch_config(x, cos, sin, interleaved), strict=True))
+    return dict(zip(LAUNCH_FIELDS, TESTING.cuda_launch_config(x, cos, sin, interleaved), strict=True))
 
 
 # (head_dim, rotary_dim): which path each takes depends on the dtype's 16-byte vector width

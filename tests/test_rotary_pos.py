@@ -8,12 +8,15 @@ the same roundings."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch._dynamo.testing
 from conftest import (
     CONVENTIONS,
     DTYPES,
+    LAUNCH_FIELDS,
     TESTING,
     assert_matches_reference,
     cpu_thresholds,
@@ -57,14 +60,36 @@ def positions_for(layout: str, pos_bs: torch.Tensor) -> torch.Tensor:
     return pos_bs[:, :, None]  # (B, S, 1)
 
 
+@contextlib.contextmanager
+def plan_index_only():
+    """In the block, emulated gathered calls address rows through PlanIndex (any layout) where the
+    CUDA launcher would use CompactIndex (rotary_thread.h), so that both index types see every case."""
+    before = TESTING.cuda_allow_compact_index(False)
+    try:
+        yield
+    finally:
+        TESTING.cuda_allow_compact_index(before)
+
+
+def emulate_both_indexes(emulate, *args):
+    """`emulate(*args)` with the index the launcher picks and with PlanIndex; asserts they agree."""
+    out = emulate(*args)
+    with plan_index_only():
+        again = emulate(*args)
+    pairs = zip(out, again, strict=True) if isinstance(out, tuple) else [(out, again)]
+    assert all(torch.equal(a, b) for a, b in pairs)
+    return out
+
+
 def check_both_backends(x, cc, sc, pos, interleaved, conjugate):
-    """The CPU op and the emulated CUDA thread equal the float64 reference and rotary() on the
-    gathered tables (bit for bit: same roundings); returns the CPU result."""
+    """The CPU op and the emulated CUDA thread (with either row index) equal the float64 reference
+    and rotary() on the gathered tables (bit for bit: same roundings); returns the CPU result."""
     out = ops.rotary_pos(x, cc, sc, pos, interleaved, conjugate)
     cos, sin = full_tables(cc, sc, pos, interleaved)
     assert_matches_reference(out, x, cos, sin, interleaved, conjugate)
     assert torch.equal(out, rope_ext.rotary(x, cos, sin, interleaved=interleaved, conjugate=conjugate))
-    assert torch.equal(TESTING.cuda_emulate_rotary_pos(x, cc, sc, pos, interleaved, conjugate), out)
+    emulated = emulate_both_indexes(TESTING.cuda_emulate_rotary_pos, x, cc, sc, pos, interleaved, conjugate)
+    assert torch.equal(emulated, out)
     return out
 
 
@@ -161,16 +186,76 @@ def test_qk_one_call_gqa_mqa_and_layouts(interleaved, dtype, gen):
         q_out, k_out = rope_ext.rotary_pos_qk(q, k, cc, sc, pos, interleaved=interleaved)
         assert torch.equal(q_out, ops.rotary_pos(q, cc, sc, pos, interleaved, False)), name
         assert torch.equal(k_out, ops.rotary_pos(k, cc, sc, pos, interleaved, False)), name
-        eq, ek = TESTING.cuda_emulate_rotary_pos_qk(q, k, cc, sc, pos, interleaved, False)
+        eq, ek = emulate_both_indexes(TESTING.cuda_emulate_rotary_pos_qk, q, k, cc, sc, pos, interleaved, False)
         assert torch.equal(eq, q_out) and torch.equal(ek, k_out), name
         cfg = TESTING.cuda_pos_launch_config(q, k, cc, sc, pos, interleaved)
         expect_vec = name != "scalar_path_k"
         assert (cfg[4] > 1) == expect_vec, (name, cfg)  # one launch: the vector path needs both
 
 
-@pytest.mark.parametrize("emulated", [False, True], ids=["cpu", "cuda_emulated"])
+def index_cases(gen):
+    """name: (q, k or None, positions, (cos_cache, sin_cache), CompactIndex expected, tokens, heads).
+    Tokens and heads are the launch's, once CompactIndex has folded outer broadcast dims into tokens."""
+    cc, sc = caches(16)
+    cat = torch.cat((cc, sc), -1)
+    bshd = randn(2, 5, 3, 16, gen=gen)
+
+    def pos(*shape):
+        return torch.randint(0, MAX_POS, shape, generator=gen)
+
+    return {
+        # (B, S, H, D) under (S,) positions: the batch becomes a token dim, H the head dim
+        "bshd_seq_positions": (bshd, None, pos(5, 1), (cc, sc), True, 10, 3),
+        "gqa_bshd_seq_positions": (bshd, randn(2, 5, 1, 16, gen=gen), pos(5, 1), (cc, sc), True, 10, 4),
+        # (B, H, S, D) under (B, 1, S): two token dims that do not collapse, heads between them
+        "bhsd_per_row": (randn(2, 3, 5, 16, gen=gen), None, pos(2, 1, 5), (cc, sc), True, 10, 3),
+        "packed": (randn(7, 3, 16, gen=gen), None, pos(7, 1), (cc, sc), True, 7, 3),
+        # a position per (S, H): tokens S and H collapse, the batch is the head dim
+        "per_head": (bshd, None, pos(5, 3), (cc, sc), True, 15, 2),
+        "no_head_dim": (randn(2, 5, 16, gen=gen), None, pos(2, 5), (cc, sc), True, 10, 1),
+        # q's tokens collapse and k's do not: the index collapses what every operand allows
+        "k_tokens_apart": (bshd, randn(5, 2, 1, 16, gen=gen).transpose(0, 1), pos(2, 5, 1), (cc, sc), True, 10, 4),
+        # PlanIndex: three token dims that do not collapse, strided columns, two cache row strides
+        "three_token_dims": (randn(2, 3, 5, 16, gen=gen).transpose(1, 2), None, pos(2, 5, 3), (cc, sc), False, 30, 1),
+        "strided_columns": (randn(2, 5, 3, 32, gen=gen)[..., ::2], None, pos(5, 1), (cc, sc), False, 5, 6),
+        "cache_row_strides_differ": (bshd, None, pos(5, 1), (cc, cat[:, 8:]), False, 5, 6),
+    }
+
+
+def launch_config(*args):
+    return dict(zip(LAUNCH_FIELDS, TESTING.cuda_pos_launch_config(*args), strict=True))
+
+
+@pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
+def test_cuda_index_choice_and_both_indexes(interleaved, gen):
+    """The launcher addresses rows with CompactIndex (kernel parameters under 256 bytes) wherever the
+    layout collapses to two token dims and one head dim, and with PlanIndex otherwise; both agree with
+    the CPU op, and the launch covers the tokens and heads each index counts."""
+    for name, (q, k, pos, (cc, sc), compact, tokens, heads) in index_cases(gen).items():
+        cfg = launch_config(q, k, cc, sc, pos, interleaved)
+        assert cfg["compact"] == compact, (name, cfg)
+        assert cfg["grid_x"] == tokens, (name, cfg)
+        assert cfg["block_y"] * (cfg["grid_y"] - 1) < heads <= cfg["block_y"] * cfg["grid_y"], (name, cfg)
+        with plan_index_only():
+            assert not launch_config(q, k, cc, sc, pos, interleaved)["compact"], name
+        if k is None:
+            got = (emulate_both_indexes(TESTING.cuda_emulate_rotary_pos, q, cc, sc, pos, interleaved, False),)
+            expected = (ops.rotary_pos(q, cc, sc, pos, interleaved, False),)
+        else:
+            got = emulate_both_indexes(TESTING.cuda_emulate_rotary_pos_qk, q, k, cc, sc, pos, interleaved, False)
+            expected = ops.rotary_pos_qk(q, k, cc, sc, pos, interleaved, False)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), name
+
+
+@pytest.mark.parametrize("emulated", ["cpu", "cuda_emulated", "cuda_emulated_plan_index"])
 def test_inplace_q_and_k_touch_nothing_else(emulated, gen):
-    inplace = TESTING.cuda_emulate_rotary_pos_ if emulated else ops.rotary_pos_
+    inplace = ops.rotary_pos_ if emulated == "cpu" else TESTING.cuda_emulate_rotary_pos_
+    index = plan_index_only() if emulated == "cuda_emulated_plan_index" else contextlib.nullcontext()
+    with index:
+        _check_inplace_q_and_k(inplace, gen)
+
+
+def _check_inplace_q_and_k(inplace, gen):
     cc, sc = caches(40)
     for layout in ("qkv_slice", "padded", "strided_cols", "bshd"):
         q, _ = make_layout(layout, 2, 6, 3, 64, torch.float16, gen)

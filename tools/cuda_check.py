@@ -22,14 +22,30 @@ def cuobjdump() -> str:
     raise SystemExit("cuda-check: cuobjdump not found in the nvidia wheels")
 
 
+# Where sm_90 kernels' parameters start in constant bank 0 (the driver's block precedes them); checked
+# against every kernel's EIATTR_PARAM_CBANK attribute in the ELF.
+PARAM_OFFSET = 0x210
+COMPACT_PARAM_LIMIT = 256
+
+
 def resource_usage(lib: Path, arch: str, out: Path) -> None:
     """Prints, for sm_<arch>, each kernel's registers, stack (where spills and dynamically indexed
-    arrays live), local memory and parameter constant bank, from cuobjdump --dump-resource-usage;
-    the full table goes to `out`."""
+    arrays live), local memory and parameter bytes, from cuobjdump --dump-resource-usage; the full
+    table goes to `out`. Fails on any stack or local memory, and on a CompactIndex kernel (the
+    gathered kernel for nearly every layout) with COMPACT_PARAM_LIMIT bytes of parameters or more."""
+    tool = cuobjdump()
     dump = subprocess.run(
-        [cuobjdump(), "--dump-resource-usage", "-arch", f"sm_{arch}", str(lib)], capture_output=True, text=True,
-        check=True,
+        [tool, "--dump-resource-usage", "-arch", f"sm_{arch}", str(lib)], capture_output=True, text=True, check=True
     ).stdout
+    elf = subprocess.run([tool, "-elf", "-arch", f"sm_{arch}", str(lib)], capture_output=True, text=True, check=True)
+    offsets = {
+        int(v, 16) & 0xFFFF
+        for v in re.findall(r"EIATTR_PARAM_CBANK\s+Format:\s+\S+\s+Value:\s+\S+ (0x[0-9a-f]+)", elf.stdout)
+    }
+    if offsets != {PARAM_OFFSET}:
+        raise SystemExit(
+            f"cuda-check: sm_{arch} kernel parameters start at {sorted(map(hex, offsets))}, not {PARAM_OFFSET:#x}"
+        )
     demangled = subprocess.run(["c++filt"], input=dump, capture_output=True, text=True, check=True).stdout
     rows = re.findall(
         r"RotaryThread<([^>]*)> >\(.*?\):\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+) CONSTANT\[0\]:(\d+)",
@@ -37,15 +53,38 @@ def resource_usage(lib: Path, arch: str, out: Path) -> None:
     )
     if not rows:
         raise SystemExit(f"cuda-check: no rotary kernel in cuobjdump's resource usage for sm_{arch}")
-    lines = [f"{'kernel (scalar, table, conj, interleaved, vec, gathered)':60} REG STACK LOCAL PARAM_BANK"]
-    lines += [f"{args.replace(' ', ''):60} {r:>3} {st:>5} {lo:>5} {c0:>10}" for args, r, st, lo, c0 in rows]
+    kernels = [
+        (args.replace(" ", "").replace("rope_ext::cuda::", ""), int(r), int(st), int(lo), int(c0) - PARAM_OFFSET)
+        for args, r, st, lo, c0 in rows
+    ]
+    lines = [f"{'kernel (scalar, table, conj, interleaved, vec, gathered, index)':72} REG STACK LOCAL PARAM_BYTES"]
+    lines += [f"{k:72} {r:>3} {st:>5} {lo:>5} {p:>11}" for k, r, st, lo, p in kernels]
     out.write_text("\n".join(lines) + "\n")
-    regs = [int(r[1]) for r in rows]
-    stacked = [r for r in rows if int(r[2]) or int(r[3])]
+    compact = [k for k in kernels if k[0].endswith("CompactIndex")]
+    general = [k for k in kernels if not k[0].endswith("CompactIndex")]
     print(
-        f"cuda-check: sm_{arch} resource usage of {len(rows)} kernels (table: {out}): registers "
-        f"{min(regs)}-{max(regs)}, parameter bank {max(int(r[4]) for r in rows)} bytes, "
-        f"{len(stacked)} with stack or local memory (up to {max((int(r[2]) for r in rows), default=0)} bytes of stack)"
+        f"cuda-check: sm_{arch} resource usage of {len(kernels)} kernels (table: {out}): registers "
+        f"{min(k[1] for k in kernels)}-{max(k[1] for k in kernels)}; parameters: {len(compact)} CompactIndex kernels "
+        f"{max((k[4] for k in compact), default=0)} bytes at most, {len(general)} PlanIndex kernels "
+        f"{max((k[4] for k in general), default=0)} bytes at most"
+    )
+    stacked = [k[0] for k in kernels if k[2] or k[3]]
+    if stacked:
+        raise SystemExit(
+            f"cuda-check: {len(stacked)} kernels use stack or local memory (spills or "
+            f"runtime-indexed arrays), e.g. {stacked[0]}; see {out}"
+        )
+    if not compact:
+        raise SystemExit("cuda-check: no CompactIndex kernel found")
+    heavy = [k[0] for k in compact if k[4] >= COMPACT_PARAM_LIMIT]
+    if heavy:
+        raise SystemExit(
+            f"cuda-check: {len(heavy)} CompactIndex kernels take {COMPACT_PARAM_LIMIT} bytes of "
+            f"parameters or more, e.g. {heavy[0]}"
+        )
+    print(
+        "cuda-check: no kernel uses stack or local memory; every CompactIndex kernel's parameters are under "
+        f"{COMPACT_PARAM_LIMIT} bytes"
     )
 
 
@@ -66,11 +105,7 @@ def main():
     )
 
     ops = ("rotary", "rotary_qk", "rotary_", "rotary_pos", "rotary_pos_qk", "rotary_pos_")
-    missing = [
-        op
-        for op in ops
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"rope_ext::{op}", "CUDA")
-    ]
+    missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(f"rope_ext::{op}", "CUDA")]
     if missing:
         raise SystemExit(f"cuda-check: no CUDA kernel registered for {missing}")
     print(f"cuda-check: CUDA kernels registered for rope_ext::{', '.join(ops)}")

@@ -8,7 +8,8 @@
 #     ($ORIGIN/../../torch/lib) finds libtorch_cuda for a C++ program (step 4);
 #  3. tools/cuda_check.py: loads the library under the CUDA torch (every symbol resolves), checks
 #     the CUDA kernels are registered and the fatbin holds SASS for every requested arch, and prints
-#     the sm_90 kernels' registers, stack, local memory and parameter bank (cuobjdump);
+#     the sm_90 kernels' registers, stack, local memory and parameter bytes (cuobjdump), failing on
+#     any stack or local memory and on CompactIndex kernels with 256 bytes of parameters or more;
 #  4. examples/cpp built against that installed package through find_package(rope_ext), as a C++
 #     user of a CUDA build links it, and run;
 #  5. the core tests (CORE_TESTS) under this torch 2.14.1, the newest on this machine, against the

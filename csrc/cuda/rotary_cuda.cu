@@ -15,9 +15,11 @@
 namespace rope_ext::cuda {
 namespace {
 
+// The thread function is the kernel's only parameter (under 256 bytes with CompactIndex);
+// __grid_constant__ lets it be read in place from the parameter bank, never copied to local memory.
 template <typename Thread>
-__global__ void __launch_bounds__(kMaxThreads) rotary_kernel(const Thread t, const RotaryLaunch L) {
-  t(blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y, L);
+__global__ void __launch_bounds__(kMaxThreads) rotary_kernel(const __grid_constant__ Thread t) {
+  t({blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y, gridDim.x, gridDim.y, blockDim.x, blockDim.y});
 }
 
 void run_cuda(const RotaryCall& c) {
@@ -28,8 +30,8 @@ void run_cuda(const RotaryCall& c) {
   const dim3 grid(static_cast<unsigned>(L.grid_x), static_cast<unsigned>(L.grid_y));
   const dim3 block(static_cast<unsigned>(L.block_x), static_cast<unsigned>(L.block_y));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_thread(c.x, c.cos, c.conjugate, c.interleaved, L.vec, c.positions != nullptr, [&]<class Thread>() {
-    rotary_kernel<Thread><<<grid, block, 0, stream>>>(make_thread<Thread>(c, cl), L);
+  dispatch_thread(c, L, [&]<class Thread>() {
+    rotary_kernel<Thread><<<grid, block, 0, stream>>>(Thread::make(c, cl));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -14,6 +14,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "rotary_math.h"
 #include "rotary_ops.h"
@@ -41,6 +45,13 @@ struct RotaryLaunch {
   int64_t rot_items = 0;       // items covering the rotary columns
   int64_t pass_items = 0;      // items covering the pass-through columns (vec columns each)
   bool table_vec = false;      // gathered caches: an item's pairs_per_item table values in one load
+  bool compact = false;        // rows addressed by CompactIndex (else PlanIndex)
+};
+
+// Where a thread is: CUDA's built-in indices in the kernel, the loop variables in the emulator.
+struct ThreadCoord {
+  int64_t bx, by, tx, ty;                    // blockIdx.x/y, threadIdx.x/y
+  int64_t grid_x, grid_y, block_x, block_y;  // gridDim.x/y, blockDim.x/y
 };
 
 // One tensor of a launch: its plan and where its data is.
@@ -50,24 +61,23 @@ struct LaunchOperand {
   const void* out;
 };
 
-// Chooses the launch for one or two operands (q and k share tokens and tables), given the element
-// sizes and the data pointers (for alignment). The 16-byte vector path needs contiguous rows,
-// 16-byte aligned row starts, and a rotary and pass-through width that split into whole vectors,
-// for every operand; anything else takes the scalar path. Gathered caches are loaded a whole
-// item at a time when their columns are contiguous and each item's values are aligned.
-inline RotaryLaunch choose_launch(std::initializer_list<LaunchOperand> operands, int64_t elem_size,
-                                  bool interleaved, const void* cos = nullptr, const void* sin = nullptr,
-                                  int64_t table_elem_size = 0) {
+// Chooses the launch for one or two operands (q and k share tokens and tables) covering `tokens`
+// tokens and `heads` rows per token in all, given the element sizes and the data pointers (for
+// alignment). The 16-byte vector path needs contiguous rows, 16-byte aligned row starts, and a
+// rotary and pass-through width that split into whole vectors, for every operand; anything else
+// takes the scalar path. Gathered caches are loaded a whole item at a time when their columns are
+// contiguous and each item's values are aligned.
+inline RotaryLaunch choose_launch(std::initializer_list<LaunchOperand> operands, int64_t tokens, int64_t heads,
+                                  int64_t elem_size, bool interleaved, const void* cos = nullptr,
+                                  const void* sin = nullptr, int64_t table_elem_size = 0) {
   RotaryLaunch L;
   const RotaryPlan& p = *operands.begin()->plan;
   const int64_t half = p.rotary_dim / 2;
   const int64_t pass = p.head_dim - p.rotary_dim;
   const int64_t e = kVectorBytes / elem_size;
   bool vec_ok = e >= 2 && (interleaved ? p.rotary_dim % e == 0 : half % e == 0) && pass % e == 0;
-  int64_t heads = 0;
   for (const LaunchOperand& o : operands) {
     const RotaryPlan& q = *o.plan;
-    heads += q.heads.numel();
     vec_ok = vec_ok && q.x_col == 1 && q.out_col == 1 && reinterpret_cast<uintptr_t>(o.x) % kVectorBytes == 0 &&
              reinterpret_cast<uintptr_t>(o.out) % kVectorBytes == 0;
     for (int d = 0; vec_ok && d < q.tokens.ndim; ++d)
@@ -87,7 +97,6 @@ inline RotaryLaunch choose_launch(std::initializer_list<LaunchOperand> operands,
                   reinterpret_cast<uintptr_t>(sin) % item_bytes == 0;
   }
   const int64_t items = L.rot_items + L.pass_items;
-  const int64_t tokens = p.tokens.numel();
   L.block_x = std::max<int64_t>(1, std::min<int64_t>(items, kMaxThreads));
   L.block_y = std::max<int64_t>(1, std::min<int64_t>(heads, kMaxThreads / L.block_x));
   L.grid_x = std::max<int64_t>(1, std::min(tokens, kMaxGridX));
@@ -95,6 +104,188 @@ inline RotaryLaunch choose_launch(std::initializer_list<LaunchOperand> operands,
   L.grid_y = std::max<int64_t>(
       1, std::min({head_groups, kMaxGridY, std::max<int64_t>(1, kTargetBlocks / L.grid_x)}));
   return L;
+}
+
+// How the thread function finds a row: two index types it is templated on, with one interface.
+//   token<O>(t, off): operand O's x and out offsets of token t, and (kCos, kSin) the offsets of its
+//                     table entries (full tables) or of its position (gathered);
+//   head<O>(h, off):  operand O's x and out offsets of its head h within a token.
+// Operands are 0 (x or q) and 1 (k); O is a template argument, so no array is indexed at run time
+// (such arrays live in local memory, which cuda-check refuses).
+
+// Any layout: both operands' RotaryPlans, any rank and strides, ~3.5 KB of kernel parameters. Every
+// full-table call uses it, and so does a gathered call whose layout CompactIndex cannot describe.
+struct PlanIndex {
+  RotaryPlan p[2];
+  int64_t heads0 = 0, heads = 0;  // operand 0's heads, and both operands'
+
+  C10_HOST_DEVICE int64_t tokens() const { return p[0].tokens.numel(); }
+  template <int O>
+  C10_HOST_DEVICE void token(int64_t t, int64_t (&off)[4]) const {
+    p[O].tokens.offsets(t, off);
+  }
+  template <int O>
+  C10_HOST_DEVICE void head(int64_t h, int64_t (&off)[2]) const {
+    p[O].heads.offsets(h, off);
+  }
+  template <int O>
+  C10_HOST_DEVICE int64_t x_col() const {
+    return p[O].x_col;
+  }
+  template <int O>
+  C10_HOST_DEVICE int64_t out_col() const {
+    return p[O].out_col;
+  }
+  C10_HOST_DEVICE int64_t rotary_dim() const { return p[0].rotary_dim; }
+  C10_HOST_DEVICE int64_t cos_col() const { return p[0].cos_col; }
+  C10_HOST_DEVICE int64_t sin_col() const { return p[0].sin_col; }
+  C10_HOST_DEVICE int64_t cos_row() const { return p[0].cos_row; }
+  C10_HOST_DEVICE int64_t sin_row() const { return p[0].sin_row; }
+  C10_HOST_DEVICE int64_t cache_rows() const { return p[0].cache_rows; }
+};
+
+// A gathered call's rows in 168 bytes, so that its kernel's parameters stay under 256 bytes: at most
+// two token dims and one head dim per operand once dims are collapsed and outer broadcast dims (the
+// batch of (B, S, H, D) under (S,) positions) are counted as tokens; unit column strides; one row
+// stride for both caches. Nearly every layout rotary_pos sees qualifies (compact_index decides).
+struct CompactIndex {
+  int64_t num_tokens = 0;
+  int64_t inner = 1;          // size of the inner token dim: token t = (t / inner, t % inner)
+  int64_t tok[2][2][2] = {};  // token strides [operand][x, out][outer, inner]
+  int64_t pos[2] = {};        // positions' token strides [outer, inner]
+  int64_t hd[2][2] = {};      // head stride [operand][x, out]
+  int64_t row = 0;            // both caches' row stride
+  int64_t rows = 0;           // cache rows
+  int64_t heads0 = 0, heads = 0;
+  int64_t half = 0;           // rotary_dim / 2
+
+  C10_HOST_DEVICE int64_t tokens() const { return num_tokens; }
+  template <int O>
+  C10_HOST_DEVICE void token(int64_t t, int64_t (&off)[4]) const {
+    // A 32-bit division where the values allow (almost always): 64-bit division is a long
+    // instruction sequence on a GPU.
+    const int64_t o = ((t | inner) >> 32) == 0 ? int64_t{static_cast<uint32_t>(t) / static_cast<uint32_t>(inner)}
+                                                : t / inner;
+    const int64_t i = t - o * inner;
+    off[kX] = o * tok[O][0][0] + i * tok[O][0][1];
+    off[kOut] = o * tok[O][1][0] + i * tok[O][1][1];
+    off[kCos] = off[kSin] = o * pos[0] + i * pos[1];
+  }
+  template <int O>
+  C10_HOST_DEVICE void head(int64_t h, int64_t (&off)[2]) const {
+    off[kX] = h * hd[O][0];
+    off[kOut] = h * hd[O][1];
+  }
+  template <int O>
+  C10_HOST_DEVICE int64_t x_col() const {
+    return 1;
+  }
+  template <int O>
+  C10_HOST_DEVICE int64_t out_col() const {
+    return 1;
+  }
+  C10_HOST_DEVICE int64_t rotary_dim() const { return 2 * half; }
+  C10_HOST_DEVICE int64_t cos_col() const { return 1; }
+  C10_HOST_DEVICE int64_t sin_col() const { return 1; }
+  C10_HOST_DEVICE int64_t cos_row() const { return row; }
+  C10_HOST_DEVICE int64_t sin_row() const { return row; }
+  C10_HOST_DEVICE int64_t cache_rows() const { return rows; }
+};
+
+// The CompactIndex of a gathered call, or nullopt where its layout needs PlanIndex. Dims of x
+// (q) along which positions vary are token dims; the others are broadcast dims. Adjacent dims that
+// every operand (q, q_out, k, k_out, and positions for tokens) steps through as one are merged;
+// of the broadcast dims left, the one where q and k differ in size (GQA/MQA) or else the innermost
+// is the head dim, and the rest become token dims with position stride 0.
+inline std::optional<CompactIndex> compact_index(const RotaryCall& c) {
+  constexpr int kOps = 4;  // q, q_out, k, k_out
+  const at::Tensor* t[kOps] = {&c.x, &c.out, c.k ? c.k : &c.x, c.k ? c.k_out : &c.out};
+  const at::Tensor& cc = c.cos;
+  const at::Tensor& sc = c.sin;
+  const auto unit = [](const at::Tensor& a, int64_t d) { return a.size(d) <= 1 || a.stride(d) == 1; };
+  if (c.positions == nullptr || !unit(cc, 1) || !unit(sc, 1) || cc.stride(0) != sc.stride(0)) return std::nullopt;
+  for (const at::Tensor* a : t) {
+    if (!unit(*a, -1)) return std::nullopt;
+  }
+  struct Dim {
+    int64_t size[kOps];
+    int64_t stride[kOps + 1];  // the operands', then the positions' (0 for a broadcast dim)
+  };
+  std::vector<int64_t> view(c.x.sizes().begin(), c.x.sizes().end());
+  view.back() = 1;
+  const at::Tensor pos = c.positions->unsqueeze(-1).expand(view);
+  std::vector<std::pair<int64_t, Dim>> token_dims, bcast_dims;  // (x's dim, dim)
+  for (int64_t d = 0; d + 1 < c.x.dim(); ++d) {
+    Dim m{};
+    bool trivial = true;
+    for (int j = 0; j < kOps; ++j) {
+      m.size[j] = t[j]->size(d);
+      m.stride[j] = t[j]->stride(d);
+      trivial = trivial && m.size[j] == 1;
+    }
+    if (trivial) continue;
+    m.stride[kOps] = pos.stride(d);
+    (m.stride[kOps] != 0 ? token_dims : bcast_dims).emplace_back(d, m);
+  }
+  // Merges adjacent dims (in x's order) that every operand steps through as one.
+  const auto collapse = [](std::vector<std::pair<int64_t, Dim>>& dims, int n_strides) {
+    std::vector<std::pair<int64_t, Dim>> merged;
+    for (const auto& [d, m] : dims) {
+      bool merge = !merged.empty();
+      for (int j = 0; merge && j < n_strides; ++j) {
+        const Dim& prev = merged.back().second;
+        merge = prev.stride[j] == m.stride[j] * m.size[j < kOps ? j : 0];
+      }
+      if (merge) {
+        Dim& prev = merged.back().second;
+        for (int j = 0; j < kOps; ++j) prev.size[j] *= m.size[j];
+        for (int j = 0; j < n_strides; ++j) prev.stride[j] = m.stride[j];
+      } else {
+        merged.emplace_back(d, m);
+      }
+    }
+    dims = std::move(merged);
+  };
+  collapse(bcast_dims, kOps);
+  // The head dim: where q's and k's sizes differ, else the innermost; the others become tokens.
+  int head = static_cast<int>(bcast_dims.size()) - 1;
+  for (int i = 0; i < static_cast<int>(bcast_dims.size()); ++i) {
+    if (bcast_dims[i].second.size[0] != bcast_dims[i].second.size[2]) head = i;
+  }
+  for (int i = 0; i < static_cast<int>(bcast_dims.size()); ++i) {
+    if (i == head) continue;
+    const Dim& m = bcast_dims[i].second;
+    if (m.size[0] != m.size[2]) return std::nullopt;  // q and k differ in two dims
+    token_dims.push_back(bcast_dims[i]);
+  }
+  std::sort(token_dims.begin(), token_dims.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  collapse(token_dims, kOps + 1);
+  if (token_dims.size() > 2) return std::nullopt;
+
+  CompactIndex ix;
+  const int64_t hq = head >= 0 ? bcast_dims[head].second.size[0] : 1;
+  const int64_t hk = c.k == nullptr ? 0 : head >= 0 ? bcast_dims[head].second.size[2] : 1;
+  ix.heads0 = hq;
+  ix.heads = hq + hk;
+  for (int o = 0; o < 2 && head >= 0; ++o) {
+    for (int j = 0; j < 2; ++j) ix.hd[o][j] = bcast_dims[head].second.stride[2 * o + j];
+  }
+  ix.num_tokens = 1;
+  const size_t first = token_dims.size() == 2 ? 0 : 1;  // slot of token_dims[0]: outer or inner
+  for (size_t i = 0; i < token_dims.size(); ++i) {
+    const Dim& m = token_dims[i].second;
+    const size_t slot = first + i;
+    ix.num_tokens *= m.size[0];
+    if (slot == 1) ix.inner = m.size[0];
+    for (int o = 0; o < 2; ++o) {
+      for (int j = 0; j < 2; ++j) ix.tok[o][j][slot] = m.stride[2 * o + j];
+    }
+    ix.pos[slot] = m.stride[kOps];
+  }
+  ix.row = cc.stride(0);
+  ix.rows = cc.size(0);
+  ix.half = cc.size(1);
+  return ix;
 }
 
 template <typename T, int N>
@@ -120,35 +311,72 @@ struct OpMath<double> {
 #define ROPE_EXT_DEVICE_CHECK(cond, ...) TORCH_CHECK(cond, __VA_ARGS__)
 #endif
 
-// The work of thread (tx, ty) of block (bx, by). kVec is the launch's `vec` (1: scalar path).
-// kGathered: the tables are half-width caches read at each token's position (rotary_pos*); the
-// transpose (conjugate) is then the rotation with -sin, a runtime flag.
-template <typename scalar_t, typename table_t, bool kConj, bool kInterleaved, int kVec, bool kGathered = false>
+// The plans, the compact index (if the layout allows and `allow_compact`) and the launch of a
+// RotaryCall, for checked arguments (shared by the CUDA launcher and the host emulator).
+struct CallLaunch {
+  RotaryPlan plan, k_plan;
+  std::optional<CompactIndex> compact;
+  RotaryLaunch launch;
+};
+
+inline CallLaunch plan_call(const RotaryCall& c, bool allow_compact = true) {
+  CallLaunch r;
+  const auto make = [&](const at::Tensor& x, const at::Tensor& out) {
+    return c.positions ? make_rotary_pos_plan(x, out, c.cos, c.sin, *c.positions)
+                       : make_rotary_plan(x, out, c.cos, c.sin);
+  };
+  r.plan = make(c.x, c.out);
+  if (c.k != nullptr) r.k_plan = make(*c.k, *c.k_out);
+  if (allow_compact) r.compact = compact_index(c);
+  const int64_t tokens = r.compact ? r.compact->num_tokens : r.plan.tokens.numel();
+  const int64_t heads = r.compact ? r.compact->heads
+                                  : r.plan.heads.numel() + (c.k != nullptr ? r.k_plan.heads.numel() : 0);
+  const LaunchOperand q{&r.plan, c.x.const_data_ptr(), c.out.const_data_ptr()};
+  const auto choose = [&](std::initializer_list<LaunchOperand> operands) {
+    return choose_launch(operands, tokens, heads, c.x.element_size(), c.interleaved, c.cos.const_data_ptr(),
+                         c.sin.const_data_ptr(), c.cos.element_size());
+  };
+  r.launch = c.k != nullptr ? choose({q, {&r.k_plan, c.k->const_data_ptr(), c.k_out->const_data_ptr()}})
+                            : choose({q});
+  r.launch.compact = r.compact.has_value();
+  return r;
+}
+
+// The work of one thread of a launch. kVec is the launch's `vec` (1: scalar path). kGathered: the
+// tables are half-width caches read at each token's position (rotary_pos*); the transpose
+// (conjugate) is then the rotation with -sin, a runtime flag. Index: PlanIndex or CompactIndex.
+template <typename scalar_t, typename table_t, bool kConj, bool kInterleaved, int kVec, bool kGathered,
+          class Index>
 struct RotaryThread {
   using opmath_t = typename OpMath<scalar_t>::type;
 
-  // Host side: the thread function for out = rotary(x, cos, sin) described by `plan`, and, when
-  // `k_plan` is given, k_out = rotary(k, ...) with the same tables and tokens in the same launch.
-  static RotaryThread make(const RotaryPlan& plan, const at::Tensor& x, at::Tensor& out, const at::Tensor& cos,
-                           const at::Tensor& sin, const void* positions = nullptr, bool conjugate = false,
-                           const RotaryPlan* k_plan = nullptr, const at::Tensor* k = nullptr,
-                           at::Tensor* k_out = nullptr) {
+  // Host side: the thread function of a planned call.
+  static RotaryThread make(const RotaryCall& c, const CallLaunch& cl) {
     RotaryThread t{};
-    t.n = k_plan != nullptr ? 2 : 1;
-    t.p[0] = plan;
-    t.x[0] = x.const_data_ptr<scalar_t>();
-    t.out[0] = out.mutable_data_ptr<scalar_t>();
-    if (k_plan != nullptr) {
-      t.p[1] = *k_plan;
-      t.x[1] = k->const_data_ptr<scalar_t>();
-      t.out[1] = k_out->mutable_data_ptr<scalar_t>();
+    if constexpr (std::is_same_v<Index, CompactIndex>) {
+      t.idx = *cl.compact;
+    } else {
+      t.idx.p[0] = cl.plan;
+      t.idx.heads0 = t.idx.heads = cl.plan.heads.numel();
+      if (c.k != nullptr) {
+        t.idx.p[1] = cl.k_plan;
+        t.idx.heads += cl.k_plan.heads.numel();
+      }
     }
-    t.heads0 = plan.heads.numel();
-    t.heads = t.heads0 + (k_plan != nullptr ? k_plan->heads.numel() : 0);
-    t.cos = cos.const_data_ptr<table_t>();
-    t.sin = sin.const_data_ptr<table_t>();
-    t.positions = positions;
-    t.sin_sign = conjugate ? opmath_t(-1) : opmath_t(1);
+    t.x[0] = c.x.const_data_ptr<scalar_t>();
+    t.out[0] = c.out.mutable_data_ptr<scalar_t>();
+    if (c.k != nullptr) {
+      t.x[1] = c.k->const_data_ptr<scalar_t>();
+      t.out[1] = c.k_out->mutable_data_ptr<scalar_t>();
+    }
+    t.cos = c.cos.const_data_ptr<table_t>();
+    t.sin = c.sin.const_data_ptr<table_t>();
+    t.positions = c.positions ? c.positions->const_data_ptr() : nullptr;
+    t.rot_items = cl.launch.rot_items;
+    t.pass_items = cl.launch.pass_items;
+    t.positions_int32 = c.positions && c.positions->scalar_type() == at::kInt;
+    t.table_vec = cl.launch.table_vec;
+    t.conjugate = c.conjugate;
     return t;
   }
 
@@ -156,57 +384,50 @@ struct RotaryThread {
   // members (with their kVec second members half a row away) for half-split.
   static constexpr int kPairs = kVec == 1 ? 1 : (kInterleaved ? kVec / 2 : kVec);
 
-  int n;                   // operands: 1, or 2 (q and k)
-  RotaryPlan p[2];         // their plans; tokens and tables are the same for both
+  Index idx;
   const scalar_t* x[2];
   scalar_t* out[2];
-  int64_t heads0, heads;   // q's heads, and q's + k's
   const table_t* cos;
   const table_t* sin;
-  const void* positions;   // gathered: int32 or int64 (p[0].positions_int32)
-  opmath_t sin_sign;       // gathered: -1 for the transpose
+  const void* positions;          // gathered: int32 or int64
+  int64_t rot_items, pass_items;  // the launch's
+  bool positions_int32;
+  bool table_vec;                 // the launch's
+  bool conjugate;                 // gathered: the transpose, a rotation by -sin (else kConj)
 
-  C10_HOST_DEVICE void operator()(int64_t bx, int64_t by, int64_t tx, int64_t ty,
-                                  const RotaryLaunch& L) const {
-    const int64_t tokens = p[0].tokens.numel();
-    const int64_t half = p[0].rotary_dim / 2;
-    for (int64_t token = bx; token < tokens; token += L.grid_x) {
-      int64_t tok[2][4];
-      for (int o = 0; o < n; ++o) p[o].tokens.offsets(token, tok[o]);
-      for (int64_t item = tx; item < L.rot_items + L.pass_items; item += L.block_x) {
-        if (item < L.rot_items) {
-          rotate_item(item, tok, by, ty, L, half);
+  C10_HOST_DEVICE void operator()(const ThreadCoord& g) const {
+    const int64_t tokens = idx.tokens();
+    const bool two = idx.heads > idx.heads0;
+    for (int64_t token = g.bx; token < tokens; token += g.grid_x) {
+      int64_t t0[4], t1[4] = {};
+      idx.template token<0>(token, t0);
+      if (two) idx.template token<1>(token, t1);
+      for (int64_t item = g.tx; item < rot_items + pass_items; item += g.block_x) {
+        if (item < rot_items) {
+          rotate_item(item, t0, t1, g);
         } else {
-          copy_item(item - L.rot_items, tok, by, ty, L);
+          copy_item(item - rot_items, t0, t1, g);
         }
       }
     }
   }
 
  private:
-  // Head h of the launch: operand o, and that operand's row pointers for the token.
-  C10_HOST_DEVICE int operand_of(int64_t& h) const {
-    if (h < heads0) return 0;
-    h -= heads0;
-    return 1;
-  }
-
   // This token's table entries for the item's pairs.
-  C10_HOST_DEVICE void load_tables(int64_t pair0, const int64_t (&tok)[4], const RotaryLaunch& L, int64_t half,
-                                   opmath_t (&c1)[kPairs], opmath_t (&s1)[kPairs], opmath_t (&c2)[kPairs],
-                                   opmath_t (&s2)[kPairs]) const {
-    const RotaryPlan& q = p[0];
+  C10_HOST_DEVICE void load_tables(int64_t pair0, const int64_t (&tok)[4], opmath_t (&c1)[kPairs],
+                                   opmath_t (&s1)[kPairs], opmath_t (&c2)[kPairs], opmath_t (&s2)[kPairs]) const {
     if constexpr (kGathered) {
-      const int64_t pos = q.positions_int32 ? int64_t{static_cast<const int32_t*>(positions)[tok[kCos]]}
-                                            : static_cast<const int64_t*>(positions)[tok[kCos]];
-      ROPE_EXT_DEVICE_CHECK(pos >= 0 && pos < q.cache_rows, "rope_ext: position ", pos,
-                            " is outside the cache, whose ", q.cache_rows, " rows hold positions 0 to ",
-                            q.cache_rows - 1);
-      const table_t* c = cos + pos * q.cos_row;
-      const table_t* s = sin + pos * q.sin_row;
+      const int64_t pos = positions_int32 ? int64_t{static_cast<const int32_t*>(positions)[tok[kCos]]}
+                                          : static_cast<const int64_t*>(positions)[tok[kCos]];
+      const opmath_t sin_sign = conjugate ? opmath_t(-1) : opmath_t(1);
+      ROPE_EXT_DEVICE_CHECK(pos >= 0 && pos < idx.cache_rows(), "rope_ext: position ", pos,
+                            " is outside the cache, whose ", idx.cache_rows(), " rows hold positions 0 to ",
+                            idx.cache_rows() - 1);
+      const table_t* c = cos + pos * idx.cos_row();
+      const table_t* s = sin + pos * idx.sin_row();
       bool vector_load = false;
       if constexpr (kPairs > 1) {
-        if (L.table_vec) {
+        if (table_vec) {
           const auto cv = *reinterpret_cast<const VecOf<table_t, kPairs>*>(c + pair0);
           const auto sv = *reinterpret_cast<const VecOf<table_t, kPairs>*>(s + pair0);
           for (int j = 0; j < kPairs; ++j) {
@@ -218,8 +439,8 @@ struct RotaryThread {
       }
       if (!vector_load) {
         for (int j = 0; j < kPairs; ++j) {
-          c1[j] = static_cast<opmath_t>(c[(pair0 + j) * q.cos_col]);
-          s1[j] = sin_sign * static_cast<opmath_t>(s[(pair0 + j) * q.sin_col]);
+          c1[j] = static_cast<opmath_t>(c[(pair0 + j) * idx.cos_col()]);
+          s1[j] = sin_sign * static_cast<opmath_t>(s[(pair0 + j) * idx.sin_col()]);
         }
       }
       for (int j = 0; j < kPairs; ++j) {
@@ -227,100 +448,115 @@ struct RotaryThread {
         s2[j] = s1[j];
       }
     } else {
+      const int64_t half = idx.rotary_dim() / 2;
       for (int j = 0; j < kPairs; ++j) {
         const int64_t a = pair_first(pair0 + j, half, kInterleaved);
         const int64_t b = pair_second(pair0 + j, half, kInterleaved);
-        c1[j] = static_cast<opmath_t>(cos[tok[kCos] + a * q.cos_col]);
-        s1[j] = static_cast<opmath_t>(sin[tok[kSin] + a * q.sin_col]);
-        c2[j] = static_cast<opmath_t>(cos[tok[kCos] + b * q.cos_col]);
-        s2[j] = static_cast<opmath_t>(sin[tok[kSin] + b * q.sin_col]);
+        c1[j] = static_cast<opmath_t>(cos[tok[kCos] + a * idx.cos_col()]);
+        s1[j] = static_cast<opmath_t>(sin[tok[kSin] + a * idx.sin_col()]);
+        c2[j] = static_cast<opmath_t>(cos[tok[kCos] + b * idx.cos_col()]);
+        s2[j] = static_cast<opmath_t>(sin[tok[kSin] + b * idx.sin_col()]);
       }
     }
   }
 
-  C10_HOST_DEVICE void rotate_item(int64_t item, const int64_t (&tok)[2][4], int64_t by, int64_t ty,
-                                   const RotaryLaunch& L, int64_t half) const {
+  // The item's pairs of every head this thread covers: q's heads, then k's (heads h - heads0).
+  C10_HOST_DEVICE void rotate_item(int64_t item, const int64_t (&t0)[4], const int64_t (&t1)[4],
+                                   const ThreadCoord& g) const {
     // This token's table entries for the item's pairs: loaded once, reused for every head.
     opmath_t c1[kPairs], s1[kPairs], c2[kPairs], s2[kPairs];
     const int64_t pair0 = item * kPairs;
-    load_tables(pair0, tok[0], L, half, c1, s1, c2, s2);
-    for (int64_t h = by * L.block_y + ty; h < heads; h += L.grid_y * L.block_y) {
-      int64_t hh = h;
-      const int o = operand_of(hh);
-      const RotaryPlan& q = p[o];
-      int64_t hd[2];
-      q.heads.offsets(hh, hd);
-      const scalar_t* xr = x[o] + tok[o][kX] + hd[kX];
-      scalar_t* outr = out[o] + tok[o][kOut] + hd[kOut];
-      opmath_t x1[kPairs], x2[kPairs], o1[kPairs], o2[kPairs];
-      if constexpr (kVec == 1) {
-        const int64_t a = pair_first(pair0, half, kInterleaved);
-        const int64_t b = pair_second(pair0, half, kInterleaved);
-        x1[0] = static_cast<opmath_t>(xr[a * q.x_col]);
-        x2[0] = static_cast<opmath_t>(xr[b * q.x_col]);
-      } else if constexpr (kInterleaved) {
-        const auto v = *reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + 2 * pair0);
-        for (int j = 0; j < kPairs; ++j) {
-          x1[j] = static_cast<opmath_t>(v.v[2 * j]);
-          x2[j] = static_cast<opmath_t>(v.v[2 * j + 1]);
-        }
-      } else {
-        const auto v1 = *reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + pair0);
-        const auto v2 = *reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + half + pair0);
-        for (int j = 0; j < kPairs; ++j) {
-          x1[j] = static_cast<opmath_t>(v1.v[j]);
-          x2[j] = static_cast<opmath_t>(v2.v[j]);
-        }
-      }
+    load_tables(pair0, t0, c1, s1, c2, s2);
+    const int64_t step = g.grid_y * g.block_y;
+    int64_t h = g.by * g.block_y + g.ty;
+    for (; h < idx.heads0; h += step) rotate_row<0>(h, t0, pair0, c1, s1, c2, s2);
+    for (; h < idx.heads; h += step) rotate_row<1>(h - idx.heads0, t1, pair0, c1, s1, c2, s2);
+  }
+
+  template <int O>
+  C10_HOST_DEVICE void rotate_row(int64_t h, const int64_t (&tok)[4], int64_t pair0, const opmath_t (&c1)[kPairs],
+                                  const opmath_t (&s1)[kPairs], const opmath_t (&c2)[kPairs],
+                                  const opmath_t (&s2)[kPairs]) const {
+    const int64_t half = idx.rotary_dim() / 2;
+    int64_t hd[2];
+    idx.template head<O>(h, hd);
+    const scalar_t* xr = x[O] + tok[kX] + hd[kX];
+    scalar_t* outr = out[O] + tok[kOut] + hd[kOut];
+    opmath_t x1[kPairs], x2[kPairs], o1[kPairs], o2[kPairs];
+    if constexpr (kVec == 1) {
+      const int64_t a = pair_first(pair0, half, kInterleaved);
+      const int64_t b = pair_second(pair0, half, kInterleaved);
+      x1[0] = static_cast<opmath_t>(xr[a * idx.template x_col<O>()]);
+      x2[0] = static_cast<opmath_t>(xr[b * idx.template x_col<O>()]);
+    } else if constexpr (kInterleaved) {
+      const auto v = *reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + 2 * pair0);
       for (int j = 0; j < kPairs; ++j) {
-        rotate_pair<kConj>(x1[j], x2[j], c1[j], s1[j], c2[j], s2[j], o1[j], o2[j]);
+        x1[j] = static_cast<opmath_t>(v.v[2 * j]);
+        x2[j] = static_cast<opmath_t>(v.v[2 * j + 1]);
       }
-      if constexpr (kVec == 1) {
-        const int64_t a = pair_first(pair0, half, kInterleaved);
-        const int64_t b = pair_second(pair0, half, kInterleaved);
-        outr[a * q.out_col] = static_cast<scalar_t>(o1[0]);
-        outr[b * q.out_col] = static_cast<scalar_t>(o2[0]);
-      } else if constexpr (kInterleaved) {
-        VecOf<scalar_t, kVec> v;
-        for (int j = 0; j < kPairs; ++j) {
-          v.v[2 * j] = static_cast<scalar_t>(o1[j]);
-          v.v[2 * j + 1] = static_cast<scalar_t>(o2[j]);
-        }
-        *reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + 2 * pair0) = v;
-      } else {
-        VecOf<scalar_t, kVec> v1, v2;
-        for (int j = 0; j < kPairs; ++j) {
-          v1.v[j] = static_cast<scalar_t>(o1[j]);
-          v2.v[j] = static_cast<scalar_t>(o2[j]);
-        }
-        *reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + pair0) = v1;
-        *reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + half + pair0) = v2;
+    } else {
+      const auto v1 = *reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + pair0);
+      const auto v2 = *reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + half + pair0);
+      for (int j = 0; j < kPairs; ++j) {
+        x1[j] = static_cast<opmath_t>(v1.v[j]);
+        x2[j] = static_cast<opmath_t>(v2.v[j]);
       }
+    }
+    for (int j = 0; j < kPairs; ++j) {
+      rotate_pair<kConj>(x1[j], x2[j], c1[j], s1[j], c2[j], s2[j], o1[j], o2[j]);
+    }
+    if constexpr (kVec == 1) {
+      const int64_t a = pair_first(pair0, half, kInterleaved);
+      const int64_t b = pair_second(pair0, half, kInterleaved);
+      outr[a * idx.template out_col<O>()] = static_cast<scalar_t>(o1[0]);
+      outr[b * idx.template out_col<O>()] = static_cast<scalar_t>(o2[0]);
+    } else if constexpr (kInterleaved) {
+      VecOf<scalar_t, kVec> v;
+      for (int j = 0; j < kPairs; ++j) {
+        v.v[2 * j] = static_cast<scalar_t>(o1[j]);
+        v.v[2 * j + 1] = static_cast<scalar_t>(o2[j]);
+      }
+      *reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + 2 * pair0) = v;
+    } else {
+      VecOf<scalar_t, kVec> v1, v2;
+      for (int j = 0; j < kPairs; ++j) {
+        v1.v[j] = static_cast<scalar_t>(o1[j]);
+        v2.v[j] = static_cast<scalar_t>(o2[j]);
+      }
+      *reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + pair0) = v1;
+      *reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + half + pair0) = v2;
     }
   }
 
-  // Pass-through columns [r + item*kVec, r + (item+1)*kVec): copied, unless in place.
-  C10_HOST_DEVICE void copy_item(int64_t item, const int64_t (&tok)[2][4], int64_t by, int64_t ty,
-                                 const RotaryLaunch& L) const {
-    for (int64_t h = by * L.block_y + ty; h < heads; h += L.grid_y * L.block_y) {
-      int64_t hh = h;
-      const int o = operand_of(hh);
-      const RotaryPlan& q = p[o];
-      int64_t hd[2];
-      q.heads.offsets(hh, hd);
-      const scalar_t* xr = x[o] + tok[o][kX] + hd[kX];
-      scalar_t* outr = out[o] + tok[o][kOut] + hd[kOut];
-      if (xr == outr && q.x_col == q.out_col) continue;  // in place: already there
-      const int64_t c = q.rotary_dim + item * kVec;
-      if constexpr (kVec == 1) {
-        outr[c * q.out_col] = xr[c * q.x_col];
-      } else {
-        *reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + c) =
-            *reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + c);
-      }
+  // Pass-through columns [r + item*kVec, r + (item+1)*kVec) of every head: copied, unless in place.
+  C10_HOST_DEVICE void copy_item(int64_t item, const int64_t (&t0)[4], const int64_t (&t1)[4],
+                                 const ThreadCoord& g) const {
+    const int64_t step = g.grid_y * g.block_y;
+    int64_t h = g.by * g.block_y + g.ty;
+    for (; h < idx.heads0; h += step) copy_row<0>(h, t0, item);
+    for (; h < idx.heads; h += step) copy_row<1>(h - idx.heads0, t1, item);
+  }
+
+  template <int O>
+  C10_HOST_DEVICE void copy_row(int64_t h, const int64_t (&tok)[4], int64_t item) const {
+    int64_t hd[2];
+    idx.template head<O>(h, hd);
+    const scalar_t* xr = x[O] + tok[kX] + hd[kX];
+    scalar_t* outr = out[O] + tok[kOut] + hd[kOut];
+    const int64_t xc = idx.template x_col<O>(), oc = idx.template out_col<O>();
+    if (xr == outr && xc == oc) return;  // in place: already there
+    const int64_t c = idx.rotary_dim() + item * kVec;
+    if constexpr (kVec == 1) {
+      outr[c * oc] = xr[c * xc];
+    } else {
+      *reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + c) = *reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + c);
     }
   }
 };
+
+// cuda-check fails on any kernel with CompactIndex whose parameters reach 256 bytes; this catches the
+// largest of them at compile time.
+static_assert(sizeof(RotaryThread<double, double, false, false, 2, true, CompactIndex>) < 256);
 
 // Elements per 16-byte vector for scalar_t.
 template <typename scalar_t>
@@ -328,80 +564,51 @@ constexpr int vec_elems() {
   return kVectorBytes / static_cast<int>(sizeof(scalar_t));
 }
 
-// Calls f.template operator()<Thread>() with the RotaryThread type for x's dtype, the tables'
-// dtype (x's or float32), conjugate, interleaved, the launch's vector width and gathered tables.
-// Shared by the CUDA launcher and the host emulator, so both instantiate exactly the same set of
-// kernels. Gathered kernels take conjugate at run time (Thread::make), which halves their number.
+// Calls f.template operator()<Thread>() with the RotaryThread type of a planned call: x's dtype,
+// the tables' dtype (x's or float32), conjugate, interleaved, the launch's vector width, gathered
+// tables and the index. Shared by the CUDA launcher and the host emulator, so both instantiate
+// exactly the same set of kernels. Gathered kernels take conjugate at run time (Thread::make),
+// which halves their number; they come with either index.
 template <typename scalar_t, typename table_t, typename F>
-void dispatch_variant(bool conjugate, bool interleaved, int64_t vec, bool gathered, F&& f) {
+void dispatch_variant(const RotaryCall& c, const RotaryLaunch& L, F&& f) {
   constexpr int kV = vec_elems<scalar_t>();
-  auto by_vec = [&](auto conj_tag, auto inter_tag, auto gathered_tag) {
+  auto by_vec = [&](auto conj_tag, auto inter_tag, auto gathered_tag, auto index_tag) {
     constexpr bool kC = decltype(conj_tag)::value, kI = decltype(inter_tag)::value;
     constexpr bool kG = decltype(gathered_tag)::value;
-    if (vec == 1) {
-      f.template operator()<RotaryThread<scalar_t, table_t, kC, kI, 1, kG>>();
+    using Index = typename decltype(index_tag)::type;
+    if (L.vec == 1) {
+      f.template operator()<RotaryThread<scalar_t, table_t, kC, kI, 1, kG, Index>>();
     } else {
-      f.template operator()<RotaryThread<scalar_t, table_t, kC, kI, kV, kG>>();
+      f.template operator()<RotaryThread<scalar_t, table_t, kC, kI, kV, kG, Index>>();
     }
   };
   using T = std::true_type;
   using Fa = std::false_type;
-  if (gathered) {
-    interleaved ? by_vec(Fa{}, T{}, T{}) : by_vec(Fa{}, Fa{}, T{});
+  const std::type_identity<PlanIndex> plan;
+  if (c.positions != nullptr) {
+    const auto gathered = [&](auto index) {
+      c.interleaved ? by_vec(Fa{}, T{}, T{}, index) : by_vec(Fa{}, Fa{}, T{}, index);
+    };
+    L.compact ? gathered(std::type_identity<CompactIndex>{}) : gathered(plan);
     return;
   }
-  if (conjugate) {
-    interleaved ? by_vec(T{}, T{}, Fa{}) : by_vec(T{}, Fa{}, Fa{});
+  if (c.conjugate) {
+    c.interleaved ? by_vec(T{}, T{}, Fa{}, plan) : by_vec(T{}, Fa{}, Fa{}, plan);
   } else {
-    interleaved ? by_vec(Fa{}, T{}, Fa{}) : by_vec(Fa{}, Fa{}, Fa{});
+    c.interleaved ? by_vec(Fa{}, T{}, Fa{}, plan) : by_vec(Fa{}, Fa{}, Fa{}, plan);
   }
 }
 
 template <typename F>
-void dispatch_thread(const at::Tensor& x, const at::Tensor& cos, bool conjugate, bool interleaved,
-                     int64_t vec, bool gathered, F&& f) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rope_ext.rotary_thread", [&] {
+void dispatch_thread(const RotaryCall& c, const RotaryLaunch& L, F&& f) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, c.x.scalar_type(), "rope_ext.rotary_thread", [&] {
     // The checks allow tables in x's dtype or in float32.
-    if (cos.scalar_type() == x.scalar_type()) {
-      dispatch_variant<scalar_t, scalar_t>(conjugate, interleaved, vec, gathered, f);
+    if (c.cos.scalar_type() == c.x.scalar_type()) {
+      dispatch_variant<scalar_t, scalar_t>(c, L, f);
     } else {
-      dispatch_variant<scalar_t, float>(conjugate, interleaved, vec, gathered, f);
+      dispatch_variant<scalar_t, float>(c, L, f);
     }
   });
-}
-
-// The plans and the launch of a RotaryCall, for checked arguments (shared by the CUDA launcher
-// and the host emulator).
-struct CallLaunch {
-  RotaryPlan plan, k_plan;
-  RotaryLaunch launch;
-};
-
-inline CallLaunch plan_call(const RotaryCall& c) {
-  CallLaunch r;
-  const auto make = [&](const at::Tensor& x, const at::Tensor& out) {
-    return c.positions ? make_rotary_pos_plan(x, out, c.cos, c.sin, *c.positions)
-                       : make_rotary_plan(x, out, c.cos, c.sin);
-  };
-  r.plan = make(c.x, c.out);
-  if (c.k != nullptr) {
-    r.k_plan = make(*c.k, *c.k_out);
-    r.launch = choose_launch({{&r.plan, c.x.const_data_ptr(), c.out.const_data_ptr()},
-                              {&r.k_plan, c.k->const_data_ptr(), c.k_out->const_data_ptr()}},
-                             c.x.element_size(), c.interleaved, c.cos.const_data_ptr(), c.sin.const_data_ptr(),
-                             c.cos.element_size());
-  } else {
-    r.launch = choose_launch({{&r.plan, c.x.const_data_ptr(), c.out.const_data_ptr()}}, c.x.element_size(),
-                             c.interleaved, c.cos.const_data_ptr(), c.sin.const_data_ptr(), c.cos.element_size());
-  }
-  return r;
-}
-
-// The thread function of a RotaryCall with its plans.
-template <class Thread>
-Thread make_thread(const RotaryCall& c, const CallLaunch& cl) {
-  return Thread::make(cl.plan, c.x, c.out, c.cos, c.sin, c.positions ? c.positions->const_data_ptr() : nullptr,
-                      c.conjugate, c.k ? &cl.k_plan : nullptr, c.k, c.k_out);
 }
 
 }  // namespace rope_ext::cuda

@@ -15,30 +15,36 @@ namespace {
 
 using cuda::RotaryLaunch;
 
+// Whether gathered calls may use CompactIndex (as the CUDA launcher does wherever the layout allows);
+// the tests turn it off to run every layout through PlanIndex too.
+bool g_allow_compact = true;
+
+cuda::CallLaunch plan(const RotaryCall& c) { return cuda::plan_call(c, g_allow_compact); }
+
 void run_emulated(const RotaryCall& c) {
   if (c.out.numel() == 0 && (c.k_out == nullptr || c.k_out->numel() == 0)) return;
-  const cuda::CallLaunch cl = cuda::plan_call(c);
+  const cuda::CallLaunch cl = plan(c);
   const RotaryLaunch& L = cl.launch;
-  cuda::dispatch_thread(c.x, c.cos, c.conjugate, c.interleaved, L.vec, c.positions != nullptr, [&]<class Thread>() {
-    const Thread t = cuda::make_thread<Thread>(c, cl);
+  cuda::dispatch_thread(c, L, [&]<class Thread>() {
+    const Thread t = Thread::make(c, cl);
     for (int64_t bx = 0; bx < L.grid_x; ++bx)
       for (int64_t by = 0; by < L.grid_y; ++by)
         for (int64_t ty = 0; ty < L.block_y; ++ty)
-          for (int64_t tx = 0; tx < L.block_x; ++tx) t(bx, by, tx, ty, L);
+          for (int64_t tx = 0; tx < L.block_x; ++tx) t({bx, by, tx, ty, L.grid_x, L.grid_y, L.block_x, L.block_y});
   });
 }
 
 std::vector<int64_t> as_list(const RotaryLaunch& L) {
-  return {L.grid_x, L.grid_y, L.block_x, L.block_y, L.vec, L.pairs_per_item, L.rot_items, L.pass_items,
-          L.table_vec};
+  return {L.grid_x,    L.grid_y,     L.block_x,   L.block_y, L.vec, L.pairs_per_item,
+          L.rot_items, L.pass_items, L.table_vec, L.compact};
 }
 
-// [grid_x, grid_y, block_x, block_y, vec, pairs_per_item, rot_items, pass_items, table_vec]
+// [grid_x, grid_y, block_x, block_y, vec, pairs_per_item, rot_items, pass_items, table_vec, compact]
 std::vector<int64_t> launch_config(const at::Tensor& x, const at::Tensor& cos,
                                    const at::Tensor& sin, bool interleaved) {
   check_rotary_args("rope_ext_testing.cuda_launch_config", x, cos, sin);
   at::Tensor out = at::empty_like(x);
-  return as_list(cuda::plan_call({x, out, cos, sin, nullptr, nullptr, nullptr, interleaved}).launch);
+  return as_list(plan({x, out, cos, sin, nullptr, nullptr, nullptr, interleaved}).launch);
 }
 
 // The same for rotary_pos_qk(q, k, ...) (k optional), out of place.
@@ -49,16 +55,22 @@ std::vector<int64_t> pos_launch_config(const at::Tensor& q, const std::optional<
   check_rotary_pos_args(op, q, cos_cache, sin_cache, positions, "q");
   at::Tensor q_out = at::empty_like(q);
   if (!k.has_value()) {
-    return as_list(cuda::plan_call({q, q_out, cos_cache, sin_cache, &positions, nullptr, nullptr, interleaved}).launch);
+    return as_list(plan({q, q_out, cos_cache, sin_cache, &positions, nullptr, nullptr, interleaved}).launch);
   }
   check_rotary_pos_args(op, *k, cos_cache, sin_cache, positions, "k");
   check_qk_args(op, q, *k, positions, "positions", 0);
   at::Tensor k_out = at::empty_like(*k);
   return as_list(
-      cuda::plan_call({q, q_out, cos_cache, sin_cache, &positions, &*k, &k_out, interleaved}).launch);
+      plan({q, q_out, cos_cache, sin_cache, &positions, &*k, &k_out, interleaved}).launch);
 }
 
 }  // namespace
+
+bool allow_compact_index(bool allow) {
+  const bool previous = g_allow_compact;
+  g_allow_compact = allow;
+  return previous;
+}
 
 void register_cuda_emulation(torch::Library& m) {
   using Ops = RotaryOps<&run_emulated>;
@@ -70,6 +82,7 @@ void register_cuda_emulation(torch::Library& m) {
   m.impl("cuda_emulate_rotary_pos_", &Ops::rotary_pos_);
   m.impl("cuda_launch_config", &launch_config);
   m.impl("cuda_pos_launch_config", &pos_launch_config);
+
 }
 
 }  // namespace rope_ext::testing

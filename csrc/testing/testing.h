@@ -11,4 +11,8 @@ namespace rope_ext::testing {
 // cuda_emulate_rotary, cuda_emulate_rotary_qk, cuda_emulate_rotary_ and cuda_launch_config.
 void register_cuda_emulation(torch::Library& m);
 
+// Whether the emulator's gathered calls may use CompactIndex (as the CUDA launcher does); returns
+// the previous setting. Off, they use PlanIndex for every layout.
+bool allow_compact_index(bool allow);
+
 }  // namespace rope_ext::testing

@@ -44,7 +44,9 @@ at::Tensor inv_freq_for(const at::Tensor& inv_freq, const std::optional<at::Tens
 TORCH_LIBRARY(rope_ext_testing, m) {
   // The CUDA kernels' thread function run on the CPU over the launch grid the CUDA launcher would
   // choose, with the semantics of rope_ext::rotary, rotary_qk and rotary_; and that launch:
-  // [grid_x, grid_y, block_x, block_y, vec, pairs_per_item, rot_items, pass_items, table_vec].
+  // [grid_x, grid_y, block_x, block_y, vec, pairs_per_item, rot_items, pass_items, table_vec, compact].
+  // cuda_allow_compact_index(False) makes gathered calls use PlanIndex where they would use
+  // CompactIndex (rotary_thread.h), in emulation and launch configs; it returns the previous setting.
   m.def("cuda_emulate_rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved=False, bool conjugate=False) -> Tensor");
   m.def(
       "cuda_emulate_rotary_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved=False, "
@@ -63,6 +65,7 @@ TORCH_LIBRARY(rope_ext_testing, m) {
   m.def(
       "cuda_pos_launch_config(Tensor q, Tensor? k, Tensor cos_cache, Tensor sin_cache, Tensor positions, "
       "bool interleaved=False) -> int[]");
+  m.def("cuda_allow_compact_index(bool allow) -> bool", &allow_compact_index);
 
   m.def("parallel_threads_used(int n) -> int", &parallel_threads_used);
   m.def(
