@@ -125,7 +125,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
         self.register_buffer("_steps", torch.empty(0, dtype=torch.int64), persistent=False)
-        self._cached = self._uses_cache  # (the configuration never changes after construction)
+        self._cache_kind = self._kind_of_cache()  # (the configuration never changes after construction)
         self._init_buffers(torch.get_default_device() if device is None else torch.device(device))
 
     @classmethod
@@ -165,37 +165,61 @@ class RotaryEmbedding(nn.Module):
 
     def _init_buffers(self, device):
         self.inv_freq = self.schedule.inv_freq(device=device)  # float64 (r/2,)
-        self._build_cache(max(self.cos_cache.shape[0], self.max_position_embeddings), device)
+        self._build_cache(max(self._cached_positions(), self.max_position_embeddings), device)
 
-    @property
-    def _uses_cache(self) -> bool:
-        """Whether forward gathers from cos_cache/sin_cache. Dynamic NTK and longrope frequencies
-        depend on each batch's length, M-RoPE mixes three position streams and xPos scales q and k
-        apart: those build per-call tables (still one op call on q and k)."""
-        static = self.schedule.rope_type not in ("dynamic", "longrope")
-        return static and self.mrope_section is None and self.xpos_scale_base is None
+    def _kind_of_cache(self) -> str | None:
+        """How forward gathers from cos_cache/sin_cache (rows of float32 cos/sin, one per position):
+        - "static": rows 0..n-1 of the one set of frequencies;
+        - "longrope": rows 0..switch-1 hold the short frequencies and rows switch..switch+n-1 the long
+          ones (switch = original_max_position_embeddings); a call whose largest position reaches
+          switch reads the long rows (its positions shifted on the device: no host sync);
+        - "dynamic": rows 0..max_position_embeddings-1 of the base frequencies, exact for every call
+          whose positions all fall below max_position_embeddings (past it, NTK's frequencies depend on
+          the call's length, and the call builds its tables; device positions, which cannot be read
+          without a sync, always do);
+        - None (M-RoPE mixes three position streams, xPos scales q and k apart): per-call tables,
+          still one op call on q and k."""
+        if self.mrope_section is not None or self.xpos_scale_base is not None:
+            return None
+        return self.schedule.rope_type if self.schedule.rope_type in ("dynamic", "longrope") else "static"
+
+    def _cached_positions(self) -> int:
+        """How many positions the cache covers (0 before it is built), from the buffer forward reads."""
+        rows = self._buffers["cos_cache"].shape[0]
+        return max(0, rows - self.schedule.switch_len) if self._cache_kind == "longrope" else rows
 
     def ensure_positions(self, n: int) -> None:
         """Makes the cache cover positions 0..n-1 (eager). forward grows it by itself for int
         offsets; position tensors are never read (that would wait for the device), so a position
         past the cache is the op's error (a RuntimeError on the CPU naming it, a device-side assert
-        on CUDA) unless this was called first."""
+        on CUDA) unless this was called first. (Dynamic NTK's cache stays at
+        max_position_embeddings: calls past it build their tables.)"""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"rope_ext.RotaryEmbedding.ensure_positions: n must be an int >= 0, got {n!r}")
-        if self._uses_cache and n > self.cos_cache.shape[0]:
+        if self._cache_kind in ("static", "longrope") and n > self._cached_positions():
             self._build_cache(n, self.inv_freq.device)
 
     def _build_cache(self, n: int, device) -> None:
-        """cos_cache, sin_cache of positions 0..n-1: cos/sin of p * theta_i (angles in float64)
-        times the attention factor, rounded once to float32."""
-        if not self._uses_cache:
+        """cos_cache, sin_cache covering positions 0..n-1 (see _kind_of_cache): cos/sin of
+        p * theta_i (angles in float64) times the attention factor, rounded once to float32; and
+        _steps = arange(rows)."""
+        kind = self._cache_kind
+        if kind is None:
             return
         # Ordinary tensors even when grown under inference_mode, so that training can use them later.
         with torch.inference_mode(False), torch.no_grad():
-            angles = torch.arange(n, dtype=torch.float64, device=device)[:, None] * self.inv_freq.to(device)
+            inv = self.inv_freq.to(device)
+            if kind == "dynamic":
+                angles = torch.arange(self.max_position_embeddings, dtype=torch.float64, device=device)[:, None] * inv
+            elif kind == "longrope":
+                inv_long = torch.tensor(self.schedule.inv_freq_long, dtype=torch.float64, device=device)
+                positions = torch.arange(max(n, self.schedule.switch_len), dtype=torch.float64, device=device)[:, None]
+                angles = torch.cat((positions[: self.schedule.switch_len] * inv, positions[:n] * inv_long))
+            else:
+                angles = torch.arange(n, dtype=torch.float64, device=device)[:, None] * inv
             self.cos_cache = (angles.cos() * self.attention_factor).float()
             self.sin_cache = (angles.sin() * self.attention_factor).float()
-            self._steps = torch.arange(n, dtype=torch.int64, device=device)
+            self._steps = torch.arange(angles.shape[0], dtype=torch.int64, device=device)
 
     #: The most positions the cache grows to (64 MiB of float32 tables at rotary_dim 128), unless
     #: max_position_embeddings is larger. Positions past it are rotated with tables built for the
@@ -205,11 +229,16 @@ class RotaryEmbedding(nn.Module):
     def _cache_covers(self, needed: int) -> bool:
         """Whether the cache covers positions < needed, growing it if allowed (eager only: under
         torch.compile the buffers are fixed; positions past them are the op's bounds error, and an
-        int offset's window past them fails to trace)."""
-        rows = self._buffers["cos_cache"].shape[0]
-        if needed <= rows or torch.compiler.is_compiling():
+        int offset's window past them fails to trace). The dynamic type's never grows: past
+        max_position_embeddings its frequencies change with the length; and compiled, it always
+        builds its tables (choosing by the length would guard on it and recompile)."""
+        dynamic = self._cache_kind == "dynamic"
+        if torch.compiler.is_compiling():
+            return not dynamic
+        rows = self._cached_positions()
+        if needed <= rows:
             return True
-        if needed > max(self.max_cache_positions, self.max_position_embeddings):
+        if dynamic or needed > max(self.max_cache_positions, self.max_position_embeddings):
             return False
         self._build_cache(min(max(needed, 2 * rows), max(self.max_cache_positions, self.max_position_embeddings)),
                           self.inv_freq.device)
@@ -317,16 +346,16 @@ class RotaryEmbedding(nn.Module):
             P.require_int_tensor(position_ids, "position_ids")
             if not (isinstance(offset, int) and offset == 0):
                 raise ValueError("rope_ext.RotaryEmbedding: give position_ids or offset, not both")
-        if self._cached:
-            positions = self._cache_positions(q, position_ids, offset, cu_seqlens)
-            if positions is not None:  # one op call; the kernel checks every position against the cache
+        if self._cache_kind is not None:
+            rows = self._cache_positions(q, position_ids, offset, cu_seqlens)
+            if rows is not None:  # one op call; the kernel checks every position against the cache
                 # (read from _buffers: nn.Module.__getattr__ costs about 2 us per buffer, a tenth of a
                 # decode step's op call)
                 cos, sin = self._buffers["cos_cache"], self._buffers["sin_cache"]
                 try:
-                    return _rotary_pos_qk(q, k, cos, sin, positions, self.interleaved, False)
+                    return _rotary_pos_qk(q, k, cos, sin, rows[0], self.interleaved, False)
                 except RuntimeError as e:  # costs nothing unless raised
-                    return self._past_the_cache(e, q, k, positions)
+                    return self._past_the_cache(e, q, k, rows[1])
         if position_ids is not None:
             P.check_positions(position_ids)
         streams = () if self.mrope_section is None else (3,)
@@ -376,11 +405,13 @@ class RotaryEmbedding(nn.Module):
         return position_ids
 
     def _cache_positions(self, q, position_ids, offset, cu_seqlens):
-        """Positions for rotary_pos_qk on the cache, shaped to broadcast over q's heads, or None when
-        this call must build its own tables (an int offset past max_cache_positions). Reads no tensor
-        values: bounds, negative and int64-overflowing positions are the kernel's error."""
+        """(rows, positions) for rotary_pos_qk on the cache: the positions, shaped to broadcast over
+        q's heads, and the cache rows they read (the same but for longrope's long rows); or None when
+        this call must build its own tables (an int offset past max_cache_positions, dynamic NTK past
+        max_position_embeddings or on device positions). Reads no tensor values: bounds, negative
+        and int64-overflowing positions are the kernel's error."""
         if cu_seqlens is not None:
-            return self._packed_position_ids(q, position_ids, offset, cu_seqlens, ()).unsqueeze(1)
+            return self._rows(self._packed_position_ids(q, position_ids, offset, cu_seqlens, ()).unsqueeze(1))
         if q.dim() != 4:
             raise ValueError(
                 f"rope_ext.RotaryEmbedding: q must be 4-D ({'B, H, S, D' if self.layout == 'bhsd' else 'B, S, H, D'}"
@@ -394,8 +425,10 @@ class RotaryEmbedding(nn.Module):
                     raise ValueError(f"rope_ext: offset must be >= 0, got {offset}")
                 if not self._cache_covers(offset + S):
                     return None
-                steps = self._buffers["_steps"].narrow(0, offset, S)  # a view: no kernel
-                return steps if bhsd else steps.unsqueeze(1)
+                # views of arange: no kernel; longrope's long rows follow its switch_len short ones
+                long = self._cache_kind == "longrope" and offset + S > self.schedule.switch_len
+                rows = self._buffers["_steps"].narrow(0, offset + (self.schedule.switch_len if long else 0), S)
+                return (rows, rows) if bhsd else (rows.unsqueeze(1), rows.unsqueeze(1))
             P._check_offsets(offset, B, S, "offset", "(batch,)")
             if not self._cache_covers(S):
                 return None
@@ -407,8 +440,22 @@ class RotaryEmbedding(nn.Module):
                 f"{tuple(q.shape)}, got {tuple(position_ids.shape)}"
             )
         if bhsd:
-            return position_ids if position_ids.dim() == 1 else position_ids.unsqueeze(1)
-        return position_ids.unsqueeze(-1)
+            return self._rows(position_ids if position_ids.dim() == 1 else position_ids.unsqueeze(1))
+        return self._rows(position_ids.unsqueeze(-1))
+
+    def _rows(self, positions):
+        """(rows, positions) of a positions tensor, or None (dynamic NTK on positions it cannot read
+        without a sync: the call builds its tables). longrope's rows: the long ones (positions +
+        switch_len) when the largest position reaches switch_len, computed on the device; negative
+        positions are left as they are, for the kernel to refuse."""
+        kind = self._cache_kind
+        if kind == "dynamic" and not P._readable(positions):
+            return None
+        if kind != "longrope" or positions.numel() == 0:
+            return positions, positions
+        switch = self.schedule.switch_len
+        long = positions.amax() >= switch
+        return torch.where(positions >= 0, positions + long * switch, positions), positions
 
     def _past_the_cache(self, error: RuntimeError, q, k, positions):
         """A CPU call whose positions the cache does not cover (the op checks them all before
@@ -422,7 +469,8 @@ class RotaryEmbedding(nn.Module):
         if least < 0:
             raise ValueError(f"rope_ext: position_ids must be >= 0, got a minimum of {least}") from error
         if self._cache_covers(most + 1):
-            return _rotary_pos_qk(q, k, self.cos_cache, self.sin_cache, positions, self.interleaved, False)
+            rows = self._rows(positions)[0]
+            return _rotary_pos_qk(q, k, self.cos_cache, self.sin_cache, rows, self.interleaved, False)
         cos, sin = self._cos_sin(positions)  # positions.shape + (r,): broadcasts like positions
         return rotary_qk(q, k, cos, sin, interleaved=self.interleaved)
 

@@ -35,7 +35,7 @@ def table_path(rope, q, k, position_ids, bhsd=True):
 def test_every_position_mode_equals_the_table_path(interleaved, scaling, gen):
     rope = rope_ext.RotaryEmbedding(32, 5e5, interleaved=interleaved, rotary_dim=24, scaling=scaling,
                                     max_position_embeddings=256, layout="bhsd")
-    assert rope._uses_cache
+    assert rope._cache_kind == "static"
     B, S = 2, 6
     q, k = randn(B, 4, S, 32, dtype=torch.bfloat16, gen=gen), randn(B, 2, S, 32, dtype=torch.bfloat16, gen=gen)
     offsets = torch.tensor([5, 100])
@@ -66,11 +66,21 @@ def _profile(fn):
     return [e.name for e in prof.events()]
 
 
+def _longrope(r: int, original: int) -> dict:
+    """A longrope configuration with distinct per-frequency short and long factors."""
+    n = r // 2
+    return {"rope_type": "longrope", "original_max_position_embeddings": original,
+            "short_factor": [1.0 + i / n for i in range(n)], "long_factor": [2.0 + 3 * i / n for i in range(n)]}
+
+
+@pytest.mark.parametrize("scaling", ["default", "longrope"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_forward_is_one_op_call_without_host_sync(layout, gen):
+def test_forward_is_one_op_call_without_host_sync(layout, scaling, gen):
     """Positions from position_ids, cu_seqlens and offsets: no item/_local_scalar_dense/is_nonzero
-    (each a device round trip on a GPU) and exactly one rope_ext op."""
-    rope = rope_ext.RotaryEmbedding(64, layout=layout, max_position_embeddings=512)
+    (each a device round trip on a GPU) and exactly one rope_ext op. longrope chooses between its
+    short and long rows on the device."""
+    config = None if scaling == "default" else _longrope(64, 64)
+    rope = rope_ext.RotaryEmbedding(64, layout=layout, max_position_embeddings=512, scaling=config)
     B, S = 2, 5
     shape_q, shape_k = ((B, 8, S, 64), (B, 2, S, 64)) if layout == "bhsd" else ((B, S, 8, 64), (B, S, 2, 64))
     q, k = randn(*shape_q, gen=gen), randn(*shape_k, gen=gen)
@@ -224,3 +234,69 @@ def test_values_are_read_without_numpy(gen, monkeypatch):
         m(pq, pq, cu_seqlens=torch.tensor([0, 3, 2, 5]))
     with pytest.raises(ValueError, match="position_ids must be >= 0"):
         m.cos_sin(torch.tensor([[-1, 0]]))
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
+def test_length_dependent_types_read_the_right_rows(interleaved, layout, gen):
+    """longrope keeps short and long rows and reads the long ones when the call's largest position
+    reaches original_max_position_embeddings (64); dynamic NTK reads its cache while every position
+    is below max_position_embeddings (256), and past it builds tables for the call's length. Each
+    call equals the tables cos_sin() builds for its positions (checked against transformers in
+    test_scaling.py), bit for bit, and the cache calls are one rotary_pos_qk."""
+    B, S = 2, 6
+    bhsd = layout == "bhsd"
+    q = randn(*((B, 4, S, 32) if bhsd else (B, S, 4, 32)), dtype=torch.bfloat16, gen=gen)
+    k = randn(*((B, 2, S, 32) if bhsd else (B, S, 2, 32)), dtype=torch.bfloat16, gen=gen)
+    pos = torch.arange(S)
+    calls = {
+        # name: (kwargs, the positions as (B, S), reads the cache)
+        "short_offset": (dict(offset=10), (10 + pos).expand(B, S), True),
+        "offset_across_switch": (dict(offset=60), (60 + pos).expand(B, S), True),
+        "short_position_ids": (dict(position_ids=torch.randint(0, 64, (B, S), generator=gen)), None, True),
+        "long_position_ids": (dict(position_ids=torch.randint(0, 256, (B, S), generator=gen)), None, True),
+        "row_offsets_one_long": (dict(offset=torch.tensor([5, 100])), torch.tensor([[5], [100]]) + pos, True),
+        "past_max_positions": (dict(offset=290), (290 + pos).expand(B, S), False),
+        "position_ids_past_max": (dict(position_ids=torch.tensor([[0, 1, 2, 3, 4, 300]])), None, False),
+    }
+    for scaling in ("longrope", "dynamic"):
+        config = _longrope(24, 64) if scaling == "longrope" else {"rope_type": "dynamic", "factor": 2.0}
+        rope = rope_ext.RotaryEmbedding(32, 5e5, interleaved=interleaved, rotary_dim=24, scaling=config,
+                                        max_position_embeddings=256, layout=layout)
+        assert rope._cache_kind == scaling
+        for name, (kwargs, positions, cached) in calls.items():
+            positions = kwargs.get("position_ids", positions)
+            events = _profile(lambda kwargs=kwargs, rope=rope: rope(q, k, **kwargs))
+            ours = [e for e in events if e.startswith("rope_ext::")]
+            # longrope grows its long rows past 256 positions; dynamic NTK builds tables there (its CPU
+            # positions are tried on the cache first: the op refuses them before writing anything)
+            if cached or scaling == "longrope":
+                assert ours == ["rope_ext::rotary_pos_qk"], (scaling, name, ours)
+            else:
+                assert ours[-1] == "rope_ext::rotary_qk", (scaling, name, ours)
+            got, want = rope(q, k, **kwargs), table_path(rope, q, k, positions, bhsd)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (scaling, name)
+        with pytest.raises(ValueError, match="position_ids must be >= 0"):  # not a short row read silently
+            rope(q, k, torch.tensor([[-1, 0, 1, 2, 3, 100]]))
+
+
+def test_longrope_cache_layout_and_dynamic_on_device_positions(gen):
+    """longrope's cache: switch_len short rows, then the long rows, which grow; dynamic NTK's stays at
+    max_position_embeddings. Positions it could not read without a sync (here, under torch.compile,
+    as device tensors would be) build tables without consulting the cache."""
+    rope = rope_ext.RotaryEmbedding(32, scaling=_longrope(32, 64), max_position_embeddings=256, layout="bhsd")
+    assert rope.cos_cache.shape == (64 + 256, 16)
+    rope.ensure_positions(1000)
+    assert rope.cos_cache.shape == (64 + 1000, 16)
+    short, long = rope.cos_sin(torch.tensor([[5]])), rope.cos_sin(torch.tensor([[5, 64]]))
+    assert torch.equal(rope.cos_cache[5], short[0][0, 0, :16])
+    assert torch.equal(rope.cos_cache[64 + 5], long[0][0, 0, :16])
+    dyn = rope_ext.RotaryEmbedding(32, scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=256,
+                                   layout="bhsd")
+    dyn.ensure_positions(1000)
+    assert dyn.cos_cache.shape == (256, 16)
+    q, k = randn(1, 2, 4, 32, gen=gen), randn(1, 2, 4, 32, gen=gen)
+    compiled = torch.compile(dyn, fullgraph=True, backend="eager")
+    for pos in (torch.tensor([[0, 1, 2, 3]]), torch.tensor([[0, 1, 2, 700]])):
+        got, want = compiled(q, k, pos), table_path(dyn, q, k, pos)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
