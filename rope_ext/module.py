@@ -426,9 +426,9 @@ class RotaryEmbedding(nn.Module):
                 if not self._cache_covers(offset + S):
                     return None
                 # views of arange: no kernel; longrope's long rows follow its switch_len short ones
-                long = self._cache_kind == "longrope" and offset + S > self.schedule.switch_len
-                rows = self._buffers["_steps"].narrow(0, offset + (self.schedule.switch_len if long else 0), S)
-                return (rows, rows) if bhsd else (rows.unsqueeze(1), rows.unsqueeze(1))
+                start = offset + (self.schedule.switch_len if self._long_rows(offset + S) else 0)
+                steps = self._buffers["_steps"]
+                return self._reuse(steps, start, S, lambda: self._window(steps, start, S, bhsd))
             P._check_offsets(offset, B, S, "offset", "(batch,)")
             if not self._cache_covers(S):
                 return None
@@ -439,9 +439,37 @@ class RotaryEmbedding(nn.Module):
                 f"rope_ext.RotaryEmbedding: position_ids must have shape {(B, S)} or {(S,)} for q of shape "
                 f"{tuple(q.shape)}, got {tuple(position_ids.shape)}"
             )
-        if bhsd:
-            return self._rows(position_ids if position_ids.dim() == 1 else position_ids.unsqueeze(1))
-        return self._rows(position_ids.unsqueeze(-1))
+        if bhsd:  # (B, S) -> (B, 1, S); (S,) and (1, S) broadcast as they are
+            if position_ids.dim() == 1 or position_ids.shape[0] == 1:
+                return self._rows(position_ids)
+            return self._reuse(position_ids, position_ids._version, bhsd,
+                               lambda: self._rows(position_ids.unsqueeze(1)))
+        return self._reuse(position_ids, position_ids._version, bhsd, lambda: self._rows(position_ids.unsqueeze(-1)))
+
+    @staticmethod
+    def _window(steps, start, S, bhsd):
+        rows = steps[start : start + S]  # (a slice costs less than narrow in eager)
+        return (rows, rows) if bhsd else (rows.unsqueeze(1), rows.unsqueeze(1))
+
+    def _reuse(self, source, a, b, make):
+        """make(), or the previous call's result if it came from the same tensor (by identity) and
+        the same a and b (ints: an offset and a length, or a version counter and the layout). Every
+        layer of a model calls its rotary module with the same positions in a step, and the views
+        and tensors built from them (~3 us each in eager) are then built once per step rather than
+        once per layer; they are views of `source` or, for longrope, keyed on its version counter,
+        so in-place updates are seen. Eager only."""
+        if torch.compiler.is_compiling():
+            return make()
+        last = self.__dict__.get("_last_rows")
+        if last is not None and last[0] is source and last[1] == a and last[2] == b:
+            return last[3]
+        rows = make()
+        self.__dict__["_last_rows"] = (source, a, b, rows)  # (past nn.Module.__setattr__: a plain attribute)
+        return rows
+
+    def _long_rows(self, length: int) -> bool:
+        """Whether a call of this length reads longrope's long rows."""
+        return self._cache_kind == "longrope" and length > self.schedule.switch_len
 
     def _rows(self, positions):
         """(rows, positions) of a positions tensor, or None (dynamic NTK on positions it cannot read

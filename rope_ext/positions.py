@@ -34,8 +34,13 @@ def _readable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling() and not t.requires_grad
 
 
+_POSITION_DTYPES = frozenset({torch.int64, torch.int32})
+
+
 def require_int_tensor(positions, name: str = "position_ids") -> None:
     """An integer tensor (its values unread)."""
+    if type(positions) is torch.Tensor and positions.dtype in _POSITION_DTYPES:  # the common case, fast
+        return
     if not isinstance(positions, torch.Tensor):
         raise TypeError(f"rope_ext: {name} must be an integer tensor, got {type(positions).__name__}")
     if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:

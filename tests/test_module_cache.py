@@ -300,3 +300,26 @@ def test_longrope_cache_layout_and_dynamic_on_device_positions(gen):
     for pos in (torch.tensor([[0, 1, 2, 3]]), torch.tensor([[0, 1, 2, 700]])):
         got, want = compiled(q, k, pos), table_path(dyn, q, k, pos)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_positions_reused_across_calls_follow_in_place_updates(layout, gen):
+    """The module reuses the positions view (and longrope's rows) of the previous call when given the
+    same tensor or offset again, as every layer of a model does in a step: a tensor updated in place
+    between calls (a decode loop's position_ids.add_(1)) is still read afresh, and so is a new
+    offset."""
+    bhsd = layout == "bhsd"
+    B, S = 2, 3
+    q = randn(*((B, 4, S, 32) if bhsd else (B, S, 4, 32)), gen=gen)
+    k = randn(*((B, 2, S, 32) if bhsd else (B, S, 2, 32)), gen=gen)
+    for config in (None, _longrope(32, 64)):
+        rope = rope_ext.RotaryEmbedding(32, scaling=config, max_position_embeddings=256, layout=layout)
+        pos = torch.tensor([[0, 1, 2], [10, 11, 12]])
+        for _ in range(3):  # short rows, then long ones (positions past 64) for longrope
+            for _layer in range(2):
+                got, want = rope(q, k, pos), table_path(rope, q, k, pos, bhsd)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), pos
+            pos.add_(40)
+        for offset in (5, 6, 70, 70):
+            got, want = rope(q, k, offset=offset), table_path(rope, q, k, (offset + torch.arange(S)).expand(B, S), bhsd)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), offset
