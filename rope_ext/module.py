@@ -49,7 +49,8 @@ class RotaryEmbedding(nn.Module):
 
     The frequency buffers are non-persistent (not in ``state_dict``) and recomputed from the
     configuration when the module moves, so meta-device init + ``to_empty`` gives correct tables.
-    forward holds no Python state: torch.compile does not recompile on new lengths or positions.
+    Under torch.compile, forward reads no Python state (eager calls remember the previous call's
+    positions view, see ``_reuse``): it does not recompile on new lengths or positions.
     """
 
     def __init__(
@@ -333,7 +334,9 @@ class RotaryEmbedding(nn.Module):
             ``(q_out, k_out)``, rotated, with q's and k's shapes, dtypes and layouts.
 
         Cost: one op call on q and k (rotary_pos_qk), which gathers each token's row of
-        ``cos_cache``/``sin_cache`` in the kernel. Nothing in it reads tensor values or waits for
+        ``cos_cache``/``sin_cache`` in the kernel; calls the cache cannot serve (dynamic NTK past
+        ``max_position_embeddings``, compiled or on device positions; xPos; M-RoPE) build their
+        tables and make one rotary_qk call. Nothing in it reads device tensor values or waits for
         the device: the kernel checks every position against the cache. The cache covers
         ``max_position_embeddings`` positions; in eager mode it grows (up to
         ``max_cache_positions``, then the call builds its own tables) for int offsets and for CPU
@@ -428,43 +431,46 @@ class RotaryEmbedding(nn.Module):
                 # views of arange: no kernel; longrope's long rows follow its switch_len short ones
                 start = offset + (self.schedule.switch_len if self._long_rows(offset + S) else 0)
                 steps = self._buffers["_steps"]
-                return self._reuse(steps, start, S, lambda: self._window(steps, start, S, bhsd))
+                return self._reuse(steps, (start, S), lambda: self._window(steps, start, S, bhsd))
             P._check_offsets(offset, B, S, "offset", "(batch,)")
             if not self._cache_covers(S):
                 return None
             steps = self._buffers["_steps"]
             position_ids = offset.to(device=steps.device, dtype=torch.int64).unsqueeze(1) + steps.narrow(0, 0, S)
+            return self._rows(position_ids.unsqueeze(1 if bhsd else -1))  # (B, 1, S) or (B, S, 1)
         elif P._validating() and tuple(position_ids.shape) not in ((S,), (1, S), (B, S)):
             raise ValueError(
                 f"rope_ext.RotaryEmbedding: position_ids must have shape {(B, S)} or {(S,)} for q of shape "
                 f"{tuple(q.shape)}, got {tuple(position_ids.shape)}"
             )
-        if bhsd:  # (B, S) -> (B, 1, S); (S,) and (1, S) broadcast as they are
-            if position_ids.dim() == 1 or position_ids.shape[0] == 1:
-                return self._rows(position_ids)
-            return self._reuse(position_ids, position_ids._version, bhsd,
-                               lambda: self._rows(position_ids.unsqueeze(1)))
-        return self._reuse(position_ids, position_ids._version, bhsd, lambda: self._rows(position_ids.unsqueeze(-1)))
+        if not bhsd:
+            return self._reuse(position_ids, None, lambda: self._rows(position_ids.unsqueeze(-1)), versioned=True)
+        if position_ids.dim() == 1 or position_ids.shape[0] == 1:  # (S,) and (1, S) broadcast as they are
+            return self._reuse(position_ids, None, lambda: self._rows(position_ids), versioned=True)
+        return self._reuse(position_ids, None, lambda: self._rows(position_ids.unsqueeze(1)), versioned=True)
 
     @staticmethod
     def _window(steps, start, S, bhsd):
         rows = steps[start : start + S]  # (a slice costs less than narrow in eager)
         return (rows, rows) if bhsd else (rows.unsqueeze(1), rows.unsqueeze(1))
 
-    def _reuse(self, source, a, b, make):
-        """make(), or the previous call's result if it came from the same tensor (by identity) and
-        the same a and b (ints: an offset and a length, or a version counter and the layout). Every
-        layer of a model calls its rotary module with the same positions in a step, and the views
-        and tensors built from them (~3 us each in eager) are then built once per step rather than
-        once per layer; they are views of `source` or, for longrope, keyed on its version counter,
-        so in-place updates are seen. Eager only."""
-        if torch.compiler.is_compiling():
+    def _reuse(self, source, key, make, *, versioned=False):
+        """make(), or the previous call's result if it came from the same tensor `source` (by
+        identity) with the same key and, if `versioned`, the same version counter. Every layer of a
+        model calls its rotary module with the same positions in a step; the views and tensors built
+        from them (~3 us each in eager) are then built once per step rather than once per layer. They
+        are views of `source` or, keyed on its version counter, computed from it (longrope's rows),
+        so in-place updates through torch are seen (writes that bypass the version counter, through
+        .data or DLPack, are not, for longrope). Eager and outside inference_mode only (inference
+        tensors have no version counter, and must not reach a later training call)."""
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or source.is_inference():
             return make()
+        version = source._version if versioned else None
         last = self.__dict__.get("_last_rows")
-        if last is not None and last[0] is source and last[1] == a and last[2] == b:
+        if last is not None and last[0] is source and last[1] == key and last[2] == version:
             return last[3]
         rows = make()
-        self.__dict__["_last_rows"] = (source, a, b, rows)  # (past nn.Module.__setattr__: a plain attribute)
+        self.__dict__["_last_rows"] = (source, key, version, rows)  # (past nn.Module.__setattr__)
         return rows
 
     def _long_rows(self, length: int) -> bool:

@@ -298,8 +298,33 @@ def test_longrope_cache_layout_and_dynamic_on_device_positions(gen):
     q, k = randn(1, 2, 4, 32, gen=gen), randn(1, 2, 4, 32, gen=gen)
     compiled = torch.compile(dyn, fullgraph=True, backend="eager")
     for pos in (torch.tensor([[0, 1, 2, 3]]), torch.tensor([[0, 1, 2, 700]])):
+        compiled(q, k, pos)
+        ours = [e for e in _profile(lambda pos=pos: compiled(q, k, pos)) if e.startswith("rope_ext::")]
+        assert "rope_ext::rotary_pos_qk" not in ours and ours[-1] == "rope_ext::rotary_qk", ours
         got, want = compiled(q, k, pos), table_path(dyn, q, k, pos)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_forward_under_inference_mode_then_training(layout, gen):
+    """Positions made under inference_mode (which have no version counter) and positions reused
+    from an inference_mode call by a training call: both work, and gradients flow."""
+    bhsd = layout == "bhsd"
+    q = randn(*((2, 4, 3, 32) if bhsd else (2, 3, 4, 32)), gen=gen)
+    k = randn(*((2, 2, 3, 32) if bhsd else (2, 3, 2, 32)), gen=gen)
+    for config in (None, _longrope(32, 64)):
+        rope = rope_ext.RotaryEmbedding(32, scaling=config, max_position_embeddings=256, layout=layout)
+        pos = torch.tensor([[0, 1, 2], [70, 71, 72]])
+        with torch.inference_mode():
+            made_inside = torch.tensor([[0, 1, 2], [70, 71, 72]])
+            for p in (made_inside, pos, torch.tensor([5, 6, 7]), torch.tensor([[5, 6, 7]])):
+                got, want = rope(q, k, p), table_path(rope, q, k, p.expand(2, 3), bhsd)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            rope(q, k, offset=torch.tensor([3, 9]))
+        qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
+        out = rope(qg, kg, pos)  # pos was last seen under inference_mode
+        (out[0].sum() + out[1].sum()).backward()
+        assert qg.grad is not None and kg.grad is not None
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])

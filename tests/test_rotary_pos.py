@@ -213,6 +213,10 @@ def index_cases(gen):
         # a position per (S, H): tokens S and H collapse, the batch is the head dim
         "per_head": (bshd, None, pos(5, 3), (cc, sc), True, 15, 2),
         "no_head_dim": (randn(2, 5, 16, gen=gen), None, pos(2, 5), (cc, sc), True, 10, 1),
+        # q with one head where k has three: that dim is k's head dim, not a token dim
+        "one_q_head_bshd": (randn(2, 5, 1, 16, gen=gen), randn(2, 5, 3, 16, gen=gen), pos(5, 1), (cc, sc), True, 10, 4),
+        "one_q_head_bhsd": (randn(2, 1, 5, 16, gen=gen), randn(2, 3, 5, 16, gen=gen), pos(2, 1, 5), (cc, sc), True, 10,
+                            4),
         # q's tokens collapse and k's do not: the index collapses what every operand allows
         "k_tokens_apart": (bshd, randn(5, 2, 1, 16, gen=gen).transpose(0, 1), pos(2, 5, 1), (cc, sc), True, 10, 4),
         # PlanIndex: three token dims that do not collapse, strided columns, two cache row strides

@@ -146,7 +146,7 @@ struct PlanIndex {
 
 // A gathered call's rows in 168 bytes, so that its kernel's parameters stay under 256 bytes: at most
 // two token dims and one head dim per operand once dims are collapsed and outer broadcast dims (the
-// batch of (B, S, H, D) under (S,) positions) are counted as tokens; unit column strides; one row
+// batch of (B, S, H, D) under (S, 1) positions) are counted as tokens; unit column strides; one row
 // stride for both caches. Nearly every layout rotary_pos sees qualifies (compact_index decides).
 struct CompactIndex {
   int64_t num_tokens = 0;
@@ -224,7 +224,11 @@ inline std::optional<CompactIndex> compact_index(const RotaryCall& c) {
       trivial = trivial && m.size[j] == 1;
     }
     if (trivial) continue;
-    m.stride[kOps] = pos.stride(d);
+    // (expand keeps the stride of a size-1 dim: where q has size 1, positions are not varying)
+    m.stride[kOps] = m.size[0] == 1 ? 0 : pos.stride(d);
+    if (m.stride[kOps] != 0 && (m.size[1] != m.size[0] || m.size[2] != m.size[0] || m.size[3] != m.size[0])) {
+      return std::nullopt;  // a token dim that the operands do not share (refused by the checks)
+    }
     (m.stride[kOps] != 0 ? token_dims : bcast_dims).emplace_back(d, m);
   }
   // Merges adjacent dims (in x's order) that every operand steps through as one.
