@@ -569,3 +569,39 @@ def test_inplace_q_and_k_split_from_one_fused_buffer(gen):
     overlapping = qkv.unflatten(-1, (-1, 32))[:, 1:3]  # heads 1-2: inside q's heads 0-3
     with pytest.raises(RuntimeError, match="q shares memory with k"):
         ops.rotary_pos_(q, overlapping, cc, sc, pos, False, False)
+
+
+def _random_view(shape, head_dim, pad, gen):
+    """A tensor of `shape` + (head_dim,) whose leading dims are stored in a random order, with rows
+    padded by `pad` elements (so that neither dims nor rows need be contiguous)."""
+    order = torch.randperm(len(shape), generator=gen).tolist()
+    base = torch.randn(*[shape[i] for i in order], head_dim + pad, generator=gen)[..., :head_dim]
+    return base.permute(*[order.index(i) for i in range(len(shape))], len(shape))
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_layouts_agree_on_cpu_and_both_cuda_indexes(seed):
+    """q and k of random sizes (1 included), storage orders and row padding, with a head count that
+    may differ in a random dim and positions that broadcast along random dims: the CPU op, and the
+    emulated CUDA thread with CompactIndex (where the layout allows) and with PlanIndex, agree bit for
+    bit."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(n):
+        return int(torch.randint(0, n, (1,), generator=gen))
+
+    lead = [draw(3) + 1 for _ in range(3)]
+    k_lead = list(lead)
+    heads_dim = draw(3)
+    k_lead[heads_dim] = draw(3) + 1
+    d = (8, 12, 16)[draw(3)]
+    q = _random_view(lead, d, draw(2) * 4, gen)
+    k = _random_view(k_lead, d, draw(2) * 4, gen)
+    pos_shape = [n if draw(2) else 1 for n in lead]
+    pos_shape[heads_dim] = 1  # positions broadcast along the dim where q and k differ
+    pos = torch.randint(0, MAX_POS, pos_shape[draw(2):], generator=gen)  # sometimes of lower rank
+    cc, sc = caches(2 * (draw(d // 2) + 1))
+    for interleaved in (False, True):
+        expected = ops.rotary_pos_qk(q, k, cc, sc, pos, interleaved, False)
+        got = emulate_both_indexes(TESTING.cuda_emulate_rotary_pos_qk, q, k, cc, sc, pos, interleaved, False)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), (lead, k_lead, pos_shape)
