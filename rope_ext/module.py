@@ -446,6 +446,8 @@ class RotaryEmbedding(nn.Module):
         if not bhsd:
             return self._reuse(position_ids, None, lambda: self._rows(position_ids.unsqueeze(-1)), versioned=True)
         if position_ids.dim() == 1 or position_ids.shape[0] == 1:  # (S,) and (1, S) broadcast as they are
+            if self._cache_kind != "longrope":  # (no view to build: nothing to reuse)
+                return self._rows(position_ids)
             return self._reuse(position_ids, None, lambda: self._rows(position_ids), versioned=True)
         return self._reuse(position_ids, None, lambda: self._rows(position_ids.unsqueeze(1)), versioned=True)
 
@@ -463,14 +465,16 @@ class RotaryEmbedding(nn.Module):
         so in-place updates through torch are seen (writes that bypass the version counter, through
         .data or DLPack, are not, for longrope). Eager and outside inference_mode only (inference
         tensors have no version counter, and must not reach a later training call)."""
-        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or source.is_inference():
+        if torch.compiler.is_compiling():
             return make()
-        version = source._version if versioned else None
         last = self.__dict__.get("_last_rows")
-        if last is not None and last[0] is source and last[1] == key and last[2] == version:
-            return last[3]
+        if last is not None and last[0] is source and last[1] == key:  # (never an inference tensor)
+            if not versioned or last[2] == source._version:
+                return last[3]
         rows = make()
-        self.__dict__["_last_rows"] = (source, key, version, rows)  # (past nn.Module.__setattr__)
+        if not torch.is_inference_mode_enabled() and not source.is_inference():
+            version = source._version if versioned else None
+            self.__dict__["_last_rows"] = (source, key, version, rows)  # (past nn.Module.__setattr__)
         return rows
 
     def _long_rows(self, length: int) -> bool:
