@@ -133,8 +133,10 @@ class RotaryEmbedding(nn.Module):
     def from_hf_config(cls, config, *, layout: str = "bhsd", device=None) -> RotaryEmbedding:
         """Builds the module of a transformers ``PretrainedConfig`` (head_dim, rope_theta,
         rope_scaling / rope_parameters, partial_rotary_factor, max_position_embeddings,
-        mrope_section), with the model type's pairing: interleaved for GPT-J and CodeGen (or a config
-        with ``rotary_interleaved=True``), half-split otherwise."""
+        mrope_section), with the model's pairing: interleaved for GPT-J and CodeGen, and for a config
+        with ``rotary_interleaved=True`` or ``rope_interleave=True`` (DeepSeek-V3, GLM-4-MoE-Lite,
+        Mistral 4 and others, whose attention then calls ``apply_rotary_pos_emb_interleave``);
+        half-split otherwise."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
         base = params.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -158,6 +160,7 @@ class RotaryEmbedding(nn.Module):
             layout=layout,
             mrope_section=mrope,
             interleaved=bool(getattr(config, "rotary_interleaved", False))
+            or bool(getattr(config, "rope_interleave", False))  # DeepSeek-V3 and its kin (MLA), default True
             or getattr(config, "model_type", None) in INTERLEAVED_MODEL_TYPES,
             device=device,
         )

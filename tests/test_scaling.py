@@ -443,3 +443,33 @@ def test_from_hf_config_gptj_is_interleaved_and_matches_its_tables():
     # HF's float32 angle pos * inv_freq: error up to 255 * 2^-24 rad (+ rounding of the table)
     torch.testing.assert_close(cos[:, ::2], sincos[:, 4:], atol=300 * 2.0**-24, rtol=0)
     torch.testing.assert_close(sin[:, ::2], sincos[:, :4], atol=300 * 2.0**-24, rtol=0)
+
+
+@pytest.mark.parametrize("rope_interleave", [True, False])
+def test_from_hf_config_honours_deepseek_v3_rope_interleave(rope_interleave):
+    """DeepSeek-V3 (rope_interleave defaults to True) rotates interleaved pairs with HF's
+    apply_rotary_pos_emb_interleave; with rope_interleave=False, half-split with apply_rotary_pos_emb.
+    q k^T from the module equals HF's within float32 rounding (it differed by up to 57 when the flag
+    was ignored)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    config = DeepseekV3Config(vocab_size=64, hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
+                              qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16,
+                              q_lora_rank=None, max_position_embeddings=4096, rope_interleave=rope_interleave)
+    rope = rope_ext.RotaryEmbedding.from_hf_config(config)
+    assert rope.interleaved == rope_interleave and rope.dim == 16
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 6, 16, generator=g) * 4, torch.randn(1, 2, 6, 16, generator=g) * 4
+    position_ids = torch.tensor([[0, 1, 2, 500, 2000, 4000]])
+    cos, sin = ds.DeepseekV3RotaryEmbedding(config)(q, position_ids)
+    apply = ds.apply_rotary_pos_emb_interleave if rope_interleave else ds.apply_rotary_pos_emb
+    hq, hk = apply(q, k, cos, sin)
+    oq, ok = rope(q, k, position_ids)
+    # HF's float32 angles at positions up to 4000 (~4000 * 2^-23 rad), times |q| |k| * 16 terms
+    torch.testing.assert_close(oq @ ok.transpose(-1, -2), hq @ hk.transpose(-1, -2), atol=0.05, rtol=1e-4)
+    # HF's interleave variant returns the rotated pairs de-interleaved (firsts, then seconds): the
+    # same vectors with their columns permuted alike in q and k, which attention cannot tell apart
+    order = torch.cat((torch.arange(0, 16, 2), torch.arange(1, 16, 2))) if rope_interleave else torch.arange(16)
+    torch.testing.assert_close(oq[..., order], hq, atol=4e-3, rtol=0)
+    torch.testing.assert_close(ok[..., order], hk, atol=4e-3, rtol=0)
