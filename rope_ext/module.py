@@ -17,6 +17,12 @@ LAYOUTS = ("bhsd", "bshd")
 # transformers model types whose RoPE pairs (2i, 2i + 1) (rotate_every_two); their configs carry
 # no flag for it. Everything else in transformers is half-split.
 INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen"})
+# transformers model types whose text rotary embedding uses M-RoPE with mrope_section [16, 24, 24]
+# when the config gives none.
+DEFAULT_MROPE_MODEL_TYPES = frozenset({
+    "qwen2_vl", "qwen2_vl_text", "qwen2_5_vl", "qwen2_5_vl_text", "qwen2_5_omni_text", "qwen2_5_omni_thinker",
+    "qwen2_5_omni_talker", "paddleocr_vl", "paddleocr_vl_text",
+})
 
 
 class RotaryEmbedding(nn.Module):
@@ -141,6 +147,8 @@ class RotaryEmbedding(nn.Module):
         params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
         base = params.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
         mrope = params.pop("mrope_section", None)
+        if mrope is None and getattr(config, "model_type", None) in DEFAULT_MROPE_MODEL_TYPES:
+            mrope = [16, 24, 24]  # what these models' rotary embeddings fall back to in transformers
         params.pop("mrope_interleaved", None)
         partial = params.pop("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
         rotary_dim = getattr(config, "rotary_dim", None) if partial is None else None
@@ -269,13 +277,22 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, position_ids: torch.Tensor, *, dtype=torch.float32):
         """HF-format tables for the given positions: ``(cos, sin)`` of shape
-        ``position_ids.shape + (rotary_dim,)`` (for M-RoPE, position_ids is (3, B, S) and the
-        tables (B, S, rotary_dim)), attention factor applied, full form for this module's
+        ``position_ids.shape + (rotary_dim,)`` (for M-RoPE, position_ids is (3, B, S), or text
+        positions (B, S) or (S,) that drive all three streams, and the tables are (B, S, rotary_dim)),
+        attention factor applied, full form for this module's
         convention. Like HF's ``XxxRotaryEmbedding(x, position_ids)``, with float32 tables by
         default (pass ``dtype=x.dtype`` for HF's cast).
         """
         P.check_positions(position_ids)
-        return self._cos_sin(position_ids, dtype)
+        return self._cos_sin(self._streams(position_ids, text_dims=2), dtype)
+
+    def _streams(self, position_ids, text_dims):
+        """M-RoPE's (3, ...) position streams: text positions (at most text_dims dims: (B, S) or (S,),
+        or packed (T,)) drive all three streams alike, as in transformers; other modules' positions
+        are returned as they are."""
+        if self.mrope_section is None or position_ids is None or position_ids.dim() > text_dims:
+            return position_ids
+        return position_ids.unsqueeze(0).expand(3, *position_ids.shape)
 
     def _cos_sin(self, position_ids, dtype=torch.float32):
         """cos_sin for checked position_ids."""
@@ -326,7 +343,9 @@ class RotaryEmbedding(nn.Module):
         Args:
             q, k: ``(B, H, S, D)`` for layout ``"bhsd"``, ``(B, S, H, D)`` for ``"bshd"``, or packed
                 ``(T, H, D)`` when cu_seqlens is given. k may have fewer heads (GQA/MQA).
-            position_ids: explicit positions, ``(B, S)`` or ``(S,)`` (for M-RoPE ``(3, B, S)``).
+            position_ids: explicit positions, ``(B, S)`` or ``(S,)``. For M-RoPE, ``(3, B, S)`` (or
+                ``(3, 1, S)``; packed ``(3, T)``): one row per stream; text positions of the plain
+                shapes drive all three streams, as in transformers.
                 Default: ``offset + arange(S)``.
             offset: int, or ``(B,)`` tensor of per-row offsets: the number of cached tokens when
                 decoding with a KV cache. Not combined with position_ids.
@@ -366,16 +385,17 @@ class RotaryEmbedding(nn.Module):
             P.check_positions(position_ids)
         streams = () if self.mrope_section is None else (3,)
         if cu_seqlens is not None:
-            position_ids = self._packed_position_ids(q, position_ids, offset, cu_seqlens, streams)
-            return self._rotate(q, k, position_ids, lambda t: t[:, None, :])
+            position_ids = self._packed_position_ids(q, self._streams(position_ids, 1), offset, cu_seqlens, streams)
+            return self._rotate(q, k, self._streams(position_ids, 1), lambda t: t[:, None, :])
         if q.dim() != 4:
             raise ValueError(
                 f"rope_ext.RotaryEmbedding: q must be 4-D ({'B, H, S, D' if self.layout == 'bhsd' else 'B, S, H, D'}"
                 f" for layout {self.layout!r}), got shape {tuple(q.shape)}"
             )
         B, S = q.shape[0], q.shape[2] if self.layout == "bhsd" else q.shape[1]
+        position_ids = self._streams(position_ids, 2)
         if position_ids is None:
-            position_ids = P.sequence_positions(B, S, offset, device=q.device)
+            position_ids = self._streams(P.sequence_positions(B, S, offset, device=q.device), 2)
         else:
             # Checked in eager only: comparing symbolic sizes would add guards while tracing (the op
             # checks the broadcast there, naming cos/sin).

@@ -432,9 +432,9 @@ CASES = {
         r"position_ids must be an integer tensor \(int32 or int64\), got torch.float32",
     ),
     "cos_sin_mrope_two_streams": Bad(
-        "rope_ext.RotaryEmbedding(16, mrope_section=[4, 2, 2], layout='bhsd').cos_sin(POS)",
+        "rope_ext.RotaryEmbedding(16, mrope_section=[4, 2, 2], layout='bhsd').cos_sin(POS.expand(2, 2, 5))",
         ValueError,
-        r"with mrope_section, position_ids must have shape \(3, batch, seqlen\), got \(2, 5\)",
+        r"with mrope_section, position_ids must have shape \(3, batch, seqlen\), got \(2, 2, 5\)",
     ),
     # --- rope_ext.integrations.transformers ---------------------------------------------------------
     "patch_unsupported_family": Bad(

@@ -212,6 +212,37 @@ def test_mrope_matches_transformers_qwen2_vl(gen):
     torch.testing.assert_close(old_k, hf_k, atol=1e-5, rtol=1e-5)
 
 
+def test_mrope_text_positions_and_qwen2_vl_default_section(gen):
+    """A Qwen2-VL config without mrope_section gets transformers' [16, 24, 24]; text-only positions
+    ((B, S), (S,), none, packed (T,)) drive the three streams alike, as transformers' rotary
+    embedding does (it expands them to (3, B, S)), and equal plain RoPE."""
+    from transformers import Qwen2VLConfig
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as hf
+
+    cfg = Qwen2VLConfig(
+        text_config=dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    ).text_config
+    m = rope_ext.RotaryEmbedding.from_hf_config(cfg)
+    assert m.mrope_section == (16, 24, 24)
+    q, k = randn(2, 2, 5, 128, gen=gen), randn(2, 1, 5, 128, gen=gen)
+    pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
+    cos, sin = hf.Qwen2VLRotaryEmbedding(cfg)(q, pos)  # (B, S): text positions
+    hf_q, hf_k = hf.apply_rotary_pos_emb(q, k, cos, sin)
+    ours = m(q, k, pos)
+    torch.testing.assert_close(ours[0], hf_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours[1], hf_k, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(ours, m(q, k, pos[None].expand(3, 2, 5)), strict=True))
+    plain = rope_ext.RotaryEmbedding(128, 1e6, layout="bhsd")
+    assert all(torch.equal(a, b) for a, b in zip(m(q, k), plain(q, k), strict=True))  # default positions
+    assert all(torch.equal(a, b) for a, b in zip(m(q, k, pos[0]), plain(q, k, pos[0]), strict=True))  # (S,)
+    pq, pk = randn(5, 2, 128, gen=gen), randn(5, 1, 128, gen=gen)
+    cu = torch.tensor([0, 2, 5])
+    assert all(torch.equal(a, b) for a, b in zip(m(pq, pk, cu_seqlens=cu), plain(pq, pk, cu_seqlens=cu), strict=True))
+    for a, b in zip(m.cos_sin(pos), plain.cos_sin(pos), strict=True):
+        assert torch.equal(a, b)
+
+
 MODULE_BAD = {
     "odd_rotary_dim": (dict(dim=64, rotary_dim=31), ValueError, "rotary_dim must be an even int"),
     "rotary_dim_too_big": (dict(dim=64, rotary_dim=66), ValueError, "rotary_dim must be an even int"),
