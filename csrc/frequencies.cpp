@@ -76,15 +76,19 @@ at::Tensor yarn(const RopeScaling& s, double base, int64_t d, const at::Tensor& 
 }
 
 // Llama 3.1: wavelengths longer than original / low_freq_factor are divided by factor, those
-// shorter than original / high_freq_factor kept, and the ones between blended smoothly.
+// shorter than original / high_freq_factor kept, and the ones between blended smoothly. With
+// low_freq_factor == high_freq_factor there is no band between (transformers warns and computes
+// the same; vLLM takes the blend weight as 0 there, as here: a wavelength of exactly
+// original / low_freq_factor is divided by factor).
 at::Tensor llama3(const RopeScaling& s, const at::Tensor& inv, double factor, int64_t original) {
   const double low = number("low_freq_factor", s.low_freq_factor, std::nullopt);
   const double high = number("high_freq_factor", s.high_freq_factor, std::nullopt);
-  TORCH_CHECK(low < high, kWhere, ": low_freq_factor (", low, ") must be < high_freq_factor (", high, ")");
+  TORCH_CHECK(low <= high, kWhere, ": low_freq_factor (", low, ") must be <= high_freq_factor (", high, ")");
   const double orig = static_cast<double>(original);
   const at::Tensor wavelen = inv.reciprocal() * (2 * M_PI);
   const at::Tensor scaled = at::where(wavelen > orig / low, inv / factor, inv);
-  const at::Tensor smooth = (wavelen.reciprocal() * orig - low) / (high - low);
+  const at::Tensor smooth =
+      high > low ? (wavelen.reciprocal() * orig - low) / (high - low) : at::zeros_like(wavelen);
   const at::Tensor smoothed = (1 - smooth) * scaled / factor + smooth * scaled;
   const at::Tensor medium = (wavelen >= orig / high) & (wavelen <= orig / low);
   return at::where(medium, smoothed, scaled);

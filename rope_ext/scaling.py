@@ -172,9 +172,9 @@ class RopeSchedule:
             args["short_factor"], args["long_factor"] = (_factors(cfg, k, d) for k in ("short_factor", "long_factor"))
         if rope_type == "llama3":
             low, high = _number(cfg, "low_freq_factor"), _number(cfg, "high_freq_factor")
-            if not low < high:
+            if not low <= high:
                 raise ValueError(
-                    f"rope_ext: scaling['low_freq_factor'] ({low}) must be < scaling['high_freq_factor'] ({high})"
+                    f"rope_ext: scaling['low_freq_factor'] ({low}) must be <= scaling['high_freq_factor'] ({high})"
                 )
         inv, long, attention, switch, factor = torch.ops.rope_ext._rope_frequencies(
             rope_type, float(base), d, max_position_embeddings, **args

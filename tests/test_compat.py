@@ -144,3 +144,35 @@ def test_flash_attn_bad_input(name):
     args.update(override)
     with pytest.raises(exc, match=msg):
         apply_rotary_emb(**args)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_flash_attn_inplace_under_autograd(interleaved, gen):
+    """inplace=True on a tensor that requires grad (flash-attn allows it): x is rotated in place and
+    the gradients of everything before it equal the out-of-place call's; cos/sin that require grad
+    are refused by name; a tensor saved for another backward and then rotated is caught by autograd."""
+    from rope_ext.compat.flash_attn import apply_rotary_emb
+
+    w = randn(2, 5, 3, 16, gen=gen).requires_grad_()
+    angles = torch.arange(20, dtype=torch.float64)[:, None] * 1e4 ** (-torch.arange(0, 8, 2) / 8)
+    cos, sin = angles.cos().float(), angles.sin().float()
+    offsets = torch.tensor([0, 7])
+    grad_out = randn(2, 5, 3, 16, gen=gen)
+
+    x = w * 2.0  # a non-leaf, as a projection's output is
+    out = apply_rotary_emb(x, cos, sin, interleaved=interleaved, inplace=True, seqlen_offsets=offsets)
+    assert out is x and x.grad_fn is not None
+    (gw,) = torch.autograd.grad(out, w, grad_out)
+    ref = apply_rotary_emb(w * 2.0, cos, sin, interleaved=interleaved, seqlen_offsets=offsets)
+    assert torch.equal(out.detach(), ref.detach())
+    (gw_ref,) = torch.autograd.grad(ref, w, grad_out)
+    assert torch.equal(gw, gw_ref)
+
+    with pytest.raises(ValueError, match="cos and sin get no gradient"):
+        apply_rotary_emb(w * 2.0, cos.requires_grad_(), sin, inplace=True)
+    cos.requires_grad_(False)
+    y = w * 2.0
+    z = y * y  # saves y for its backward
+    apply_rotary_emb(y, cos, sin, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()

@@ -54,6 +54,9 @@ SCALINGS = {
                                   "factor": 16.0, "attention_factor": 1.3},
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": ORIGINAL},
+    # no band between the two (transformers warns; vLLM accepts it)
+    "llama3_equal_factors": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": ORIGINAL},
 }
 BASES = {"base1e4": 1e4, "base5e5": 5e5, "base1e6": 1e6}
 # (head_dim, partial_rotary_factor). 96 and 48 are not powers of two, so HF's float32 exponent
@@ -104,6 +107,7 @@ def _inv_freq_rtol(base: float, params: dict | None = None) -> float:
       itself linear in theta: d ln(out) / d ln(theta) = 1 + (1 - 1/f) (s + l/(h-l)) / (1/f + s (1 - 1/f)),
       monotonic in s, so at most K = 1 + max((f - 1) l, (1 - 1/f) h) / (h - l) (s = 0 or 1):
       Llama 3.1's f=8, l=1, h=4 gives K = 10/3. Every relative error above is multiplied by K.
+      With l = h there is no medium band.
     - yarn blends theta / f and theta with the float32 ramp weight r = (i - low) / (high - low)
       and its complement (each within ~U32 of exact); out = theta (1 - r (1 - 1/f)) >= theta / f
       moves by theta (1 - 1/f) |dr|, i.e. up to (f - 1) * 2 U32 relative.
@@ -117,7 +121,7 @@ def _float32_rtol(log_term, params: dict | None):
     rtol = (log_term + 6) * U32
     params = params or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "llama3":
+    if rope_type == "llama3" and params["high_freq_factor"] > params["low_freq_factor"]:  # (else no band)
         f, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
         rtol *= 1 + max((f - 1) * low, (1 - 1 / f) * high) / (high - low)
     elif rope_type == "yarn":
@@ -330,8 +334,6 @@ BAD_SCALINGS = {
                                 r"\['short_factor'\]"),
     "longrope_zero_attention_factor": ({**_LONGROPE_OK, "attention_factor": 0.0}, ValueError,
                                        r"\['attention_factor'\]"),
-    "llama3_low_equals_high": ({**_LLAMA3_OK, "low_freq_factor": 4.0}, ValueError,
-                               r"\['low_freq_factor'\].*\['high_freq_factor'\]"),
     "llama3_low_above_high": ({**_LLAMA3_OK, "low_freq_factor": 8.0}, ValueError,
                               r"\['low_freq_factor'\].*\['high_freq_factor'\]"),
     "llama3_null_low_freq_factor": ({**_LLAMA3_OK, "low_freq_factor": None}, ValueError, r"\['low_freq_factor'\]"),

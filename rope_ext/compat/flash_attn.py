@@ -20,7 +20,8 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
         cos, sin: ``(seqlen_ro, rotary_dim / 2)``: half-width tables, one row per position,
             one column per frequency. rotary_dim <= headdim; the rest passes through.
         interleaved: rotate pairs (2i, 2i+1) (GPT-J) instead of (i, i + rotary_dim/2) (GPT-NeoX).
-        inplace: overwrite x (inference only; see :func:`rope_ext.rotary_`) and return it.
+        inplace: overwrite x and return it. Under autograd (x requiring grad, as in flash-attn) the
+            backward rotates the incoming gradient by the transpose; cos and sin then get none.
         seqlen_offsets: int, or ``(batch,)`` tensor: row b's tokens take positions
             ``seqlen_offsets[b] + 0, 1, ...`` (decoding with a KV cache).
         cu_seqlens: ``(batch + 1,)`` cumulative lengths of packed sequences; positions restart at
@@ -61,6 +62,33 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
         cos, sin = cos.float(), sin.float()
     # The op gathers each token's row of the half-width tables itself, and checks it against
     # seqlen_ro (an error on the CPU, a device-side assert on CUDA): no gathered tables, no host sync.
+    if inplace and torch.is_grad_enabled() and x.requires_grad:
+        if cos.requires_grad or sin.requires_grad:
+            raise ValueError(
+                "rope_ext: with inplace=True, cos and sin get no gradient (as in flash-attn); "
+                "use inplace=False to train them"
+            )
+        return _RotateInPlace.apply(x, cos, sin, pos[..., None], interleaved)
     if inplace:
         return rotary_pos_(x, None, cos, sin, pos[..., None], interleaved=interleaved)
     return rotary_pos(x, cos, sin, pos[..., None], interleaved=interleaved)
+
+
+class _RotateInPlace(torch.autograd.Function):
+    """flash-attn's inplace=True under autograd: x is rotated in place (and marked dirty, so autograd
+    refuses a backward that would need its old value), and the backward rotates the incoming
+    gradient by the transpose (the rotation by -theta)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, positions, interleaved):
+        rotary_pos_(x, None, cos, sin, positions, interleaved=interleaved)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(cos, sin, positions)
+        ctx.interleaved = interleaved
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin, positions = ctx.saved_tensors
+        dx = rotary_pos(grad, cos, sin, positions, interleaved=ctx.interleaved, conjugate=True)
+        return dx, None, None, None, None
