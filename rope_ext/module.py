@@ -136,15 +136,28 @@ class RotaryEmbedding(nn.Module):
         self._init_buffers(torch.get_default_device() if device is None else torch.device(device))
 
     @classmethod
-    def from_hf_config(cls, config, *, layout: str = "bhsd", device=None) -> RotaryEmbedding:
+    def from_hf_config(
+        cls, config, *, layout: str = "bhsd", device=None, layer_type: str | None = None
+    ) -> RotaryEmbedding:
         """Builds the module of a transformers ``PretrainedConfig`` (head_dim, rope_theta,
         rope_scaling / rope_parameters, partial_rotary_factor, max_position_embeddings,
         mrope_section), with the model's pairing: interleaved for GPT-J and CodeGen, and for a config
         with ``rotary_interleaved=True`` or ``rope_interleave=True`` (DeepSeek-V3, GLM-4-MoE-Lite,
         Mistral 4 and others, whose attention then calls ``apply_rotary_pos_emb_interleave``);
-        half-split otherwise."""
+        half-split otherwise.
+
+        layer_type: for configs whose rope_parameters are given per layer type (Gemma 3's
+        ``full_attention`` and ``sliding_attention``), the type whose parameters to use (one of
+        ``config.layer_types``); required there, and ignored by configs with one set."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        if params and all(isinstance(v, dict) for v in params.values()):  # one set per layer type
+            if layer_type not in params:
+                raise ValueError(
+                    f"rope_ext.RotaryEmbedding.from_hf_config: this config's rope_parameters are given per layer "
+                    f"type ({', '.join(sorted(params))}): pass layer_type= one of them, got {layer_type!r}"
+                )
+            params = dict(params[layer_type])
         base = params.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
         mrope = params.pop("mrope_section", None)
         if mrope is None and getattr(config, "model_type", None) in DEFAULT_MROPE_MODEL_TYPES:

@@ -475,3 +475,35 @@ def test_from_hf_config_honours_deepseek_v3_rope_interleave(rope_interleave):
     order = torch.cat((torch.arange(0, 16, 2), torch.arange(1, 16, 2))) if rope_interleave else torch.arange(16)
     torch.testing.assert_close(oq[..., order], hq, atol=4e-3, rtol=0)
     torch.testing.assert_close(ok[..., order], hk, atol=4e-3, rtol=0)
+
+
+def test_from_hf_config_per_layer_type_parameters_of_gemma3():
+    """Gemma 3 gives rope_parameters per layer type (sliding: default, theta 1e4; full: linear x8,
+    theta 1e6): layer_type chooses, and each module's tables match transformers' for that type. A
+    missing or unknown layer_type is refused naming the types."""
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    config = Gemma3TextConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=4096,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
+    )
+    hf = Gemma3RotaryEmbedding(config)
+    position_ids = torch.tensor([[0, 3, 100, 1000, 4000]])
+    x = torch.zeros(1, dtype=torch.float32)
+    for layer_type in ("sliding_attention", "full_attention"):
+        rope = rope_ext.RotaryEmbedding.from_hf_config(config, layer_type=layer_type)
+        hf_cos, hf_sin = hf(x, position_ids, layer_type)
+        cos, sin = rope.cos_sin(position_ids)
+        # HF's float32 angles at positions up to 4000: ~4000 * 2^-23 rad
+        torch.testing.assert_close(cos, hf_cos, atol=1e-3, rtol=0)
+        torch.testing.assert_close(sin, hf_sin, atol=1e-3, rtol=0)
+    sliding = rope_ext.RotaryEmbedding.from_hf_config(config, layer_type="sliding_attention")
+    full = rope_ext.RotaryEmbedding.from_hf_config(config, layer_type="full_attention")
+    assert not torch.allclose(sliding.cos_sin(position_ids)[0], full.cos_sin(position_ids)[0])
+    for bad in (None, "global"):
+        with pytest.raises(ValueError, match=r"per layer type \(full_attention, sliding_attention\): pass layer_type"):
+            rope_ext.RotaryEmbedding.from_hf_config(config, layer_type=bad)
