@@ -507,3 +507,23 @@ def test_from_hf_config_per_layer_type_parameters_of_gemma3():
     for bad in (None, "global"):
         with pytest.raises(ValueError, match=r"per layer type \(full_attention, sliding_attention\): pass layer_type"):
             rope_ext.RotaryEmbedding.from_hf_config(config, layer_type=bad)
+
+
+def test_dynamic_ntk_is_stateless_where_transformers_keeps_state():
+    """The difference the README documents: after a longer call past max_position_embeddings, a
+    shorter call still past it gets its own length's frequencies here (as from a fresh module),
+    while transformers' module reuses the longer call's."""
+    config = LlamaConfig(hidden_size=256, num_attention_heads=2, max_position_embeddings=1024,
+                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    x, long, short = torch.zeros(1), torch.arange(4096)[None], torch.arange(2048)[None]
+    rope, fresh = rope_ext.RotaryEmbedding.from_hf_config(config), rope_ext.RotaryEmbedding.from_hf_config(config)
+    q = torch.randn(1, 2, 4096, 128, generator=torch.Generator().manual_seed(0))
+    rope(q, q, long)  # the longer call first
+    assert torch.equal(rope.cos_sin(short)[0], fresh.cos_sin(short)[0])
+    assert torch.equal(rope(q[:, :, :2048], q[:, :, :2048], short)[0], fresh(q[:, :, :2048], q[:, :, :2048], short)[0])
+    hf = LlamaRotaryEmbedding(config)
+    hf(x, long)
+    stateful, stateless = hf(x, short)[0], LlamaRotaryEmbedding(config)(x, short)[0]
+    ours = fresh.cos_sin(short)[0]
+    assert (ours - stateless).abs().max() < 2e-4  # HF's float32 angles at positions < 2048
+    assert (ours - stateful).abs().max() > 1.0  # the documented difference
