@@ -106,10 +106,9 @@ TEST(Errors, RopeFrequenciesArguments) {
   auto llama = scaling("llama3");
   llama.factor = 8, llama.low_freq_factor = 4, llama.high_freq_factor = 1;
   expect_error([&] { rope_ext::rope_frequencies(llama, 500000, 128, 131072); },
-               "low_freq_factor (4) must be < high_freq_factor (1)", "llama3 low >= high");
-  llama.low_freq_factor = 2, llama.high_freq_factor = 2;
-  expect_error([&] { rope_ext::rope_frequencies(llama, 500000, 128, 131072); }, "must be < high_freq_factor",
-               "llama3 low == high");
+               "low_freq_factor (4) must be <= high_freq_factor (1)", "llama3 low > high");
+  llama.low_freq_factor = 2, llama.high_freq_factor = 2;  // no band between: accepted (vLLM's rule)
+  EXPECT_TRUE(rope_ext::rope_frequencies(llama, 500000, 128, 131072).inv_freq.isfinite().all().item<bool>());
   llama.high_freq_factor.reset();
   expect_error([&] { rope_ext::rope_frequencies(llama, 500000, 128, 131072); }, "high_freq_factor",
                "llama3 without high_freq_factor");
