@@ -14,9 +14,21 @@ from rope_ext.scaling import RopeSchedule
 __all__ = ["RotaryEmbedding"]
 
 LAYOUTS = ("bhsd", "bshd")
-# transformers model types whose RoPE pairs (2i, 2i + 1) (rotate_every_two); their configs carry
-# no flag for it. Everything else in transformers is half-split.
-INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen"})
+# transformers model types whose RoPE always pairs (2i, 2i + 1): rotate_every_two, the complex
+# freqs_cis form, or apply_rotary_pos_emb_interleave called unconditionally; their configs carry no
+# flag for it. (Configs with rotary_interleaved or rope_interleave say it themselves.)
+INTERLEAVED_MODEL_TYPES = frozenset({
+    "gptj", "codegen", "deepseek_v2", "llama4", "llama4_text", "deepseek_v32", "longcat_flash", "bailing_hybrid",
+    "glm_moe_dsa", "axk2", "mistral_large4", "mistral_large4_text", "dots3_note", "dots3_note_text",
+})
+# transformers model types whose M-RoPE interleaves its sections' frequencies (Qwen3-VL and later),
+# which RotaryEmbedding does not implement: from_hf_config refuses them rather than build chunked
+# sections.
+INTERLEAVED_MROPE_MODEL_TYPES = frozenset({
+    "qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+    "qwen3_5_moe_text", "qwen3_omni_moe", "qwen3_omni_moe_text", "qwen3_omni_moe_thinker",
+    "qwen3_omni_moe_talker_text", "cohere_compass", "cohere_compass_text",
+})
 # transformers model types whose text rotary embedding uses M-RoPE with mrope_section [16, 24, 24]
 # when the config gives none.
 DEFAULT_MROPE_MODEL_TYPES = frozenset({
@@ -162,7 +174,12 @@ class RotaryEmbedding(nn.Module):
         mrope = params.pop("mrope_section", None)
         if mrope is None and getattr(config, "model_type", None) in DEFAULT_MROPE_MODEL_TYPES:
             mrope = [16, 24, 24]  # what these models' rotary embeddings fall back to in transformers
-        params.pop("mrope_interleaved", None)
+        model_type = getattr(config, "model_type", None)
+        if params.pop("mrope_interleaved", False) or model_type in INTERLEAVED_MROPE_MODEL_TYPES:
+            raise ValueError(
+                f"rope_ext.RotaryEmbedding.from_hf_config: interleaved M-RoPE (model type {model_type!r}) is not "
+                "supported yet; building chunked sections instead would rotate image and video tokens wrongly"
+            )
         partial = params.pop("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
         rotary_dim = getattr(config, "rotary_dim", None) if partial is None else None
         if (
@@ -299,12 +316,27 @@ class RotaryEmbedding(nn.Module):
         P.check_positions(position_ids)
         return self._cos_sin(self._streams(position_ids, text_dims=2), dtype)
 
-    def _streams(self, position_ids, text_dims):
-        """M-RoPE's (3, ...) position streams: text positions (at most text_dims dims: (B, S) or (S,),
-        or packed (T,)) drive all three streams alike, as in transformers; other modules' positions
-        are returned as they are."""
-        if self.mrope_section is None or position_ids is None or position_ids.dim() > text_dims:
+    def _streams(self, position_ids, text_dims, batch=None):
+        """M-RoPE's (3, ...) position streams. Text positions drive all three streams alike, as in
+        transformers: (B, S) or (S,) (packed: (T,); text_dims = their most dims), or (1, B, S). Stream
+        positions: (3, B, S), (3, 1, S), packed (3, T); and (3, S) shared by a batch of `batch` != 3.
+        (3, S) is ambiguous when the batch may be 3 (a batch of 3 rows of text, or three streams):
+        refused. Other modules' positions are returned as they are."""
+        if self.mrope_section is None or position_ids is None:
             return position_ids
+        d = position_ids.dim()
+        if d == text_dims + 1 and position_ids.shape[0] == 1:
+            return position_ids.expand(3, *position_ids.shape[1:])
+        if d > text_dims:
+            return position_ids
+        if d == 2 and position_ids.shape[0] == 3:
+            if batch is not None and batch != 3:
+                return position_ids  # three streams shared by the batch
+            raise ValueError(
+                f"rope_ext.RotaryEmbedding: with mrope_section, position_ids of shape {tuple(position_ids.shape)} are "
+                "ambiguous (three streams, or text positions of 3 rows): pass streams as (3, 1, S) or (3, B, S), "
+                "text positions as (1, B, S)"
+            )
         return position_ids.unsqueeze(0).expand(3, *position_ids.shape)
 
     def _cos_sin(self, position_ids, dtype=torch.float32):
@@ -406,7 +438,8 @@ class RotaryEmbedding(nn.Module):
                 f" for layout {self.layout!r}), got shape {tuple(q.shape)}"
             )
         B, S = q.shape[0], q.shape[2] if self.layout == "bhsd" else q.shape[1]
-        position_ids = self._streams(position_ids, 2)
+        given = None if position_ids is None else tuple(position_ids.shape)
+        position_ids = self._streams(position_ids, 2, batch=B)
         if position_ids is None:
             position_ids = self._streams(P.sequence_positions(B, S, offset, device=q.device), 2)
         else:
@@ -414,9 +447,14 @@ class RotaryEmbedding(nn.Module):
             # checks the broadcast there, naming cos/sin).
             shape = tuple(position_ids.shape)
             if P._validating() and shape not in ((*streams, S), (*streams, 1, S), (*streams, B, S)):
+                expected = (
+                    f"{(3, B, S)} or {(3, 1, S)} (streams), or {(B, S)} or {(S,)} (text)"
+                    if streams
+                    else f"{(B, S)} or {(S,)}"
+                )
                 raise ValueError(
-                    f"rope_ext.RotaryEmbedding: position_ids must have shape {(*streams, B, S)} or "
-                    f"{(*streams, S)} for q of shape {tuple(q.shape)}, got {shape}"
+                    f"rope_ext.RotaryEmbedding: position_ids must have shape {expected} for q of shape "
+                    f"{tuple(q.shape)}, got {given}"
                 )
             if len(shape) == len(streams) + 1:  # (S,): shared by the batch
                 position_ids = position_ids.unsqueeze(-2)

@@ -243,6 +243,41 @@ def test_mrope_text_positions_and_qwen2_vl_default_section(gen):
         assert torch.equal(a, b)
 
 
+def test_mrope_stream_and_text_shapes_are_never_confused(gen):
+    """(3, S) positions are three streams shared by a batch of B != 3 (as before text positions were
+    accepted); with a batch of 3 they could be either, and are refused naming both spellings; (1, B, S)
+    is always text."""
+    m = rope_ext.RotaryEmbedding(16, mrope_section=[4, 2, 2], layout="bhsd")
+    streams = torch.stack([torch.arange(5), torch.arange(5) // 2, torch.arange(5) % 2])  # (3, S)
+    q2, k2 = randn(2, 2, 5, 16, gen=gen), randn(2, 1, 5, 16, gen=gen)
+    for a, b in zip(m(q2, k2, streams), m(q2, k2, streams[:, None]), strict=True):
+        assert torch.equal(a, b)
+    q3, k3 = randn(3, 2, 5, 16, gen=gen), randn(3, 1, 5, 16, gen=gen)
+    with pytest.raises(ValueError, match=r"ambiguous .*\(3, 1, S\) or \(3, B, S\), text positions as \(1, B, S\)"):
+        m(q3, k3, streams)
+    with pytest.raises(ValueError, match="ambiguous"):
+        m.cos_sin(streams)
+    text = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [2, 3, 4, 5, 6]])
+    for a, b in zip(m(q3, k3, text[None]), m(q3, k3, text[None].expand(3, 3, 5)), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"must have shape \(3, 2, 5\) or \(3, 1, 5\) \(streams\), or \(2, 5\)"):
+        m(q2, k2, torch.zeros(3, 3, 5, dtype=torch.int64))
+
+
+def test_from_hf_config_pairing_of_flagless_interleaved_families_and_interleaved_mrope():
+    """Families that always rotate interleaved pairs without a config flag (the complex freqs_cis of
+    DeepSeek-V2 and Llama 4) get interleaved modules; interleaved M-RoPE (Qwen3-VL) is refused rather
+    than built as chunked sections."""
+    from transformers import DeepseekV2Config, Llama4TextConfig, Qwen3VLConfig
+
+    small = dict(vocab_size=64, hidden_size=64, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1)
+    assert rope_ext.RotaryEmbedding.from_hf_config(DeepseekV2Config(**small, qk_rope_head_dim=16)).interleaved
+    assert rope_ext.RotaryEmbedding.from_hf_config(Llama4TextConfig(**small, head_dim=32)).interleaved
+    qwen3 = Qwen3VLConfig(text_config=dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)).text_config
+    with pytest.raises(ValueError, match="interleaved M-RoPE .*'qwen3_vl_text'.* not supported"):
+        rope_ext.RotaryEmbedding.from_hf_config(qwen3)
+
+
 MODULE_BAD = {
     "odd_rotary_dim": (dict(dim=64, rotary_dim=31), ValueError, "rotary_dim must be an even int"),
     "rotary_dim_too_big": (dict(dim=64, rotary_dim=66), ValueError, "rotary_dim must be an even int"),

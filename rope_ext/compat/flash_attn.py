@@ -158,6 +158,7 @@ class _RotatePartsInPlace(torch.autograd.Function):
         return buf
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # (the backward rotates in place)
     def backward(ctx, grad):
         pos, *flat_tables = ctx.saved_tensors
         tables = list(zip(flat_tables[::2], flat_tables[1::2], strict=True))

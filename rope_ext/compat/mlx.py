@@ -64,12 +64,10 @@ def rope(
 
     steps = torch.arange(T, dtype=torch.float64, device=device)
     if isinstance(offset, torch.Tensor):
-        if offset.dtype.is_complex or offset.dtype == torch.bool or offset.dim() > 1 or offset.numel() not in (
-            1,
-            a.shape[0],
-        ):
+        integer = not (offset.dtype.is_floating_point or offset.dtype.is_complex or offset.dtype == torch.bool)
+        if not integer or offset.dim() > 1 or offset.numel() not in (1, a.shape[0]):
             raise ValueError(
-                f"{fn}: a tensor offset must be a real scalar or (B,) = ({a.shape[0]},), got "
+                f"{fn}: a tensor offset must be an integer scalar or (B,) = ({a.shape[0]},), got "
                 f"{offset.dtype} of shape {tuple(offset.shape)}"
             )
         positions = offset.to(device=device, dtype=torch.float64).reshape(-1, 1) + steps  # (1 or B, T)
