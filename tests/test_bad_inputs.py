@@ -438,7 +438,7 @@ CASES = {
     ),
     # --- rope_ext.integrations.transformers ---------------------------------------------------------
     "patch_unsupported_family": Bad(
-        "rope_hf.patch(['llama', 'cohere'])", ValueError, r"cannot patch \['cohere'\]: supported transformers families"
+        "rope_hf.patch(['llama', 'bert'])", ValueError, r"cannot patch 'bert': the installed transformers has no model"
     ),
     "patch_model_types_not_a_list": Bad("rope_hf.patch(42)", AS_TENSOR, r"model_types must be .*got int"),
 }

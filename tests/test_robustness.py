@@ -34,7 +34,7 @@ from conftest import CONVENTIONS, DTYPES, LAYOUTS, TESTING, randn, random_tables
 import rope_ext
 from rope_ext import reference
 from rope_ext.compat.flash_attn import apply_rotary_emb
-from rope_ext.integrations.transformers import SUPPORTED
+from rope_ext.integrations.transformers import family_report
 
 ops = torch.ops.rope_ext
 INF = float("inf")
@@ -338,14 +338,14 @@ def test_empty_rotary_embedding(layout, gen):
 
 def test_empty_drop_ins(gen):
     """HF's apply_rotary_pos_emb (also partial and unsqueeze_dim=2), the multimodal form, the
-    patched GPT-J function, and flash-attn's apply_rotary_emb with zero-size sequences, batches
+    patched GPT-NeoX and GPT-J functions, and flash-attn's apply_rotary_emb with zero-size sequences, batches
     and tables (seqlen_ro = 0), packed or not, in place or not; forward and backward."""
     q = randn(2, 4, 0, 16, gen=gen).requires_grad_()  # (B, H, S=0, D)
     k = randn(2, 2, 0, 16, gen=gen).requires_grad_()
     for r in (16, 8):
         cos, sin = random_tables((2, 0, r), torch.float32, gen)
         for unsqueeze_dim, (qq, kk) in ((1, (q, k)), (2, (q.transpose(1, 2), k.transpose(1, 2)))):
-            for f in (rope_ext.apply_rotary_pos_emb, SUPPORTED["llama"][0]):
+            for f in (rope_ext.apply_rotary_pos_emb, family_report("gpt_neox").functions[0].replacement):
                 q_out, k_out = f(qq, kk, cos, sin, unsqueeze_dim=unsqueeze_dim)
                 _assert_like(q_out, qq)
                 _assert_like(k_out, kk)
@@ -358,7 +358,7 @@ def test_empty_drop_ins(gen):
 
     x = randn(2, 0, 3, 16, gen=gen)  # GPT-J: (B, S, H, rotary_dim), half-width tables
     cos, sin = random_tables((2, 0, 8), torch.float32, gen)
-    _assert_like(SUPPORTED["gptj"][0](x, sin, cos), x)
+    _assert_like(family_report("gptj").functions[0].replacement(x, sin, cos), x)
 
     for x_shape, seqlen_ro, extra in (
         ((2, 0, 3, 16), 0, {}),  # zero-size tables

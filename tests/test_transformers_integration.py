@@ -3,6 +3,7 @@
 and greedy generations, and really runs rope_ext's op."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -125,18 +126,23 @@ def test_greedy_generation_with_kv_cache_matches(family):
 
 
 def test_patch_all_unpatch_and_refusals():
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
     from transformers.models.llama import modeling_llama
 
     original = modeling_llama.apply_rotary_pos_emb
+    originals = (ds.apply_rotary_pos_emb, ds.apply_rotary_pos_emb_interleave)
     patched = rope_hf.patch()
     try:
-        assert set(patched) == set(rope_hf.SUPPORTED)
+        assert set(patched) == {f for f, r in rope_hf.survey().items() if r.patchable}
+        assert len(patched) >= 150
         assert modeling_llama.apply_rotary_pos_emb is not original
+        assert all(getattr(ds, f.name) is f.replacement for f in rope_hf.family_report("deepseek_v3").functions)
     finally:
         assert set(rope_hf.unpatch()) == set(patched)
     assert modeling_llama.apply_rotary_pos_emb is original
-    with pytest.raises(ValueError, match=r"cannot patch \['cohere'\]: supported transformers families are"):
-        rope_hf.patch(["llama", "cohere"])
+    assert (ds.apply_rotary_pos_emb, ds.apply_rotary_pos_emb_interleave) == originals
+    with pytest.raises(ValueError, match=r"cannot patch 'bert': the installed transformers has no model family"):
+        rope_hf.patch(["llama", "bert"])
     assert rope_hf.patched_families() == []  # nothing half-patched
 
 
@@ -155,13 +161,42 @@ def test_one_family_by_name():
     assert rope_hf.patched_families() == []
 
 
-def test_refuses_a_changed_signature(monkeypatch):
+def test_refuses_a_function_someone_else_replaced(monkeypatch):
+    """The function found at run time must be the one classified from the model file."""
     from transformers.models.llama import modeling_llama
 
-    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", lambda q, k, cos, sin, position_ids, unsqueeze_dim=1: 0)
-    with pytest.raises(ValueError, match="apply_rotary_pos_emb has parameters .* expected"):
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", lambda q, k, cos, sin, unsqueeze_dim=1: 0)
+    with pytest.raises(ValueError, match=r"cannot patch 'llama': .*apply_rotary_pos_emb is .*not the function its "
+                                         r"model file defines"):
         rope_hf.patch(["mistral", "llama"])
     assert rope_hf.patched_families() == []
+
+
+def test_patch_reaches_a_function_wrapped_by_kernels(monkeypatch):
+    """With the `kernels` package, transformers' model files hold an nn.Module in place of the
+    function: kernels' use_kernel_forward_from_hub builds a Module class whose forward calls the
+    function and returns an instance of it. (kernels 0.18, which transformers 5.23 accepts, does not
+    install here; this builds the same wrapper as its source does.) patch() replaces the wrapper,
+    the model runs rope_ext, and unpatch() puts the wrapper back."""
+    from transformers.models.llama import modeling_llama
+
+    function = modeling_llama.apply_rotary_pos_emb
+
+    class Func(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return function(*args, **kwargs)
+
+    wrapper = Func()
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", wrapper)
+    model = _model("llama")
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        with rope_hf.patch("llama"), OpSpy() as spy:
+            assert modeling_llama.apply_rotary_pos_emb is not wrapper
+            ours = model(input_ids=ids).logits
+    assert modeling_llama.apply_rotary_pos_emb is wrapper
+    assert spy.calls and torch.equal(ours, ref)
 
 
 def test_bfloat16_model_within_tolerance():
@@ -176,3 +211,105 @@ def test_bfloat16_model_within_tolerance():
     # logits are O(1); two bf16 networks that differ in a few roundings stay within a few
     # bf16 ulps (2^-7 relative) of each other
     torch.testing.assert_close(ours, ref, atol=4 * 2**-7, rtol=4 * 2**-7)
+
+
+# --- many families, built from their config classes with small sizes ------------------------------
+#
+# Every family below runs with tiny sizes taken from one table (only the fields its config has).
+# Between them they cover every transformers RoPE form a causal LM, an encoder or a ViT of the
+# installed transformers uses on text or images here; tests/test_transformers_forms.py checks each
+# form, including those only multimodal towers use, against transformers' own function.
+
+_SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, moe_intermediate_size=32,
+              n_routed_experts=4, num_experts=4, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+              kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+              first_k_dense_replace=1, n_group=1, topk_group=1, shared_expert_intermediate_size=32,
+              pad_token_id=0, rotary_dim=8, partial_rotary_factor=0.5, position_embedding_type="rotary")
+
+# model_type -> the family whose functions it calls (the folder holding its model file)
+CAUSAL = {mt: mt for mt in (
+    "afmoe", "apertus", "arcee", "bitnet", "codegen", "cohere", "cohere2", "deepseek_v2", "deepseek_v3", "deepseek_v4",
+    "doge", "ernie4_5", "exaone4", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "gpt_oss", "granite", "helium",
+    "hunyuan_v1_dense", "jetmoe", "minicpm3", "minimax_m2", "mixtral", "nanochat", "nemotron", "olmo2", "olmo3",
+    "phi", "qwen2_moe", "qwen3_moe", "seed_oss", "smollm3", "stablelm", "starcoder2", "vaultgemma", "youtu")}
+CAUSAL["llama4_text"] = "llama4"
+ENCODERS = {"esm": "esm", "modernbert": "modernbert", "openai_privacy_filter": "openai_privacy_filter"}
+
+
+def _tiny(model_type):
+    from transformers import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    defaults = config_class()
+    kwargs = {k: v for k, v in _SMALL.items() if hasattr(defaults, k)}
+    if hasattr(defaults, "qk_rope_head_dim"):  # MLA: the head dims are the rope and nope parts
+        kwargs.pop("head_dim", None)
+    if getattr(defaults, "partial_rotary_factor", None) in (None, 1.0):
+        kwargs.pop("partial_rotary_factor", None)  # keep the families that rotate whole heads whole
+    torch.manual_seed(0)
+    return config_class(**kwargs)
+
+
+def _weighted(t):
+    return (t.float() * torch.linspace(-1, 1, t.numel()).view(t.shape)).sum()
+
+
+def _parity(model, family, run):
+    """run(model) -> output tensor; the output and every parameter's gradient, stock and patched."""
+    results = []
+    for patched in (False, True):
+        model.zero_grad(set_to_none=True)
+        with (rope_hf.patch([family]) if patched else contextlib.nullcontext()), OpSpy() as spy:
+            out = run(model)
+            _weighted(out).backward()
+        assert bool(spy.calls) == patched, "the patched model must run rope_ext's op, the stock one not"
+        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (ref, ref_grads), (ours, grads) = results
+    # float32 everywhere: the forms that compute as transformers does are bit-identical; the complex
+    # ones (Llama 4, DeepSeek-V2) differ from complex multiplication by float32 rounding
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1.3e-6)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **TRAIN, msg=name)
+
+
+@pytest.mark.parametrize("model_type", CAUSAL)
+def test_causal_lm_family_matches(model_type):
+    family = CAUSAL[model_type]
+    model = T.AutoModelForCausalLM.from_config(_tiny(model_type)).float().eval()
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    _parity(model, family, lambda m: m(input_ids=ids).logits)
+    kwargs = dict(max_new_tokens=10, do_sample=False, use_cache=True, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(ids[:, :6], **kwargs)
+        with rope_hf.patch([family]), OpSpy() as spy:
+            ours = model.generate(ids[:, :6], **kwargs)
+    assert ref.shape == (2, 16) and torch.equal(ours, ref)
+    assert len(spy.calls) >= 10, "decode steps must run through rope_ext"
+
+
+@pytest.mark.parametrize("model_type", ENCODERS)
+def test_encoder_family_matches(model_type):
+    model = T.AutoModel.from_config(_tiny(model_type)).float().eval()
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    _parity(model, ENCODERS[model_type], lambda m: m(input_ids=ids).last_hidden_state)
+
+
+def test_vit_with_register_tokens_matches():
+    """DINOv3's ViT: the class and register tokens pass, the patch tokens rotate."""
+    config = T.DINOv3ViTConfig(image_size=32, patch_size=8, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_register_tokens=2)
+    torch.manual_seed(0)
+    model = T.AutoModel.from_config(config).eval()
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    _parity(model, "dinov3_vit", lambda m: m(pixel_values=pixels).last_hidden_state)
+
+
+def test_vision_tower_matches():
+    """Qwen2-VL's vision tower (apply_rotary_pos_emb_vision, the form of 25 vision towers) on a
+    4 x 4 patch image."""
+    model = _model("qwen2_vl").eval()
+    grid = torch.tensor([[1, 4, 4]])
+    patches = torch.randn(16, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1))
+    _parity(model.model.visual, "qwen2_vl", lambda m: m(patches, grid_thw=grid).last_hidden_state)

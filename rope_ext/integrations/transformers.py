@@ -2,61 +2,139 @@
 
     from rope_ext.integrations import transformers as rope_hf
 
-    patched = rope_hf.patch()            # every supported family the installed transformers has
+    patched = rope_hf.patch()            # every family of the installed transformers rope_ext can express
     ...
     rope_hf.unpatch()                    # back to transformers' own functions
 
     with rope_hf.patch(["llama"]):       # or for a block only
         model(...)
 
-``patch`` replaces each family's module-level ``apply_rotary_pos_emb`` (what its attention layers
-call, once per layer and step) with rope_ext's one-call ``rotary_qk``. The families' rotary
-embedding modules are left as they are: they run once per forward, not per layer, so replacing
-them does not pay; use ``rope_ext.RotaryEmbedding.from_hf_config`` where float64-exact tables
-at long context matter.
+    python -m rope_ext.integrations.transformers   # every family, its form, patched or why not
+
+Which families are patched is decided from the installed transformers' code, not from a list of
+names: each model file's RoPE functions (``apply_rotary_pos_emb``, ``apply_rotary_pos_emb_vision``,
+``apply_rotary_pos_emb_interleave``, ``apply_rotary_emb``) are parsed together with the helpers they
+call (their own ``rotate_half``) and matched against the forms rope_ext has been tested on (see
+``_hf_forms``). A function whose code matches no known form is refused by name, with the reason.
+
+``patch`` replaces the module-level function, which is what the attention layers call, once per layer
+and step. With the ``kernels`` package installed transformers turns that function into a small
+``nn.Module`` and keeps the original in each attention layer's ``_kernel_funcs``; attention still
+calls the module-level name, so the patch reaches it either way. The families' rotary embedding
+modules are left alone: they run once per forward, not per layer; use
+``rope_ext.RotaryEmbedding.from_hf_config`` where float64-exact tables at long context matter.
 """
+
 from __future__ import annotations
 
+import ast
+import dataclasses
+import functools
 import importlib
-import inspect
+import os
 import threading
 
-from rope_ext._ops import rotary, rotary_qk
+from rope_ext.integrations import _hf_forms
 
-__all__ = ["SUPPORTED", "patch", "unpatch", "patched_families"]
-
-
-def _hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` on rope_ext: half-split
-    pairs, partial rotary when ``cos.shape[-1] < head_dim`` (GPT-NeoX), one op call for q and k."""
-    return rotary_qk(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
+__all__ = ["FamilyReport", "RopeFunction", "family_report", "patch", "patched_families", "survey", "unpatch"]
 
 
-def _gptj_apply_rotary_pos_emb(tensor, sin, cos):
-    """GPT-J's ``apply_rotary_pos_emb(tensor, sin, cos)``: tensor (batch, seq, heads, rotary_dim),
-    half-width sin/cos (batch, seq, rotary_dim/2), interleaved pairs."""
-    full_cos = cos.repeat_interleave(2, dim=-1)[:, :, None, :]
-    full_sin = sin.repeat_interleave(2, dim=-1)[:, :, None, :]
-    return rotary(tensor, full_cos, full_sin, interleaved=True)
+@dataclasses.dataclass(frozen=True)
+class RopeFunction:
+    """One RoPE function of a transformers model file.
+
+    Attributes:
+        module: the module's import name, e.g. ``transformers.models.llama.modeling_llama``.
+        name: the function's name in it.
+        form: the recognised form, or None.
+        reason: why it is refused (None when it has a form).
+    """
+
+    module: str
+    name: str
+    form: _hf_forms.Form | None
+    reason: str | None = None
+
+    @property
+    def replacement(self):
+        """rope_ext's stand-in for this function (None when refused)."""
+        return None if self.form is None else _replacement(self.form)
 
 
-# family -> (replacement, the parameter names transformers' function must have)
-_HF_PARAMS = ("q", "k", "cos", "sin", "unsqueeze_dim")
-SUPPORTED = {
-    "llama": (_hf_apply_rotary_pos_emb, _HF_PARAMS),
-    "mistral": (_hf_apply_rotary_pos_emb, _HF_PARAMS),
-    "qwen2": (_hf_apply_rotary_pos_emb, _HF_PARAMS),
-    "qwen3": (_hf_apply_rotary_pos_emb, _HF_PARAMS),
-    "phi3": (_hf_apply_rotary_pos_emb, _HF_PARAMS),
-    "gemma": (_hf_apply_rotary_pos_emb, _HF_PARAMS),
-    "gemma2": (_hf_apply_rotary_pos_emb, _HF_PARAMS),
-    "gpt_neox": (_hf_apply_rotary_pos_emb, _HF_PARAMS),
-    "qwen2_vl": (_hf_apply_rotary_pos_emb, _HF_PARAMS),  # M-RoPE tables are recomposed by HF's rotary embedding
-    "gptj": (_gptj_apply_rotary_pos_emb, ("tensor", "sin", "cos")),
-}
+@dataclasses.dataclass(frozen=True)
+class FamilyReport:
+    """A model family's RoPE functions; it is patchable when every one of them has a form."""
+
+    family: str
+    functions: tuple[RopeFunction, ...]
+
+    @property
+    def patchable(self) -> bool:
+        return all(f.form is not None for f in self.functions)
+
+    @property
+    def reason(self) -> str | None:
+        refused = [f"{f.name}: {f.reason}" for f in self.functions if f.form is None]
+        return "; ".join(refused) or None
+
+
+_replacement = functools.lru_cache(maxsize=None)(_hf_forms.replacement)
+
+
+def _classify_file(path: str, module: str) -> list[RopeFunction]:
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    if not any(f"def {name}(" in source for name in _hf_forms.ROPE_FUNCTIONS):
+        return []
+    tree = ast.parse(source, filename=path)
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    found = []
+    for name in _hf_forms.ROPE_FUNCTIONS:
+        if name not in functions:
+            continue
+        key = _hf_forms.fingerprint(functions, name)
+        form = _hf_forms.KNOWN.get(key)
+        reason = None if form else (f"its code (fingerprint {key}) matches no form rope_ext is tested on; "
+                                    "patching it on a guess could change the model's results")
+        found.append(RopeFunction(module, name, form, reason))
+    return found
+
+
+def _models_root() -> str:
+    import transformers.models
+
+    return os.path.dirname(transformers.models.__file__)
+
+
+@functools.cache
+def family_report(family: str) -> FamilyReport | None:
+    """The RoPE functions of one family of the installed transformers, classified from its source;
+    None when it has none (or no such family exists)."""
+    folder = os.path.join(_models_root(), family)
+    if not family.isidentifier() or not os.path.isdir(folder):
+        return None
+    functions = []
+    for file in sorted(os.listdir(folder)):
+        if file.startswith("modeling_") and file.endswith(".py"):
+            functions += _classify_file(os.path.join(folder, file), f"transformers.models.{family}.{file[:-3]}")
+    return FamilyReport(family, tuple(functions)) if functions else None
+
+
+def survey() -> dict[str, FamilyReport]:
+    """Every family of the installed transformers with a RoPE function, classified from its source
+    (nothing is imported; about 5 s the first time). Keys are the family names (the folders of
+    ``transformers.models``, which are the ``config.model_type`` of most), sorted."""
+    reports = {}
+    for family in sorted(os.listdir(_models_root())):
+        report = family_report(family)
+        if report is not None:
+            reports[family] = report
+    return reports
+
 
 _lock = threading.Lock()
-_originals: dict[str, tuple[object, object]] = {}  # family -> (modeling module, original function)
+# family -> [(module object, function name, the object transformers had there)]
+_originals: dict[str, list[tuple[object, str, object]]] = {}
 
 
 class Patched(list):
@@ -70,10 +148,6 @@ class Patched(list):
         return False
 
 
-def _modeling_module(family):
-    return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-
-
 def _family_names(model_types) -> list[str]:
     """A family name or an iterable of them, as a list of str."""
     if isinstance(model_types, str):
@@ -85,48 +159,68 @@ def _family_names(model_types) -> list[str]:
     )
 
 
+def _defined_here(obj, module, name) -> bool:
+    """Whether obj is the function the model file defines under name: the plain function, or the
+    ``nn.Module`` the ``kernels`` package wraps it in (its forward closes over the function)."""
+    fn = obj
+    if not hasattr(fn, "__code__"):
+        forward = getattr(type(obj), "forward", None)
+        cells = getattr(forward, "__closure__", None) or ()
+        fn = next((c.cell_contents for c in cells if getattr(c.cell_contents, "__name__", None) == name), None)
+    code = getattr(fn, "__code__", None)
+    return code is not None and code.co_name == name and code.co_filename == module.__file__
+
+
 def patch(model_types=None) -> Patched:
     """Switch transformers model families onto rope_ext.
 
     Args:
-        model_types: family names (``config.model_type``), or None for every supported family
-            the installed transformers has. See :data:`SUPPORTED`.
+        model_types: family names (``config.model_type``, e.g. ``"llama"``), or None for every
+            family of the installed transformers whose RoPE rope_ext can express (see
+            :func:`survey`; this imports those families' model files, a few seconds in all).
 
     Returns:
         The families patched by this call (a list, usable as a context manager).
 
     Raises:
-        ValueError: a requested family is not supported, is missing from the installed
-            transformers, or its ``apply_rotary_pos_emb`` no longer has the signature rope_ext
-            replaces. Nothing is patched then: all checks run before any change.
+        ValueError: a requested family has no RoPE function in the installed transformers, or one
+            of its functions is refused (its code matches no tested form), or the function found
+            at run time is not the one in its model file (someone else replaced it). Nothing is
+            patched then: all checks run before any change.
     """
-    explicit = model_types is not None
-    families = list(SUPPORTED) if model_types is None else _family_names(model_types)
-    unknown = [f for f in families if f not in SUPPORTED]
-    if unknown:
-        raise ValueError(f"rope_ext: cannot patch {unknown}: supported transformers families are {sorted(SUPPORTED)}")
+    if model_types is None:
+        families = [f for f, r in survey().items() if r.patchable]
+    else:
+        families = _family_names(model_types)
     plan = []
     for family in families:
-        try:
-            module = _modeling_module(family)
-        except ImportError as e:
-            if explicit:
-                raise ValueError(f"rope_ext: the installed transformers has no {family!r} model ({e})") from e
-            continue
-        replacement, params = SUPPORTED[family]
-        current = _originals.get(family, (None, getattr(module, "apply_rotary_pos_emb", None)))[1]
-        found = tuple(inspect.signature(current).parameters) if callable(current) else None
-        if found != params:
-            raise ValueError(f"rope_ext: transformers' {family} apply_rotary_pos_emb has parameters {found}, "
-                             f"expected {params}; this transformers version is not supported for {family!r}")
-        plan.append((family, module, replacement))
+        report = family_report(family)
+        if report is None:
+            raise ValueError(
+                f"rope_ext: cannot patch {family!r}: the installed transformers has no model family of that name "
+                "with a RoPE function (run `python -m rope_ext.integrations.transformers` for the list)"
+            )
+        if not report.patchable:
+            raise ValueError(f"rope_ext: cannot patch {family!r}: {report.reason}")
+        for fn in report.functions:
+            module = importlib.import_module(fn.module)
+            saved = {(m, n): o for m, n, o in _originals.get(family, ())}
+            current = saved.get((module, fn.name), getattr(module, fn.name, None))
+            if not _defined_here(current, module, fn.name):
+                raise ValueError(
+                    f"rope_ext: cannot patch {family!r}: {fn.module}.{fn.name} is {current!r}, not the function "
+                    "its model file defines (was it replaced by another patch?)"
+                )
+            plan.append((family, module, fn.name, current, fn.replacement))
     done = Patched()
     with _lock:
-        for family, module, replacement in plan:
-            if family not in _originals:
-                _originals[family] = (module, module.apply_rotary_pos_emb)
-            module.apply_rotary_pos_emb = replacement
-            done.append(family)
+        for family, module, name, original, replacement in plan:
+            entries = _originals.setdefault(family, [])
+            if all(m is not module or n != name for m, n, _ in entries):
+                entries.append((module, name, original))
+            setattr(module, name, replacement)
+            if family not in done:
+                done.append(family)
     return done
 
 
@@ -136,8 +230,8 @@ def unpatch(model_types=None) -> list[str]:
         named = list(_originals) if model_types is None else _family_names(model_types)
         families = [f for f in named if f in _originals]
         for family in families:
-            module, original = _originals.pop(family)
-            module.apply_rotary_pos_emb = original
+            for module, name, original in _originals.pop(family):
+                setattr(module, name, original)
     return families
 
 
@@ -145,3 +239,22 @@ def patched_families() -> list[str]:
     """The families currently switched to rope_ext."""
     return list(_originals)
 
+
+def main() -> None:
+    """Print every family of the installed transformers with its RoPE form, patched or why not."""
+    import transformers
+
+    reports = survey()
+    width = max(len(f) for f in reports)
+    for family, report in reports.items():
+        status = "patched" if report.patchable else "refused"
+        for i, fn in enumerate(report.functions):
+            form = f"'{fn.form.name}' form ({fn.form.describe()})" if fn.form else fn.reason
+            print(f"{family if i == 0 else '':<{width}}  {status if i == 0 else '':<7}  {fn.name}: {form}")
+    patched = sum(r.patchable for r in reports.values())
+    print(f"\ntransformers {transformers.__version__}: {len(reports)} families with RoPE; "
+          f"{patched} patched, {len(reports) - patched} refused")
+
+
+if __name__ == "__main__":
+    main()

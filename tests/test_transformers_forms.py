@@ -1,0 +1,236 @@
+"""Each RoPE form rope_ext recognises in transformers' model files, against transformers' own function
+of that form: outputs, output dtypes and gradients, on random tables that need not be consistent
+(rope_ext reads one table entry per column, as the eager formula does), in float32 and bfloat16,
+with float32 tables for 16-bit inputs (where the forms' dtype rules differ), and in both layouts.
+Also: every family of the installed transformers is classified, and code that matches no tested
+form is refused."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from rope_ext.integrations import _hf_forms
+from rope_ext.integrations import transformers as rope_hf
+
+pytest.importorskip("transformers")
+
+B, S, HQ, HK, D = 2, 5, 4, 2, 16
+
+
+def _one_family_per_form():
+    seen = {}
+    for family, report in rope_hf.survey().items():
+        for fn in report.functions:
+            if fn.form is not None and fn.form not in seen.values():
+                seen[f"{family}.{fn.name}"] = fn.form
+    return seen
+
+
+FORMS = _one_family_per_form()
+
+
+def _rand(*shape, dtype, gen):
+    return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype)
+
+
+def _table_width(form, head):
+    """The table width a form's caller passes: a partial form rotates half the head here."""
+    rotated = head // 2 if form.span != "whole" else head
+    return rotated // 2 if form.tables == "half" else rotated
+
+
+def _inputs(form, x_dtype, table_dtype, layout, gen, k_dtype=None):
+    """(args, kwargs, names of the differentiable args) for a call of this form's signature."""
+    sig = form.signature
+    w = _table_width(form, D)
+    if sig in ("qk", "qk+position_ids", "qk, k optional", "q, k=None", "qk, q on the last rows", "x"):
+        sq = 3 if sig == "qk, q on the last rows" else S
+        shape = (lambda h, s: (B, h, s, D)) if layout == "bhsd" else (lambda h, s: (B, s, h, D))
+        q, k = _rand(*shape(HQ, sq), dtype=x_dtype, gen=gen), _rand(*shape(HK, S), dtype=k_dtype or x_dtype, gen=gen)
+        cos, sin = _rand(B, S, w, dtype=table_dtype, gen=gen), _rand(B, S, w, dtype=table_dtype, gen=gen)
+        kw = {"unsqueeze_dim": 1 if layout == "bhsd" else 2}
+        if sig == "x":
+            return (q, cos, sin), kw, (0,)
+        return (q, k, cos, sin), kw, (0, 1)
+    if sig == "gptj":
+        t = _rand(B, S, HQ, D, dtype=x_dtype, gen=gen)
+        sin, cos = (_rand(B, S, D // 2, dtype=table_dtype, gen=gen) for _ in range(2))
+        return (t, sin, cos), {}, (0,)
+    if sig in ("vision", "vision, 2-D tables"):
+        q, k = _rand(S, HQ, D, dtype=x_dtype, gen=gen), _rand(S, HQ, D, dtype=x_dtype, gen=gen)
+        return (q, k, _rand(S, w, dtype=table_dtype, gen=gen), _rand(S, w, dtype=table_dtype, gen=gen)), {}, (0, 1)
+    if sig == "qk, prefix tokens pass":
+        q, k = _rand(B, HQ, S + 2, D, dtype=x_dtype, gen=gen), _rand(B, HQ, S + 2, D, dtype=x_dtype, gen=gen)
+        return (q, k, _rand(S, w, dtype=table_dtype, gen=gen), _rand(S, w, dtype=table_dtype, gen=gen)), {}, (0, 1)
+    if sig.startswith("complex"):
+        bshd = sig.startswith("complex (B, S")
+        q = _rand(*((B, S, HQ, D) if bshd else (B, HQ, S, D)), dtype=x_dtype, gen=gen)
+        k = _rand(*((B, S, HK, D) if bshd else (B, HK, S, D)), dtype=x_dtype, gen=gen)
+        freqs = torch.complex(_rand(B, S, D // 2, dtype=torch.float32, gen=gen),
+                              _rand(B, S, D // 2, dtype=torch.float32, gen=gen))
+        return (q, k, freqs), {}, (0, 1)
+    if sig == "qkv + position_ids":
+        qkv = [_rand(B, HQ, S, D, dtype=x_dtype, gen=gen) for _ in range(3)]
+        positions = torch.randint(0, 9, (B, S), generator=gen)
+        cos, sin = (_rand(9, w, dtype=table_dtype, gen=gen) for _ in range(2))
+        return (*qkv, cos, sin, positions), {}, (0, 1, 2)
+    raise AssertionError(f"no inputs for signature {sig!r}")
+
+
+def _original(key):
+    family, name = key.split(".")
+    report = rope_hf.survey()[family]
+    fn = next(f for f in report.functions if f.name == name)
+    assert rope_hf.patched_families() == []
+    return getattr(importlib.import_module(fn.module), name), fn.replacement
+
+
+def _outputs(result):
+    return [r for r in (result if isinstance(result, tuple) else (result,)) if r is not None]
+
+
+def _loss(outputs):
+    """A weighted sum, so that each output element's gradient differs."""
+    return sum((r.float() * torch.linspace(-1, 1, r.numel()).view(r.shape)).sum() for r in outputs)
+
+
+def _bound(dtype, ref):
+    """Per-element bound on |rope_ext - transformers| in dtype: transformers rounds each product and
+    the sum (three roundings, each at most half an ulp of a value at most |x|(|cos| + |sin|)), rope_ext
+    rounds once; with |x|, |cos|, |sin| <= ~5 here, 2 ulps of 4 * |values| covers both."""
+    eps = torch.finfo(dtype).eps
+    return dict(atol=2 * eps * 4 * max(1.0, ref.abs().max().item()), rtol=0)
+
+
+# Signatures with an unsqueeze_dim take both layouts (except the one slicing rows along dim -2).
+_TWO_LAYOUTS = {"qk", "qk+position_ids", "qk, k optional", "q, k=None", "x"}
+CASES = [(key, layout) for key, form in FORMS.items()
+         for layout in (("bhsd", "bshd") if form.signature in _TWO_LAYOUTS else ("bhsd",))]
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32)], ids=["f32", "bf16", "bf16-f32-tables"])
+@pytest.mark.parametrize("key,layout", CASES)
+def test_form_matches_transformers(key, layout, dtypes):
+    _check(key, layout, *dtypes)
+
+
+@pytest.mark.parametrize("key", [key for key, form in FORMS.items() if form.signature in _TWO_LAYOUTS - {"x"}])
+def test_form_with_q_and_k_of_different_dtypes(key):
+    """Not what transformers' models do, but where the forms' dtype rules differ most: some cast
+    both results to q's dtype, some each to its own, some return the promoted dtype."""
+    _check(key, "bhsd", torch.float32, torch.float32, k_dtype=torch.bfloat16)
+
+
+def _check(key, layout, x_dtype, table_dtype, k_dtype=None):
+    form = FORMS[key]
+    original, ours = _original(key)
+    gen = torch.Generator().manual_seed(0)
+    args, kwargs, diff = _inputs(form, x_dtype, table_dtype, layout, gen, k_dtype)
+    args = [a.clone().requires_grad_(i in diff and a.dtype.is_floating_point) for i, a in enumerate(args)]
+    ref = _outputs(original(*args, **kwargs))
+    got = _outputs(ours(*args, **kwargs))
+    ref_grads = torch.autograd.grad(_loss(ref), [args[i] for i in diff])
+    got_grads = torch.autograd.grad(_loss(got), [args[i] for i in diff])
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref, strict=True):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        torch.testing.assert_close(g, r, **_bound(r.dtype, r))
+    for g, r in zip(got_grads, ref_grads, strict=True):
+        assert g.dtype == r.dtype
+        torch.testing.assert_close(g, r, **_bound(r.dtype, r))
+
+
+# --- classification -----------------------------------------------------------------------------
+
+
+def _families_by_text():
+    """The families whose model files define a RoPE function, found by plain text search (not by
+    the classifier under test)."""
+    import os
+
+    import transformers.models
+
+    root = os.path.dirname(transformers.models.__file__)
+    found = set()
+    for family in os.listdir(root):
+        folder = os.path.join(root, family)
+        if not os.path.isdir(folder):
+            continue
+        for file in os.listdir(folder):
+            if file.startswith("modeling_") and file.endswith(".py"):
+                with open(os.path.join(folder, file), encoding="utf-8") as f:
+                    text = f.read()
+                if any(f"\ndef {name}(" in text for name in _hf_forms.ROPE_FUNCTIONS):
+                    found.add(family)
+    return found
+
+
+def test_every_family_is_classified():
+    reports = rope_hf.survey()
+    assert set(reports) == _families_by_text()
+    for family, report in reports.items():
+        for fn in report.functions:
+            assert (fn.form is None) != (fn.reason is None), (family, fn)
+        assert report.patchable or report.reason, family
+    assert sum(r.patchable for r in reports.values()) >= 150
+    used = {fn.form for r in reports.values() for fn in r.functions}
+    assert set(_hf_forms.KNOWN.values()) <= used, "a known form no installed family uses"
+
+
+def test_same_text_different_helpers_are_different_forms():
+    """llama, blt and nanochat share apply_rotary_pos_emb's text; their rotate_half pairs or turns
+    differently, so they are different forms."""
+    forms = {f: rope_hf.survey()[f].functions[0].form for f in ("llama", "blt", "nanochat")}
+    assert not forms["llama"].interleaved and forms["blt"].interleaved and forms["nanochat"].negate_sin
+    assert len(set(forms.values())) == 3
+
+
+def _fake_family(tmp_path, monkeypatch, rotate_half_body):
+    """A models folder with one family 'fakefam' whose model file is llama's RoPE with the given
+    rotate_half body; the classifier reads it instead of the installed transformers."""
+    folder = tmp_path / "fakefam"
+    folder.mkdir()
+    (folder / "modeling_fakefam.py").write_text(
+        "import torch\n\n"
+        "def rotate_half(x):\n"
+        f"    {rotate_half_body}\n\n"
+        "def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):\n"
+        '    """docstrings and comments do not count"""\n'
+        "    cos = cos.unsqueeze(unsqueeze_dim)\n"
+        "    sin = sin.unsqueeze(unsqueeze_dim)\n"
+        "    q_embed = (q * cos) + (rotate_half(q) * sin)  # a comment\n"
+        "    k_embed = (k * cos) + (rotate_half(k) * sin)\n"
+        "    return q_embed, k_embed\n"
+    )
+    monkeypatch.setattr(rope_hf, "_models_root", lambda: str(tmp_path))
+    rope_hf.family_report.cache_clear()
+    return rope_hf.survey()["fakefam"]
+
+
+@pytest.fixture
+def fresh_cache():
+    yield
+    rope_hf.family_report.cache_clear()
+
+
+def test_llama_form_written_afresh_is_recognised(tmp_path, monkeypatch, fresh_cache):
+    llama = rope_hf.survey()["llama"].functions[0].form
+    report = _fake_family(tmp_path, monkeypatch,
+                          "x1 = x[..., : x.shape[-1] // 2]\n    x2 = x[..., x.shape[-1] // 2 :]\n"
+                          "    return torch.cat((-x2, x1), dim=-1)")
+    assert report.patchable and report.functions[0].form == llama
+
+
+def test_unknown_code_is_refused_by_name(tmp_path, monkeypatch, fresh_cache):
+    # rotate_half scaled by 2: no tested form computes that
+    report = _fake_family(tmp_path, monkeypatch,
+                          "x1 = x[..., : x.shape[-1] // 2]\n    x2 = x[..., x.shape[-1] // 2 :]\n"
+                          "    return torch.cat((-2 * x2, x1), dim=-1)")
+    assert not report.patchable
+    assert "matches no form rope_ext is tested on" in report.reason
+    with pytest.raises(ValueError, match=r"cannot patch 'fakefam': apply_rotary_pos_emb: its code \(fingerprint"):
+        rope_hf.patch(["fakefam"])
+    assert rope_hf.patched_families() == []
