@@ -17,7 +17,7 @@ $(STAMP): $(SOURCES) FORCE
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	@$(PYTHON) -c "import ninja" 2>/dev/null || $(PIP) install ninja
 	@if [ ! -f $@ ] || [ -n "$$(find $(SOURCES) -newer $@)" ] || [ ! -f rope_ext/lib/librope_ext_testing.so ] || \
-	    ! $(PYTHON) -c "import pathlib, rope_ext, sys; \
+	    ! $(PYTHON) -I -c "import pathlib, rope_ext, sys; \
 	    sys.exit(pathlib.Path(rope_ext.__file__).resolve().parent != pathlib.Path('rope_ext').resolve())" 2>/dev/null; \
 	then ROPE_EXT_TESTING=1 $(PIP) install --no-build-isolation -e ".[test,bench]" && mkdir -p build && touch $@; fi
 

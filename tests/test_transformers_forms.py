@@ -234,3 +234,17 @@ def test_unknown_code_is_refused_by_name(tmp_path, monkeypatch, fresh_cache):
     with pytest.raises(ValueError, match=r"cannot patch 'fakefam': apply_rotary_pos_emb: its code \(fingerprint"):
         rope_hf.patch(["fakefam"])
     assert rope_hf.patched_families() == []
+
+
+def test_listing(capsys):
+    """`python -m rope_ext.integrations.transformers`: one block per family, its status, each
+    function's form, and a count that agrees with survey()."""
+    rope_hf.main()
+    out = capsys.readouterr().out.splitlines()
+    reports = rope_hf.survey()
+    firsts = [line.split()[:2] for line in out if line and not line.startswith((" ", "transformers "))]
+    assert [f for f, _ in firsts] == list(reports)
+    assert all(status == ("patched" if reports[f].patchable else "refused") for f, status in firsts)
+    assert any("apply_rotary_pos_emb_interleave: 'deepseek mla' form" in line for line in out)
+    patched = sum(r.patchable for r in reports.values())
+    assert out[-1].endswith(f"{len(reports)} families with RoPE; {patched} patched, {len(reports) - patched} refused")
