@@ -16,6 +16,8 @@ setup: $(STAMP)
 $(STAMP): $(SOURCES) FORCE
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	@$(PYTHON) -c "import ninja" 2>/dev/null || $(PIP) install ninja
+	@$(PYTHON) -c "import importlib.util as u, sys; sys.exit(u.find_spec('rotary_embedding_torch') is None)" || \
+	    $(PIP) install --no-deps rotary-embedding-torch==0.9.1  # no-deps: see pyproject.toml
 	@if [ ! -f $@ ] || [ -n "$$(find $(SOURCES) -newer $@)" ] || [ ! -f rope_ext/lib/librope_ext_testing.so ] || \
 	    ! $(PYTHON) -I -c "import pathlib, rope_ext, sys; \
 	    sys.exit(pathlib.Path(rope_ext.__file__).resolve().parent != pathlib.Path('rope_ext').resolve())" 2>/dev/null; \

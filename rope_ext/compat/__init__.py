@@ -7,4 +7,6 @@
 - :mod:`rope_ext.compat.meta`: Meta's / torchtitan's ``precompute_freqs_cis`` and ``apply_rotary_emb``
   (complex ``freqs_cis``).
 - :mod:`rope_ext.compat.mlx`: MLX's ``mx.fast.rope`` on torch tensors.
+- :mod:`rope_ext.compat.lucidrains`: lucidrains' ``rotary-embedding-torch`` ``RotaryEmbedding`` and
+  ``apply_rotary_emb``.
 """
