@@ -3,6 +3,8 @@ giving positions, HF's rope-scaling types, xPos and multimodal M-RoPE."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -55,8 +57,14 @@ class RotaryEmbedding(nn.Module):
             always (total_tokens, heads, D). There is no default: with as many q as k heads the
             two layouts have the same shapes, and the wrong one rotates along the head axis
             without an error. (:meth:`from_hf_config` takes ``"bhsd"``, HF attention's layout.)
-        xpos_scale_base: enables xPos (Sun et al., 2022): q is scaled by zeta^(n / scale_base)
-            and k by zeta^(-n / scale_base), zeta_i = (2i + 0.4 r) / (1.4 r). None: off.
+        xpos_scale_base: enables xPos (Sun et al., 2022): q is scaled by zeta^((n - c) / scale_base)
+            and k by zeta^(-(n - c) / scale_base), zeta_i = (2i + 0.4 r) / (1.4 r), c = xpos_center.
+            q . k then carries zeta^((m - n) / scale_base), whatever c. None: off.
+        xpos_center: c above, a fixed position (default ``max_position_embeddings // 2``), the
+            same for every call, so keys cached at one step and queries of a later one stay
+            consistent. The scales must stay inside float32's range: positions more than
+            :meth:`xpos_reach` from c are refused (about 55 scale_base; a quarter of
+            that for float16 q and k, whose range is smaller).
         mrope_section: multimodal M-RoPE (Qwen2-VL): frequencies split into sections
             [temporal, height, width] (summing to r/2), each driven by its own row of
             (3, B, S) position_ids.
@@ -83,6 +91,7 @@ class RotaryEmbedding(nn.Module):
         max_position_embeddings: int = 2048,
         layout: str | None = None,
         xpos_scale_base: float | None = None,
+        xpos_center: int | None = None,
         mrope_section: list[int] | None = None,
         device=None,
         dtype=None,
@@ -123,6 +132,11 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rope_ext.RotaryEmbedding: layout must be one of {LAYOUTS}, got {layout!r}")
         if xpos_scale_base is not None:
             require_number(xpos_scale_base, "xpos_scale_base")
+        if xpos_center is not None and (isinstance(xpos_center, bool) or not isinstance(xpos_center, int)
+                                        or xpos_scale_base is None):
+            raise ValueError(
+                f"rope_ext.RotaryEmbedding: xpos_center must be an int, given with xpos_scale_base; got {xpos_center!r}"
+            )
         if mrope_section is not None and xpos_scale_base is not None:
             raise ValueError("rope_ext.RotaryEmbedding: xPos and M-RoPE cannot be combined")
         if mrope_section is not None and sum(require_int_list(mrope_section, "mrope_section")) != rotary_dim // 2:
@@ -134,6 +148,7 @@ class RotaryEmbedding(nn.Module):
         self.dim, self.rotary_dim, self.interleaved, self.layout = dim, rotary_dim, interleaved, layout
         self.max_position_embeddings = int(max_position_embeddings)
         self.xpos_scale_base = xpos_scale_base
+        self.xpos_center = self.max_position_embeddings // 2 if xpos_center is None else xpos_center
         self.mrope_section = None if mrope_section is None else tuple(int(s) for s in mrope_section)
         self.schedule = RopeSchedule.from_config(
             scaling, base=base, rotary_dim=rotary_dim, max_position_embeddings=max_position_embeddings
@@ -592,7 +607,7 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._cos_sin(position_ids)
         if self.xpos_scale_base is None:
             return rotary_qk(q, k, to_layout(cos), to_layout(sin), interleaved=self.interleaved)
-        scale = self._xpos_scale(position_ids)
+        scale = self._xpos_scale(position_ids, q.dtype)
         cos_q, sin_q, cos_k, sin_k = cos * scale, sin * scale, cos / scale, sin / scale
         return rotary_qk(
             q,
@@ -604,11 +619,36 @@ class RotaryEmbedding(nn.Module):
             sin_k=to_layout(sin_k),
         )
 
-    def _xpos_scale(self, position_ids):
-        """zeta_i^(n / scale_base) in the tables' full form, computed in float64."""
+    # zeta_0 = 2/7 is the smallest zeta, so its power moves fastest; the scales stay within
+    # 2^(+-bits): float32 (and bfloat16) leave 2^27 of headroom for |q|, |k| below 2^128 and keep
+    # q's scaled entries normal down to 2^-26; float16 (max 65504) leaves 2^7.
+    _XPOS_BITS = {torch.float16: 8}
+
+    def xpos_reach(self, dtype: torch.dtype = torch.float32) -> int:
+        """How far from xpos_center a position may be, for q and k of this dtype: the scales
+        ``zeta ** (+-(n - c) / scale_base)`` stay within ``2 ** +-100`` (float16: ``2 ** +-8``)."""
+        bits = self._XPOS_BITS.get(dtype, 100)
+        return int(bits * math.log(2) / math.log(7 / 2) * self.xpos_scale_base)
+
+    def _xpos_scale(self, position_ids, dtype):
+        """zeta_i^((n - c) / scale_base) in the tables' full form, computed in float64; positions
+        farther than xpos_reach from the centre are refused (on the device for device positions:
+        no host sync)."""
+        distance = position_ids - self.xpos_center
+        reach = self.xpos_reach(dtype)
+        message = (
+            f"rope_ext.RotaryEmbedding: with xPos (xpos_scale_base={self.xpos_scale_base}) positions must be within "
+            f"{reach} of xpos_center={self.xpos_center} for {dtype} q and k, or the scales leave the float range"
+        )
+        if P._readable(position_ids):
+            if distance.numel() and max(-(extent := P.extremes(distance))[0], extent[1]) > reach:
+                raise ValueError(f"{message}; got positions {extent[0] + self.xpos_center} to "
+                                 f"{extent[1] + self.xpos_center}. Set xpos_center nearer them, or a larger "
+                                 "xpos_scale_base")
+        else:
+            torch._assert_async((distance.abs() <= reach).all(), message)
         r = self.rotary_dim
         zeta = (torch.arange(0, r, 2, dtype=torch.float64, device=position_ids.device) + 0.4 * r) / (1.4 * r)
-        power = position_ids.to(torch.float64)[..., None] / self.xpos_scale_base
-        scale = zeta**power
+        scale = zeta ** (distance.to(torch.float64)[..., None] / self.xpos_scale_base)
         scale = scale.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat((scale, scale), dim=-1)
         return scale.to(torch.float32)

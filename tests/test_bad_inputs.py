@@ -359,6 +359,16 @@ CASES = {
         AS_TENSOR,
         r"xpos_scale_base must be .*'512'",
     ),
+    "module_xpos_center_without_xpos": Bad(
+        "rope_ext.RotaryEmbedding(16, xpos_center=100, layout='bhsd')",
+        ValueError,
+        r"xpos_center must be an int, given with xpos_scale_base; got 100",
+    ),
+    "module_xpos_center_float": Bad(
+        "rope_ext.RotaryEmbedding(16, xpos_scale_base=512.0, xpos_center=1.5, layout='bhsd')",
+        ValueError,
+        r"xpos_center must be an int.*got 1.5",
+    ),
     "module_mrope_section_int": Bad(
         "rope_ext.RotaryEmbedding(16, mrope_section=8, layout='bhsd')", AS_TENSOR, r"mrope_section must be .*got 8"
     ),

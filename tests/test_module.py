@@ -3,6 +3,7 @@ torch.compile, xPos and M-RoPE, against float64 references and the real transfor
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -159,22 +160,86 @@ def test_compile_fullgraph_no_recompile_over_lengths(gen):
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("center", [None, 0, 30])
 @pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
-def test_xpos(interleaved, gen):
-    """q scaled by zeta^(n/base), k by zeta^(-n/base): the score picks up zeta^((m-n)/base)
-    and stays a function of m - n."""
+def test_xpos(interleaved, center, gen):
+    """q scaled by zeta^((n - c)/base), k by zeta^(-(n - c)/base), c = xpos_center (default
+    max_position_embeddings // 2): the score picks up zeta^((m-n)/base) and stays a function of m - n."""
     scale_base, r = 512.0, D
-    m = rope_ext.RotaryEmbedding(D, interleaved=interleaved, xpos_scale_base=scale_base, layout="bhsd")
+    m = rope_ext.RotaryEmbedding(D, interleaved=interleaved, xpos_scale_base=scale_base, xpos_center=center,
+                                 layout="bhsd")
+    assert m.xpos_center == (1024 if center is None else center)
     q, k = randn(1, 1, 40, D, dtype=torch.float64, gen=gen), randn(1, 1, 40, D, dtype=torch.float64, gen=gen)
     q_out, k_out = m(q, k)
     pos = torch.arange(40)
     zeta = (torch.arange(0, r, 2, dtype=torch.float64) + 0.4 * r) / (1.4 * r)
-    scale = zeta ** (pos.double()[:, None] / scale_base)
+    scale = zeta ** ((pos.double()[:, None] - m.xpos_center) / scale_base)
     scale = scale.repeat_interleave(2, -1) if interleaved else torch.cat((scale, scale), -1)
     plain_q, plain_k = rope_ext.RotaryEmbedding(D, interleaved=interleaved, layout="bhsd")(q, k)
     tol = {"atol": 1e-6, "rtol": 1e-6}  # tables are float32: one rounding of cos*scale
     torch.testing.assert_close(q_out, plain_q * scale, **tol)
     torch.testing.assert_close(k_out, plain_k / scale, **tol)
+
+
+def _xpos_scores(m, q, k, pos):
+    q_out, k_out = m(q, k, pos[None])
+    return q_out.double() @ k_out.double().transpose(-1, -2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_xpos_stays_finite_and_relative_far_out(dtype, gen):
+    """Issue 19: with the exponent on n alone, k overflowed float32 past position ~36,000 (head dim
+    64, scale_base 512) and the scores were NaN. Centred, every position within xpos_reach of the
+    centre gives finite q and k, and the scores of a window far out equal those of the same window
+    near the centre (they depend on m - n only), within the dtype's rounding of q . k."""
+    m = rope_ext.RotaryEmbedding(64, xpos_scale_base=512.0, xpos_center=40000, layout="bhsd")
+    reach = m.xpos_reach(dtype)
+    assert reach == int((8 if dtype == torch.float16 else 100) * math.log(2) / math.log(3.5) * 512)
+    q, k = randn(1, 2, 8, 64, gen=gen).to(dtype), randn(1, 2, 8, 64, gen=gen).to(dtype)
+    for start in (40000 - reach, 40000 + reach - 7):  # both ends of the window
+        q_out, k_out = m(q, k, torch.arange(start, start + 8)[None])
+        assert torch.isfinite(q_out).all() and torch.isfinite(k_out).all()
+    # the same relative scores: near the centre, and far out, computed with the plain rotation
+    # of the same positions, so only the xPos factor is in question
+    plain = rope_ext.RotaryEmbedding(64, layout="bhsd")
+    for start in (40000, 40000 + reach - 7):
+        pos = torch.arange(start, start + 8)
+        got = _xpos_scores(m, q, k, pos)
+        q_p, k_p = plain(q.double(), k.double(), pos[None])
+        zeta = (torch.arange(0, 64, 2, dtype=torch.float64) + 0.4 * 64) / (1.4 * 64)
+        rel = zeta ** ((pos[:, None, None] - pos[None, :, None]).double() / 512.0)  # (m, n, i)
+        rel = torch.cat((rel, rel), -1)
+        want = torch.einsum("bhmd,bhnd,mnd->bhmn", q_p, k_p, rel)
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(got, want, atol=64 * 4 * eps * 8, rtol=0)  # 64 products of |.| <~ 4..8
+
+
+def test_xpos_refuses_positions_out_of_reach(gen):
+    m = rope_ext.RotaryEmbedding(64, xpos_scale_base=512.0, layout="bhsd")
+    reach = m.xpos_reach(torch.float32)
+    q, k = randn(1, 2, 4, 64, gen=gen), randn(1, 2, 4, 64, gen=gen)
+    m(q, k, offset=1024 + reach - 3)  # the last position in reach
+    for kwargs in (dict(offset=1024 + reach - 2), dict(position_ids=torch.tensor([[0, 1, 2, 40000]]))):
+        with pytest.raises(ValueError, match=rf"positions must be within {reach} of xpos_center=1024 for "
+                                             r"torch.float32 .*Set xpos_center nearer them"):
+            m(q, k, **kwargs)
+    # float16's range is smaller: a position fine for float32 is refused for float16
+    reach16 = m.xpos_reach(torch.float16)
+    with pytest.raises(ValueError, match=rf"within {reach16} of xpos_center=1024 for torch.float16"):
+        m(q.half(), k.half(), offset=1024 + m.xpos_reach(torch.float16))
+
+
+def test_xpos_check_on_the_device_path(gen):
+    """Where positions are not read on the host (device tensors, compiled graphs) the range check
+    is a device-side assert, no host sync; compiled on the CPU it raises when the graph runs."""
+    m = rope_ext.RotaryEmbedding(64, xpos_scale_base=512.0, layout="bhsd")
+    compiled = torch.compile(m, fullgraph=True)
+    q, k = randn(1, 2, 4, 64, gen=gen), randn(1, 2, 4, 64, gen=gen)
+    ok = torch.arange(4)[None]
+    for a, b in zip(compiled(q, k, ok), m(q, k, ok), strict=True):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(RuntimeError, match="positions must be within"):
+        compiled(q, k, torch.tensor([[0, 1, 2, 40000]]))
 
 
 def test_mrope_matches_transformers_qwen2_vl(gen):
