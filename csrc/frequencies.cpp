@@ -99,8 +99,8 @@ at::Tensor llama3(const RopeScaling& s, const at::Tensor& inv, double factor, in
 RopeFrequencies rope_frequencies(const RopeScaling& s, double base, int64_t d, int64_t max_pos) {
   const std::string& type = s.rope_type;
   TORCH_CHECK(type == "default" || type == "linear" || type == "dynamic" || type == "yarn" ||
-                  type == "longrope" || type == "llama3",
-              kWhere, ": rope_type must be one of default, linear, dynamic, yarn, longrope, llama3, got '",
+                  type == "longrope" || type == "llama3" || type == "proportional",
+              kWhere, ": rope_type must be one of default, linear, dynamic, yarn, longrope, llama3, proportional, got '",
               type, "'");
   TORCH_CHECK(std::isfinite(base) && base > 0, kWhere, ": base must be a finite positive number, got ", base);
   TORCH_CHECK(d > 0 && d % 2 == 0, kWhere, ": rotary_dim must be a positive even int, got ", d);
@@ -141,6 +141,15 @@ RopeFrequencies rope_frequencies(const RopeScaling& s, double base, int64_t d, i
     out.switch_len = original;
   } else if (type == "llama3") {
     inv = llama3(s, inv, out.factor, original);
+  } else if (type == "proportional") {
+    // transformers' Gemma 4 rule: int(p * head_dim // 2) pairs turn, at head_dim's frequencies.
+    const double p = number("partial_rotary_factor", s.partial_rotary_factor, 1.0, /*positive=*/false);
+    TORCH_CHECK(p >= 0 && p <= 1, kWhere, ": partial_rotary_factor must be in [0, 1] for rope_type 'proportional', got ",
+                p);
+    out.factor = number("factor", s.factor, 1.0);
+    const int64_t turning = static_cast<int64_t>(std::floor(p * static_cast<double>(d) / 2));
+    inv = inv / out.factor;
+    inv.narrow(0, turning, d / 2 - turning).zero_();
   }
   out.inv_freq = inv;
   return out;
@@ -202,7 +211,8 @@ std::tuple<at::Tensor, at::Tensor, double, int64_t, double> rope_frequencies_op(
     std::optional<double> attention_factor, std::optional<double> beta_fast, std::optional<double> beta_slow,
     std::optional<double> mscale, std::optional<double> mscale_all_dim, bool truncate,
     std::optional<double> low_freq_factor, std::optional<double> high_freq_factor,
-    c10::ArrayRef<double> short_factor, c10::ArrayRef<double> long_factor) {
+    c10::ArrayRef<double> short_factor, c10::ArrayRef<double> long_factor,
+    std::optional<double> partial_rotary_factor) {
   RopeScaling s;
   s.rope_type = std::string(rope_type);
   s.factor = factor;
@@ -212,6 +222,7 @@ std::tuple<at::Tensor, at::Tensor, double, int64_t, double> rope_frequencies_op(
   s.truncate = truncate;
   s.low_freq_factor = low_freq_factor, s.high_freq_factor = high_freq_factor;
   s.short_factor = short_factor.vec(), s.long_factor = long_factor.vec();
+  s.partial_rotary_factor = partial_rotary_factor;
   RopeFrequencies f = rope_frequencies(s, base, rotary_dim, max_position_embeddings);
   const at::Tensor long_f = f.inv_freq_long.defined() ? f.inv_freq_long : at::empty({0}, f.inv_freq.options());
   return {f.inv_freq, long_f, f.attention_factor, f.switch_len, f.factor};

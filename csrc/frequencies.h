@@ -24,6 +24,7 @@ std::tuple<at::Tensor, at::Tensor, double, int64_t, double> rope_frequencies_op(
     std::optional<double> attention_factor, std::optional<double> beta_fast, std::optional<double> beta_slow,
     std::optional<double> mscale, std::optional<double> mscale_all_dim, bool truncate,
     std::optional<double> low_freq_factor, std::optional<double> high_freq_factor,
-    c10::ArrayRef<double> short_factor, c10::ArrayRef<double> long_factor);
+    c10::ArrayRef<double> short_factor, c10::ArrayRef<double> long_factor,
+    std::optional<double> partial_rotary_factor);
 
 }  // namespace rope_ext

@@ -85,7 +85,8 @@ void define_schemas(torch::Library& m) {
       "float? factor=None, int? original_max_position_embeddings=None, float? attention_factor=None, "
       "float? beta_fast=None, float? beta_slow=None, float? mscale=None, float? mscale_all_dim=None, "
       "bool truncate=True, float? low_freq_factor=None, float? high_freq_factor=None, "
-      "float[] short_factor=[], float[] long_factor=[]) -> (Tensor, Tensor, float, int, float)",
+      "float[] short_factor=[], float[] long_factor=[], float? partial_rotary_factor=None) "
+      "-> (Tensor, Tensor, float, int, float)",
       &rope_frequencies_op);
   m.def(
       "cos_sin_tables(Tensor positions, Tensor inv_freq, bool interleaved=False, float scale=1.0, "

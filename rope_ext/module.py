@@ -101,7 +101,14 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rope_ext.RotaryEmbedding: dim must be a positive int, got {dim!r}")
         if rotary_dim is not None and partial_rotary_factor is not None:
             raise ValueError("rope_ext.RotaryEmbedding: give rotary_dim or partial_rotary_factor, not both")
-        if scaling and "partial_rotary_factor" in scaling and partial_rotary_factor is None and rotary_dim is None:
+        proportional = isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "proportional"
+        if proportional and partial_rotary_factor is not None:
+            raise ValueError(
+                "rope_ext.RotaryEmbedding: with rope_type 'proportional', partial_rotary_factor belongs in scaling: "
+                "it sets how many pairs turn, not how many columns rotate"
+            )
+        if (scaling and "partial_rotary_factor" in scaling and partial_rotary_factor is None and rotary_dim is None
+                and not proportional):
             partial_rotary_factor = scaling["partial_rotary_factor"]
         require_bool(interleaved, "interleaved")
         if partial_rotary_factor is not None:
@@ -176,7 +183,6 @@ class RotaryEmbedding(nn.Module):
         layer_type: for configs whose rope_parameters are given per layer type (Gemma 3's
         ``full_attention`` and ``sliding_attention``), the type whose parameters to use (one of
         ``config.layer_types``); required there, and ignored by configs with one set."""
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
         if params and all(isinstance(v, dict) for v in params.values()):  # one set per layer type
             if layer_type not in params:
@@ -185,6 +191,10 @@ class RotaryEmbedding(nn.Module):
                     f"type ({', '.join(sorted(params))}): pass layer_type= one of them, got {layer_type!r}"
                 )
             params = dict(params[layer_type])
+            per_layer = getattr(config, "per_layer_config", None)
+            if per_layer is not None:  # Gemma 4: sizes such as head_dim differ per layer type too
+                config = per_layer[layer_type]
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         base = params.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
         mrope = params.pop("mrope_section", None)
         if mrope is None and getattr(config, "model_type", None) in DEFAULT_MROPE_MODEL_TYPES:
@@ -195,7 +205,11 @@ class RotaryEmbedding(nn.Module):
                 f"rope_ext.RotaryEmbedding.from_hf_config: interleaved M-RoPE (model type {model_type!r}) is not "
                 "supported yet; building chunked sections instead would rotate image and video tokens wrongly"
             )
-        partial = params.pop("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+        if params.get("rope_type") == "proportional":  # the share of turning pairs, kept in scaling
+            partial = None
+            params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+        else:
+            partial = params.pop("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
         rotary_dim = getattr(config, "rotary_dim", None) if partial is None else None
         if (
             "original_max_position_embeddings" not in params

@@ -26,6 +26,10 @@ longrope   theta_i / ext_i, ext = long_factor if L > original_max_position_embed
 llama3     wavelengths above original_max / low_freq_factor divided by factor, below
            original_max / high_freq_factor kept, smooth in between  ``factor``, ``low_freq_factor``,
            ``high_freq_factor``, ``original_max_position_embeddings``
+proportional  Gemma 4: every column is paired (i, i + d/2), but only the first
+           floor(partial_rotary_factor * d / 2) pairs turn, at theta_i / factor; the others get
+           frequency 0 and pass unrotated. Here partial_rotary_factor does not shorten the
+           rotated width.                                                     ``factor``
 =========  ===================================================================================
 """
 
@@ -65,6 +69,7 @@ _KEYS = {
         {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
         {"factor", "low_freq_factor", "high_freq_factor"},
     ),
+    "proportional": ({"factor"}, set()),
 }
 ROPE_TYPES = tuple(_KEYS)
 
@@ -176,6 +181,11 @@ class RopeSchedule:
                 raise ValueError(
                     f"rope_ext: scaling['low_freq_factor'] ({low}) must be <= scaling['high_freq_factor'] ({high})"
                 )
+        if rope_type == "proportional" and cfg.get("partial_rotary_factor") is not None:
+            share = _number(cfg, "partial_rotary_factor", positive=False)
+            if not 0 <= share <= 1:
+                raise ValueError(f"rope_ext: scaling['partial_rotary_factor'] must be in [0, 1], got {share}")
+            args["partial_rotary_factor"] = share
         inv, long, attention, switch, factor = torch.ops.rope_ext._rope_frequencies(
             rope_type, float(base), d, max_position_embeddings, **args
         )

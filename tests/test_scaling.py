@@ -20,6 +20,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noq
 
 import rope_ext  # noqa: E402
 from rope_ext.scaling import RopeSchedule  # noqa: E402
+from conftest import randn  # noqa: E402
 
 U32 = 2.0**-24  # float32 unit roundoff: |fl(x) - x| <= U32 * |x|
 MAX_POS = 2048  # config.max_position_embeddings
@@ -507,6 +508,60 @@ def test_from_hf_config_per_layer_type_parameters_of_gemma3():
     for bad in (None, "global"):
         with pytest.raises(ValueError, match=r"per layer type \(full_attention, sliding_attention\): pass layer_type"):
             rope_ext.RotaryEmbedding.from_hf_config(config, layer_type=bad)
+
+
+@pytest.mark.parametrize("factor", [1.0, 8.0])
+@pytest.mark.parametrize("share", [0.25, 0.3, 0.5, 1.0, 0.0])
+@pytest.mark.parametrize("head_dim", [32, 96, 256])
+def test_proportional_inv_freq_matches_transformers(head_dim, share, factor):
+    """Gemma 4's proportional RoPE: every pair (i, i + d/2) of the head, the first
+    int(share * d // 2) turning at base^(-2i/d) / factor, the others not at all (0 exactly)."""
+    params = {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": share, "factor": factor}
+    hf_inv, hf_attention = ROPE_INIT_FUNCTIONS["proportional"](_llama_config(params, head_dim), "cpu")
+    schedule = RopeSchedule.from_config(params, base=1e6, rotary_dim=head_dim, max_position_embeddings=MAX_POS)
+    ours = schedule.inv_freq()
+    turning = int(share * head_dim // 2)
+    assert (ours[turning:] == 0).all() and (ours[:turning] > 0).all() and ours.shape == (head_dim // 2,)
+    _assert_inv_freq_close(ours, hf_inv, _inv_freq_rtol(1e6))
+    assert schedule.attention_factor == hf_attention == 1.0
+    # the module rotates the whole head (partial_rotary_factor does not shorten it)
+    rope = rope_ext.RotaryEmbedding(head_dim, scaling=params, layout="bhsd")
+    assert rope.rotary_dim == head_dim
+
+
+def test_from_hf_config_gemma4_proportional_matches_transformers(gen):
+    """Gemma 4: sliding layers use default RoPE on head_dim, full-attention layers proportional RoPE
+    (a quarter of the pairs turn) on global_head_dim; from_hf_config(layer_type=...) takes each
+    type's head dim and parameters, and q rotated by it equals transformers' (Gemma 4 rotates q and
+    k one at a time with apply_rotary_pos_emb(x, cos, sin))."""
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4 import modeling_gemma4 as hf
+
+    config = Gemma4TextConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=32,
+                              max_position_embeddings=4096, layer_types=["sliding_attention", "full_attention"])
+    embedding = hf.Gemma4TextRotaryEmbedding(config)
+    position_ids = torch.tensor([[0, 3, 100, 1000, 4000]])
+    for layer_type, head_dim in (("sliding_attention", 16), ("full_attention", 32)):
+        rope = rope_ext.RotaryEmbedding.from_hf_config(config, layer_type=layer_type)
+        assert rope.dim == rope.rotary_dim == head_dim
+        x = randn(1, 2, 5, head_dim, gen=gen)
+        hf_cos, hf_sin = embedding(x, position_ids, layer_type)
+        cos, sin = rope.cos_sin(position_ids)
+        torch.testing.assert_close(cos, hf_cos, atol=1e-3, rtol=0)  # HF's float32 angles up to 4000 rad
+        torch.testing.assert_close(sin, hf_sin, atol=1e-3, rtol=0)
+        q, _ = rope(x, x, position_ids)
+        torch.testing.assert_close(q, hf.apply_rotary_pos_emb(x, hf_cos, hf_sin), atol=4e-3, rtol=0)
+    full = rope_ext.RotaryEmbedding.from_hf_config(config, layer_type="full_attention")
+    assert full.schedule.rope_type == "proportional" and (full.inv_freq[4:] == 0).all()
+
+
+def test_proportional_refusals():
+    with pytest.raises(ValueError, match="partial_rotary_factor belongs in scaling"):
+        rope_ext.RotaryEmbedding(32, partial_rotary_factor=0.25, scaling={"rope_type": "proportional"}, layout="bhsd")
+    with pytest.raises(ValueError, match=r"partial_rotary_factor'\] must be in \[0, 1\], got 1.5"):
+        rope_ext.RotaryEmbedding(32, scaling={"rope_type": "proportional", "partial_rotary_factor": 1.5},
+                                 layout="bhsd")
 
 
 def test_dynamic_ntk_is_stateless_where_transformers_keeps_state():

@@ -90,7 +90,7 @@ rope_ext::RopeScaling scaling(const char* type) {
 
 TEST(Errors, RopeFrequenciesArguments) {
   expect_error([] { rope_ext::rope_frequencies(scaling("bogus"), 10000, 64, 2048); },
-               "rope_type must be one of default, linear, dynamic, yarn, longrope, llama3, got 'bogus'",
+               "rope_type must be one of default, linear, dynamic, yarn, longrope, llama3, proportional, got 'bogus'",
                "rope_type bogus");
   expect_error([] { rope_ext::rope_frequencies({}, 10000, 63, 2048); }, "rotary_dim must be a positive even int",
                "odd rotary_dim");

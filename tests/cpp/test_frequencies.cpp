@@ -115,6 +115,24 @@ TEST(RopeFrequencies, Llama3) {
                llama3_theta(10000.0, 64, 2.0, 0.5, 3.0, 2048.0), "llama3, original = max_position_embeddings");
 }
 
+// Proportional (Gemma 4): pairs below floor(p * d / 2) at theta_i / factor, the rest 0.
+TEST(RopeFrequencies, Proportional) {
+  rope_ext::RopeScaling s;
+  s.rope_type = "proportional";
+  s.partial_rotary_factor = 0.25;
+  const auto theta = default_theta(1e6, 256);
+  auto want = theta;
+  for (size_t i = 32; i < want.size(); ++i) want[i] = 0;
+  expect_freqs(rope_ext::rope_frequencies(s, 1e6, 256, 4096).inv_freq, want, "proportional 0.25");
+  s.partial_rotary_factor = 0.3, s.factor = 8.0;  // floor(0.3 * 96 / 2) = 14 pairs turn
+  const auto theta96 = default_theta(1e6, 96);
+  want.assign(48, 0.0);
+  for (size_t i = 0; i < 14; ++i) want[i] = theta96[i] / 8.0;
+  expect_freqs(rope_ext::rope_frequencies(s, 1e6, 96, 4096).inv_freq, want, "proportional 0.3, factor 8");
+  s.partial_rotary_factor.reset(), s.factor.reset();  // defaults: every pair turns, factor 1
+  expect_freqs(rope_ext::rope_frequencies(s, 1e6, 96, 4096).inv_freq, theta96, "proportional defaults");
+}
+
 // YaRN: correction dim of n rotations d ln(original / (2 pi n)) / (2 ln base); ramp over pair
 // index i from floor(dim(beta_fast)) to ceil(dim(beta_slow)) (clamped to [0, d - 1]);
 // theta_i / factor where the ramp is 1, theta_i where it is 0.

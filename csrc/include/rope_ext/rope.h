@@ -129,6 +129,10 @@ struct RopeScaling {
   std::optional<double> low_freq_factor, high_freq_factor;
   // longrope: rotary_dim / 2 values each
   std::vector<double> short_factor, long_factor;
+  // proportional (Gemma 4): the share p of the head whose pairs turn. All rotary_dim columns are
+  // paired; the first floor(p * rotary_dim / 2) pairs keep base^(-2i/rotary_dim) (divided by
+  // factor, default 1), the others get frequency 0 (they pass unrotated). Default 1.
+  std::optional<double> partial_rotary_factor;
 };
 
 /// The frequencies of one RoPE configuration, computed in float64.
