@@ -12,7 +12,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # set before transformers loads: these tests
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from conftest import TESTING  # noqa: E402
+from conftest import TESTING, randn  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding  # noqa: E402
@@ -20,7 +20,6 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noq
 
 import rope_ext  # noqa: E402
 from rope_ext.scaling import RopeSchedule  # noqa: E402
-from conftest import randn  # noqa: E402
 
 U32 = 2.0**-24  # float32 unit roundoff: |fl(x) - x| <= U32 * |x|
 MAX_POS = 2048  # config.max_position_embeddings
