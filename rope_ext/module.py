@@ -3,8 +3,6 @@ giving positions, HF's rope-scaling types, xPos and multimodal M-RoPE."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -633,16 +631,10 @@ class RotaryEmbedding(nn.Module):
             sin_k=to_layout(sin_k),
         )
 
-    # zeta_0 = 2/7 is the smallest zeta, so its power moves fastest; the scales stay within
-    # 2^(+-bits): float32 (and bfloat16) leave 2^27 of headroom for |q|, |k| below 2^128 and keep
-    # q's scaled entries normal down to 2^-26; float16 (max 65504) leaves 2^7.
-    _XPOS_BITS = {torch.float16: 8}
-
     def xpos_reach(self, dtype: torch.dtype = torch.float32) -> int:
         """How far from xpos_center a position may be, for q and k of this dtype: the scales
         ``zeta ** (+-(n - c) / scale_base)`` stay within ``2 ** +-100`` (float16: ``2 ** +-8``)."""
-        bits = self._XPOS_BITS.get(dtype, 100)
-        return int(bits * math.log(2) / math.log(7 / 2) * self.xpos_scale_base)
+        return P.xpos_reach(self.xpos_scale_base, dtype)
 
     def _xpos_scale(self, position_ids, dtype):
         """zeta_i^((n - c) / scale_base) in the tables' full form, computed in float64; positions

@@ -13,6 +13,8 @@ position (a float32 product loses ~0.06 rad at position 10^6).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rope_ext._validate import require_float_tensor, require_int64_span
@@ -45,6 +47,16 @@ def require_int_tensor(positions, name: str = "position_ids") -> None:
         raise TypeError(f"rope_ext: {name} must be an integer tensor, got {type(positions).__name__}")
     if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
         raise TypeError(f"rope_ext: {name} must be an integer tensor (int32 or int64), got {positions.dtype}")
+
+
+def xpos_reach(scale_base: float, dtype: torch.dtype) -> int:
+    """How far (in positions) xPos's exponent may be from its centre for q and k of this dtype: the
+    scales ``zeta ** (+-distance / scale_base)`` stay within ``2 ** +-100`` (float16: ``2 ** +-8``).
+    zeta_0 = 2/7 is the smallest zeta, so its power moves fastest. float32 and bfloat16 then leave
+    2^27 of headroom for |q|, |k| below 2^128 and keep scaled entries normal down to 2^-26;
+    float16 (max 65504) leaves 2^7."""
+    bits = 8 if dtype == torch.float16 else 100
+    return int(bits * math.log(2) / math.log(7 / 2) * scale_base)
 
 
 def extremes(t: torch.Tensor) -> tuple[int, int]:

@@ -216,3 +216,18 @@ def test_module_gqa_qkv_with_xpos(gen):
     check(qkv[:, :, hq:hq + hk], reference(before[:, :, hq:hq + hk], freqs.cos() / scale, freqs.sin() / scale, 2,
                                             False), torch.float32)
     assert torch.equal(qkv[:, :, hq + hk:], before[:, :, hq + hk:])
+
+
+def test_module_xpos_refuses_lengths_past_the_float_range(gen):
+    """flash-attn centres xPos on the cached length L: past 2 * xpos_reach positions its scales leave
+    the input dtype's range (inf keys). Such lengths are refused; the longest accepted is finite."""
+    from rope_ext.positions import xpos_reach
+
+    rope = RotaryEmbedding(16, scale_base=4.0)
+    for dtype in (torch.float32, torch.float16):
+        longest = 2 * xpos_reach(4.0, dtype) + 1
+        qkv = randn(1, longest, 3, 1, 16, dtype=dtype, gen=gen)
+        rope(qkv)
+        assert torch.isfinite(qkv).all()
+        with pytest.raises(ValueError, match=rf"outside {dtype}'s range; at most {longest} positions fit"):
+            rope(randn(1, longest + 1, 3, 1, 16, dtype=dtype, gen=gen))

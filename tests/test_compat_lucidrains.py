@@ -181,3 +181,22 @@ def test_state_dict_and_forward_interchange():
     our_mod.load_state_dict(ref_mod.state_dict())
     pos = torch.arange(9).float()
     close(our_mod(pos), ref_mod(pos))
+
+
+def test_xpos_length_past_the_float_range_is_refused():
+    """The library centres xPos on the call's n positions; past 2 * xpos_reach positions its scales
+    overflow (k turns inf). Here such calls are refused, and the longest accepted one is finite."""
+    from rope_ext.positions import xpos_reach
+
+    _, our_mod = pair(dim=16, use_xpos=True, xpos_scale_base=8)
+    reach = xpos_reach(8, torch.float32)
+    for dtype, n in ((torch.float32, 2 * reach + 1), (torch.float16, 2 * xpos_reach(8, torch.float16) + 1)):
+        q = randn(1, 1, n, 16, dtype=dtype)
+        q_out, k_out = our_mod.rotate_queries_and_keys(q, q)
+        assert torch.isfinite(q_out).all() and torch.isfinite(k_out).all()
+        q = randn(1, 1, n + 1, 16, dtype=dtype)
+        with pytest.raises(ValueError, match=rf"outside {dtype}'s range; at most"):
+            our_mod.rotate_queries_and_keys(q, q)
+    ref_mod = lr.RotaryEmbedding(dim=16, use_xpos=True, xpos_scale_base=8)
+    q = randn(1, 1, 4 * reach, 16)
+    assert not torch.isfinite(ref_mod.rotate_queries_and_keys(q, q)[1]).all()  # what the library gives

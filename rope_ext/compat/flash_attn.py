@@ -280,6 +280,12 @@ class RotaryEmbedding(torch.nn.Module):
         if self.scale is None:
             self._cos_cached, self._sin_cached = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
             return
+        reach = P.xpos_reach(self.scale_base, dtype)
+        if seqlen // 2 > reach:
+            raise ValueError(
+                f"rope_ext.compat.flash_attn.RotaryEmbedding: xPos centred on {seqlen} cached positions (scale_base="
+                f"{self.scale_base}) puts its scales outside {dtype}'s range; at most {2 * reach + 1} positions fit"
+            )
         power = (torch.arange(seqlen, dtype=self.scale.dtype, device=self.scale.device) - seqlen // 2) / self.scale_base
         scale = self.scale.to(device=power.device) ** power[:, None]
         self._cos_cached, self._sin_cached = (torch.cos(freqs) * scale).to(dtype), (torch.sin(freqs) * scale).to(dtype)

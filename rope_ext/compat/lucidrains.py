@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from rope_ext._ops import rotary, rotary_qk
+from rope_ext.positions import xpos_reach
 
 __all__ = ["RotaryEmbedding", "apply_learned_rotations", "apply_rotary_emb"]
 
@@ -207,8 +208,18 @@ class RotaryEmbedding(nn.Module):
         """xPos scales for positions t ``(n,)``: ``(n, rot_dim)``, ``scale ** ((t - n // 2) / scale_base)``."""
         if not self.use_xpos:
             raise ValueError("rope_ext: get_scale needs use_xpos=True")
+        self._check_xpos_length(len(t), torch.float32)
         power = (t - len(t) // 2) / self.scale_base
         return (self.scale ** power[:, None]).repeat_interleave(2, dim=-1)
+
+    def _check_xpos_length(self, n: int, dtype: torch.dtype):
+        """xPos centres its exponent on the n positions of a call; past xpos_reach on either side
+        the scales leave dtype's range (q would turn to 0, k to inf)."""
+        if n // 2 > (reach := xpos_reach(self.scale_base, dtype)):
+            raise ValueError(
+                f"rope_ext: xPos centred on {n} positions (xpos_scale_base={self.scale_base}) puts its scales "
+                f"outside {dtype}'s range; at most {2 * reach + 1} positions fit"
+            )
 
     def _rows(self, angles, seq_dim):
         return angles[:, None, :] if seq_dim == -3 else angles
@@ -237,6 +248,7 @@ class RotaryEmbedding(nn.Module):
         if not self.use_xpos:
             raise ValueError("rope_ext: rotate_queries_and_keys is for use_xpos=True")
         n = q.shape[seq_dim]
+        self._check_xpos_length(n, q.dtype)
         angles = self._rows(self._angles(n, 0, q.device), seq_dim)
         scale = self._rows(self.get_scale(self.get_seq_pos(n, device=q.device)), seq_dim)
         cos, sin = angles.cos(), angles.sin()
@@ -252,6 +264,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rope_ext: q has {q_len} positions, more than k's {k_len}")
         q_scale = k_scale = 1.0
         if self.use_xpos:
+            self._check_xpos_length(k_len, q.dtype)
             seq = self.get_seq_pos(k_len, device=q.device)
             q_scale = self._rows(self.get_scale(seq[-q_len:]), seq_dim)
             k_scale = self._rows(self.get_scale(seq), seq_dim) ** -1
