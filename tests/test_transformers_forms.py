@@ -1,7 +1,8 @@
 """Each RoPE form rope_ext recognises in transformers' model files, against transformers' own function
 of that form: outputs, output dtypes and gradients, on random tables that need not be consistent
-(rope_ext reads one table entry per column, as the eager formula does), in float32 and bfloat16,
-with float32 tables for 16-bit inputs (where the forms' dtype rules differ), and in both layouts.
+(rope_ext reads one table entry per column, as the eager formula does), in float64, float32,
+float16 and bfloat16, with float32 tables for bfloat16 and float64 inputs (where the forms' dtype
+rules differ), and in both layouts.
 Also: every family of the installed transformers is classified, and code that matches no tested
 form is refused."""
 from __future__ import annotations
@@ -91,17 +92,34 @@ def _outputs(result):
     return [r for r in (result if isinstance(result, tuple) else (result,)) if r is not None]
 
 
+def _weights(t):
+    """Per-element loss weights in {-1, -0.75, ..., 1}: exact in every dtype, so the gradient that
+    flows back is the same in the dtype under test and in float64."""
+    g = torch.Generator().manual_seed(t.numel())
+    return (torch.randint(-4, 5, t.shape, generator=g) / 4).to(t.dtype)
+
+
 def _loss(outputs):
-    """A weighted sum, so that each output element's gradient differs."""
-    return sum((r.float() * torch.linspace(-1, 1, r.numel()).view(r.shape)).sum() for r in outputs)
+    return sum((r * _weights(r)).sum() for r in outputs)
 
 
-def _bound(dtype, ref):
-    """Per-element bound on |rope_ext - transformers| in dtype: transformers rounds each product and
-    the sum (three roundings, each at most half an ulp of a value at most |x|(|cos| + |sin|)), rope_ext
-    rounds once; with |x|, |cos|, |sin| <= ~5 here, 2 ulps of 4 * |values| covers both."""
-    eps = torch.finfo(dtype).eps
-    return dict(atol=2 * eps * 4 * max(1.0, ref.abs().max().item()), rtol=0)
+def _wide(a):
+    """a in float64 (complex128 for complex tables), a new leaf with a's requires_grad."""
+    if not (a.dtype.is_floating_point or a.dtype.is_complex):
+        return a
+    wide = a.detach().to(torch.complex128 if a.dtype.is_complex else torch.float64)
+    return wide.requires_grad_(a.requires_grad)
+
+
+def _within_rounding(got, truth, dtype):
+    """got within one rounding to dtype of the float64 truth (1 ulp relative), plus what float32
+    arithmetic adds where the form computes in float32 (2^-20 of the largest value: a few float32
+    roundings of sums of terms no larger than it)."""
+    got, truth = got.detach().double(), truth.detach().double()
+    scale = truth.abs().max().item()
+    bound = torch.finfo(dtype).eps * truth.abs() + 2.0**-20 * scale
+    bad = (got - truth).abs() > bound
+    assert not bad.any(), f"{int(bad.sum())} elements off by up to {(got - truth).abs().max().item():.3g}"
 
 
 # Signatures with an unsqueeze_dim take both layouts (except the one slicing rows along dim -2).
@@ -110,8 +128,17 @@ CASES = [(key, layout) for key, form in FORMS.items()
          for layout in (("bhsd", "bshd") if form.signature in _TWO_LAYOUTS else ("bhsd",))]
 
 
-@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                    (torch.bfloat16, torch.float32)], ids=["f32", "bf16", "bf16-f32-tables"])
+DTYPES = {  # (x, tables): the models' own pairs, and float32 tables for narrower or wider x
+    "f32": (torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "f16": (torch.float16, torch.float16),
+    "f64": (torch.float64, torch.float64),
+    "bf16-f32-tables": (torch.bfloat16, torch.float32),
+    "f64-f32-tables": (torch.float64, torch.float32),
+}
+
+
+@pytest.mark.parametrize("dtypes", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("key,layout", CASES)
 def test_form_matches_transformers(key, layout, dtypes):
     _check(key, layout, *dtypes)
@@ -125,22 +152,31 @@ def test_form_with_q_and_k_of_different_dtypes(key):
 
 
 def _check(key, layout, x_dtype, table_dtype, k_dtype=None):
+    """rope_ext's function against transformers' own, on the same inputs: the same output dtypes and
+    shapes, and outputs and input gradients within one rounding of transformers' function evaluated
+    in float64 (the independent ground truth: its formula, exact). Where the result is float32 or
+    float64, rope_ext rounds the same products and sums as transformers does, in the same dtype, so
+    the outputs are bit-identical (this is what holds the dtype rules: a form computed in another
+    dtype than transformers' would differ in the last bits)."""
     form = FORMS[key]
     original, ours = _original(key)
     gen = torch.Generator().manual_seed(0)
     args, kwargs, diff = _inputs(form, x_dtype, table_dtype, layout, gen, k_dtype)
     args = [a.clone().requires_grad_(i in diff and a.dtype.is_floating_point) for i, a in enumerate(args)]
+    wide = [_wide(a) for a in args]
     ref = _outputs(original(*args, **kwargs))
     got = _outputs(ours(*args, **kwargs))
-    ref_grads = torch.autograd.grad(_loss(ref), [args[i] for i in diff])
+    truth = _outputs(original(*wide, **kwargs))
     got_grads = torch.autograd.grad(_loss(got), [args[i] for i in diff])
-    assert len(got) == len(ref)
-    for g, r in zip(got, ref, strict=True):
+    truth_grads = torch.autograd.grad(_loss(truth), [wide[i] for i in diff])
+    assert len(got) == len(ref) == len(truth)
+    for g, r, t in zip(got, ref, truth, strict=True):
         assert g.dtype == r.dtype and g.shape == r.shape
-        torch.testing.assert_close(g, r, **_bound(r.dtype, r))
-    for g, r in zip(got_grads, ref_grads, strict=True):
-        assert g.dtype == r.dtype
-        torch.testing.assert_close(g, r, **_bound(r.dtype, r))
+        _within_rounding(g, t, g.dtype)
+        if g.dtype in (torch.float32, torch.float64):
+            assert torch.equal(g, r), f"differs from transformers by up to {(g - r).abs().max().item():.3g}"
+    for g, t in zip(got_grads, truth_grads, strict=True):
+        _within_rounding(g, t, g.dtype)
 
 
 # --- classification -----------------------------------------------------------------------------
@@ -188,15 +224,16 @@ def test_same_text_different_helpers_are_different_forms():
     assert len(set(forms.values())) == 3
 
 
-def _fake_family(tmp_path, monkeypatch, rotate_half_body):
+def _fake_family(tmp_path, monkeypatch, rotate_half_body, decorator=""):
     """A models folder with one family 'fakefam' whose model file is llama's RoPE with the given
     rotate_half body; the classifier reads it instead of the installed transformers."""
     folder = tmp_path / "fakefam"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     (folder / "modeling_fakefam.py").write_text(
         "import torch\n\n"
         "def rotate_half(x):\n"
         f"    {rotate_half_body}\n\n"
+        f"{decorator}"
         "def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):\n"
         '    """docstrings and comments do not count"""\n'
         "    cos = cos.unsqueeze(unsqueeze_dim)\n"
@@ -222,6 +259,22 @@ def test_llama_form_written_afresh_is_recognised(tmp_path, monkeypatch, fresh_ca
                           "x1 = x[..., : x.shape[-1] // 2]\n    x2 = x[..., x.shape[-1] // 2 :]\n"
                           "    return torch.cat((-x2, x1), dim=-1)")
     assert report.patchable and report.functions[0].form == llama
+
+
+_LLAMA_ROTATE_HALF = ("x1 = x[..., : x.shape[-1] // 2]\n    x2 = x[..., x.shape[-1] // 2 :]\n"
+                      "    return torch.cat((-x2, x1), dim=-1)")
+
+
+def test_decorators_count_except_the_kernels_hook(tmp_path, monkeypatch, fresh_cache):
+    """transformers' use_kernel_forward_from_hub leaves the maths alone; any other decorator (here
+    an autocast, which would change the dtype) makes the code unknown."""
+    llama = rope_hf.survey()["llama"].functions[0].form
+    hook = _fake_family(tmp_path / "a", monkeypatch, _LLAMA_ROTATE_HALF,
+                        decorator='@use_kernel_forward_from_hub("rotary_pos_emb")\n')
+    assert hook.functions[0].form == llama
+    other = _fake_family(tmp_path / "b", monkeypatch, _LLAMA_ROTATE_HALF,
+                         decorator='@torch.autocast("cpu", dtype=torch.bfloat16)\n')
+    assert other.functions[0].form is None
 
 
 def test_unknown_code_is_refused_by_name(tmp_path, monkeypatch, fresh_cache):

@@ -4,9 +4,10 @@ A *form* is what a family's RoPE function computes: its signature, the pairing i
 ``rotate_half`` uses, how it reads the cos/sin tables, which columns it rotates and its dtype rule.
 A family's form is recognised by :func:`fingerprint`: a hash of the function's syntax tree together
 with the module-level helpers it calls (so a file whose ``rotate_half`` pairs differently, or turns
-the other way, gets another fingerprint), with docstrings, comments, annotations and decorators left
-out. :data:`KNOWN` maps the fingerprints read and tested against transformers 5.23 to forms; any
-other code is refused, never patched on a guess.
+the other way, gets another fingerprint), with docstrings, comments, annotations and transformers'
+``use_kernel_forward_from_hub`` decorator left out (other decorators count). :data:`KNOWN` maps
+the fingerprints read and tested against transformers 5.23 to forms; any other code is refused,
+never patched on a guess.
 
 Every replacement computes ``x * cos + R(x) * sin`` on the tables exactly as given (rope_ext's op
 reads one table entry per column, as the eager formula does), so it is exact for any tables, not only
@@ -32,14 +33,22 @@ ROPE_FUNCTIONS = (
 )
 
 _SKIPPED_FIELDS = frozenset(
-    ("ctx", "type_comment", "kind", "decorator_list", "returns", "annotation", "type_params", "lineno",
-     "col_offset", "end_lineno", "end_col_offset")
+    ("ctx", "type_comment", "kind", "returns", "annotation", "type_params", "lineno", "col_offset", "end_lineno",
+     "end_col_offset")
 )
+# Decorators that leave what a function computes alone (transformers' hook for the `kernels`
+# package); any other decorator is part of the fingerprint.
+_NEUTRAL_DECORATORS = frozenset({"use_kernel_forward_from_hub"})
+
+
+def _is_neutral(decorator) -> bool:
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return isinstance(target, ast.Name) and target.id in _NEUTRAL_DECORATORS
 
 
 def _canonical(node) -> str:
-    """The syntax tree as text, without docstrings, annotations, decorators and positions; empty
-    fields are left out, so the text is the same across the Python versions rope_ext supports."""
+    """The syntax tree as text, without docstrings, annotations, neutral decorators and positions;
+    empty fields are left out, so the text is the same across the Python versions rope_ext supports."""
     if isinstance(node, list):
         return "[" + ",".join(_canonical(n) for n in node) + "]"
     if not isinstance(node, ast.AST):
@@ -50,6 +59,8 @@ def _canonical(node) -> str:
             continue
         if field == "body" and isinstance(node, ast.FunctionDef) and value and _is_docstring(value[0]):
             value = value[1:]
+        if field == "decorator_list":
+            value = [d for d in value if not _is_neutral(d)]
         text = _canonical(value)
         if text not in ("[]", "None"):
             parts.append(f"{field}={text}")
@@ -92,8 +103,10 @@ class Form:
         span: which columns rotate: ``"whole"`` head (the table width must equal it),
             ``"prefix"`` (the first table-width columns; the rest pass through) or ``"suffix"``.
         dtype: ``"promote"``: computes and returns in the promotion of x's and the tables' dtypes;
-            ``"cast_back"``: computes so, returns x's dtype; ``"float32"``: computes in at least
-            float32, returns x's dtype.
+            ``"cast_back"``: computes so, returns x's dtype; ``"float32"``: x cast to float32
+            (``x.float()``, which narrows float64 too), computed in the promotion of float32 and
+            the tables' dtype, returned in x's dtype; ``"float32_tables"``: the same with the
+            tables cast to float32 as well, so always computed in float32.
         cast_to_q: k's result is cast to q's dtype too (``original_dtype = q.dtype``).
         negate_sin: the helper rotates the other way (``cat(x2, -x1)``).
         deinterleave_output: the output lists each pair's first members, then its second ones
@@ -118,7 +131,8 @@ class Form:
         if self.span != "whole":
             parts.append(f"partial ({self.span})")
         if self.dtype != "promote":
-            parts.append({"cast_back": "cast back", "float32": "float32 compute, cast back"}[self.dtype]
+            parts.append({"cast_back": "cast back", "float32": "x in float32, cast back",
+                          "float32_tables": "float32 compute, cast back"}[self.dtype]
                          + (" to q's dtype" if self.cast_to_q else ""))
         if self.negate_sin:
             parts.append("rotation by -theta")
@@ -147,9 +161,12 @@ def _full_tables(form: Form, cos: torch.Tensor, sin: torch.Tensor):
 
 def _dtypes(form: Form, x: torch.Tensor, cos: torch.Tensor, q_dtype: torch.dtype):
     """(the dtype transformers computes in, the dtype it returns) for x and these tables."""
-    compute = torch.promote_types(x.dtype, cos.dtype)
-    if form.dtype == "float32":
-        compute = torch.promote_types(compute, torch.float32)
+    if form.dtype == "float32_tables":
+        compute = torch.float32
+    elif form.dtype == "float32":
+        compute = torch.promote_types(torch.float32, cos.dtype)
+    else:
+        compute = torch.promote_types(x.dtype, cos.dtype)
     if form.dtype == "promote":
         return compute, compute
     return compute, (q_dtype if form.cast_to_q else x.dtype)
@@ -177,7 +194,9 @@ def _rotate(form: Form, xs, cos, sin, cos_k=None, sin_k=None):
         compute, out_dtype = _dtypes(form, x, tables[0][0], xs[0].dtype)
         if form.span == "suffix" and width < x.shape[-1]:
             x = x[..., -width:]
-        direct = out_dtype == x.dtype and compute in (x.dtype, torch.float32)
+        # the op computes in x's dtype, or in float32 for 16-bit x
+        computes = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        direct = out_dtype == x.dtype and compute == computes
         jobs.append((x if direct else x.to(compute), compute, out_dtype))
     if len(jobs) == 2 and jobs[0][0].dtype == jobs[1][0].dtype and jobs[0][1] == jobs[1][1]:
         (q, compute, _), (k, _, _) = jobs
@@ -376,7 +395,7 @@ KNOWN: dict[str, Form] = {
     # esm
     "0b7ffb7d38ee458f": Form("esm", "qk", dtype="float32", cast_to_q=True),
     # hunyuan_vl
-    "75827c4116a9624b": Form("hunyuan-vl", "qk", dtype="float32", cast_to_q=True),
+    "75827c4116a9624b": Form("hunyuan-vl", "qk", dtype="float32_tables", cast_to_q=True),
     # cohere
     "eac4d17a117aeb62": Form("cohere", "qk", interleaved=True, dtype="float32", cast_to_q=True),
     # ernie4_5_vl_moe
@@ -412,9 +431,9 @@ KNOWN: dict[str, Form] = {
     # clvp
     "e356c9d595cd6490": Form("clvp", "qkv + position_ids"),
     # glm4v
-    "b8bd2ac4a127052f": Form("vision", "vision", dtype="float32"),
+    "b8bd2ac4a127052f": Form("vision", "vision", dtype="float32_tables"),
     # inkling2
-    "ff12582ea3650e77": Form("vision, interleaved", "vision", interleaved=True, dtype="float32"),
+    "ff12582ea3650e77": Form("vision, interleaved", "vision", interleaved=True, dtype="float32_tables"),
     # minimax_m3_vl
     "86cd171bf94682c0": Form("vision, partial", "vision, 2-D tables", span="prefix"),
     # deepseek_v3

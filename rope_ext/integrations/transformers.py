@@ -180,7 +180,9 @@ def patch(model_types=None) -> Patched:
             :func:`survey`; this imports those families' model files, a few seconds in all).
 
     Returns:
-        The families patched by this call (a list, usable as a context manager).
+        The families this call switched (a list, usable as a context manager, which unpatches
+        them on exit); families an earlier call patched stay with that call, so nesting a
+        ``with patch(...)`` inside a longer patch leaves the outer one in place.
 
     Raises:
         ValueError: a requested family has no RoPE function in the installed transformers, or one
@@ -214,12 +216,13 @@ def patch(model_types=None) -> Patched:
             plan.append((family, module, fn.name, current, fn.replacement))
     done = Patched()
     with _lock:
+        already = set(_originals)  # patched by an earlier call, which keeps them (and unpatches them)
         for family, module, name, original, replacement in plan:
             entries = _originals.setdefault(family, [])
             if all(m is not module or n != name for m, n, _ in entries):
                 entries.append((module, name, original))
             setattr(module, name, replacement)
-            if family not in done:
+            if family not in done and family not in already:
                 done.append(family)
     return done
 
