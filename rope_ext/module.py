@@ -58,11 +58,12 @@ class RotaryEmbedding(nn.Module):
         xpos_scale_base: enables xPos (Sun et al., 2022): q is scaled by zeta^((n - c) / scale_base)
             and k by zeta^(-(n - c) / scale_base), zeta_i = (2i + 0.4 r) / (1.4 r), c = xpos_center.
             q . k then carries zeta^((m - n) / scale_base), whatever c. None: off.
-        xpos_center: c above, a fixed position (default ``max_position_embeddings // 2``), the
-            same for every call, so keys cached at one step and queries of a later one stay
-            consistent. The scales must stay inside float32's range: positions more than
-            :meth:`xpos_reach` from c are refused (about 55 scale_base; a quarter of
-            that for float16 q and k, whose range is smaller).
+        xpos_center: c above, a fixed position, the same for every call, so keys cached at one
+            step and queries of a later one stay consistent. Default: ``max_position_embeddings //
+            2``, or ``xpos_reach(float32)`` if that is smaller (so position 0 stays in reach). The
+            scales must stay inside the float range: positions more than :meth:`xpos_reach` from
+            c are refused (about 55 scale_base for float32 and bfloat16 q and k; 4.4 scale_base
+            for float16, whose range is smaller: set xpos_center near the positions you use).
         mrope_section: multimodal M-RoPE (Qwen2-VL): frequencies split into sections
             [temporal, height, width] (summing to r/2), each driven by its own row of
             (3, B, S) position_ids.
@@ -153,7 +154,10 @@ class RotaryEmbedding(nn.Module):
         self.dim, self.rotary_dim, self.interleaved, self.layout = dim, rotary_dim, interleaved, layout
         self.max_position_embeddings = int(max_position_embeddings)
         self.xpos_scale_base = xpos_scale_base
-        self.xpos_center = self.max_position_embeddings // 2 if xpos_center is None else xpos_center
+        if xpos_center is None and xpos_scale_base is not None:  # the middle of the context, or as near as
+            # float32's range lets position 0 stay in reach
+            xpos_center = min(self.max_position_embeddings // 2, P.xpos_reach(xpos_scale_base, torch.float32))
+        self.xpos_center = xpos_center
         self.mrope_section = None if mrope_section is None else tuple(int(s) for s in mrope_section)
         self.schedule = RopeSchedule.from_config(
             scaling, base=base, rotary_dim=rotary_dim, max_position_embeddings=max_position_embeddings

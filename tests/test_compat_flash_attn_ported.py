@@ -195,7 +195,10 @@ def test_module_positions_in_inv_freq_dtype(gen):
     rounded(b)
     angles = torch.outer(torch.arange(400, dtype=torch.bfloat16), rounded.inv_freq)  # bfloat16, as flash-attn
     assert torch.equal(rounded._cos_cached, angles.cos().float())
-    assert not torch.equal(torch.arange(400, dtype=torch.bfloat16).float(), torch.arange(400).float())
+    inv32 = 1.0 / (10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32))  # recomputed in float32
+    assert torch.equal(exact._cos_cached, torch.outer(torch.arange(400, dtype=torch.float32), inv32).cos())
+    for i in (0, 1):  # q and k rotated by those tables
+        check(a[:, :, i], reference(qkv[:, :, i], exact._cos_cached, exact._sin_cached, 0, False), torch.float32)
     assert not torch.equal(a[:, 300:], b[:, 300:])
 
 

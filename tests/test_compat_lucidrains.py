@@ -195,8 +195,61 @@ def test_xpos_length_past_the_float_range_is_refused():
         q_out, k_out = our_mod.rotate_queries_and_keys(q, q)
         assert torch.isfinite(q_out).all() and torch.isfinite(k_out).all()
         q = randn(1, 1, n + 1, 16, dtype=dtype)
-        with pytest.raises(ValueError, match=rf"outside {dtype}'s range; at most"):
+        with pytest.raises(ValueError, match=rf"outside {dtype}'s range: an exponent"):
             our_mod.rotate_queries_and_keys(q, q)
     ref_mod = lr.RotaryEmbedding(dim=16, use_xpos=True, xpos_scale_base=8)
     q = randn(1, 1, 4 * reach, 16)
     assert not torch.isfinite(ref_mod.rotate_queries_and_keys(q, q)[1]).all()  # what the library gives
+
+
+def test_xpos_cached_keys_checks_the_query_exponent():
+    """With cached keys the library centres q's exponent on q_len // 2 while q's positions sit at the
+    end of k: one query after k_len keys has power ~ k_len / scale_base, twice k's."""
+    from rope_ext.positions import xpos_reach
+
+    _, our_mod = pair(dim=16, use_xpos=True, xpos_scale_base=8)
+    reach = xpos_reach(8, torch.float32)
+    k = randn(1, 1, reach + 1, 16)
+    q_out, k_out = our_mod.rotate_queries_with_cached_keys(randn(1, 1, 1, 16), k)  # q at distance reach
+    assert torch.isfinite(q_out).all() and (q_out != 0).all() and torch.isfinite(k_out).all()
+    with pytest.raises(ValueError, match="an exponent 443 positions from its centre"):
+        our_mod.rotate_queries_with_cached_keys(randn(1, 1, 1, 16), randn(1, 1, reach + 2, 16))
+
+
+def test_results_do_not_depend_on_earlier_calls():
+    """The library's caches answer by length: a 10-token xPos call after a 40-token one reuses the
+    40-token scales, and axial angles with offsets poison its angle cache. rope_ext gives what a
+    fresh library module gives, whatever came before."""
+    ref_mod, our_mod = pair(dim=16, use_xpos=True, xpos_scale_base=32)
+    for n in (40, 10):
+        q, k = randn(1, 2, n, 16), randn(1, 2, n, 16, seed=1)
+        got = our_mod.rotate_queries_and_keys(q, k)
+        fresh = lr.RotaryEmbedding(dim=16, use_xpos=True, xpos_scale_base=32).rotate_queries_and_keys(q, k)
+        stale = ref_mod.rotate_queries_and_keys(q, k)
+        for g, f in zip(got, fresh, strict=True):
+            close(g, f)
+    assert (stale[0] - fresh[0]).abs().max() > 0.1  # the library's second call reused the first's scales
+
+    ref_mod, our_mod = pair(dim=16)
+    uncached = lr.RotaryEmbedding(dim=16, cache_if_possible=False)
+    close(our_mod.get_axial_freqs(4, 6, offsets=(3, 5)), uncached.get_axial_freqs(4, 6, offsets=(3, 5)))
+    t = randn(1, 2, 6, 16)
+    close(our_mod.rotate_queries_or_keys(t), uncached.rotate_queries_or_keys(t))
+
+
+def test_loading_new_frequencies_refreshes_the_angles():
+    a, b = ours.RotaryEmbedding(dim=16), ours.RotaryEmbedding(dim=16, theta=100)
+    t = randn(1, 2, 6, 16)
+    a.rotate_queries_or_keys(t)  # fills a's cache
+    a.load_state_dict(b.state_dict())
+    close(a.rotate_queries_or_keys(t), b.rotate_queries_or_keys(t))
+
+
+def test_non_negative_seq_dim_counts_from_the_front():
+    ref_mod, our_mod = pair(dim=16)
+    t = randn(2, 3, 7, 16)
+    close(our_mod.rotate_queries_or_keys(t, seq_dim=2), ref_mod.rotate_queries_or_keys(t, seq_dim=2))
+    t = randn(2, 7, 3, 16)  # (the library reshapes its angles only for seq_dim == -3 itself)
+    close(our_mod.rotate_queries_or_keys(t, seq_dim=1), ref_mod.rotate_queries_or_keys(t, seq_dim=-3))
+    with pytest.raises(ValueError, match="seq_dim must be the dim 2 or 3 from the end of t, got -1"):
+        our_mod.rotate_queries_or_keys(t, seq_dim=3)

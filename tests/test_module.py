@@ -229,6 +229,16 @@ def test_xpos_refuses_positions_out_of_reach(gen):
         m(q.half(), k.half(), offset=1024 + m.xpos_reach(torch.float16))
 
 
+def test_xpos_default_center_keeps_position_0_in_reach(gen):
+    """A long context (131072) with scale_base 512: its middle is farther from 0 than float32's
+    reach, so the default centre is the reach itself and the first positions still work."""
+    m = rope_ext.RotaryEmbedding(64, xpos_scale_base=512.0, max_position_embeddings=131072, layout="bhsd")
+    assert m.xpos_center == m.xpos_reach(torch.float32) < 65536
+    q, k = randn(1, 2, 10, 64, gen=gen), randn(1, 2, 10, 64, gen=gen)
+    q_out, k_out = m(q, k)
+    assert torch.isfinite(q_out).all() and torch.isfinite(k_out).all()
+
+
 def test_xpos_check_on_the_device_path(gen):
     """Where positions are not read on the host (device tensors, compiled graphs) the range check
     is a device-side assert, no host sync; compiled on the CPU it raises when the graph runs."""

@@ -191,7 +191,7 @@ def test_patch_reaches_a_function_wrapped_by_kernels(monkeypatch):
     """With the `kernels` package, transformers' model files hold an nn.Module in place of the
     function: kernels' use_kernel_forward_from_hub builds a Module class whose forward calls the
     function and returns an instance of it. (kernels 0.18, which transformers 5.23 accepts, does not
-    install here; this builds the same wrapper as its source does.) patch() replaces the wrapper,
+    install here; this builds the wrapper kernels 0.17.2's source builds.) patch() replaces the wrapper,
     the model runs rope_ext, and unpatch() puts the wrapper back."""
     from transformers.models.llama import modeling_llama
 

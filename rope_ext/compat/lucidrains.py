@@ -7,10 +7,19 @@ In that library ``forward`` returns *angles*, ``(..., n, rot_dim)`` with each pa
 rope_ext op call on the cosine and sine of those angles (queries and keys together in one call where
 the library rotates both), so gradients reach the input and, with ``learned_freq``, the frequencies.
 
-One deliberate difference: the library builds positions in the input's dtype, so for bfloat16
-inputs it rounds positions past 256 (float16: past 2048) before taking angles, and its xPos scales
-are rounded to the input's dtype. Here positions and scales stay float32 (the frequencies' dtype),
-so 16-bit results agree with the library's float32 results, rounded once.
+Deliberate differences, where the library's results depend on its history or lose precision:
+
+- It builds positions in the input's dtype, so for bfloat16 inputs it rounds positions past 256
+  (float16: past 2048) before taking angles, and rounds its xPos scales to the input's dtype. Here
+  positions and scales stay float32 (the frequencies' dtype): 16-bit results are the library's
+  float32 results, rounded once.
+- Its caches answer by length alone: ``rotate_queries_and_keys`` on 10 tokens after a call on 40
+  reuses the 40-token call's xPos scales (centred on 20, not 5), and ``get_axial_freqs(...,
+  offsets=...)`` stores offset angles as if they were positions 0.., which later calls then read.
+  Here every call gets the scales and angles of its own positions (what a fresh library module
+  returns), and the angle cache is rebuilt when the frequencies change (``load_state_dict``).
+- xPos lengths whose scales would leave the input dtype's range (the library returns inf keys) are
+  refused with an error naming the limit.
 """
 
 from __future__ import annotations
@@ -162,7 +171,7 @@ class RotaryEmbedding(nn.Module):
         self.learned_freq = learned_freq
         self.cache_if_possible = cache_if_possible
         self.cache_max_seq_len = cache_max_seq_len
-        self._cached = None  # angles of positions 0 .. n - 1 (float32, detached)
+        self._cached = None  # (key, angles of positions 0 .. n - 1, detached); see _angles
         self.register_buffer("dummy", torch.tensor(0), persistent=False)
         self.seq_before_head_dim = seq_before_head_dim
         self.default_seq_dim = -3 if seq_before_head_dim else -2
@@ -198,43 +207,50 @@ class RotaryEmbedding(nn.Module):
                      and isinstance(offset, int) and 0 <= offset and offset + n <= self.cache_max_seq_len)
         if not cacheable:
             return self.forward(self.get_seq_pos(n, device=device, offset=offset))
-        cached = self._cached
-        if cached is None or cached.shape[0] < offset + n or cached.device != device or \
-                cached.dtype != torch.promote_types(self.freqs.dtype, torch.float32):
-            cached = self._cached = self.forward(self.get_seq_pos(offset + n, device=device)).detach()
-        return cached[offset: offset + n]
+        # keyed on the frequencies' storage and version: load_state_dict or an in-place update
+        # (both bump the version) must not leave stale angles
+        key = (self.freqs.data_ptr(), self.freqs._version, self.freqs.dtype, device, self.interpolate_factor)
+        if self._cached is None or self._cached[0] != key or self._cached[1].shape[0] < offset + n:
+            self._cached = (key, self.forward(self.get_seq_pos(offset + n, device=device)).detach())
+        return self._cached[1][offset: offset + n]
 
     def get_scale(self, t: torch.Tensor, seq_len: int | None = None, offset=0) -> torch.Tensor:
         """xPos scales for positions t ``(n,)``: ``(n, rot_dim)``, ``scale ** ((t - n // 2) / scale_base)``."""
         if not self.use_xpos:
             raise ValueError("rope_ext: get_scale needs use_xpos=True")
-        self._check_xpos_length(len(t), torch.float32)
         power = (t - len(t) // 2) / self.scale_base
         return (self.scale ** power[:, None]).repeat_interleave(2, dim=-1)
 
-    def _check_xpos_length(self, n: int, dtype: torch.dtype):
-        """xPos centres its exponent on the n positions of a call; past xpos_reach on either side
-        the scales leave dtype's range (q would turn to 0, k to inf)."""
-        if n // 2 > (reach := xpos_reach(self.scale_base, dtype)):
+    def _check_xpos(self, first: int, count: int, total: int, dtype: torch.dtype):
+        """get_scale on positions ``(first .. first + count - 1) / interpolate_factor`` centres
+        the exponent on ``count // 2``; past xpos_reach from it the scales leave dtype's range (q
+        would turn to 0, k to inf). total: the call's length, for the message."""
+        centre = count // 2
+        distance = max(abs(first / self.interpolate_factor - centre),
+                       abs((first + count - 1) / self.interpolate_factor - centre))
+        if distance > (reach := xpos_reach(self.scale_base, dtype)):
             raise ValueError(
-                f"rope_ext: xPos centred on {n} positions (xpos_scale_base={self.scale_base}) puts its scales "
-                f"outside {dtype}'s range; at most {2 * reach + 1} positions fit"
+                f"rope_ext: xPos on {total} positions (xpos_scale_base={self.scale_base}) puts its scales outside "
+                f"{dtype}'s range: an exponent {distance:g} positions from its centre, at most {reach} fit"
             )
 
     def _rows(self, angles, seq_dim):
         return angles[:, None, :] if seq_dim == -3 else angles
 
-    def _check_seq_dim(self, seq_dim):
+    def _check_seq_dim(self, seq_dim, t):
+        """seq_dim as -2 or -3 (a non-negative one counts from the front of t, as in the library)."""
         seq_dim = self.default_seq_dim if seq_dim is None else seq_dim
+        if isinstance(seq_dim, int) and 0 <= seq_dim < t.dim():
+            seq_dim -= t.dim()
         if seq_dim not in (-2, -3):
-            raise ValueError(f"rope_ext: seq_dim must be -2 or -3, got {seq_dim!r}")
+            raise ValueError(f"rope_ext: seq_dim must be the dim 2 or 3 from the end of t, got {seq_dim!r}")
         return seq_dim
 
     def rotate_queries_or_keys(self, t, seq_dim=None, offset=0, scale=None):
         """Rotate t ``(..., n, d)`` (``(..., n, H, d)`` with seq_dim -3) at positions
         ``offset .. offset + n - 1``; the first ``rot_dim`` columns rotate. With xPos use
         :meth:`rotate_queries_and_keys` (or pass ``scale``)."""
-        seq_dim = self._check_seq_dim(seq_dim)
+        seq_dim = self._check_seq_dim(seq_dim, t)
         if self.use_xpos and scale is None:
             raise ValueError("rope_ext: with use_xpos, rotate queries and keys together with rotate_queries_and_keys")
         angles = self._angles(t.shape[seq_dim], offset, t.device)
@@ -244,11 +260,11 @@ class RotaryEmbedding(nn.Module):
     def rotate_queries_and_keys(self, q, k, seq_dim=None):
         """xPos: q and k ``(..., n, d)`` rotated at positions ``0 .. n - 1``, q scaled by
         :meth:`get_scale` and k by its inverse, in one op call."""
-        seq_dim = self._check_seq_dim(seq_dim)
+        seq_dim = self._check_seq_dim(seq_dim, q)
         if not self.use_xpos:
             raise ValueError("rope_ext: rotate_queries_and_keys is for use_xpos=True")
         n = q.shape[seq_dim]
-        self._check_xpos_length(n, q.dtype)
+        self._check_xpos(0, n, n, q.dtype)
         angles = self._rows(self._angles(n, 0, q.device), seq_dim)
         scale = self._rows(self.get_scale(self.get_seq_pos(n, device=q.device)), seq_dim)
         cos, sin = angles.cos(), angles.sin()
@@ -258,13 +274,14 @@ class RotaryEmbedding(nn.Module):
     def rotate_queries_with_cached_keys(self, q, k, seq_dim=None, offset=0):
         """q ``(..., q_len, d)`` are the last q_len of the k_len keys: q at positions
         ``k_len - q_len + offset ..``, k at ``0 .. k_len - 1`` (xPos scales as the library's)."""
-        seq_dim = self._check_seq_dim(seq_dim)
+        seq_dim = self._check_seq_dim(seq_dim, q)
         q_len, k_len = q.shape[seq_dim], k.shape[seq_dim]
         if q_len > k_len:
             raise ValueError(f"rope_ext: q has {q_len} positions, more than k's {k_len}")
         q_scale = k_scale = 1.0
         if self.use_xpos:
-            self._check_xpos_length(k_len, q.dtype)
+            self._check_xpos(0, k_len, k_len, q.dtype)
+            self._check_xpos(k_len - q_len, q_len, k_len, q.dtype)
             seq = self.get_seq_pos(k_len, device=q.device)
             q_scale = self._rows(self.get_scale(seq[-q_len:]), seq_dim)
             k_scale = self._rows(self.get_scale(seq), seq_dim) ** -1
