@@ -648,7 +648,8 @@ class RotaryEmbedding(nn.Module):
         reach = self.xpos_reach(dtype)
         message = (
             f"rope_ext.RotaryEmbedding: with xPos (xpos_scale_base={self.xpos_scale_base}) positions must be within "
-            f"{reach} of xpos_center={self.xpos_center} for {dtype} q and k, or the scales leave the float range"
+            f"{reach} of xpos_center={self.xpos_center} for {dtype} q and k (xPos's scales stay within "
+            f"2^+-{P.xpos_bits(dtype)})"
         )
         if P._readable(position_ids):
             if distance.numel() and max(-(extent := P.extremes(distance))[0], extent[1]) > reach:

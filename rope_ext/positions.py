@@ -55,8 +55,12 @@ def xpos_reach(scale_base: float, dtype: torch.dtype) -> int:
     zeta_0 = 2/7 is the smallest zeta, so its power moves fastest. float32 and bfloat16 then leave
     2^27 of headroom for |q|, |k| below 2^128 and keep scaled entries normal down to 2^-26;
     float16 (max 65504) leaves 2^7."""
-    bits = 8 if dtype == torch.float16 else 100
-    return int(bits * math.log(2) / math.log(7 / 2) * scale_base)
+    return int(xpos_bits(dtype) * math.log(2) / math.log(7 / 2) * scale_base)
+
+
+def xpos_bits(dtype: torch.dtype) -> int:
+    """The exponent bound of xPos's scales for q and k of this dtype (see xpos_reach)."""
+    return 8 if dtype == torch.float16 else 100
 
 
 def extremes(t: torch.Tensor) -> tuple[int, int]:

@@ -184,8 +184,9 @@ def test_state_dict_and_forward_interchange():
 
 
 def test_xpos_length_past_the_float_range_is_refused():
-    """The library centres xPos on the call's n positions; past 2 * xpos_reach positions its scales
-    overflow (k turns inf). Here such calls are refused, and the longest accepted one is finite."""
+    """The library centres xPos on the call's n positions; far enough out its scales overflow (k
+    turns inf). Here lengths past 2 * xpos_reach + 1 (scales past 2^+-100, float16 2^+-8) are
+    refused, and the longest accepted one is finite."""
     from rope_ext.positions import xpos_reach
 
     _, our_mod = pair(dim=16, use_xpos=True, xpos_scale_base=8)
@@ -195,7 +196,8 @@ def test_xpos_length_past_the_float_range_is_refused():
         q_out, k_out = our_mod.rotate_queries_and_keys(q, q)
         assert torch.isfinite(q_out).all() and torch.isfinite(k_out).all()
         q = randn(1, 1, n + 1, 16, dtype=dtype)
-        with pytest.raises(ValueError, match=rf"outside {dtype}'s range: an exponent"):
+        limit = rf"beyond xPos's limit for {dtype} \(scales within 2\^\+-\d+\): an exponent"
+        with pytest.raises(ValueError, match=limit):
             our_mod.rotate_queries_and_keys(q, q)
     ref_mod = lr.RotaryEmbedding(dim=16, use_xpos=True, xpos_scale_base=8)
     q = randn(1, 1, 4 * reach, 16)
@@ -251,5 +253,5 @@ def test_non_negative_seq_dim_counts_from_the_front():
     close(our_mod.rotate_queries_or_keys(t, seq_dim=2), ref_mod.rotate_queries_or_keys(t, seq_dim=2))
     t = randn(2, 7, 3, 16)  # (the library reshapes its angles only for seq_dim == -3 itself)
     close(our_mod.rotate_queries_or_keys(t, seq_dim=1), ref_mod.rotate_queries_or_keys(t, seq_dim=-3))
-    with pytest.raises(ValueError, match="seq_dim must be the dim 2 or 3 from the end of t, got -1"):
+    with pytest.raises(ValueError, match=r"seq_dim must be the dim 2 or 3 from the end of t \(of 4 dims\), got 3"):
         our_mod.rotate_queries_or_keys(t, seq_dim=3)

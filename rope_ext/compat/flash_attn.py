@@ -269,6 +269,14 @@ class RotaryEmbedding(torch.nn.Module):
         )
         if not stale:
             return
+        if self.scale is not None:
+            reach = P.xpos_reach(self.scale_base, dtype)
+            if seqlen // 2 > reach:
+                raise ValueError(
+                    f"rope_ext.compat.flash_attn.RotaryEmbedding: xPos centred on {seqlen} cached positions "
+                    f"(scale_base={self.scale_base}) goes beyond xPos's limit for {dtype} (scales within "
+                    f"2^+-{P.xpos_bits(dtype)}); at most {2 * reach + 1} positions fit"
+                )
         self._seq_len_cached = seqlen
         if self.pos_idx_in_fp32:
             t = torch.arange(seqlen, device=device, dtype=torch.float32)
@@ -280,12 +288,6 @@ class RotaryEmbedding(torch.nn.Module):
         if self.scale is None:
             self._cos_cached, self._sin_cached = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
             return
-        reach = P.xpos_reach(self.scale_base, dtype)
-        if seqlen // 2 > reach:
-            raise ValueError(
-                f"rope_ext.compat.flash_attn.RotaryEmbedding: xPos centred on {seqlen} cached positions (scale_base="
-                f"{self.scale_base}) puts its scales outside {dtype}'s range; at most {2 * reach + 1} positions fit"
-            )
         power = (torch.arange(seqlen, dtype=self.scale.dtype, device=self.scale.device) - seqlen // 2) / self.scale_base
         scale = self.scale.to(device=power.device) ** power[:, None]
         self._cos_cached, self._sin_cached = (torch.cos(freqs) * scale).to(dtype), (torch.sin(freqs) * scale).to(dtype)

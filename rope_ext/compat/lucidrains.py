@@ -18,8 +18,13 @@ Deliberate differences, where the library's results depend on its history or los
   offsets=...)`` stores offset angles as if they were positions 0.., which later calls then read.
   Here every call gets the scales and angles of its own positions (what a fresh library module
   returns), and the angle cache is rebuilt when the frequencies change (``load_state_dict``).
-- xPos lengths whose scales would leave the input dtype's range (the library returns inf keys) are
-  refused with an error naming the limit.
+- xPos lengths whose scales would pass 2^+-100 (float16: 2^+-8) are refused with an error naming
+  the limit (past the float range the library returns inf keys).
+- A non-negative ``seq_dim`` counts from the front of the input, for ``-3`` as for ``-2`` (the
+  library reshapes its angles only for ``seq_dim == -3`` itself).
+- The angle cache is rebuilt when the frequencies change through ``load_state_dict``, ``nn.init``
+  or any in-place update autograd sees; writing ``freqs.data`` directly bypasses that and leaves
+  it stale (as the library's cache always is).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 from torch import nn
 
 from rope_ext._ops import rotary, rotary_qk
-from rope_ext.positions import xpos_reach
+from rope_ext.positions import xpos_bits, xpos_reach
 
 __all__ = ["RotaryEmbedding", "apply_learned_rotations", "apply_rotary_emb"]
 
@@ -223,27 +228,30 @@ class RotaryEmbedding(nn.Module):
 
     def _check_xpos(self, first: int, count: int, total: int, dtype: torch.dtype):
         """get_scale on positions ``(first .. first + count - 1) / interpolate_factor`` centres
-        the exponent on ``count // 2``; past xpos_reach from it the scales leave dtype's range (q
-        would turn to 0, k to inf). total: the call's length, for the message."""
+        the exponent on ``count // 2``; farther than xpos_reach from it the scales pass xPos's limit
+        for dtype (2^+-100, float16 2^+-8; past the float range q would turn to 0 and k to inf).
+        total: the call's length, for the message."""
         centre = count // 2
         distance = max(abs(first / self.interpolate_factor - centre),
                        abs((first + count - 1) / self.interpolate_factor - centre))
         if distance > (reach := xpos_reach(self.scale_base, dtype)):
             raise ValueError(
-                f"rope_ext: xPos on {total} positions (xpos_scale_base={self.scale_base}) puts its scales outside "
-                f"{dtype}'s range: an exponent {distance:g} positions from its centre, at most {reach} fit"
+                f"rope_ext: xPos on {total} positions (xpos_scale_base={self.scale_base}) goes beyond xPos's limit "
+                f"for {dtype} (scales within 2^+-{xpos_bits(dtype)}): an exponent {distance:g} positions from its "
+                f"centre, at most {reach} fit"
             )
 
     def _rows(self, angles, seq_dim):
         return angles[:, None, :] if seq_dim == -3 else angles
 
     def _check_seq_dim(self, seq_dim, t):
-        """seq_dim as -2 or -3 (a non-negative one counts from the front of t, as in the library)."""
-        seq_dim = self.default_seq_dim if seq_dim is None else seq_dim
-        if isinstance(seq_dim, int) and 0 <= seq_dim < t.dim():
-            seq_dim -= t.dim()
+        """seq_dim as -2 or -3 (a non-negative one counts from the front of t)."""
+        given = self.default_seq_dim if seq_dim is None else seq_dim
+        seq_dim = given - t.dim() if isinstance(given, int) and 0 <= given < t.dim() else given
         if seq_dim not in (-2, -3):
-            raise ValueError(f"rope_ext: seq_dim must be the dim 2 or 3 from the end of t, got {seq_dim!r}")
+            raise ValueError(
+                f"rope_ext: seq_dim must be the dim 2 or 3 from the end of t (of {t.dim()} dims), got {given!r}"
+            )
         return seq_dim
 
     def rotate_queries_or_keys(self, t, seq_dim=None, offset=0, scale=None):

@@ -192,6 +192,8 @@ def _rotate(form: Form, xs, cos, sin, cos_k=None, sin_k=None):
     for x in xs:
         _check_width(form, x, width)
         compute, out_dtype = _dtypes(form, x, tables[0][0], xs[0].dtype)
+        if form.dtype in ("float32", "float32_tables") and x.dtype == torch.float64:
+            x = x.float()  # transformers' x.float() rounds float64 x to float32 first
         if form.span == "suffix" and width < x.shape[-1]:
             x = x[..., -width:]
         # the op computes in x's dtype, or in float32 for 16-bit x
