@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import rope_ext  # noqa: F401  (loads the ops)
 from rope_ext import reference
@@ -54,6 +55,23 @@ def assert_matches_reference(out, x, cos, sin, interleaved, conjugate=False):
 
 
 # --- inputs --------------------------------------------------------------------------------
+
+
+class RopeOpSpy(TorchDispatchMode):
+    """Records each rope_ext op that runs as (name, args), e.g. ("rotary_qk", (q, k, cos, ...))."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    @property
+    def names(self):
+        return [name for name, _ in self.calls]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "rope_ext":
+            self.calls.append((func.__name__.split(".")[0], args))
+        return func(*args, **(kwargs or {}))
 
 
 def randn(*shape, dtype=torch.float32, gen=None):

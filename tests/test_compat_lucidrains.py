@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import rotary_embedding_torch as lr
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import RopeOpSpy
 
 from rope_ext.compat import lucidrains as ours
 
@@ -31,17 +31,6 @@ def pair(**kwargs):
 
 def randn(*shape, dtype=torch.float32, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-class OpCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "rope_ext":
-            self.calls.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
 
 
 CONFIGS = {
@@ -110,9 +99,9 @@ def test_xpos_queries_and_keys_in_one_op_call():
     ref_mod, our_mod = pair(dim=32, use_xpos=True, xpos_scale_base=64)
     q, k = randn(2, 4, 24, 32).requires_grad_(), randn(2, 4, 24, 32, seed=1).requires_grad_()
     ref = ref_mod.rotate_queries_and_keys(q, k)
-    with OpCount() as count:
+    with RopeOpSpy() as count:
         got = our_mod.rotate_queries_and_keys(q, k)
-    assert count.calls == ["rotary_qk"]
+    assert count.names == ["rotary_qk"]
     for g, r in zip(got, ref, strict=True):
         close(g, r)
     loss = lambda qk: (qk[0] * randn(*q.shape, seed=2)).sum() + (qk[1] * randn(*k.shape, seed=3)).sum()  # noqa: E731

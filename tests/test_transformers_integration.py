@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import RopeOpSpy
 
 from rope_ext.integrations import transformers as rope_hf
 
@@ -52,19 +52,6 @@ def _model(family):
     return T.AutoModelForCausalLM.from_config(config).float()
 
 
-class OpSpy(TorchDispatchMode):
-    """Records the rope_ext ops that run, with the width of the tables they get."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "rope_ext":
-            self.calls.append((func.__name__.split(".")[0], args[2].shape[-1]))
-        return func(*args, **(kwargs or {}))
-
-
 def _forward_backward(model, ids):
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=ids)
@@ -77,13 +64,13 @@ def test_logits_and_gradients_match(family):
     model = _model(family)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     ref_logits, ref_grads = _forward_backward(model, ids)
-    with rope_hf.patch([family]) as patched, OpSpy() as spy:
+    with rope_hf.patch([family]) as patched, RopeOpSpy() as spy:
         assert patched == [family]
         logits, grads = _forward_backward(model, ids)
     assert rope_hf.patched_families() == []  # the context manager restored transformers' function
     n_layers = 2
-    assert len([c for c in spy.calls if c[0] in ("rotary", "rotary_qk")]) >= n_layers, spy.calls
-    assert {width for _, width in spy.calls} == {ROTARY_WIDTH.get(family, 16)}
+    assert len([n for n in spy.names if n in ("rotary", "rotary_qk")]) >= n_layers, spy.names
+    assert {args[2].shape[-1] for _, args in spy.calls} == {ROTARY_WIDTH.get(family, 16)}
     torch.testing.assert_close(logits, ref_logits, **FWD)
     assert grads.keys() == ref_grads.keys()
     for name in grads:
@@ -119,7 +106,7 @@ def test_greedy_generation_with_kv_cache_matches(family):
     kwargs = dict(max_new_tokens=20, do_sample=False, use_cache=True, pad_token_id=0)
     with torch.no_grad():
         ref = model.generate(ids, **kwargs)
-        with rope_hf.patch([family]), OpSpy() as spy:
+        with rope_hf.patch([family]), RopeOpSpy() as spy:
             ours = model.generate(ids, **kwargs)
     assert ref.shape == (2, 27) and torch.equal(ours, ref)
     assert len(spy.calls) >= 2 * 20, "decode steps must run through rope_ext"
@@ -207,7 +194,7 @@ def test_patch_reaches_a_function_wrapped_by_kernels(monkeypatch):
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ref = model(input_ids=ids).logits
-        with rope_hf.patch("llama"), OpSpy() as spy:
+        with rope_hf.patch("llama"), RopeOpSpy() as spy:
             assert modeling_llama.apply_rotary_pos_emb is not wrapper
             ours = model(input_ids=ids).logits
     assert modeling_llama.apply_rotary_pos_emb is wrapper
@@ -293,7 +280,7 @@ def _parity(model, family, run):
     results = []
     for patched in (False, True):
         model.zero_grad(set_to_none=True)
-        with (rope_hf.patch([family]) if patched else contextlib.nullcontext()), OpSpy() as spy:
+        with (rope_hf.patch([family]) if patched else contextlib.nullcontext()), RopeOpSpy() as spy:
             out = run(model)
             _weighted(out).backward()
         assert bool(spy.calls) == patched, "the patched model must run rope_ext's op, the stock one not"
@@ -319,7 +306,7 @@ def test_causal_lm_family_matches(model_type):
     kwargs = dict(max_new_tokens=10, do_sample=False, use_cache=True, pad_token_id=0)
     with torch.no_grad():
         ref = model.generate(ids[:, :6], **kwargs)
-        with rope_hf.patch([family]), OpSpy() as spy:
+        with rope_hf.patch([family]), RopeOpSpy() as spy:
             ours = model.generate(ids[:, :6], **kwargs)
     assert ref.shape == (2, 16) and torch.equal(ours, ref)
     assert len(spy.calls) >= 10, "decode steps must run through rope_ext"

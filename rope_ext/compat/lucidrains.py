@@ -35,7 +35,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from rope_ext._ops import rotary, rotary_qk
+from rope_ext._ops import _rotate_each
 from rope_ext.positions import xpos_bits, xpos_reach
 
 __all__ = ["RotaryEmbedding", "apply_learned_rotations", "apply_rotary_emb"]
@@ -63,16 +63,7 @@ def _rotate_span(ts, cos, sin, start_index, cos_k=None, sin_k=None):
         compute = torch.promote_types(t.dtype, cos.dtype)
         x = t[..., start_index:]
         jobs.append((x if compute in (t.dtype, torch.float32) else x.to(compute), compute))
-    tables = [(cos, sin), (cos, sin) if cos_k is None else (cos_k, sin_k)]
-    if len(jobs) == 2 and jobs[0][0].dtype == jobs[1][0].dtype and jobs[0][1] == jobs[1][1]:
-        (q, compute), (k, _) = jobs
-        (c, s), (c_k, s_k) = ((t.to(compute) for t in pair) for pair in tables)
-        separate = cos_k is not None
-        rotated = rotary_qk(q, k, c, s, interleaved=True, cos_k=c_k if separate else None,
-                            sin_k=s_k if separate else None)
-    else:
-        rotated = [rotary(x, c.to(compute), s.to(compute), interleaved=True)
-                   for (x, compute), (c, s) in zip(jobs, tables, strict=False)]
+    rotated = _rotate_each([j[0] for j in jobs], [j[1] for j in jobs], cos, sin, cos_k, sin_k, interleaved=True)
     outs = []
     for t, r in zip(ts, rotated, strict=True):
         r = r.to(t.dtype)

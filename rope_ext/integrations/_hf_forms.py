@@ -22,7 +22,7 @@ import hashlib
 
 import torch
 
-from rope_ext._ops import rotary, rotary_qk
+from rope_ext._ops import _rotate_each
 
 # The module-level function names transformers gives its RoPE application.
 ROPE_FUNCTIONS = (
@@ -185,13 +185,14 @@ def _check_width(form: Form, x: torch.Tensor, width: int):
 def _rotate(form: Form, xs, cos, sin, cos_k=None, sin_k=None):
     """The form's result for each tensor in xs (one or two of them; the second takes cos_k/sin_k
     when given), in one op call when both share a dtype."""
-    tables = [_full_tables(form, cos, sin)]
-    tables.append(tables[0] if cos_k is None else _full_tables(form, cos_k, sin_k))
-    width = tables[0][0].shape[-1]
+    cos, sin = _full_tables(form, cos, sin)
+    if cos_k is not None:
+        cos_k, sin_k = _full_tables(form, cos_k, sin_k)
+    width = cos.shape[-1]
     jobs = []  # (the op's input, the dtype it computes in, the dtype returned)
     for x in xs:
         _check_width(form, x, width)
-        compute, out_dtype = _dtypes(form, x, tables[0][0], xs[0].dtype)
+        compute, out_dtype = _dtypes(form, x, cos, xs[0].dtype)
         if form.dtype in ("float32", "float32_tables") and x.dtype == torch.float64:
             x = x.float()  # transformers' x.float() rounds float64 x to float32 first
         if form.span == "suffix" and width < x.shape[-1]:
@@ -200,15 +201,8 @@ def _rotate(form: Form, xs, cos, sin, cos_k=None, sin_k=None):
         computes = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         direct = out_dtype == x.dtype and compute == computes
         jobs.append((x if direct else x.to(compute), compute, out_dtype))
-    if len(jobs) == 2 and jobs[0][0].dtype == jobs[1][0].dtype and jobs[0][1] == jobs[1][1]:
-        (q, compute, _), (k, _, _) = jobs
-        (c, s), (c_k, s_k) = ((t.to(compute) for t in pair) for pair in tables)
-        separate = cos_k is not None
-        outs = rotary_qk(q, k, c, s, interleaved=form.interleaved, cos_k=c_k if separate else None,
-                         sin_k=s_k if separate else None)
-    else:
-        outs = [rotary(x, c.to(compute), s.to(compute), interleaved=form.interleaved)
-                for (x, compute, _), (c, s) in zip(jobs, tables[: len(jobs)], strict=True)]
+    outs = _rotate_each([j[0] for j in jobs], [j[1] for j in jobs], cos, sin, cos_k, sin_k,
+                        interleaved=form.interleaved)
     results = []
     for original, out, (_, _, out_dtype) in zip(xs, outs, jobs, strict=True):
         out = out.to(out_dtype)
