@@ -188,7 +188,7 @@ std::tuple<Tensor, Tensor> call_rotary_pos_qk(const Tensor& q, const Tensor& k, 
 // (a, b) the forward is o_a = x_a c - x_b s, o_b = x_b c + x_a s (s negated for the transpose), so
 //   dc_i = g_a x_a + g_b x_b,   ds_i = g_b x_a - g_a x_b   (negated for the transpose),
 // summed over the heads (the dims positions broadcast over) and scattered into the rows the
-// positions name (index_add: a position that repeats adds up). Undefined where not needed.
+// positions name (accumulating: a position that repeats adds up). Undefined where not needed.
 std::pair<Tensor, Tensor> cache_grads(const Tensor& grad, const Tensor& x, const Tensor& cos, const Tensor& positions,
                                       bool interleaved, bool conjugate, bool need_cos, bool need_sin) {
   const c10::SymInt half = cos.sym_size(1);
@@ -207,7 +207,11 @@ std::pair<Tensor, Tensor> cache_grads(const Tensor& grad, const Tensor& x, const
   const Tensor index = positions.flatten();
   const auto scatter = [&](const Tensor& d) {
     const Tensor rows = at::sum_to(d, per_token).reshape_symint({index.sym_size(0), half});
-    return at::zeros_symint(cos.sym_sizes(), rows.options()).index_add(0, index, rows).to(cos.scalar_type());
+    // index_put with accumulate rather than index_add: the same sums, and DTensor has a sharding
+    // rule for it; new_zeros keeps the zeros the same kind of tensor as rows (a DTensor's too).
+    return at::index_put(rows.new_zeros_symint(cos.sym_sizes()), {std::optional<Tensor>(index)}, rows,
+                         /*accumulate=*/true)
+        .to(cos.scalar_type());
   };
   Tensor dcos, dsin;
   if (need_cos) dcos = scatter(ga * xa + gb * xb);
