@@ -63,10 +63,12 @@ def _load_library() -> None:
 _load_library()
 __version__ = torch.ops.rope_ext._version()  # written once, in csrc/include/rope_ext/version.h
 
-from rope_ext import compat, reference, scaling  # noqa: E402
+from rope_ext import _sharding, compat, reference, scaling  # noqa: E402
 from rope_ext._ops import cpu_kernel_isa, rotary, rotary_, rotary_pos, rotary_pos_, rotary_pos_qk, rotary_qk  # noqa: E402
 from rope_ext.compat.hf import apply_multimodal_rotary_pos_emb, apply_rotary_pos_emb  # noqa: E402
 from rope_ext.module import RotaryEmbedding  # noqa: E402
+
+_sharding.install()  # DTensor rules, registered when torch.distributed.tensor is imported
 
 __all__ = [
     "rotary",

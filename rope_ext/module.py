@@ -8,6 +8,7 @@ from torch import nn
 
 from rope_ext import positions as P
 from rope_ext._ops import _rotary_pos_qk, rotary_qk
+from rope_ext._sharding import replicated_like
 from rope_ext._validate import require_bool, require_int_list, require_number, require_tensor
 from rope_ext.scaling import RopeSchedule
 
@@ -440,6 +441,11 @@ class RotaryEmbedding(nn.Module):
         ``max_cache_positions``, then the call builds its own tables) for int offsets and for CPU
         positions past it. On a GPU, size it for the positions you pass (``max_position_embeddings``
         or :meth:`ensure_positions`): a position past it is a device-side assert.
+
+        DTensors: q and k may be DTensors (tensor parallel over heads, sequence parallel over
+        tokens). Shapes are then the global ones, and so are the default positions: a q sharded
+        over the sequence is rotated by its tokens' global positions. The module's tables and
+        positions, the same on every rank, enter the op as replicated DTensors.
         """
         require_tensor(q, "q")
         require_tensor(k, "k")
@@ -452,9 +458,11 @@ class RotaryEmbedding(nn.Module):
             if rows is not None:  # one op call; the kernel checks every position against the cache
                 # (read from _buffers: nn.Module.__getattr__ costs about 2 us per buffer, a tenth of a
                 # decode step's op call)
-                cos, sin = self._buffers["cos_cache"], self._buffers["sin_cache"]
+                cos, sin, positions = self._buffers["cos_cache"], self._buffers["sin_cache"], rows[0]
+                if type(q) is not torch.Tensor:
+                    cos, sin, positions = replicated_like(q, cos, sin, positions)
                 try:
-                    return _rotary_pos_qk(q, k, cos, sin, rows[0], self.interleaved, False)
+                    return _rotary_pos_qk(q, k, cos, sin, positions, self.interleaved, False)
                 except RuntimeError as e:  # costs nothing unless raised
                     return self._past_the_cache(e, q, k, rows[1])
         if position_ids is not None:
@@ -612,9 +620,9 @@ class RotaryEmbedding(nn.Module):
         if least < 0:
             raise ValueError(f"rope_ext: position_ids must be >= 0, got a minimum of {least}") from error
         if self._cache_covers(most + 1):
-            rows = self._rows(positions)[0]
-            return _rotary_pos_qk(q, k, self.cos_cache, self.sin_cache, rows, self.interleaved, False)
-        cos, sin = self._cos_sin(positions)  # positions.shape + (r,): broadcasts like positions
+            cos, sin, rows = replicated_like(q, self.cos_cache, self.sin_cache, self._rows(positions)[0])
+            return _rotary_pos_qk(q, k, cos, sin, rows, self.interleaved, False)
+        cos, sin = replicated_like(q, *self._cos_sin(positions))  # positions.shape + (r,): broadcasts like positions
         return rotary_qk(q, k, cos, sin, interleaved=self.interleaved)
 
     def _rotate(self, q, k, position_ids, to_layout):
@@ -622,18 +630,12 @@ class RotaryEmbedding(nn.Module):
         offsets past max_cache_positions)."""
         cos, sin = self._cos_sin(position_ids)
         if self.xpos_scale_base is None:
-            return rotary_qk(q, k, to_layout(cos), to_layout(sin), interleaved=self.interleaved)
+            cos, sin = replicated_like(q, to_layout(cos), to_layout(sin))
+            return rotary_qk(q, k, cos, sin, interleaved=self.interleaved)
         scale = self._xpos_scale(position_ids, q.dtype)
-        cos_q, sin_q, cos_k, sin_k = cos * scale, sin * scale, cos / scale, sin / scale
-        return rotary_qk(
-            q,
-            k,
-            to_layout(cos_q),
-            to_layout(sin_q),
-            interleaved=self.interleaved,
-            cos_k=to_layout(cos_k),
-            sin_k=to_layout(sin_k),
-        )
+        tables = (cos * scale, sin * scale, cos / scale, sin / scale)
+        cos_q, sin_q, cos_k, sin_k = replicated_like(q, *(to_layout(t) for t in tables))
+        return rotary_qk(q, k, cos_q, sin_q, interleaved=self.interleaved, cos_k=cos_k, sin_k=sin_k)
 
     def xpos_reach(self, dtype: torch.dtype = torch.float32) -> int:
         """How far from xpos_center a position may be, for q and k of this dtype: the scales

@@ -1,0 +1,236 @@
+"""Sharding rules for the rope_ext ops on DTensors: tensor, sequence and context parallel.
+
+Every op rotates each row of its rotated inputs (x, or q and k) along the last dim, by the table
+entries or cache rows of that row alone. So the work splits along any dim but the last, provided
+each tensor that broadcasts against the rows is split the same way:
+
+- cos/sin tables (aligned with ``x.shape[:-1] + (r,)`` from the right): sharded on the dim that
+  lines up with x's sharded dim, or replicated where they broadcast along it (size 1, or absent);
+- positions (aligned with ``x.shape[:-1]``): the same rule;
+- the caches of the positions ops (rows indexed by position, columns by pair): always replicated.
+
+The output (and so the gradient, whose op is the same rotation) keeps x's placement. Anything
+else is redistributed before the op runs, never computed wrongly: a sharded last dim (the rotated
+one), ``Partial`` inputs, tables or caches that do not match. DTensor picks, among the placements
+offered here, the one that is cheapest to reach; replicating everything is always among them.
+
+The in-place ops cannot redistribute what they write: their rotated inputs keep their placements,
+and a placement that the op cannot keep raises an error that names the argument.
+
+Registration goes through torch's public ``register_sharding`` and happens on import of
+``torch.distributed.tensor``, whichever comes first: importing rope_ext never imports DTensor (about
+a second), and a process that never uses DTensor pays nothing (see ``install``).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import itertools
+import sys
+import warnings
+
+import torch
+
+_DTENSOR = "torch.distributed.tensor"
+
+# Per op: the rotated arguments (their placements are the outputs'), which of them the op writes
+# in place, and the arguments that follow them: (name, the rotated arguments it serves, True for
+# tables, whose last dim is the rotary dim, False for positions). The caches are replicated.
+_OPS = {
+    "rotary": dict(rotated=("x",), tables=("cos", "sin"), inplace=False),
+    "rotary_": dict(rotated=("x",), tables=("cos", "sin"), inplace=True),
+    "rotary_qk": dict(rotated=("q", "k"), tables=("cos", "sin"), inplace=False),
+    "rotary_pos": dict(rotated=("x",), caches=("cos_cache", "sin_cache"), inplace=False),
+    "rotary_pos_qk": dict(rotated=("q", "k"), caches=("cos_cache", "sin_cache"), inplace=False),
+    "rotary_pos_": dict(rotated=("q", "k"), caches=("cos_cache", "sin_cache"), inplace=True),
+}
+
+
+def _followers(op: str, args: dict) -> list[tuple[str, tuple[str, ...], bool]]:
+    """(argument, the rotated arguments it serves, whether it is a table) for each argument that
+    must be split like the rows it serves."""
+    if "caches" in _OPS[op]:
+        served = tuple(n for n in _OPS[op]["rotated"] if args.get(n) is not None)
+        return [("positions", served, False)]
+    if op == "rotary_qk" and args.get("cos_k") is not None:  # k has tables of its own
+        return [("cos", ("q",), True), ("sin", ("q",), True), ("cos_k", ("k",), True), ("sin_k", ("k",), True)]
+    return [(name, _OPS[op]["rotated"], True) for name in _OPS[op]["tables"]]
+
+
+def _describe(placements) -> str:
+    return "(" + ", ".join(str(p) for p in placements) + ")"
+
+
+class _Rule:
+    """The sharding function of one op, for register_sharding: it gets the op's arguments with
+    DTensorSpecs for tensors and returns the acceptable (outputs, inputs) placements on one mesh
+    dim; DTensor combines them over the mesh's dims."""
+
+    def __init__(self, op: str):
+        self.op = op
+        self.schema = getattr(torch.ops.rope_ext, op).default._schema
+        self.names = [a.name for a in self.schema.arguments]
+
+    def __call__(self, *args, **kwargs):
+        from torch.distributed.tensor import Replicate, Shard
+
+        # The inputs' placements go in the order DTensor collected the tensors: the positional
+        # arguments, then the keywords as passed.
+        order = self.names[: len(args)] + list(kwargs)
+        bound = dict(zip(self.names, args, strict=False)) | kwargs
+        spec = _OPS[self.op]
+        rotated = [n for n in spec["rotated"] if bound.get(n) is not None]
+        followers = _followers(self.op, bound)
+
+        def usable(name, p):  # a placement a rotated argument can keep through the op
+            return type(p) is Shard and p.dim % bound[name].ndim != bound[name].ndim - 1
+
+        def follower_placement(name, served, table, placements):
+            """The placement `name` needs for the rotated ones to have `placements`, or None if they
+            disagree."""
+            t = bound[name]
+            needs = set()
+            for x_name, p in zip(rotated, placements, strict=True):
+                if x_name not in served:
+                    continue
+                if isinstance(p, Replicate):
+                    needs.add(Replicate())
+                    continue
+                x = bound[x_name]
+                # t's dims line up with x.shape[:-1] + (r,) (tables) or x.shape[:-1] (positions)
+                a = p.dim % x.ndim - (x.ndim - t.ndim - (0 if table else 1))
+                needs.add(Replicate() if a < 0 or t.shape[a] == 1 else Shard(a))
+            return needs.pop() if len(needs) == 1 else None
+
+        def strategy(placements):
+            """(outputs, inputs) for the rotated arguments placed as given, or the name of the
+            argument that cannot follow them."""
+            by_name = dict(zip(rotated, placements, strict=True))
+            for name, served, table in followers:
+                p = follower_placement(name, served, table, placements)
+                if p is None:
+                    return name
+                by_name[name] = p
+            for name in spec.get("caches", ()):
+                by_name[name] = Replicate()
+            inputs = [by_name.get(n) for n in order]
+            return ([] if spec["inplace"] else list(placements)), inputs
+
+        if spec["inplace"]:
+            return self._inplace(bound, rotated, usable, strategy)
+        options = []
+        for name in rotated:
+            kept = [p for p in bound[name].placements if usable(name, p)]
+            options.append(list(dict.fromkeys([Replicate(), *kept])))
+        results = [strategy(list(c)) for c in itertools.product(*options)]
+        return [r for r in results if not isinstance(r, str)]
+
+    def _inplace(self, bound, rotated, usable, strategy):
+        """The in-place ops write their rotated arguments: each keeps its placement on every mesh
+        dim (redistributing k would write a copy), and the followers adapt."""
+        from torch.distributed.tensor import Replicate
+
+        op = f"rope_ext.{self.op}"
+        mesh_dims = range(len(bound[rotated[0]].placements))
+        for name in rotated:
+            for i, p in enumerate(bound[name].placements):
+                if not (isinstance(p, Replicate) or usable(name, p)):
+                    raise RuntimeError(
+                        f"{op}: {name} is placed {_describe(bound[name].placements)}, and the in-place op "
+                        f"cannot keep {p} on mesh dim {i}: it writes {name} where it is, so {name} must be "
+                        "replicated or sharded on a dim other than the last (the rotated one). Redistribute "
+                        f"{name} first, or call the out-of-place op."
+                    )
+        per_dim = [tuple(bound[n].placements[i] for n in rotated) for i in mesh_dims]
+        if len(set(per_dim)) != len({c[0] for c in per_dim}):  # DTensor only pins the first one's placement
+            raise RuntimeError(
+                f"{op}: q {_describe(bound['q'].placements)} and k {_describe(bound['k'].placements)}: where q "
+                "has one placement on two mesh dims, k must too, for the in-place op to keep both. "
+                "Redistribute k to match, or call the out-of-place op."
+            )
+        strategies = []
+        for placements in dict.fromkeys(per_dim):
+            result = strategy(list(placements))
+            if isinstance(result, str):
+                raise RuntimeError(
+                    f"{op}: {result} cannot be split to match "
+                    + " and ".join(f"{n} {_describe(bound[n].placements)}" for n in rotated)
+                    + f": {' and '.join(rotated)} need it split in different ways. The in-place op cannot "
+                    "redistribute what it writes; redistribute the inputs to agree, or call the out-of-place op."
+                )
+            strategies.append(result)
+        return strategies
+
+
+def is_dtensor(t) -> bool:
+    """Whether t is a DTensor, without importing DTensor: a process that has not loaded it has none."""
+    module = sys.modules.get(_DTENSOR)
+    return module is not None and isinstance(t, getattr(module, "DTensor", ()))
+
+
+def replicated_like(x, *tensors):
+    """For a DTensor x: the plain tensors among ``tensors`` (a module's tables and positions, the same
+    on every rank) as DTensors replicated on x's mesh, so that they enter x's op, and its backward,
+    as DTensors. Otherwise ``tensors`` as they are."""
+    if type(x) is torch.Tensor or not is_dtensor(x):
+        return tensors
+    from torch.distributed.tensor import DTensor, Replicate
+
+    placements = [Replicate()] * x.device_mesh.ndim
+    return tuple(
+        t if isinstance(t, DTensor) else DTensor.from_local(t, x.device_mesh, placements, run_check=False)
+        for t in tensors
+    )
+
+
+def register() -> None:
+    """Register the rules of every rope_ext op with DTensor (imports torch.distributed.tensor)."""
+    from torch.distributed.tensor.experimental import register_sharding
+
+    for op in _OPS:
+        register_sharding(getattr(torch.ops.rope_ext, op).default)(_Rule(op))
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; when torch.distributed.tensor is about to be imported, it lets the
+    other finders find it and registers the rules once that module has run."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _DTENSOR:
+            return None
+        sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            _register_or_warn()
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+def _register_or_warn() -> None:
+    try:
+        register()
+    except Exception as e:  # never break the user's import of DTensor
+        warnings.warn(f"rope_ext: could not register its DTensor sharding rules ({e!r})", stacklevel=2)
+
+
+def install() -> None:
+    """Make the rules available to DTensor: now if torch.distributed.tensor is loaded, else as
+    soon as it is (a finder at the front of sys.meta_path that returns nothing for any other
+    module). Nothing when torch has no torch.distributed."""
+    if not torch.distributed.is_available():
+        return
+    if _DTENSOR in sys.modules:
+        _register_or_warn()
+    elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport())

@@ -1,0 +1,134 @@
+"""rope_ext's ops on DTensors (rope_ext/_sharding.py): two gloo processes on the CPU run every case of
+tests/dtensor_cases.py on DTensors, once for the module; each test compares one case's gathered
+results with the same case run here on ordinary tensors.
+
+Tolerances: outputs and the rotated inputs' gradients are computed per element, by the same kernel
+on the same numbers, so they must be bitwise equal. Table and cache gradients are sums over batch
+and heads that a sharded run adds in another order (float64 cases, bound in dtensor_cases._randn).
+The tensor-parallel Llama splits its matmuls' float32 sums (q/k/v by columns, o by rows with an
+all-reduce): a few float32 roundings of values below 1, so rtol 1e-5 and atol 1e-7.
+"""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import dtensor_cases as cases
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dtensor") / "results.pt"
+    mp.spawn(cases.run_all, args=(WORLD, _free_port(), str(out)), nprocs=WORLD, join=True)
+    return torch.load(out, weights_only=False)
+
+
+def _check_grads(got, ref, n_exact, **tolerance):
+    assert len(got) == len(ref)
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        if i < n_exact:
+            assert torch.equal(a, b), f"gradient {i} (a rotated input's) differs"
+        else:
+            torch.testing.assert_close(a, b, msg=f"gradient {i} (a table's or cache's)", **tolerance)
+
+
+OP_CASES = [name for name in cases.CASES if name != "llama tensor parallel"]
+
+
+@pytest.mark.parametrize("name", OP_CASES)
+def test_op_on_dtensors_equals_unsharded(sharded, name):
+    case, expected = cases.CASES[name]
+    got = sharded[name]
+    assert not isinstance(got, str), got
+    ref = case(cases.Plain())
+    assert got["placements"] == expected, "the outputs keep the rotated inputs' placements"
+    for a, b in zip(got["out"], ref["out"], strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    # the rotated inputs' gradients keep their placements (after a redistribution: the output's)
+    assert got["grad_placements"] == expected[: len(got["grad_placements"])]
+    _check_grads(got["grads"], ref["grads"], len(got["grad_placements"]), rtol=0, atol=1e-10)
+    if name == "compiled":
+        assert got["frames"] == (1, True), "one frame, one graph: no graph break"
+
+
+@pytest.mark.parametrize("name", cases.REFUSED)
+def test_inplace_refuses_what_it_cannot_keep(sharded, name):
+    _, words = cases.REFUSED[name]
+    got = sharded[name]
+    assert isinstance(got, str), "an in-place call whose written input would move must be refused"
+    for word in words:
+        assert word in got, (word, got)
+
+
+def test_llama_tensor_parallel_equals_unsharded_stock_model(sharded):
+    got = sharded["llama tensor parallel"]
+    assert not isinstance(got, str), got
+    ref = cases.llama_tp(cases.Plain())
+    assert got["calls"], "the patched attention must call rope_ext"
+    assert all(kind == "DTensor" and placement == "S1" for _, kind, placement in got["calls"]), got["calls"]
+    torch.testing.assert_close(got["out"][0], ref["out"][0], rtol=1e-5, atol=1e-7)
+    _check_grads(got["grads"], ref["grads"], 0, rtol=1e-5, atol=1e-7)
+
+
+def _run(code):
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+_REGISTERED = """
+import torch
+from torch.distributed.tensor import DTensor
+funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+ops = ["rotary", "rotary_qk", "rotary_", "rotary_pos", "rotary_pos_qk", "rotary_pos_"]
+print(sorted(op for op in ops if getattr(torch.ops.rope_ext, op).default in funcs))
+"""
+
+
+def test_rules_register_when_dtensor_is_imported_after_rope_ext():
+    out = _run(
+        "import sys, rope_ext\n"
+        "assert 'torch.distributed.tensor' not in sys.modules, 'importing rope_ext must not import DTensor'\n"
+        + _REGISTERED
+    )
+    assert out.strip() == str(sorted(["rotary", "rotary_qk", "rotary_", "rotary_pos", "rotary_pos_qk", "rotary_pos_"]))
+
+
+def test_rules_register_when_dtensor_is_imported_first():
+    out = _run("import torch.distributed.tensor, rope_ext\n" + _REGISTERED)
+    assert out.strip().count("rotary") == 6
+
+
+def test_failed_registration_warns_and_leaves_dtensor_importable():
+    out = _run(
+        "import warnings, rope_ext, rope_ext._sharding as sh\n"
+        "def broken():\n    raise RuntimeError('no rules today')\n"
+        "sh.register = broken\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    from torch.distributed.tensor import DTensor\n"
+        "print([str(w.message) for w in caught if 'rope_ext' in str(w.message)])\n"
+    )
+    assert "could not register its DTensor sharding rules" in out and "no rules today" in out
+
+
+def test_no_finder_without_torch_distributed():
+    out = _run(
+        "import sys, torch\n"
+        "torch.distributed.is_available = lambda: False\n"
+        "import rope_ext, rope_ext._sharding as sh\n"
+        "print(any(isinstance(f, sh._RegisterOnImport) for f in sys.meta_path))\n"
+    )
+    assert out.strip() == "False"
