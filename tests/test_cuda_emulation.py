@@ -126,3 +126,24 @@ def test_emulated_empty_and_single_element_rows(gen):
 def test_emulated_bad_input_uses_the_shared_checks():
     with pytest.raises(RuntimeError, match=r"rope_ext.rotary: the rotary dim cos.size\(-1\) must be a positive even"):
         TESTING.cuda_emulate_rotary(torch.zeros(2, 8), torch.ones(2, 3), torch.ones(2, 3), False, False)
+
+
+@pytest.mark.parametrize(
+    "t, inner",
+    [
+        (12345, 7),  # the 32-bit division
+        ((1 << 32) - 1, 65537),  # the largest t it takes
+        (1 << 32, 3),  # t past 32 bits: the 64-bit division
+        ((1 << 40) + 12345, 1 << 33),  # inner past 32 bits too
+        (5, (1 << 32) + 1),  # only inner past 32 bits
+    ],
+)
+def test_compact_index_token_offsets_on_both_sides_of_the_32_bit_division(t, inner):
+    """CompactIndex::token splits token t into (t // inner, t % inner) with a 32-bit division when
+    both fit in 32 bits; only launches of 2^32 tokens take the 64-bit side, so a hook calls it
+    directly. The reference is Python's exact integer arithmetic."""
+    strides = [1 << 20, 3, 5 << 16, 7, 11, 13]
+    o, i = divmod(t, inner)
+    expected = [o * strides[0] + i * strides[1], o * strides[2] + i * strides[3], o * strides[4] + i * strides[5]]
+    expected.append(expected[-1])
+    assert TESTING.cuda_compact_token_offsets(t, inner, strides) == expected

@@ -72,6 +72,24 @@ bool allow_compact_index(bool allow) {
   return previous;
 }
 
+std::vector<int64_t> compact_token_offsets(int64_t t, int64_t inner, const std::vector<int64_t>& strides) {
+  TORCH_CHECK(strides.size() == 6, "rope_ext_testing.cuda_compact_token_offsets: strides must hold 6 values ",
+              "(x outer, x inner, out outer, out inner, positions outer, positions inner), got ", strides.size());
+  TORCH_CHECK(t >= 0 && inner > 0, "rope_ext_testing.cuda_compact_token_offsets: needs t >= 0 and inner > 0, got t ",
+              t, " and inner ", inner);
+  cuda::CompactIndex ix;
+  ix.inner = inner;
+  ix.tok[0][0][0] = strides[0];
+  ix.tok[0][0][1] = strides[1];
+  ix.tok[0][1][0] = strides[2];
+  ix.tok[0][1][1] = strides[3];
+  ix.pos[0] = strides[4];
+  ix.pos[1] = strides[5];
+  int64_t off[4] = {};
+  ix.token<0>(t, off);
+  return {off[kX], off[kOut], off[kCos], off[kSin]};
+}
+
 void register_cuda_emulation(torch::Library& m) {
   using Ops = RotaryOps<&run_emulated>;
   m.impl("cuda_emulate_rotary", &Ops::rotary);

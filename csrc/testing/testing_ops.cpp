@@ -66,6 +66,7 @@ TORCH_LIBRARY(rope_ext_testing, m) {
       "cuda_pos_launch_config(Tensor q, Tensor? k, Tensor cos_cache, Tensor sin_cache, Tensor positions, "
       "bool interleaved=False) -> int[]");
   m.def("cuda_allow_compact_index(bool allow) -> bool", &allow_compact_index);
+  m.def("cuda_compact_token_offsets(int t, int inner, int[] strides) -> int[]", &compact_token_offsets);
 
   m.def("parallel_threads_used(int n) -> int", &parallel_threads_used);
   m.def(
