@@ -39,7 +39,8 @@ dist-check:
 # The core tests against each torch the README claims: 2.13.0 here (the CPU build `make test`
 # uses) and 2.14.1 (a CUDA build, run on the CPU) through cuda-check, whose last step runs them.
 CORE_TESTS := tests/test_rotary.py tests/test_autograd.py tests/test_qk_and_inplace.py tests/test_errors.py \
-  tests/test_cpu_kernel.py tests/test_cuda_emulation.py tests/test_rotary_pos.py tests/test_compile.py tests/test_export.py
+  tests/test_cpu_kernel.py tests/test_cuda_emulation.py tests/test_rotary_pos.py tests/test_compile.py tests/test_export.py \
+  tests/test_dtensor.py
 compat-check: setup
 	$(PYTHON) -m pytest -q $(CORE_TESTS)
 	$(MAKE) cuda-check

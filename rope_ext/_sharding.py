@@ -33,9 +33,9 @@ import torch
 
 _DTENSOR = "torch.distributed.tensor"
 
-# Per op: the rotated arguments (their placements are the outputs'), which of them the op writes
-# in place, and the arguments that follow them: (name, the rotated arguments it serves, True for
-# tables, whose last dim is the rotary dim, False for positions). The caches are replicated.
+# Per op: the rotated arguments (their placements are the outputs'), whether the op writes them in
+# place, and its tables (which follow the rotated arguments; _followers says whom each serves) or
+# its caches (replicated; their positions follow the rotated arguments).
 _OPS = {
     "rotary": dict(rotated=("x",), tables=("cos", "sin"), inplace=False),
     "rotary_": dict(rotated=("x",), tables=("cos", "sin"), inplace=True),
@@ -74,10 +74,11 @@ class _Rule:
     def __call__(self, *args, **kwargs):
         from torch.distributed.tensor import Replicate, Shard
 
-        # The inputs' placements go in the order DTensor collected the tensors: the positional
-        # arguments, then the keywords as passed.
-        order = self.names[: len(args)] + list(kwargs)
-        bound = dict(zip(self.names, args, strict=False)) | kwargs
+        # DTensor passes every argument that is not keyword-only positionally, and these schemas have
+        # none; it would not redistribute a keyword (a placement chosen for one would be ignored).
+        assert not kwargs, f"rope_ext.{self.op}: unexpected keyword arguments {sorted(kwargs)} in a sharding rule"
+        order = self.names[: len(args)]
+        bound = dict(zip(self.names, args, strict=False))
         spec = _OPS[self.op]
         rotated = [n for n in spec["rotated"] if bound.get(n) is not None]
         followers = _followers(self.op, bound)
@@ -102,14 +103,28 @@ class _Rule:
                 needs.add(Replicate() if a < 0 or t.shape[a] == 1 else Shard(a))
             return needs.pop() if len(needs) == 1 else None
 
+        def local_dims_differ(placements):
+            """Whether q's and k's shards would differ in more than one leading dim: the kernel
+            takes q and k that share tables or positions only if they differ in one (the head
+            count), along which those broadcast."""
+            q, k = (bound[n] for n in rotated)
+            differ = set()
+            for d in range(q.ndim - 1):
+                split = [isinstance(p, Shard) and p.dim % q.ndim == d for p in placements]
+                if q.shape[d] != k.shape[d] or split[0] != split[1]:
+                    differ.add(d)
+            return len(differ) > 1
+
         def strategy(placements):
-            """(outputs, inputs) for the rotated arguments placed as given, or the name of the
-            argument that cannot follow them."""
+            """(outputs, inputs) for the rotated arguments placed as given, or why they cannot be."""
+            if len(rotated) == 2 and any(len(served) == 2 for _, served, _ in followers):
+                if local_dims_differ(placements):
+                    return "q's and k's shards would differ in more than the head count"
             by_name = dict(zip(rotated, placements, strict=True))
             for name, served, table in followers:
                 p = follower_placement(name, served, table, placements)
                 if p is None:
-                    return name
+                    return f"{name} cannot be split to match both"
                 by_name[name] = p
             for name in spec.get("caches", ()):
                 by_name[name] = Replicate()
@@ -153,10 +168,10 @@ class _Rule:
             result = strategy(list(placements))
             if isinstance(result, str):
                 raise RuntimeError(
-                    f"{op}: {result} cannot be split to match "
+                    f"{op}: "
                     + " and ".join(f"{n} {_describe(bound[n].placements)}" for n in rotated)
-                    + f": {' and '.join(rotated)} need it split in different ways. The in-place op cannot "
-                    "redistribute what it writes; redistribute the inputs to agree, or call the out-of-place op."
+                    + f" do not fit together: {result}. The in-place op cannot redistribute what it writes; "
+                    "redistribute the inputs to agree, or call the out-of-place op."
                 )
             strategies.append(result)
         return strategies
@@ -192,35 +207,56 @@ def register() -> None:
 
 
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; when torch.distributed.tensor is about to be imported, it lets the
-    other finders find it and registers the rules once that module has run."""
+    """Finds nothing itself. Asked for torch.distributed.tensor, it returns the other finders'
+    spec with its loader wrapped, so that the rules are registered once the module has run. It
+    stays in sys.meta_path until then: a spec that is only looked up (importlib.util.find_spec)
+    and never loaded changes nothing."""
 
     def find_spec(self, fullname, path, target=None):
         if fullname != _DTENSOR:
             return None
-        sys.meta_path.remove(self)
         for finder in sys.meta_path:
-            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
             if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _RegisterAfter(spec.loader)
+                return spec
+        return None
 
-        def exec_then_register(module):
-            exec_module(module)
-            _register_or_warn()
 
-        spec.loader.exec_module = exec_then_register
-        return spec
+class _RegisterAfter(importlib.abc.Loader):
+    """A loader that runs the module with the loader it wraps, then registers the rules."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        module.__loader__ = module.__spec__.loader = self.loader  # leave no trace in the module
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterOnImport)]
+        _register_or_warn()
+
+    def __getattr__(self, name):  # is_package, get_code, get_resource_reader, ...
+        return getattr(self.loader, name)
+
+
+_registered = False
 
 
 def _register_or_warn() -> None:
+    """register(), once per process; a failure warns rather than break the user's import."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
     try:
         register()
-    except Exception as e:  # never break the user's import of DTensor
+    except Exception as e:
         warnings.warn(f"rope_ext: could not register its DTensor sharding rules ({e!r})", stacklevel=2)
 
 

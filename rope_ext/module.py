@@ -8,7 +8,7 @@ from torch import nn
 
 from rope_ext import positions as P
 from rope_ext._ops import _rotary_pos_qk, rotary_qk
-from rope_ext._sharding import replicated_like
+from rope_ext._sharding import is_dtensor, replicated_like
 from rope_ext._validate import require_bool, require_int_list, require_number, require_tensor
 from rope_ext.scaling import RopeSchedule
 
@@ -199,10 +199,10 @@ class RotaryEmbedding(nn.Module):
                 config = per_layer[layer_type]
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         base = params.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
-        mrope = params.pop("mrope_section", None)
-        if mrope is None and getattr(config, "model_type", None) in DEFAULT_MROPE_MODEL_TYPES:
-            mrope = [16, 24, 24]  # what these models' rotary embeddings fall back to in transformers
         model_type = getattr(config, "model_type", None)
+        mrope = params.pop("mrope_section", None)
+        if mrope is None and model_type in DEFAULT_MROPE_MODEL_TYPES:
+            mrope = [16, 24, 24]  # what these models' rotary embeddings fall back to in transformers
         if params.pop("mrope_interleaved", False) or model_type in INTERLEAVED_MROPE_MODEL_TYPES:
             raise ValueError(
                 f"rope_ext.RotaryEmbedding.from_hf_config: interleaved M-RoPE (model type {model_type!r}) is not "
@@ -231,7 +231,7 @@ class RotaryEmbedding(nn.Module):
             mrope_section=mrope,
             interleaved=bool(getattr(config, "rotary_interleaved", False))
             or bool(getattr(config, "rope_interleave", False))  # DeepSeek-V3 and its kin (MLA), default True
-            or getattr(config, "model_type", None) in INTERLEAVED_MODEL_TYPES,
+            or model_type in INTERLEAVED_MODEL_TYPES,
             device=device,
         )
 
@@ -459,7 +459,13 @@ class RotaryEmbedding(nn.Module):
                 # (read from _buffers: nn.Module.__getattr__ costs about 2 us per buffer, a tenth of a
                 # decode step's op call)
                 cos, sin, positions = self._buffers["cos_cache"], self._buffers["sin_cache"], rows[0]
-                if type(q) is not torch.Tensor:
+                if type(q) is not torch.Tensor and is_dtensor(q):
+                    # Each rank's kernel checks only its share of the positions, so a position past
+                    # the cache would send ranks different ways; readable ones are checked here, whole.
+                    if P._readable(rows[1]) and rows[1].numel():
+                        least, most = P.extremes(rows[1])
+                        if least < 0 or most >= self._cached_positions():
+                            return self._past_the_cache(None, q, k, rows[1])
                     cos, sin, positions = replicated_like(q, cos, sin, positions)
                 try:
                     return _rotary_pos_qk(q, k, cos, sin, positions, self.interleaved, False)
@@ -613,8 +619,11 @@ class RotaryEmbedding(nn.Module):
         writing anything): negative positions are refused by name, the cache grows up to
         max_cache_positions, and past that the call builds its own tables. Device positions are
         never read; there, sizing the cache (max_position_embeddings, ensure_positions) is the
-        caller's part, and a position past it is the kernel's device-side assert."""
-        if "is outside the cache" not in str(error) or not P._readable(positions) or not positions.numel():
+        caller's part, and a position past it is the kernel's device-side assert. (error None: the
+        positions were read before the op, for a DTensor q.)"""
+        if error is not None and (
+            "is outside the cache" not in str(error) or not P._readable(positions) or not positions.numel()
+        ):
             raise error
         least, most = P.extremes(positions)
         if least < 0:

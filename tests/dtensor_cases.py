@@ -23,8 +23,9 @@ B, S, H, HK, D, R = 2, 6, 4, 2, 16, 12  # a partial rotary width: columns R..D p
 
 def _randn(*shape, seed, dtype=torch.float64):
     """float64 unless asked: outputs are bitwise equal in any dtype, but the table gradients sum
-    over batch and heads, and a sharded sum adds in another order; in float64 that moves a sum of
-    at most 16 terms of size < 50 by < 16 * 2^-53 * 800, far below the 1e-10 the tests allow."""
+    over batch and heads (and repeated positions), and a sharded sum adds in another order; in
+    float64 that moves a sum of at most 24 terms of size < 50 by < 24 * 2^-53 * 1200 (3e-12), far
+    below the 1e-10 the tests allow."""
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
@@ -70,18 +71,23 @@ class Sharded:
 
         world = dist.get_world_size()
         self.mesh = init_device_mesh("cpu", (world,))
-        self.mesh2d = init_device_mesh("cpu", (world, 1), mesh_dim_names=("a", "b"))
+        self.meshes = {
+            None: self.mesh,
+            "2d": init_device_mesh("cpu", (world, 1), mesh_dim_names=("a", "b")),
+            "2d-inner": init_device_mesh("cpu", (1, world), mesh_dim_names=("c", "d")),  # the split on mesh dim 1
+        }
         self.frames = None
 
     def put(self, t, placements="R", grad=False, mesh=None):
         from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-        mesh = self.mesh2d if mesh == "2d" else self.mesh
-        parsed = [Replicate() if p == "R" else Partial() if p == "P" else Shard(int(p[1:]))
-                  for p in placements.split(",")]
-        if any(isinstance(p, Partial) for p in parsed):  # each rank holds t / world: exact for world 2
+        mesh = self.meshes[mesh]
+        parsed = [Replicate() if p == "R" else Partial() if p == "P" else Partial("max") if p == "Pmax"
+                  else Shard(int(p[1:])) for p in placements.split(",")]
+        if any(isinstance(p, Partial) for p in parsed):
             assert len(parsed) == 1
-            return DTensor.from_local(t.clone() / mesh.size(), mesh, parsed)
+            # sum: each rank holds t / world (exact for world 2); max: each holds t
+            return DTensor.from_local(t.clone() / (mesh.size() if placements == "P" else 1), mesh, parsed)
         return distribute_tensor(t.clone(), mesh, parsed).requires_grad_(grad)
 
     def full(self, t):
@@ -119,26 +125,33 @@ def _result(place, outs, rotated, others=()):
     }
 
 
-def rotary(place, x="S2", tables="R", layout="bshd", seq=S, per_batch=False, dtype=None, mesh=None):
+def rotary(place, x="S2", tables="R", layout="bshd", seq=S, per_batch=False, dtype=None, mesh=None,
+           table_dims=4, grad=True):
     n = B if per_batch else 1
     cos, sin = _tables(_randn(n, seq, R // 2, seed=1), layout)
-    grad = dtype is None  # 16-bit x: the forward (float32 tables)
+    if table_dims == 2:  # (S, r) tables for (B, H, S, D) x: fewer dims than x
+        assert layout == "bhsd"
+        cos, sin = cos[0, 0], sin[0, 0]
+    grad = grad and dtype is None  # 16-bit x: the forward (float32 tables)
     if dtype is not None:
         cos, sin = cos.float(), sin.float()
     x_ = _x(H, seq, layout, seed=2)
-    xs = place.put(x_ if dtype is None else x_.to(dtype), x, grad=grad and x != "P", mesh=mesh)
-    tg = grad and tables != "P"
+    xs = place.put(x_ if dtype is None else x_.to(dtype), x, grad=grad and not x.startswith("P"), mesh=mesh)
+    tg = grad and not tables.startswith("P")
     c, s = place.put(cos, tables, grad=tg, mesh=mesh), place.put(sin, tables, grad=tg, mesh=mesh)
     return _result(place, [rope_ext.rotary(xs, c, s)], [xs], [c, s])
 
 
-def rotary_qk(place, q="S2", k="S2", tables="R", separate=False):
+def rotary_qk(place, q="S2", k="S2", tables="R", separate=False, k_tables=None, k_batchless=False):
     cos, sin = _tables(_randn(1, S, R // 2, seed=1), "bshd")
-    qs, ks = place.put(_x(H, S, "bshd", 2), q, grad=True), place.put(_x(HK, S, "bshd", 3), k, grad=True)
+    k_ = _x(HK, S, "bshd", 3)[0] if k_batchless else _x(HK, S, "bshd", 3)  # (S, HK, D): fewer dims than q
+    qs, ks = place.put(_x(H, S, "bshd", 2), q, grad=True), place.put(k_, k, grad=True)
     c, s = place.put(cos, tables, grad=True), place.put(sin, tables, grad=True)
     extra = {}
     if separate:  # k's own tables, as xPos uses
-        extra = dict(cos_k=place.put(cos * 0.5, tables, grad=True), sin_k=place.put(sin * 0.5, tables, grad=True))
+        ck, sk = (cos[0], sin[0]) if k_batchless else (cos, sin)
+        k_tables = k_tables or tables
+        extra = dict(cos_k=place.put(ck * 0.5, k_tables, grad=True), sin_k=place.put(sk * 0.5, k_tables, grad=True))
     outs = rope_ext.rotary_qk(qs, ks, c, s, **extra)
     return _result(place, list(outs), [qs, ks], [c, s, *extra.values()])
 
@@ -177,21 +190,24 @@ def rotary_inplace(place, x="S2", tables="R"):
     return _result(place, [xs], [xs])
 
 
-def rotary_pos_inplace(place, q="S2", k="S2", positions="R", mesh=None):
+def rotary_pos_inplace(place, q="S2", k="S2", positions="R", mesh=None, k_heads=HK):
     cc, sc = _caches()
-    qs, ks = place.put(_x(H, S, "bshd", 2), q, mesh=mesh), place.put(_x(HK, S, "bshd", 3), k, mesh=mesh)
+    qs, ks = place.put(_x(H, S, "bshd", 2), q, mesh=mesh), place.put(_x(k_heads, S, "bshd", 3), k, mesh=mesh)
     replicated = ",".join("R" for _ in positions.split(","))
     rope_ext.rotary_pos_(qs, ks, place.put(cc, replicated, mesh=mesh), place.put(sc, replicated, mesh=mesh),
                          place.put(_positions(S, False), positions, mesh=mesh))
     return _result(place, [qs, ks], [qs, ks])
 
 
-def module(place, q="S2", k="S2", layout="bshd", offset=0, **kwargs):
+def module(place, q="S2", k="S2", layout="bshd", offset=0, compiled=False, **kwargs):
     """RotaryEmbedding on DTensors: default positions are the global ones, also for a q split over
     the sequence."""
     rope = rope_ext.RotaryEmbedding(D, 5e5, rotary_dim=R, layout=layout, max_position_embeddings=64, **kwargs)
     qs, ks = place.put(_x(H, S, layout, 2), q, grad=True), place.put(_x(HK, S, layout, 3), k, grad=True)
-    return _result(place, list(rope(qs, ks, offset=offset)), [qs, ks])
+    result = _result(place, list((place.compile(rope) if compiled else rope)(qs, ks, offset=offset)), [qs, ks])
+    if compiled and place.sharded:
+        result["frames"] = (place.frames.frame_count, place.frames.op_count > 0)
+    return result
 
 
 def compiled(place):
@@ -269,16 +285,27 @@ CASES = {
     "rotary/bhsd seq": (P(rotary, x="S2", tables="S2", layout="bhsd"), ["S2"]),
     "rotary/seq, bfloat16": (P(rotary, x="S1", tables="S1", dtype=torch.bfloat16), ["S1"]),
     "rotary/2-D mesh": (P(rotary, x="S1,S2", tables="S1,R", mesh="2d"), ["S1,S2"]),
+    "rotary/2-D mesh, split on its inner dim": (P(rotary, x="S2,S1", tables="R,S1", mesh="2d-inner"), ["S2,S1"]),
+    "rotary/bhsd seq, (S, r) tables": (P(rotary, x="S2", tables="S0", layout="bhsd", table_dims=2), ["S2"]),
+    "rotary/seq of one token": (P(rotary, x="S1", tables="S1", seq=1), ["R"]),
     # what the op cannot keep is redistributed
     "rotary/x split on the rotated dim": (P(rotary, x="S3"), ["R"]),
     "rotary/x partial": (P(rotary, x="P"), ["R"]),
     "rotary/tables split on the rotary dim": (P(rotary, x="S2", tables="S3"), ["S2"]),
     "rotary/tables partial": (P(rotary, x="S2", tables="P"), ["S2"]),
+    # (forward only: the tables' gradient multiplies the saved x, and DTensor's own ops refuse to mix
+    # the max-partial x with the min-partial its negation makes; an error, not a wrong number)
+    "rotary/x partial max": (P(rotary, x="Pmax", grad=False), ["R"]),
+    "rotary/tables split on a broadcast dim": (P(rotary, x="S2", tables="S1"), ["S2"]),
     "rotary_qk/heads": (P(rotary_qk, q="S2", k="S2"), ["S2", "S2"]),
     "rotary_qk/seq": (P(rotary_qk, q="S1", k="S1", tables="S1"), ["S1", "S1"]),
     "rotary_qk/seq, separate k tables": (P(rotary_qk, q="S1", k="S1", tables="S1", separate=True), ["S1", "S1"]),
     "rotary_qk/q heads, k replicated": (P(rotary_qk, q="S2", k="R"), ["S2", "R"]),
     "rotary_qk/q seq, k heads": (P(rotary_qk, q="S1", k="S2", tables="S1"), ["R", "S2"]),
+    # q's batch split alone would leave q and k differing in batch and heads: q is gathered
+    "rotary_qk/GQA, q batch, k replicated": (P(rotary_qk, q="S0", k="R"), ["R", "R"]),
+    "rotary_qk/k of fewer dims, own tables": (
+        P(rotary_qk, q="S1", k="S0", tables="S1", separate=True, k_tables="S0", k_batchless=True), ["S1", "S0"]),
     "rotary_pos/heads": (P(rotary_pos, x="S2"), ["S2"]),
     "rotary_pos/seq": (P(rotary_pos, x="S1", positions="S0"), ["S1"]),
     "rotary_pos/seq, positions replicated": (P(rotary_pos, x="S1"), ["S1"]),
@@ -288,6 +315,7 @@ CASES = {
     "rotary_pos/x partial": (P(rotary_pos, x="P"), ["R"]),
     "rotary_pos_qk/heads": (P(rotary_pos_qk, q="S2", k="S2"), ["S2", "S2"]),
     "rotary_pos_qk/seq": (P(rotary_pos_qk, q="S1", k="S1", positions="S0"), ["S1", "S1"]),
+    "rotary_pos_qk/GQA, q batch, k replicated": (P(rotary_pos_qk, q="S0", k="R"), ["R", "R"]),
     "rotary_/heads": (P(rotary_inplace, x="S2"), ["S2"]),
     "rotary_/seq, tables replicated": (P(rotary_inplace, x="S1"), ["S1"]),
     "rotary_pos_/heads": (P(rotary_pos_inplace, q="S2", k="S2"), ["S2", "S2"]),
@@ -299,16 +327,21 @@ CASES = {
     "module/seq, offset": (P(module, q="S1", k="S1", offset=5), ["S1", "S1"]),
     "module/bhsd seq": (P(module, q="S2", k="S2", layout="bhsd"), ["S2", "S2"]),
     "module/xPos seq (tables, not the cache)": (P(module, q="S1", k="S1", xpos_scale_base=64.0), ["S1", "S1"]),
+    "module/compiled seq": (P(module, q="S1", k="S1", compiled=True), ["S1", "S1"]),
     "compiled": (compiled, ["S1", "S1"]),
-    "llama tensor parallel": (llama_tp, None),
 }
+
+# Cases that need transformers (tests/test_distributed.py), apart from the core cases.
+EXTRA = {"llama tensor parallel": (llama_tp, None)}
 
 # In-place calls whose written inputs cannot keep their placements: refused, with the words the
 # error must contain.
 REFUSED = {
     "rotary_/x split on the rotated dim": (P(rotary_inplace, x="S3"), ["rope_ext.rotary_", "x", "in-place"]),
     "rotary_pos_/k split on the rotated dim": (P(rotary_pos_inplace, q="S1", k="S3"), ["rope_ext.rotary_pos_", "k"]),
-    "rotary_pos_/q seq, k heads": (P(rotary_pos_inplace, q="S1", k="S2"), ["rope_ext.rotary_pos_", "positions"]),
+    "rotary_pos_/q seq, k heads": (P(rotary_pos_inplace, q="S1", k="S2"), ["rope_ext.rotary_pos_", "head count"]),
+    "rotary_pos_/q seq, k replicated": (
+        P(rotary_pos_inplace, q="S1", k="R", k_heads=H), ["rope_ext.rotary_pos_", "positions cannot be split"]),
     # DTensor pins only q's placement; k's is kept by offering one choice per q placement
     "rotary_pos_/2-D mesh, k ambiguous": (
         P(rotary_pos_inplace, q="R,R", k="S2,R", positions="R,R", mesh="2d"),
@@ -317,17 +350,19 @@ REFUSED = {
 }
 
 
-def run_all(rank, world, port, out_path):
-    """Worker: every case on DTensors; rank 0 saves {name: result, or the error as a string}."""
+def run_all(rank, world, port, out_path, names):
+    """Worker: the named cases (of CASES, REFUSED and EXTRA) on DTensors; rank 0 saves {name: result,
+    or the error as a string}."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     torch.set_num_threads(1)
     try:
         place = Sharded()
         results = {}
-        for name, (case, _) in {**CASES, **REFUSED}.items():
+        every = {**CASES, **REFUSED, **EXTRA}
+        for name in names:
             try:
-                results[name] = case(place)
+                results[name] = every[name][0](place)
             except Exception as e:  # every rank raises alike: the sharding decision is the same
                 results[name] = f"{type(e).__name__}: {e}"
         if rank == 0:

@@ -1,10 +1,12 @@
-"""rope_ext under torch.distributed (gloo, CPU, 2 processes): DDP training of a patched model, and
-context parallelism with global positions."""
+"""rope_ext under torch.distributed (gloo, CPU, 2 processes): DDP training of a patched model,
+context parallelism with global positions, and tensor parallelism on DTensors (the ops' rules are
+tested case by case in tests/test_dtensor.py)."""
 from __future__ import annotations
 
 import socket
 
 import distributed_workers as workers
+import dtensor_cases
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -47,3 +49,23 @@ def test_context_parallel_rotation_equals_unsharded(tmp_path):
     q, k = torch.randn(2, 8, 64, 32, generator=gen), torch.randn(2, 2, 64, 32, generator=gen)
     q_ref, k_ref = rope_ext.RotaryEmbedding(32, 5e5, layout="bhsd")(q, k)
     assert torch.equal(q_cp, q_ref) and torch.equal(k_cp, k_ref)
+
+
+def test_tensor_parallel_llama_equals_unsharded_stock_model(tmp_path):
+    """A tiny Llama whose attention is tensor parallel over heads on DTensors (tests/dtensor_cases.py's
+    llama_tp), patched with rope_ext: the loss and every gradient equal the unsharded, unpatched
+    model's. Splitting the matmuls (q/k/v by columns, o by rows with an all-reduce) reorders float32
+    sums of values below 1, and HF's rotation rounds its two products and their sum where rope_ext's
+    kernel rounds differently: a few float32 roundings, so rtol 1e-5 and atol 1e-7."""
+    out = tmp_path / "tp.pt"
+    name = "llama tensor parallel"
+    mp.spawn(dtensor_cases.run_all, args=(WORLD, _free_port(), str(out), [name]), nprocs=WORLD, join=True)
+    got = torch.load(out, weights_only=False)[name]
+    assert not isinstance(got, str), got
+    ref = dtensor_cases.llama_tp(dtensor_cases.Plain())
+    assert got["calls"], "the patched attention must call rope_ext"
+    assert all(kind == "DTensor" and placement == "S1" for _, kind, placement in got["calls"]), got["calls"]
+    torch.testing.assert_close(got["out"][0], ref["out"][0], rtol=1e-5, atol=1e-7)
+    assert len(got["grads"]) == len(ref["grads"])
+    for i, (a, b) in enumerate(zip(got["grads"], ref["grads"], strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=f"parameter {i}")
