@@ -19,7 +19,7 @@ and a placement that the op cannot keep raises an error that names the argument.
 
 Registration goes through torch's public ``register_sharding`` and happens on import of
 ``torch.distributed.tensor``, whichever comes first: importing rope_ext never imports DTensor (about
-a second), and a process that never uses DTensor pays nothing (see ``install``).
+0.9 s), and a process that never uses DTensor pays nothing (see ``install``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.abc
 import itertools
 import sys
+import threading
 import warnings
 
 import torch
@@ -103,23 +104,41 @@ class _Rule:
                 needs.add(Replicate() if a < 0 or t.shape[a] == 1 else Shard(a))
             return needs.pop() if len(needs) == 1 else None
 
-        def local_dims_differ(placements):
-            """Whether q's and k's shards would differ in more than one leading dim: the kernel
-            takes q and k that share tables or positions only if they differ in one (the head
-            count), along which those broadcast."""
+        def split_dim(name, p):
+            return p.dim % bound[name].ndim if isinstance(p, Shard) else None
+
+        def head_dim():
+            """The one leading dim in which q's and k's shards may differ when they share tables or
+            positions (the kernel takes them so, broadcasting those along it): where their shapes
+            differ (GQA), or else where their current placements split them differently; None if
+            no one dim qualifies, and -1 (anything goes: the kernel will name the problem) if q
+            and k are not such a pair to begin with."""
             q, k = (bound[n] for n in rotated)
-            differ = set()
-            for d in range(q.ndim - 1):
-                split = [isinstance(p, Shard) and p.dim % q.ndim == d for p in placements]
-                if q.shape[d] != k.shape[d] or split[0] != split[1]:
-                    differ.add(d)
-            return len(differ) > 1
+            if q.ndim != k.ndim:
+                return -1
+            differ = {d for d in range(q.ndim - 1) if q.shape[d] != k.shape[d]}
+            if not differ:
+                differ = {
+                    d for pq, pk in zip(q.placements, k.placements, strict=True)
+                    for d in (split_dim(rotated[0], pq), split_dim(rotated[1], pk))
+                    if d is not None and split_dim(rotated[0], pq) != split_dim(rotated[1], pk)
+                }
+                return differ.pop() if len(differ) == 1 else None
+            return differ.pop() if len(differ) == 1 else -1
+
+        coupled = len(rotated) == 2 and any(len(served) == 2 for _, served, _ in followers)
+        allowed = head_dim() if coupled else -1
+
+        def shards_differ(placements):
+            """Whether this mesh dim would split q and k differently along a dim other than the
+            allowed one: then the combined shards could differ in two dims."""
+            a, b = (split_dim(n, p) for n, p in zip(rotated, placements, strict=True))
+            return allowed != -1 and a != b and ({a, b} - {None, allowed})
 
         def strategy(placements):
             """(outputs, inputs) for the rotated arguments placed as given, or why they cannot be."""
-            if len(rotated) == 2 and any(len(served) == 2 for _, served, _ in followers):
-                if local_dims_differ(placements):
-                    return "q's and k's shards would differ in more than the head count"
+            if coupled and shards_differ(placements):
+                return "q's and k's shards would differ in more than the head count"
             by_name = dict(zip(rotated, placements, strict=True))
             for name, served, table in followers:
                 p = follower_placement(name, served, table, placements)
@@ -207,16 +226,18 @@ def register() -> None:
 
 
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself. Asked for torch.distributed.tensor, it returns the other finders'
-    spec with its loader wrapped, so that the rules are registered once the module has run. It
-    stays in sys.meta_path until then: a spec that is only looked up (importlib.util.find_spec)
-    and never loaded changes nothing."""
+    """Finds nothing itself. Asked for torch.distributed.tensor before the rules are registered,
+    it returns the other finders' spec with its loader wrapped, so that the rules are registered
+    once the module has run; a spec only looked up (importlib.util.find_spec) changes nothing. It
+    stays in sys.meta_path (removing it could make another thread's import skip a finder)."""
+
+    rope_ext_register_on_import = True  # recognised by this mark, also after a reload of this module
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _DTENSOR:
+        if fullname != _DTENSOR or _registered:
             return None
         for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+            if getattr(finder, "rope_ext_register_on_import", False) or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
@@ -238,26 +259,30 @@ class _RegisterAfter(importlib.abc.Loader):
     def exec_module(self, module):
         self.loader.exec_module(module)
         module.__loader__ = module.__spec__.loader = self.loader  # leave no trace in the module
-        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterOnImport)]
         _register_or_warn()
 
     def __getattr__(self, name):  # is_package, get_code, get_resource_reader, ...
+        if name == "loader":  # not set yet (a copy): no recursion
+            raise AttributeError(name)
         return getattr(self.loader, name)
 
 
 _registered = False
+_lock = threading.Lock()
 
 
 def _register_or_warn() -> None:
     """register(), once per process; a failure warns rather than break the user's import."""
     global _registered
-    if _registered:
-        return
-    _registered = True
-    try:
-        register()
-    except Exception as e:
-        warnings.warn(f"rope_ext: could not register its DTensor sharding rules ({e!r})", stacklevel=2)
+    with _lock:
+        if _registered:
+            return
+        try:
+            register()
+        except Exception as e:
+            warnings.warn(f"rope_ext: could not register its DTensor sharding rules ({e!r})", stacklevel=2)
+        finally:
+            _registered = True
 
 
 def install() -> None:
@@ -268,5 +293,5 @@ def install() -> None:
         return
     if _DTENSOR in sys.modules:
         _register_or_warn()
-    elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+    elif not any(getattr(f, "rope_ext_register_on_import", False) for f in sys.meta_path):
         sys.meta_path.insert(0, _RegisterOnImport())

@@ -461,11 +461,14 @@ class RotaryEmbedding(nn.Module):
                 cos, sin, positions = self._buffers["cos_cache"], self._buffers["sin_cache"], rows[0]
                 if type(q) is not torch.Tensor and is_dtensor(q):
                     # Each rank's kernel checks only its share of the positions, so a position past
-                    # the cache would send ranks different ways; readable ones are checked here, whole.
-                    if P._readable(rows[1]) and rows[1].numel():
-                        least, most = P.extremes(rows[1])
-                        if least < 0 or most >= self._cached_positions():
-                            return self._past_the_cache(None, q, k, rows[1])
+                    # the cache would send ranks different ways: given (plain, readable) positions
+                    # are checked here, whole. (An int offset's window is covered already.)
+                    given = rows[1]
+                    if (position_ids is not None or not isinstance(offset, int)) and type(given) is torch.Tensor:
+                        if P._readable(given) and given.numel():
+                            least, most = P.extremes(given)
+                            if least < 0 or most >= self._cached_positions():
+                                return self._past_the_cache(None, q, k, given)
                     cos, sin, positions = replicated_like(q, cos, sin, positions)
                 try:
                     return _rotary_pos_qk(q, k, cos, sin, positions, self.interleaved, False)

@@ -142,11 +142,14 @@ def rotary(place, x="S2", tables="R", layout="bshd", seq=S, per_batch=False, dty
     return _result(place, [rope_ext.rotary(xs, c, s)], [xs], [c, s])
 
 
-def rotary_qk(place, q="S2", k="S2", tables="R", separate=False, k_tables=None, k_batchless=False):
+def rotary_qk(place, q="S2", k="S2", tables="R", separate=False, k_tables=None, k_batchless=False, heads_k=HK,
+              mesh=None):
     cos, sin = _tables(_randn(1, S, R // 2, seed=1), "bshd")
-    k_ = _x(HK, S, "bshd", 3)[0] if k_batchless else _x(HK, S, "bshd", 3)  # (S, HK, D): fewer dims than q
-    qs, ks = place.put(_x(H, S, "bshd", 2), q, grad=True), place.put(k_, k, grad=True)
-    c, s = place.put(cos, tables, grad=True), place.put(sin, tables, grad=True)
+    k_ = _x(heads_k, S, "bshd", 3)[0] if k_batchless else _x(heads_k, S, "bshd", 3)  # (S, HK, D): fewer dims than q
+    qs, ks = place.put(_x(H, S, "bshd", 2), q, grad=True, mesh=mesh), place.put(k_, k, grad=True, mesh=mesh)
+    if mesh is not None:
+        tables = ",".join("R" for _ in q.split(","))
+    c, s = place.put(cos, tables, grad=True, mesh=mesh), place.put(sin, tables, grad=True, mesh=mesh)
     extra = {}
     if separate:  # k's own tables, as xPos uses
         ck, sk = (cos[0], sin[0]) if k_batchless else (cos, sin)
@@ -199,12 +202,16 @@ def rotary_pos_inplace(place, q="S2", k="S2", positions="R", mesh=None, k_heads=
     return _result(place, [qs, ks], [qs, ks])
 
 
-def module(place, q="S2", k="S2", layout="bshd", offset=0, compiled=False, **kwargs):
+def module(place, q="S2", k="S2", layout="bshd", offset=0, compiled=False, first_position=None, **kwargs):
     """RotaryEmbedding on DTensors: default positions are the global ones, also for a q split over
-    the sequence."""
+    the sequence. first_position: explicit positions from there (plain, as the module's callers
+    pass them)."""
     rope = rope_ext.RotaryEmbedding(D, 5e5, rotary_dim=R, layout=layout, max_position_embeddings=64, **kwargs)
     qs, ks = place.put(_x(H, S, layout, 2), q, grad=True), place.put(_x(HK, S, layout, 3), k, grad=True)
-    result = _result(place, list((place.compile(rope) if compiled else rope)(qs, ks, offset=offset)), [qs, ks])
+    call = dict(offset=offset)
+    if first_position is not None:
+        call = dict(position_ids=torch.arange(first_position, first_position + S))
+    result = _result(place, list((place.compile(rope) if compiled else rope)(qs, ks, **call)), [qs, ks])
     if compiled and place.sharded:
         result["frames"] = (place.frames.frame_count, place.frames.op_count > 0)
     return result
@@ -304,6 +311,10 @@ CASES = {
     "rotary_qk/q seq, k heads": (P(rotary_qk, q="S1", k="S2", tables="S1"), ["R", "S2"]),
     # q's batch split alone would leave q and k differing in batch and heads: q is gathered
     "rotary_qk/GQA, q batch, k replicated": (P(rotary_qk, q="S0", k="R"), ["R", "R"]),
+    # a 2-D mesh (whose second dim, of size 1, splits nothing: the rule's mesh-wide guarantee is
+    # checked on a 2 x 2 mesh in test_dtensor.py)
+    "rotary_qk/2-D mesh, q batch and heads, k replicated": (
+        P(rotary_qk, q="S0,S2", k="R,R", mesh="2d", heads_k=H), None),
     "rotary_qk/k of fewer dims, own tables": (
         P(rotary_qk, q="S1", k="S0", tables="S1", separate=True, k_tables="S0", k_batchless=True), ["S1", "S0"]),
     "rotary_pos/heads": (P(rotary_pos, x="S2"), ["S2"]),
@@ -328,6 +339,10 @@ CASES = {
     "module/bhsd seq": (P(module, q="S2", k="S2", layout="bhsd"), ["S2", "S2"]),
     "module/xPos seq (tables, not the cache)": (P(module, q="S1", k="S1", xpos_scale_base=64.0), ["S1", "S1"]),
     "module/compiled seq": (P(module, q="S1", k="S1", compiled=True), ["S1", "S1"]),
+    # positions 61..66 with a cache of 64: only the second rank's share passes it; every rank
+    # must grow the cache alike
+    "module/seq, positions past the cache": (P(module, q="S1", k="S1", first_position=61), ["S1", "S1"]),
+    "module/MQA-like: q heads, k replicated": (P(module, q="S2", k="R"), ["S2", "R"]),
     "compiled": (compiled, ["S1", "S1"]),
 }
 
