@@ -43,30 +43,30 @@ def test_every_example_runs():
         exec(compile(block, f"README example {i}", "exec"), scope)
 
 
-def test_distributed_examples_run(monkeypatch):
+def test_distributed_examples_run():
     """Each distributed example runs on rank 0 of a one-process gloo group, from a fresh prelude
     (tests/test_distributed.py and tests/test_dtensor.py run the same calls on 2 processes), and the
     rope_ext calls in it see what the example says: DTensors for the tensor-parallel one."""
-    import socket
-
     import torch.distributed as dist
     from conftest import RopeOpSpy
+
+    from rope_ext.integrations import transformers as rope_hf
 
     pytest.importorskip("transformers")
     blocks = [b for b in _blocks() if b.startswith(RANK_BLOCK)]
     assert len(blocks) == 3, "the Distributed section has a DDP, a context-parallel and a tensor-parallel example"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # no port to race for
     try:
         for i, block in enumerate(blocks):
             scope: dict = {}
             exec(RANK_PRELUDE, scope)
-            with RopeOpSpy() as spy:
-                exec(compile(block, f"README distributed example {i}", "exec"), scope)
+            before = set(rope_hf.patched_families())
+            try:
+                with RopeOpSpy() as spy:
+                    exec(compile(block, f"README distributed example {i}", "exec"), scope)
+            finally:  # an example's own patch() stays its own
+                rope_hf.unpatch(sorted(set(rope_hf.patched_families()) - before))
             if "DistributedDataParallel" in block:
                 assert isinstance(scope["model"], torch.nn.parallel.DistributedDataParallel)
             elif "offset=start" in block:
@@ -75,9 +75,6 @@ def test_distributed_examples_run(monkeypatch):
                 assert torch.isfinite(scope["loss"])
                 assert spy.calls and all(type(args[0]).__name__ == "DTensor" for _, args in spy.calls)
     finally:
-        from rope_ext.integrations import transformers as rope_hf
-
-        rope_hf.unpatch()
         dist.destroy_process_group()
 
 
