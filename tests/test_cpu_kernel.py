@@ -255,12 +255,17 @@ def test_thresholds_default_and_checked():
 # multiple of the register size (32 bytes on AVX2, 64 on AVX-512), so the rows here start at every
 # alignment modulo 64 bytes: rows of an odd head dim d advance by d * elem_size bytes. Rotary dims
 # of 40, 72 and 74 put the second half of a half-split row off the register grid (r = 20 and 24
-# have too few pairs for the vector body and take the scalar tail only). Each result must equal the
-# same call with streaming off, bit for bit, and the float64 reference; and the kernel must have
-# streamed exactly the rows that the rule for this machine's register size allows
-# (conftest.expected_streamed_rows), so the streaming path demonstrably ran.
+# have too few pairs for the vector body and take the scalar tail only); r = 128 puts it on the grid
+# for every dtype and register size (64 16-bit values are 128 bytes), r = 32 for float32 everywhere
+# and for 16-bit values on AVX2 only. Each result must equal the same call with streaming off, bit
+# for bit, and the float64 reference; and the kernel must have streamed exactly the rows that the
+# rule for this machine's register size allows (conftest.expected_streamed_rows). Both sides of each
+# of that rule's gates must be reached on this machine, whatever its register size: rows that
+# streamed, rows that started off the grid, and half-split rows that started on it but whose second
+# half did not.
 STREAM_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-STREAM_DIMS = {40: (40, 24), 72: (72, 20), 80: (80, 32), 96: (96, 32), 33: (32, 20), 41: (40, 24), 75: (74,)}
+STREAM_DIMS = {40: (40, 24), 72: (72, 20), 80: (80, 32), 96: (96, 32), 33: (32, 20), 41: (40, 24), 75: (74,),
+               136: (128,)}
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
@@ -268,6 +273,8 @@ STREAM_DIMS = {40: (40, 24), 72: (72, 20), 80: (80, 32), 96: (96, 32), 33: (32, 
 def test_streaming_stores_at_every_row_alignment(dtype, interleaved, gen):
     tokens, heads = 40, 3
     row_starts, streamed = set(), 0
+    w = STREAMING_STORE_BYTES[rope_ext.cpu_kernel_isa()]
+    sides = set()  # the gates' sides reached: "streamed", "row_off_grid", "second_half_off_grid"
     for d, rotary_dims in STREAM_DIMS.items():
         x = randn(tokens, heads, d, dtype=dtype, gen=gen)
         g = randn(tokens, heads, d, dtype=dtype, gen=gen)
@@ -283,6 +290,12 @@ def test_streaming_stores_at_every_row_alignment(dtype, interleaved, gen):
                 n = path_counts_since(before)["streamed_rows"]
                 assert n == expected_streamed_rows(streamed_out, interleaved, r, 0), (d, r, conjugate)
                 streamed += n
+                if w:
+                    starts = {(streamed_out.data_ptr() + i * d * x.element_size()) % w for i in range(tokens * heads)}
+                    sides |= {"streamed"} if n else set()
+                    sides |= {"row_off_grid"} if starts != {0} else set()
+                    if not interleaved and 0 in starts and (r // 2 * x.element_size()) % w:
+                        sides.add("second_half_off_grid")
                 assert torch.equal(streamed_out, plain)
                 assert_matches_reference(streamed_out, x, cos, sin, **kw)
                 row_starts |= {(streamed_out.data_ptr() + i * d * x.element_size()) % 64 for i in range(tokens * heads)}
@@ -295,9 +308,25 @@ def test_streaming_stores_at_every_row_alignment(dtype, interleaved, gen):
             assert path_counts_since(before)["streamed_rows"] == 2 * expected_streamed_rows(got, interleaved, r, 0)
             assert torch.equal(got, expected)
     assert row_starts == set(range(0, 64, x.element_size())), "some row alignment was not reached"
-    if STREAMING_STORE_BYTES[rope_ext.cpu_kernel_isa()]:
-        assert streamed > 0
+    if w:
+        expected = {"streamed", "row_off_grid"} | (set() if interleaved else {"second_half_off_grid"})
+        assert sides == expected, (rope_ext.cpu_kernel_isa(), sides)
+    else:
+        assert streamed == 0
 
+
+@pytest.mark.skipif(rope_ext.cpu_kernel_isa() != "AVX512", reason="the AVX2 variant is this process's own")
+def test_streaming_gates_under_the_avx2_variant_too():
+    """An AVX-512 machine runs the AVX-512 variant; the AVX2 variant's 32-byte streaming gates
+    (which it would run on an AVX2-only machine) are reached here too, in a fresh process
+    that ATEN_CPU_CAPABILITY=avx2 puts on that variant: the streaming, in-place and large-output
+    tests above must pass there, with AVX2's rule for which rows stream."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    tests = "streaming_stores or in_place_rows or large_outputs or variant_follows"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+                         env=env, capture_output=True, text=True, cwd=Path(__file__).parent)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert re.search(r"\b21 passed\b", run.stdout), run.stdout[-2000:]
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
 @pytest.mark.parametrize("dtype", STREAM_DTYPES, ids=str)
