@@ -164,6 +164,10 @@ class RotaryEmbedding(nn.Module):
             scaling, base=base, rotary_dim=rotary_dim, max_position_embeddings=max_position_embeddings
         )
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+        # Device-resident inputs of the per-call tables, built once here so that a forward copies
+        # nothing from the host: longrope's long frequencies, and M-RoPE's stream of each frequency.
+        self.register_buffer("_inv_freq_long", torch.empty(0, dtype=torch.float64), persistent=False)
+        self.register_buffer("_mrope_stream", torch.empty(0, dtype=torch.int64), persistent=False)
         # Half-width (positions, r/2) float32 tables that forward gathers from (rotary_pos_qk), and
         # arange(positions) for int offsets (a slice of it is a view: no kernel per call).
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
@@ -239,6 +243,12 @@ class RotaryEmbedding(nn.Module):
 
     def _init_buffers(self, device):
         self.inv_freq = self.schedule.inv_freq(device=device)  # float64 (r/2,)
+        long = self.schedule.inv_freq_long
+        self._inv_freq_long = torch.tensor(() if long is None else long, dtype=torch.float64, device=device)
+        # M-RoPE: frequency j follows the stream (temporal, height, width) of the section it falls in.
+        sections = self.mrope_section or ()
+        self._mrope_stream = torch.tensor([i % 3 for i, s in enumerate(sections) for _ in range(s)], dtype=torch.int64,
+                                          device=device)
         self._build_cache(max(self._cached_positions(), self.max_position_embeddings), device)
 
     def _kind_of_cache(self) -> str | None:
@@ -286,7 +296,7 @@ class RotaryEmbedding(nn.Module):
             if kind == "dynamic":
                 angles = torch.arange(self.max_position_embeddings, dtype=torch.float64, device=device)[:, None] * inv
             elif kind == "longrope":
-                inv_long = torch.tensor(self.schedule.inv_freq_long, dtype=torch.float64, device=device)
+                inv_long = self._inv_freq_long.to(device)
                 positions = torch.arange(max(n, self.schedule.switch_len), dtype=torch.float64, device=device)[:, None]
                 angles = torch.cat((positions[: self.schedule.switch_len] * inv, positions[:n] * inv_long))
             else:
@@ -383,8 +393,7 @@ class RotaryEmbedding(nn.Module):
                 f"rope_ext.RotaryEmbedding: with mrope_section, position_ids must have shape "
                 f"(3, batch, seqlen), got {tuple(position_ids.shape)}"
             )
-        # Frequency j follows stream k (temporal, height, width) of the section it falls in.
-        stream = torch.cat([torch.full((s,), i % 3) for i, s in enumerate(self.mrope_section)]).to(position_ids.device)
+        stream = self._mrope_stream.to(position_ids.device)
         cos, sin = P._tables(
             position_ids, inv, interleaved=False, scale=self.attention_factor, dtype=torch.float64
         )  # (3, B, S, r): the two halves repeat
@@ -399,9 +408,9 @@ class RotaryEmbedding(nn.Module):
 
     def _inv_freq_for(self, position_ids):
         if self.schedule.rope_type in ("dynamic", "longrope"):
-            return self.schedule.inv_freq(
-                position_ids.max() if position_ids.numel() else None, device=position_ids.device
-            )
+            device = position_ids.device
+            return self.schedule.scale(self.inv_freq.to(device), self._inv_freq_long.to(device),
+                                       position_ids.max() if position_ids.numel() else None)
         return self.inv_freq.to(position_ids.device)
 
     # -- forward ---------------------------------------------------------------------------

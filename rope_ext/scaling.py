@@ -205,22 +205,32 @@ class RopeSchedule:
 
         ``dynamic`` and ``longrope`` depend on it (through L = max_position + 1); the others
         ignore it. max_position may be a 0-dim tensor (no host sync) or None (no long context).
+        Builds the frequencies from this schedule's numbers (a host-to-device copy where device is
+        not the CPU); a forward uses :meth:`scale` on frequencies already on its device.
         """
         inv = torch.tensor(self.inv_freq_base, dtype=torch.float64, device=device)
+        long = None if self.inv_freq_long is None else torch.tensor(self.inv_freq_long, dtype=torch.float64,
+                                                                      device=device)
+        return self.scale(inv, long, max_position)
+
+    def scale(self, inv: torch.Tensor, inv_long: torch.Tensor | None, max_position: torch.Tensor | None):
+        """:meth:`inv_freq` from this schedule's base frequencies ``inv`` and, for longrope, its long
+        ones ``inv_long`` (float64 (d/2,) tensors on the call's device): only device arithmetic, no
+        host data copied and nothing read back, so a forward stays free of host syncs and can be
+        captured in a CUDA graph."""
         if max_position is None or self.rope_type not in ("dynamic", "longrope"):
             return inv
         # Python rather than the C++ API's inv_freq_for: the same formula, but here torch.compile
         # keeps base and factor symbolic (a float argument of a custom op would be specialized).
         # tests/test_scaling.py checks that both give the same numbers.
-        length = max_position.to(device=device, dtype=torch.float64) + 1
+        length = max_position.to(device=inv.device, dtype=torch.float64) + 1
         if self.rope_type == "longrope":
-            long = torch.tensor(self.inv_freq_long, dtype=torch.float64, device=device)
-            return torch.where(length > self.switch_len, long, inv)
+            return torch.where(length > self.switch_len, inv_long, inv)
         # dynamic NTK (HF's rule): the base grows once L exceeds max_position_embeddings.
         d = self.rotary_dim
         length = length.clamp(min=self.switch_len)
         base = self.base * (self.factor * length / self.switch_len - (self.factor - 1)) ** (d / (d - 2))
-        return base ** -(torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
+        return base ** -(torch.arange(0, d, 2, dtype=torch.float64, device=inv.device) / d)
 
 
 def _factors(cfg, key, d) -> list[float]:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rope_ext  # noqa: F401  (loads the ops)
@@ -72,6 +73,35 @@ class RopeOpSpy(TorchDispatchMode):
         if func.namespace == "rope_ext":
             self.calls.append((func.__name__.split(".")[0], args))
         return func(*args, **(kwargs or {}))
+
+
+class HostCopySpy(TorchFunctionMode):
+    """Records each call that brings host data to another device: a tensor built from Python data
+    (torch.tensor / as_tensor / asarray) on a device other than the CPU, and any call that takes a
+    CPU tensor of one or more dims and returns a tensor elsewhere (.to(device), copy_, cat, ...).
+    Run with tensors on the meta device, it stands in for a GPU on a machine without one: each such
+    call is a host-to-device copy on CUDA (a pageable one waits for the device, and none may be
+    captured in a CUDA graph), and reading a value back (.item(), .tolist(), bool()) raises on meta."""
+
+    _FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
+    _MOVES = {torch.Tensor.to, torch.Tensor.copy_, torch.Tensor.cuda}  # (0-dim operands of other ops are scalars)
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        off_host = any(t.device.type != "cpu" for t in outs)
+        host = [t for t in leaves if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+        if func in self._FROM_DATA and off_host:
+            self.copies.append(f"{func.__name__} to {outs[0].device}")
+        elif off_host and any(t.dim() or func in self._MOVES for t in host):
+            self.copies.append(f"{getattr(func, '__name__', func)} of a CPU tensor to {outs[0].device}")
+        return out
 
 
 def randn(*shape, dtype=torch.float32, gen=None):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo.testing
-from conftest import CONVENTIONS, randn
+from conftest import CONVENTIONS, HostCopySpy, randn
 
 import rope_ext
 
@@ -71,6 +71,44 @@ def _longrope(r: int, original: int) -> dict:
     n = r // 2
     return {"rope_type": "longrope", "original_max_position_embeddings": original,
             "short_factor": [1.0 + i / n for i in range(n)], "long_factor": [2.0 + 3 * i / n for i in range(n)]}
+
+
+# Every kind of table a forward builds, and every way of giving positions, on the meta device: a
+# stand-in for a GPU on which a host-to-device copy (HostCopySpy) or a value read back (an error on
+# meta) would be a host sync, and would break CUDA graph capture.
+DEVICE_MODULES = {
+    **{name: dict(scaling=config) for name, config in SCALINGS.items()},
+    "dynamic": dict(scaling={"rope_type": "dynamic", "factor": 2.0}),
+    "longrope": dict(scaling=_longrope(64, 64)),
+    "proportional": dict(scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 2.0}),
+    "xpos": dict(xpos_scale_base=512.0),
+    "mrope": dict(mrope_section=[8, 12, 12]),
+}
+
+
+@pytest.mark.parametrize("module", DEVICE_MODULES.values(), ids=DEVICE_MODULES.keys())
+def test_forward_on_a_device_copies_nothing_from_the_host(module):
+    dev = torch.device("meta")
+    rope = rope_ext.RotaryEmbedding(64, layout="bhsd", max_position_embeddings=512, device=dev, **module)
+    B, S = 2, 5
+    q, k = torch.empty(B, 8, S, 64, device=dev, dtype=torch.bfloat16), torch.empty(B, 2, S, 64, device=dev)
+    pq, pk = torch.empty(9, 8, 64, device=dev), torch.empty(9, 2, 64, device=dev)
+    positions = torch.zeros(3, B, S, dtype=torch.int64, device=dev) if "mrope_section" in module else \
+        torch.zeros(B, S, dtype=torch.int64, device=dev)
+    calls = {
+        "position_ids": lambda: rope(q, k.bfloat16(), positions),
+        "int_offset": lambda: rope(q, k.bfloat16(), offset=100),
+        "row_offsets": lambda: rope(q, k.bfloat16(), offset=torch.zeros(B, dtype=torch.int64, device=dev)),
+        "cu_seqlens": lambda: rope(pq, pk, cu_seqlens=torch.zeros(3, dtype=torch.int32, device=dev)),
+    }
+    if "mrope_section" in module:
+        del calls["cu_seqlens"]  # (packed M-RoPE sequences take (3, T) stream positions: no cu_seqlens)
+    for name, call in calls.items():
+        call()  # a first call may build the cache
+        with HostCopySpy() as spy:
+            out_q, out_k = call()
+        assert spy.copies == [], (name, spy.copies)
+        assert out_q.device == dev and out_k.device == dev
 
 
 @pytest.mark.parametrize("scaling", ["default", "longrope"])
