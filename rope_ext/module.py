@@ -174,6 +174,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
         self.register_buffer("_steps", torch.empty(0, dtype=torch.int64), persistent=False)
         self._cache_kind = self._kind_of_cache()  # (the configuration never changes after construction)
+        self._retired_caches: list[tuple[torch.Tensor, ...]] = []  # (see _build_cache)
         self._init_buffers(torch.get_default_device() if device is None else torch.device(device))
 
     @classmethod
@@ -290,6 +291,13 @@ class RotaryEmbedding(nn.Module):
         kind = self._cache_kind
         if kind is None:
             return
+        old = (self._buffers["cos_cache"], self._buffers["sin_cache"], self._buffers["_steps"])
+        if old[0].numel() and old[0].device.type != "cpu":
+            # Off the CPU, a CUDA graph captured earlier holds these buffers' addresses: freeing them
+            # would let a replay read whatever the allocator puts there next. Growing for a call at
+            # least doubles the cache, so those kept add up to less than the current buffers (more
+            # only if ensure_positions is called in many small steps).
+            self._retired_caches.append(old)
         # Ordinary tensors even when grown under inference_mode, so that training can use them later.
         with torch.inference_mode(False), torch.no_grad():
             inv = self.inv_freq.to(device)

@@ -60,6 +60,21 @@ def test_every_position_mode_equals_the_table_path(interleaved, scaling, gen):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_growing_off_the_cpu_keeps_the_old_buffers_alive(device):
+    """A CUDA graph captured before the cache grows keeps reading the old buffers' addresses: off the
+    CPU (meta stands in for a GPU here) the module keeps them alive, holding the same tensors; on the
+    CPU, where no graph can hold them, it lets them go."""
+    rope = rope_ext.RotaryEmbedding(64, layout="bshd", max_position_embeddings=16, device=device)
+    q = torch.empty(1, 4, 2, 64, device=device)
+    first = (rope.cos_cache, rope.sin_cache, rope._steps)
+    rope(q, q, offset=100)  # past the cache: grows it to 104 rows
+    second = (rope.cos_cache, rope.sin_cache, rope._steps)
+    rope.ensure_positions(1000)
+    assert rope.cos_cache.shape == (1000, 32) and second[0].shape == (104, 32)
+    kept = [tuple(id(t) for t in old) for old in rope._retired_caches]
+    assert kept == ([tuple(map(id, first)), tuple(map(id, second))] if device == "meta" else [])
+
 def _profile(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
