@@ -22,30 +22,55 @@ def cuobjdump() -> str:
     raise SystemExit("cuda-check: cuobjdump not found in the nvidia wheels")
 
 
-# Where sm_90 kernels' parameters start in constant bank 0 (the driver's block precedes them); checked
-# against every kernel's EIATTR_PARAM_CBANK attribute in the ELF.
-PARAM_OFFSET = 0x210
 COMPACT_PARAM_LIMIT = 256
+# The gathered kernels' position check prints the position and the row count before it asserts
+# (rotary_thread.h, ROPE_EXT_POSITION_CHECK): printf's two 64-bit arguments are a 16-byte stack
+# frame, written only when the check fails. Nothing else may use the stack: a spill or a runtime-
+# indexed array lives there too, and would be read back (LDL), which no kernel may do.
+PRINTF_STACK = 16
+FUSED = re.compile(r"\b(FFMA2?|DFMA)\b")  # (HFMA2 with zero operands is how SASS moves constants)
 
 
-def resource_usage(lib: Path, arch: str, out: Path) -> None:
-    """Prints, for sm_<arch>, each kernel's registers, stack (where spills and dynamically indexed
-    arrays live), local memory and parameter bytes, from cuobjdump --dump-resource-usage; the full
-    table goes to `out`. Fails on any stack or local memory, and on a CompactIndex kernel (the
-    gathered kernel for nearly every layout) with COMPACT_PARAM_LIMIT bytes of parameters or more."""
+def _tools_env() -> dict:
+    """cuobjdump -sass runs nvdisasm, from the nvidia-cuda-nvdisasm wheel."""
+    import os
+
+    import nvidia
+
+    hits = [p for root in map(Path, nvidia.__path__) for p in sorted(root.rglob("nvdisasm"))]
+    if not hits:
+        raise SystemExit("cuda-check: nvdisasm not found in the nvidia wheels")
+    return {**os.environ, "NVDISASM_PATH": str(hits[0].parent), "PATH": f"{hits[0].parent}:{os.environ['PATH']}"}
+
+
+def _rotary_functions(sass: str) -> dict[str, str]:
+    """The rotary kernels' SASS by (mangled) function name."""
+    bodies = re.split(r"\n\s*Function : ", sass)[1:]
+    return {b.split("\n", 1)[0].strip(): b for b in bodies if "RotaryThread" in b.split("\n", 1)[0]}
+
+
+def check_arch(lib: Path, arch: str, out: Path) -> str:
+    """Checks sm_<arch>'s rotary kernels in the library and returns a one-line summary; the full
+    table (registers, stack, local memory, parameter bytes per kernel) goes to `out`. Fails on:
+    local memory; stack beyond the gathered kernels' printf frame (PRINTF_STACK); any local load
+    (LDL: a spill or an indexed array read back); any fused multiply-add (FFMA, DFMA): every
+    product and sum must round on its own, as on the CPU (the build passes --fmad=false); and a
+    CompactIndex kernel with COMPACT_PARAM_LIMIT bytes of parameters or more."""
     tool = cuobjdump()
     dump = subprocess.run(
         [tool, "--dump-resource-usage", "-arch", f"sm_{arch}", str(lib)], capture_output=True, text=True, check=True
     ).stdout
     elf = subprocess.run([tool, "-elf", "-arch", f"sm_{arch}", str(lib)], capture_output=True, text=True, check=True)
+    # Where the kernels' parameters start in constant bank 0 (the driver's block precedes them): one
+    # offset for every kernel of an architecture, read from their EIATTR_PARAM_CBANK attributes.
     offsets = {
         int(v, 16) & 0xFFFF
         for v in re.findall(r"EIATTR_PARAM_CBANK\s+Format:\s+\S+\s+Value:\s+\S+ (0x[0-9a-f]+)", elf.stdout)
     }
-    if offsets != {PARAM_OFFSET}:
-        raise SystemExit(
-            f"cuda-check: sm_{arch} kernel parameters start at {sorted(map(hex, offsets))}, not {PARAM_OFFSET:#x}"
-        )
+    if len(offsets) != 1:
+        raise SystemExit(f"cuda-check: sm_{arch} kernel parameters start at {sorted(map(hex, offsets))}: not one "
+                         "offset")
+    param_offset = offsets.pop()
     demangled = subprocess.run(["c++filt"], input=dump, capture_output=True, text=True, check=True).stdout
     rows = re.findall(
         r"RotaryThread<([^>]*)> >\(.*?\):\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+) CONSTANT\[0\]:(\d+)",
@@ -54,37 +79,50 @@ def resource_usage(lib: Path, arch: str, out: Path) -> None:
     if not rows:
         raise SystemExit(f"cuda-check: no rotary kernel in cuobjdump's resource usage for sm_{arch}")
     kernels = [
-        (args.replace(" ", "").replace("rope_ext::cuda::", ""), int(r), int(st), int(lo), int(c0) - PARAM_OFFSET)
+        (args.replace(" ", "").replace("rope_ext::cuda::", ""), int(r), int(st), int(lo), int(c0) - param_offset)
         for args, r, st, lo, c0 in rows
     ]
     lines = [f"{'kernel (scalar, table, conj, interleaved, vec, gathered, index)':72} REG STACK LOCAL PARAM_BYTES"]
     lines += [f"{k:72} {r:>3} {st:>5} {lo:>5} {p:>11}" for k, r, st, lo, p in kernels]
     out.write_text("\n".join(lines) + "\n")
-    compact = [k for k in kernels if k[0].endswith("CompactIndex")]
-    general = [k for k in kernels if not k[0].endswith("CompactIndex")]
-    print(
-        f"cuda-check: sm_{arch} resource usage of {len(kernels)} kernels (table: {out}): registers "
-        f"{min(k[1] for k in kernels)}-{max(k[1] for k in kernels)}; parameters: {len(compact)} CompactIndex kernels "
-        f"{max((k[4] for k in compact), default=0)} bytes at most, {len(general)} PlanIndex kernels "
-        f"{max((k[4] for k in general), default=0)} bytes at most"
-    )
-    stacked = [k[0] for k in kernels if k[2] or k[3]]
+
+    def gathered(name: str) -> bool:
+        return name.split(",")[5] == "true"
+
+    stacked = [k[0] for k in kernels if k[3] or k[2] > (PRINTF_STACK if gathered(k[0]) else 0)]
     if stacked:
         raise SystemExit(
-            f"cuda-check: {len(stacked)} kernels use stack or local memory (spills or "
-            f"runtime-indexed arrays), e.g. {stacked[0]}; see {out}"
+            f"cuda-check: sm_{arch}: {len(stacked)} kernels use local memory or more stack than the gathered "
+            f"kernels' {PRINTF_STACK}-byte printf frame (spills or runtime-indexed arrays), e.g. {stacked[0]}; "
+            f"see {out}"
         )
+    compact = [k for k in kernels if k[0].endswith("CompactIndex")]
+    general = [k for k in kernels if not k[0].endswith("CompactIndex")]
     if not compact:
-        raise SystemExit("cuda-check: no CompactIndex kernel found")
+        raise SystemExit(f"cuda-check: sm_{arch}: no CompactIndex kernel found")
     heavy = [k[0] for k in compact if k[4] >= COMPACT_PARAM_LIMIT]
     if heavy:
         raise SystemExit(
-            f"cuda-check: {len(heavy)} CompactIndex kernels take {COMPACT_PARAM_LIMIT} bytes of "
+            f"cuda-check: sm_{arch}: {len(heavy)} CompactIndex kernels take {COMPACT_PARAM_LIMIT} bytes of "
             f"parameters or more, e.g. {heavy[0]}"
         )
-    print(
-        "cuda-check: no kernel uses stack or local memory; every CompactIndex kernel's parameters are under "
-        f"{COMPACT_PARAM_LIMIT} bytes"
+    sass = subprocess.run([tool, "-sass", "-arch", f"sm_{arch}", str(lib)], capture_output=True, text=True,
+                          check=True, env=_tools_env()).stdout
+    functions = _rotary_functions(sass)
+    if len(functions) != len(kernels):
+        raise SystemExit(f"cuda-check: sm_{arch}: {len(functions)} rotary kernels in the SASS, {len(kernels)} in the "
+                         "resource usage")
+    for what, pattern in (("a fused multiply-add", FUSED), ("a local-memory load (LDL)", re.compile(r"\bLDL\b"))):
+        bad = [name for name, body in functions.items() if pattern.search(body)]
+        if bad:
+            line = next(ln for ln in functions[bad[0]].splitlines() if pattern.search(ln))
+            raise SystemExit(f"cuda-check: sm_{arch}: {len(bad)} rotary kernels contain {what}, e.g. {bad[0]}: "
+                             f"{line.strip()}")
+    return (
+        f"sm_{arch}: {len(kernels)} kernels, registers {min(k[1] for k in kernels)}-{max(k[1] for k in kernels)}, "
+        f"stack {max(k[2] for k in kernels)} B at most (gathered kernels' printf frame), no local memory, no LDL, "
+        f"no FFMA/DFMA; parameters: CompactIndex {max(k[4] for k in compact)} B at most, PlanIndex "
+        f"{max((k[4] for k in general), default=0)} B at most"
     )
 
 
@@ -92,7 +130,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--site", required=True)
     p.add_argument("--compile-commands", required=True, help="the CMake build's compile_commands.json")
-    p.add_argument("--resource-table", type=Path, required=True, help="where the sm_90 resource usage table goes")
+    p.add_argument("--resource-dir", type=Path, required=True,
+                   help="where each architecture's resource usage table goes (resource-usage-sm_XX.txt)")
     args = p.parse_args()
 
     import rope_ext
@@ -125,7 +164,8 @@ def main():
     if not requested or set(requested) - set(present):
         raise SystemExit(f"cuda-check: SASS missing for sm_{sorted(set(requested) - set(present))}")
 
-    resource_usage(lib, "90", args.resource_table)
+    for arch in present:
+        print(f"cuda-check: {check_arch(lib, arch, args.resource_dir / f'resource-usage-sm_{arch}.txt')}")
 
     # The CPU path of the CUDA build still computes the right thing.
     x, c = torch.randn(2, 5, 3, 16), torch.randn(5, 1, 16)

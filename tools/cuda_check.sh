@@ -7,9 +7,11 @@
 #     Installed as a user's is, beside torch in site-packages, where the library's RUNPATH
 #     ($ORIGIN/../../torch/lib) finds libtorch_cuda for a C++ program (step 4);
 #  3. tools/cuda_check.py: loads the library under the CUDA torch (every symbol resolves), checks
-#     the CUDA kernels are registered and the fatbin holds SASS for every requested arch, and prints
-#     the sm_90 kernels' registers, stack, local memory and parameter bytes (cuobjdump), failing on
-#     any stack or local memory and on CompactIndex kernels with 256 bytes of parameters or more;
+#     the CUDA kernels are registered and the fatbin holds SASS for every requested arch, and for
+#     every arch prints the kernels' registers, stack, local memory and parameter bytes (cuobjdump),
+#     failing on local memory, on stack beyond the position check's printf frame, on any local load
+#     or fused multiply-add in the SASS (nvdisasm), and on CompactIndex kernels with 256 bytes of
+#     parameters or more;
 #  4. examples/cpp built against that installed package through find_package(rope_ext), as a C++
 #     user of a CUDA build links it, and run;
 #  5. the core tests (CORE_TESTS) under this torch 2.14.1, the newest on this machine, against the
@@ -25,9 +27,10 @@ PY="$VENV/bin/python"
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 
 t0=$(date +%s)
-if ! "$PY" -c "import torch, ninja; assert torch.version.cuda" 2>/dev/null; then
+if ! "$PY" -c "import pathlib, torch, ninja, nvidia; assert torch.version.cuda
+assert any(True for r in nvidia.__path__ for _ in pathlib.Path(r).rglob('nvdisasm'))" 2>/dev/null; then
   python3 -m venv "$VENV"
-  "$PY" -m pip install -q torch==2.14.1 setuptools wheel ninja "nvidia-cuda-cuobjdump>=13,<14"
+  "$PY" -m pip install -q torch==2.14.1 setuptools wheel ninja "nvidia-cuda-cuobjdump>=13,<14" "nvidia-cuda-nvdisasm>=13,<14"
 fi
 t1=$(date +%s)
 
@@ -39,7 +42,7 @@ SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 t2=$(date +%s)
 COMMANDS=$(ls "$OUT"/src/build/cmake-*/compile_commands.json)
 
-"$PY" tools/cuda_check.py --site "$SITE" --compile-commands "$COMMANDS" --resource-table "$OUT/resource-usage-sm_90.txt"
+"$PY" tools/cuda_check.py --site "$SITE" --compile-commands "$COMMANDS" --resource-dir "$OUT"
 
 # 4. A C++ program linking this CUDA build through find_package(rope_ext), from the installed
 #    package. torch's CMake package wants libnvrtc, which a compiler-only CUDA install lacks: the

@@ -307,12 +307,23 @@ struct OpMath<double> {
   using type = double;
 };
 
-// A device-side check: CUDA_KERNEL_ASSERT in device code; an exception in the host emulation
-// (csrc/testing/host_emulation.cpp), which runs this code on the CPU and must report, not abort.
+// The check of a gathered position against the cache's rows. In device code it prints the position
+// and the row count, then asserts (CUDA_KERNEL_ASSERT alone would name only the condition): the
+// printf's two 64-bit arguments are the one 16-byte stack frame that cuda-check allows, written only
+// on this failing path. In the host emulation (csrc/testing/host_emulation.cpp), which runs this code
+// on the CPU and must report, not abort, it is an exception saying the same.
 #if defined(__CUDA_ARCH__)
-#define ROPE_EXT_DEVICE_CHECK(cond, ...) CUDA_KERNEL_ASSERT(cond)
+#define ROPE_EXT_POSITION_CHECK(pos, rows)                                                                  \
+  if (C10_UNLIKELY(!((pos) >= 0 && (pos) < (rows)))) {                                                      \
+    printf("rope_ext: position %lld is outside the cache of %lld rows (size it for the positions you "      \
+           "pass: RotaryEmbedding(max_position_embeddings=...) or .ensure_positions(n))\n",               \
+           static_cast<long long>(pos), static_cast<long long>(rows));                                      \
+    CUDA_KERNEL_ASSERT((pos) >= 0 && (pos) < (rows));                                                       \
+  }
 #else
-#define ROPE_EXT_DEVICE_CHECK(cond, ...) TORCH_CHECK(cond, __VA_ARGS__)
+#define ROPE_EXT_POSITION_CHECK(pos, rows)                                                                  \
+  TORCH_CHECK((pos) >= 0 && (pos) < (rows), "rope_ext: position ", pos, " is outside the cache, whose ", rows, \
+              " rows hold positions 0 to ", (rows) - 1)
 #endif
 
 // The plans, the compact index (if the layout allows and `allow_compact`) and the launch of a
@@ -424,9 +435,7 @@ struct RotaryThread {
       const int64_t pos = positions_int32 ? int64_t{static_cast<const int32_t*>(positions)[tok[kCos]]}
                                           : static_cast<const int64_t*>(positions)[tok[kCos]];
       const opmath_t sin_sign = conjugate ? opmath_t(-1) : opmath_t(1);
-      ROPE_EXT_DEVICE_CHECK(pos >= 0 && pos < idx.cache_rows(), "rope_ext: position ", pos,
-                            " is outside the cache, whose ", idx.cache_rows(), " rows hold positions 0 to ",
-                            idx.cache_rows() - 1);
+      ROPE_EXT_POSITION_CHECK(pos, idx.cache_rows());
       const table_t* c = cos + pos * idx.cos_row();
       const table_t* s = sin + pos * idx.sin_row();
       bool vector_load = false;
