@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,77 @@ if not TESTING_LIBRARY.exists():
                        "(ROPE_EXT_TESTING=1 pip install --no-build-isolation -e ., as `make setup` does)")
 torch.ops.load_library(str(TESTING_LIBRARY))
 TESTING = torch.ops.rope_ext_testing
+
+
+# --- the emulated CUDA kernels, run on a real device instead (make gpu-check) -----------------
+
+
+def _twins(tensors, device):
+    """Each tensor on `device` with its exact storage layout: every storage copied whole, once (q and
+    k split from one buffer stay views of one device buffer), and a view of the same shape, strides
+    and offset over it (x.to(device) would make a non-dense view contiguous, and so test another
+    layout). Returns the twins (non-tensors as they are) and {storage pointer: (storage, device
+    copy)}."""
+    copies, twins = {}, []
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            twins.append(t)
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in copies:
+            flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+            copies[storage.data_ptr()] = (storage, flat.to(device, copy=True))
+        flat = copies[storage.data_ptr()][1]
+        twins.append(torch.empty(0, dtype=t.dtype, device=flat.device).set_(
+            flat.untyped_storage(), t.storage_offset(), t.shape, t.stride()))
+    return twins, copies
+
+
+class KernelsOn:
+    """TESTING, with each cuda_emulate_<op> hook running the real rope_ext.<op> on `device`:
+    tests/test_cuda_emulation.py, test_rotary_pos.py, test_fuzz.py and test_robustness.py then test
+    the real CUDA kernels against the CPU kernel, every layout with its own strides and offsets
+    (CPU allocations are 64-byte aligned and CUDA's 512, so every alignment decision is the same).
+    Chosen with ROPE_EXT_TEST_KERNELS_ON=cuda (make gpu-check), or =cpu to check this harness here.
+    Inputs are copied storage and all; an in-place op's whole storage is copied back, so a write
+    outside the view shows. A position outside the cache is refused here with the kernel's message
+    rather than launched: on a GPU it is a device-side assert that ends the process (tested on its
+    own, in a subprocess, by tests/test_gpu.py)."""
+
+    def __init__(self, device: str):
+        self.device = torch.device(device)
+
+    def __getattr__(self, name):
+        if not name.startswith("cuda_emulate_"):
+            return getattr(torch.ops.rope_ext_testing, name)
+        op = getattr(torch.ops.rope_ext, name[len("cuda_emulate_"):])
+        return lambda *args: self._run(op, name, *args)
+
+    def _run(self, op, name, *args):
+        if "_pos" in name:
+            self._check_positions(*args)
+        twins, copies = _twins([a.detach() if isinstance(a, torch.Tensor) else a for a in args], self.device)
+        out = op(*twins)
+        if name.endswith("_"):  # in place: bring every storage back whole
+            for storage, flat in copies.values():
+                storage.copy_(flat.cpu().untyped_storage())
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        back = _twins(outs, "cpu")[0]
+        return tuple(back) if isinstance(out, (tuple, list)) else back[0]
+
+    @staticmethod
+    def _check_positions(*args):
+        # (..., cos_cache, sin_cache, positions, interleaved, conjugate) for every gathered op
+        i = next(i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and not a.is_floating_point())
+        positions, rows = args[i], args[i - 2].shape[0]
+        bad = positions[(positions < 0) | (positions >= rows)]
+        if bad.numel():
+            raise RuntimeError(f"rope_ext: position {int(bad[0])} is outside the cache, whose {rows} rows hold "
+                               f"positions 0 to {rows - 1} (refused by conftest.KernelsOn before the launch)")
+
+
+if os.environ.get("ROPE_EXT_TEST_KERNELS_ON"):
+    TESTING = KernelsOn(os.environ["ROPE_EXT_TEST_KERNELS_ON"])
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 CONVENTIONS = {"halfsplit": False, "interleaved": True}
