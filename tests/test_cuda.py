@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CONVENTIONS, DTYPES, randn, random_tables, rope_tables
+from conftest import CONVENTIONS, DTYPES, _twins, randn, random_tables, rope_tables
 
 import rope_ext
 
@@ -29,11 +29,13 @@ def test_cuda_matches_cpu_bitwise(cuda, layout, interleaved, dtype, gen):
 
     x, to_layout = make_layout(layout, 2, 9, 4, 72, dtype, gen)
     cos, sin = (to_layout(t) for t in rope_tables(torch.arange(9)[None, :, None], 40, interleaved))
+    (xd,) = _twins([x], cuda)[0]  # x.to(cuda) would make strided_cols contiguous
+    assert xd.stride() == x.stride()
     for conjugate in (False, True):
         cpu = rope_ext.rotary(x, cos, sin, interleaved=interleaved, conjugate=conjugate)
-        gpu = rope_ext.rotary(x.to(cuda), cos.to(cuda), sin.to(cuda), interleaved=interleaved, conjugate=conjugate)
+        gpu = rope_ext.rotary(xd, cos.to(cuda), sin.to(cuda), interleaved=interleaved, conjugate=conjugate)
         assert torch.equal(gpu.cpu(), cpu)
-    q, k = x.to(cuda), randn(2, 9, 1, 72, dtype=dtype, gen=gen).to(cuda)
+    q, k = xd, randn(2, 9, 1, 72, dtype=dtype, gen=gen).to(cuda)
     if layout == "bshd":
         got = rope_ext.rotary_qk(q, k, cos.to(cuda), sin.to(cuda), interleaved=interleaved)
         assert torch.equal(got[0].cpu(), rope_ext.rotary(x, cos, sin, interleaved=interleaved))
