@@ -4,6 +4,8 @@ math, bounds, vector/scalar choice and tails on a machine without a GPU."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import (
@@ -147,3 +149,82 @@ def test_compact_index_token_offsets_on_both_sides_of_the_32_bit_division(t, inn
     expected = [o * strides[0] + i * strides[1], o * strides[2] + i * strides[3], o * strides[4] + i * strides[5]]
     expected.append(expected[-1])
     assert TESTING.cuda_compact_token_offsets(t, inner, strides) == expected
+
+
+# --- the emulator's memory checks and traffic model (csrc/testing/host_emulation.cpp) -----------
+
+TRAFFIC_FIELDS = ("ld_needed", "ld_sectors", "st_needed", "st_sectors", "ld_distinct", "st_distinct",
+                  "ld_instructions", "st_instructions", "ld_lanes", "st_lanes")
+
+
+@contextlib.contextmanager
+def ignoring_alignment():
+    """Launches take vector loads wherever the widths allow, whatever the alignment (a testing knob)."""
+    before = TESTING.cuda_ignore_alignment(True)
+    try:
+        yield
+    finally:
+        TESTING.cuda_ignore_alignment(before)
+
+
+def recorded_traffic(fn, *args):
+    """fn(*args) with the emulator recording: (its result, the totals, {site: (needed, sector bytes, instructions)})."""
+    TESTING.cuda_record_traffic(True)
+    try:
+        result = fn(*args)
+        totals = dict(zip(TRAFFIC_FIELDS, TESTING.cuda_traffic(), strict=True))
+        names, flat = TESTING.cuda_traffic_by_site()
+    finally:
+        TESTING.cuda_record_traffic(False)
+    return result, totals, {n: tuple(flat[3 * i:3 * i + 3]) for i, n in enumerate(names)}
+
+
+def test_emulator_refuses_misaligned_vector_accesses(gen):
+    """A GPU faults on a 16-byte access that is not 16-byte aligned; x86 does not. The launch never
+    chooses one (it falls back to scalar loads), so the knob that ignores alignment forces one, and the
+    emulator must refuse it, naming the access; aligned vector accesses pass the same check."""
+    x = make_layout("bshd", 2, 3, 4, 64, torch.bfloat16, gen)[0]
+    shifted = torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape)  # 2 bytes past a 16-byte boundary
+    shifted.copy_(x)
+    cos, sin = rope_tables(torch.arange(3)[None, :, None], 64, False, torch.bfloat16)
+    checked = TESTING.cuda_checked_accesses()
+    assert torch.equal(TESTING.cuda_emulate_rotary(x, cos, sin, False, False), rope_ext.rotary(x, cos, sin))
+    # every access is checked: at least the output's 16-byte stores, and x's loads
+    assert TESTING.cuda_checked_accesses() - checked >= 2 * x.numel() // 8
+    assert launch(shifted, cos, sin, False)["vec"] == 1
+    assert torch.equal(TESTING.cuda_emulate_rotary(shifted, cos, sin, False, False), rope_ext.rotary(x, cos, sin))
+    with ignoring_alignment():
+        assert launch(shifted, cos, sin, False)["vec"] == 8
+        with pytest.raises(RuntimeError, match=r"misaligned 16-byte load at 0x[0-9a-f]+ \(2 bytes past a 16-byte "
+                                               r"boundary\), access site q\.x1: a GPU faults on it"):
+            TESTING.cuda_emulate_rotary(shifted, cos, sin, False, False)
+        # gathered caches: x aligned, the caches one element off, so only the vector table load is misaligned
+        cache = torch.randn(2 * 16 * 32 + 1, generator=gen).to(torch.bfloat16)[1:].view(2, 16, 32)
+        pos = torch.randint(0, 16, (2, 3, 1), generator=gen)
+        assert TESTING.cuda_pos_launch_config(x, None, cache[0], cache[1], pos, False)[LAUNCH_FIELDS.index("table_vec")]
+        with pytest.raises(RuntimeError, match=r"misaligned 16-byte load .* access site q\.cos1"):
+            TESTING.cuda_emulate_rotary_pos(x, cache[0], cache[1], pos, False, False)
+    assert launch(shifted, cos, sin, False)["vec"] == 1  # the knob is off again
+
+
+def test_traffic_model_counts_bytes_and_sectors(gen):
+    """The recorder against what can be worked out by hand. Every output byte is stored once, in
+    whole sectors (a contiguous output); x is read at least once. With the scalar path on columns of
+    stride 2 (float32, 32 pairs per row: one warp per head row), each warp's load of x's first members
+    needs 32 x 4 bytes spread over 256 bytes: efficiency exactly 1/2; the contiguous output's stores 1."""
+    x = make_layout("bshd", 2, 3, 4, 64, torch.float32, gen)[0]
+    cos, sin = rope_tables(torch.arange(3)[None, :, None], 64, False, torch.float32)
+    out, t, _ = recorded_traffic(TESTING.cuda_emulate_rotary, x, cos, sin, False, False)
+    assert torch.equal(out, rope_ext.rotary(x, cos, sin))
+    nbytes = x.numel() * 4
+    assert t["st_needed"] == t["st_sectors"] == t["st_distinct"] == nbytes
+    assert t["ld_needed"] >= nbytes and t["ld_distinct"] == nbytes + 2 * cos.numel() * 4
+
+    strided, _ = make_layout("strided_cols", 2, 3, 4, 64, torch.float32, gen)
+    assert launch(strided, cos, sin, False)["vec"] == 1 and launch(strided, cos, sin, False)["block_x"] == 32
+    out, t, sites = recorded_traffic(TESTING.cuda_emulate_rotary, strided, cos, sin, False, False)
+    assert torch.equal(out, rope_ext.rotary(strided, cos, sin))
+    rows = 2 * 3 * 4
+    assert sites["q.x1"] == (rows * 32 * 4, rows * 256, rows) and sites["q.x2"] == sites["q.x1"]
+    assert sites["q.out1"] == (rows * 32 * 4, rows * 32 * 4, rows)
+    assert t["st_needed"] == t["st_sectors"] == nbytes

@@ -66,10 +66,16 @@ struct LaunchOperand {
 // alignment). The 16-byte vector path needs contiguous rows, 16-byte aligned row starts, and a
 // rotary and pass-through width that split into whole vectors, for every operand; anything else
 // takes the scalar path. Gathered caches are loaded a whole item at a time when their columns are
-// contiguous and each item's values are aligned.
+// contiguous and each item's values are aligned. `ignore_alignment` (the host emulator's tests only)
+// skips the pointer and stride alignment checks, so that the emulator can show it catches what a
+// misaligned vector access would do on a GPU.
 inline RotaryLaunch choose_launch(std::initializer_list<LaunchOperand> operands, int64_t tokens, int64_t heads,
                                   int64_t elem_size, bool interleaved, const void* cos = nullptr,
-                                  const void* sin = nullptr, int64_t table_elem_size = 0) {
+                                  const void* sin = nullptr, int64_t table_elem_size = 0,
+                                  bool ignore_alignment = false) {
+  const auto aligned = [ignore_alignment](const void* p, int64_t bytes) {
+    return ignore_alignment || reinterpret_cast<uintptr_t>(p) % bytes == 0;
+  };
   RotaryLaunch L;
   const RotaryPlan& p = *operands.begin()->plan;
   const int64_t half = p.rotary_dim / 2;
@@ -78,11 +84,10 @@ inline RotaryLaunch choose_launch(std::initializer_list<LaunchOperand> operands,
   bool vec_ok = e >= 2 && (interleaved ? p.rotary_dim % e == 0 : half % e == 0) && pass % e == 0;
   for (const LaunchOperand& o : operands) {
     const RotaryPlan& q = *o.plan;
-    vec_ok = vec_ok && q.x_col == 1 && q.out_col == 1 && reinterpret_cast<uintptr_t>(o.x) % kVectorBytes == 0 &&
-             reinterpret_cast<uintptr_t>(o.out) % kVectorBytes == 0;
-    for (int d = 0; vec_ok && d < q.tokens.ndim; ++d)
+    vec_ok = vec_ok && q.x_col == 1 && q.out_col == 1 && aligned(o.x, kVectorBytes) && aligned(o.out, kVectorBytes);
+    for (int d = 0; vec_ok && !ignore_alignment && d < q.tokens.ndim; ++d)
       vec_ok = q.tokens.strides[kX][d] % e == 0 && q.tokens.strides[kOut][d] % e == 0;
-    for (int d = 0; vec_ok && d < q.heads.ndim; ++d)
+    for (int d = 0; vec_ok && !ignore_alignment && d < q.heads.ndim; ++d)
       vec_ok = q.heads.strides[kX][d] % e == 0 && q.heads.strides[kOut][d] % e == 0;
   }
 
@@ -92,9 +97,9 @@ inline RotaryLaunch choose_launch(std::initializer_list<LaunchOperand> operands,
   L.pass_items = pass / L.vec;
   if (p.gathered && L.pairs_per_item > 1) {
     const int64_t item_bytes = L.pairs_per_item * table_elem_size;
-    L.table_vec = p.cos_col == 1 && p.sin_col == 1 && p.cos_row % L.pairs_per_item == 0 &&
-                  p.sin_row % L.pairs_per_item == 0 && reinterpret_cast<uintptr_t>(cos) % item_bytes == 0 &&
-                  reinterpret_cast<uintptr_t>(sin) % item_bytes == 0;
+    L.table_vec = p.cos_col == 1 && p.sin_col == 1 &&
+                  (ignore_alignment || (p.cos_row % L.pairs_per_item == 0 && p.sin_row % L.pairs_per_item == 0)) &&
+                  aligned(cos, item_bytes) && aligned(sin, item_bytes);
   }
   const int64_t items = L.rot_items + L.pass_items;
   L.block_x = std::max<int64_t>(1, std::min<int64_t>(items, kMaxThreads));
@@ -105,6 +110,40 @@ inline RotaryLaunch choose_launch(std::initializer_list<LaunchOperand> operands,
       1, std::min({head_groups, kMaxGridY, std::max<int64_t>(1, kTargetBlocks / L.grid_x)}));
   return L;
 }
+
+// Every global memory access of the thread function goes through its Memory policy, which names the
+// access site: one per load or store instruction of the thread function, in program order (a
+// site inside rotate_row or copy_row exists once per operand, O * kSiteCount + site). The kernel's
+// policy, DeviceMemory, is a plain dereference, inlined: nvcc compiles what the bare expression
+// would give. The host emulator's (csrc/testing/host_emulation.cpp) checks that every address is
+// aligned to its access width, as a GPU requires, and can record the addresses of every warp for
+// its memory traffic model; at_item tells it which loop iteration the accesses belong to.
+enum AccessSite : int {
+  kSitePosition,  // the token's position (gathered tables)
+  kSiteCos1,      // table values of the item's pairs: at their first members, or all of them
+  kSiteSin1,
+  kSiteCos2,      // ... at their second members (full tables, half-split)
+  kSiteSin2,
+  kSiteX1,  // x: the pairs' first members (or the whole interleaved item)
+  kSiteX2,  // x: their second members (half-split, or scalar)
+  kSiteOut1,
+  kSiteOut2,
+  kSitePassLoad,  // pass-through columns
+  kSitePassStore,
+  kSiteCount
+};
+
+struct DeviceMemory {
+  ROPE_HD static void at_item(int64_t /*token*/, int64_t /*item*/) {}
+  template <int kSite, class V>
+  ROPE_HD static V load(const V* p) {
+    return *p;
+  }
+  template <int kSite, class V>
+  ROPE_HD static void store(V* p, const V& v) {
+    *p = v;
+  }
+};
 
 // How the thread function finds a row: two index types it is templated on, with one interface.
 //   token<O>(t, off): operand O's x and out offsets of token t, and (kCos, kSin) the offsets of its
@@ -323,7 +362,8 @@ struct CallLaunch {
   RotaryLaunch launch;
 };
 
-inline CallLaunch plan_call(const RotaryCall& c, bool allow_compact = true) {
+// (`ignore_alignment`: see choose_launch.)
+inline CallLaunch plan_call(const RotaryCall& c, bool allow_compact = true, bool ignore_alignment = false) {
   CallLaunch r;
   const auto make = [&](const at::Tensor& x, const at::Tensor& out) {
     return c.positions ? make_rotary_pos_plan(x, out, c.cos, c.sin, *c.positions)
@@ -338,7 +378,7 @@ inline CallLaunch plan_call(const RotaryCall& c, bool allow_compact = true) {
   const LaunchOperand q{&r.plan, c.x.const_data_ptr(), c.out.const_data_ptr()};
   const auto choose = [&](std::initializer_list<LaunchOperand> operands) {
     return choose_launch(operands, tokens, heads, c.x.element_size(), c.interleaved, c.cos.const_data_ptr(),
-                         c.sin.const_data_ptr(), c.cos.element_size());
+                         c.sin.const_data_ptr(), c.cos.element_size(), ignore_alignment);
   };
   r.launch = c.k != nullptr ? choose({q, {&r.k_plan, c.k->const_data_ptr(), c.k_out->const_data_ptr()}})
                             : choose({q});
@@ -348,11 +388,15 @@ inline CallLaunch plan_call(const RotaryCall& c, bool allow_compact = true) {
 
 // The work of one thread of a launch. kVec is the launch's `vec` (1: scalar path). kGathered: the
 // tables are half-width caches read at each token's position (rotary_pos*); the transpose
-// (conjugate) is then the rotation with -sin, a runtime flag. Index: PlanIndex or CompactIndex.
+// (conjugate) is then the rotation with -sin, a runtime flag. Mem: the memory access policy
+// (DeviceMemory in the kernel). Index: PlanIndex or CompactIndex.
 template <typename scalar_t, typename table_t, bool kConj, bool kInterleaved, int kVec, bool kGathered,
-          class Index>
+          class Mem, class Index>
 struct RotaryThread {
   using opmath_t = typename OpMath<scalar_t>::type;
+  // The same thread function with another memory policy (the host emulator's).
+  template <class M>
+  using WithMemory = RotaryThread<scalar_t, table_t, kConj, kInterleaved, kVec, kGathered, M, Index>;
 
   // Host side: the thread function of a planned call.
   static RotaryThread make(const RotaryCall& c, const CallLaunch& cl) {
@@ -407,6 +451,7 @@ struct RotaryThread {
       idx.template token<0>(token, t0);
       if (two) idx.template token<1>(token, t1);
       for (int64_t item = g.tx; item < rot_items + pass_items; item += g.block_x) {
+        Mem::at_item(token, item);
         if (item < rot_items) {
           rotate_item(item, t0, t1, g);
         } else {
@@ -417,12 +462,20 @@ struct RotaryThread {
   }
 
  private:
+  // Operand O's instance of a site in rotate_row or copy_row (each is compiled once per operand).
+  template <int O>
+  static constexpr int site(AccessSite s) {
+    return O * kSiteCount + s;
+  }
+
   // This token's table entries for the item's pairs.
   C10_HOST_DEVICE void load_tables(int64_t pair0, const int64_t (&tok)[4], opmath_t (&c1)[kPairs],
                                    opmath_t (&s1)[kPairs], opmath_t (&c2)[kPairs], opmath_t (&s2)[kPairs]) const {
     if constexpr (kGathered) {
-      const int64_t pos = positions_int32 ? int64_t{static_cast<const int32_t*>(positions)[tok[kCos]]}
-                                          : static_cast<const int64_t*>(positions)[tok[kCos]];
+      const int64_t pos =
+          positions_int32
+              ? int64_t{Mem::template load<kSitePosition>(static_cast<const int32_t*>(positions) + tok[kCos])}
+              : Mem::template load<kSitePosition>(static_cast<const int64_t*>(positions) + tok[kCos]);
       const opmath_t sin_sign = conjugate ? opmath_t(-1) : opmath_t(1);
       ROPE_EXT_DEVICE_CHECK(pos >= 0 && pos < idx.cache_rows(), "rope_ext: position ", pos,
                             " is outside the cache, whose ", idx.cache_rows(), " rows hold positions 0 to ",
@@ -432,8 +485,8 @@ struct RotaryThread {
       bool vector_load = false;
       if constexpr (kPairs > 1) {
         if (table_vec) {
-          const auto cv = *reinterpret_cast<const VecOf<table_t, kPairs>*>(c + pair0);
-          const auto sv = *reinterpret_cast<const VecOf<table_t, kPairs>*>(s + pair0);
+          const auto cv = Mem::template load<kSiteCos1>(reinterpret_cast<const VecOf<table_t, kPairs>*>(c + pair0));
+          const auto sv = Mem::template load<kSiteSin1>(reinterpret_cast<const VecOf<table_t, kPairs>*>(s + pair0));
           for (int j = 0; j < kPairs; ++j) {
             c1[j] = static_cast<opmath_t>(cv.v[j]);
             s1[j] = sin_sign * static_cast<opmath_t>(sv.v[j]);
@@ -443,8 +496,8 @@ struct RotaryThread {
       }
       if (!vector_load) {
         for (int j = 0; j < kPairs; ++j) {
-          c1[j] = static_cast<opmath_t>(c[(pair0 + j) * idx.cos_col()]);
-          s1[j] = sin_sign * static_cast<opmath_t>(s[(pair0 + j) * idx.sin_col()]);
+          c1[j] = static_cast<opmath_t>(Mem::template load<kSiteCos1>(c + (pair0 + j) * idx.cos_col()));
+          s1[j] = sin_sign * static_cast<opmath_t>(Mem::template load<kSiteSin1>(s + (pair0 + j) * idx.sin_col()));
         }
       }
       for (int j = 0; j < kPairs; ++j) {
@@ -456,10 +509,10 @@ struct RotaryThread {
       for (int j = 0; j < kPairs; ++j) {
         const int64_t a = pair_first(pair0 + j, half, kInterleaved);
         const int64_t b = pair_second(pair0 + j, half, kInterleaved);
-        c1[j] = static_cast<opmath_t>(cos[tok[kCos] + a * idx.cos_col()]);
-        s1[j] = static_cast<opmath_t>(sin[tok[kSin] + a * idx.sin_col()]);
-        c2[j] = static_cast<opmath_t>(cos[tok[kCos] + b * idx.cos_col()]);
-        s2[j] = static_cast<opmath_t>(sin[tok[kSin] + b * idx.sin_col()]);
+        c1[j] = static_cast<opmath_t>(Mem::template load<kSiteCos1>(cos + tok[kCos] + a * idx.cos_col()));
+        s1[j] = static_cast<opmath_t>(Mem::template load<kSiteSin1>(sin + tok[kSin] + a * idx.sin_col()));
+        c2[j] = static_cast<opmath_t>(Mem::template load<kSiteCos2>(cos + tok[kCos] + b * idx.cos_col()));
+        s2[j] = static_cast<opmath_t>(Mem::template load<kSiteSin2>(sin + tok[kSin] + b * idx.sin_col()));
       }
     }
   }
@@ -490,17 +543,19 @@ struct RotaryThread {
     if constexpr (kVec == 1) {
       const int64_t a = pair_first(pair0, half, kInterleaved);
       const int64_t b = pair_second(pair0, half, kInterleaved);
-      x1[0] = static_cast<opmath_t>(xr[a * idx.template x_col<O>()]);
-      x2[0] = static_cast<opmath_t>(xr[b * idx.template x_col<O>()]);
+      x1[0] = static_cast<opmath_t>(Mem::template load<site<O>(kSiteX1)>(xr + a * idx.template x_col<O>()));
+      x2[0] = static_cast<opmath_t>(Mem::template load<site<O>(kSiteX2)>(xr + b * idx.template x_col<O>()));
     } else if constexpr (kInterleaved) {
-      const auto v = *reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + 2 * pair0);
+      const auto v =
+          Mem::template load<site<O>(kSiteX1)>(reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + 2 * pair0));
       for (int j = 0; j < kPairs; ++j) {
         x1[j] = static_cast<opmath_t>(v.v[2 * j]);
         x2[j] = static_cast<opmath_t>(v.v[2 * j + 1]);
       }
     } else {
-      const auto v1 = *reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + pair0);
-      const auto v2 = *reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + half + pair0);
+      const auto v1 = Mem::template load<site<O>(kSiteX1)>(reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + pair0));
+      const auto v2 =
+          Mem::template load<site<O>(kSiteX2)>(reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + half + pair0));
       for (int j = 0; j < kPairs; ++j) {
         x1[j] = static_cast<opmath_t>(v1.v[j]);
         x2[j] = static_cast<opmath_t>(v2.v[j]);
@@ -512,23 +567,23 @@ struct RotaryThread {
     if constexpr (kVec == 1) {
       const int64_t a = pair_first(pair0, half, kInterleaved);
       const int64_t b = pair_second(pair0, half, kInterleaved);
-      outr[a * idx.template out_col<O>()] = static_cast<scalar_t>(o1[0]);
-      outr[b * idx.template out_col<O>()] = static_cast<scalar_t>(o2[0]);
+      Mem::template store<site<O>(kSiteOut1)>(outr + a * idx.template out_col<O>(), static_cast<scalar_t>(o1[0]));
+      Mem::template store<site<O>(kSiteOut2)>(outr + b * idx.template out_col<O>(), static_cast<scalar_t>(o2[0]));
     } else if constexpr (kInterleaved) {
       VecOf<scalar_t, kVec> v;
       for (int j = 0; j < kPairs; ++j) {
         v.v[2 * j] = static_cast<scalar_t>(o1[j]);
         v.v[2 * j + 1] = static_cast<scalar_t>(o2[j]);
       }
-      *reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + 2 * pair0) = v;
+      Mem::template store<site<O>(kSiteOut1)>(reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + 2 * pair0), v);
     } else {
       VecOf<scalar_t, kVec> v1, v2;
       for (int j = 0; j < kPairs; ++j) {
         v1.v[j] = static_cast<scalar_t>(o1[j]);
         v2.v[j] = static_cast<scalar_t>(o2[j]);
       }
-      *reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + pair0) = v1;
-      *reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + half + pair0) = v2;
+      Mem::template store<site<O>(kSiteOut1)>(reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + pair0), v1);
+      Mem::template store<site<O>(kSiteOut2)>(reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + half + pair0), v2);
     }
   }
 
@@ -551,16 +606,19 @@ struct RotaryThread {
     if (xr == outr && xc == oc) return;  // in place: already there
     const int64_t c = idx.rotary_dim() + item * kVec;
     if constexpr (kVec == 1) {
-      outr[c * oc] = xr[c * xc];
+      const scalar_t v = Mem::template load<site<O>(kSitePassLoad)>(xr + c * xc);
+      Mem::template store<site<O>(kSitePassStore)>(outr + c * oc, v);
     } else {
-      *reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + c) = *reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + c);
+      using V = VecOf<scalar_t, kVec>;
+      const V v = Mem::template load<site<O>(kSitePassLoad)>(reinterpret_cast<const V*>(xr + c));
+      Mem::template store<site<O>(kSitePassStore)>(reinterpret_cast<V*>(outr + c), v);
     }
   }
 };
 
 // cuda-check fails on any kernel with CompactIndex whose parameters reach 256 bytes; this catches the
 // largest of them at compile time.
-static_assert(sizeof(RotaryThread<double, double, false, false, 2, true, CompactIndex>) < 256);
+static_assert(sizeof(RotaryThread<double, double, false, false, 2, true, DeviceMemory, CompactIndex>) < 256);
 
 // Elements per 16-byte vector for scalar_t.
 template <typename scalar_t>
@@ -581,9 +639,9 @@ void dispatch_variant(const RotaryCall& c, const RotaryLaunch& L, F&& f) {
     constexpr bool kG = decltype(gathered_tag)::value;
     using Index = typename decltype(index_tag)::type;
     if (L.vec == 1) {
-      f.template operator()<RotaryThread<scalar_t, table_t, kC, kI, 1, kG, Index>>();
+      f.template operator()<RotaryThread<scalar_t, table_t, kC, kI, 1, kG, DeviceMemory, Index>>();
     } else {
-      f.template operator()<RotaryThread<scalar_t, table_t, kC, kI, kV, kG, Index>>();
+      f.template operator()<RotaryThread<scalar_t, table_t, kC, kI, kV, kG, DeviceMemory, Index>>();
     }
   };
   using T = std::true_type;
