@@ -152,8 +152,8 @@ def cases() -> list[Case]:
             for interleaved in (False, True):
                 for dtype, tdt in mixed:
                     name = (f"{layout} {'rotary_qk' if tables == 'full' else 'rotary_pos_qk'} "
-                            f"{'inter' if interleaved else 'half'} {short[dtype]}/{short[tdt]} prefill B=2 S=64")
-                    out.append(Case(name, layout, tables, dtype, tdt, interleaved, 2, 64, main=True))
+                            f"{'inter' if interleaved else 'half'} {short[dtype]}/{short[tdt]} prefill B=2 S=1024")
+                    out.append(Case(name, layout, tables, dtype, tdt, interleaved, 2, 1024, main=True))
     bf = torch.bfloat16
     for tables in ("full", "gathered"):
         op = "rotary_qk" if tables == "full" else "rotary_pos_qk"
