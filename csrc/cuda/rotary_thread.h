@@ -431,6 +431,7 @@ struct RotaryThread {
 
   // Host side: the thread function of a planned call.
   static RotaryThread make(const RotaryCall& c, const CallLaunch& cl) {
+    TORCH_CHECK(kGathered || c.k == nullptr, "rope_ext: full-table calls take one tensor per launch");
     RotaryThread t{};
     if constexpr (std::is_same_v<Index, CompactIndex>) {
       t.idx = *cl.compact;
@@ -476,7 +477,10 @@ struct RotaryThread {
 
   C10_HOST_DEVICE void operator()(const ThreadCoord& g) const {
     const int64_t tokens = idx.tokens();
-    const bool two = idx.heads > idx.heads0;
+    // A second operand (k) only with gathered tables: rotary_qk with full tables makes one call per
+    // tensor. Known at compile time, full-table kernels hold no code for k (nvcc gave two of them a
+    // 16-byte stack frame around the 64-bit division of k's token index).
+    const bool two = kGathered && idx.heads > idx.heads0;
     for (int64_t token = g.bx; token < tokens; token += g.grid_x) {
       int64_t t0[4], t1[4] = {};
       idx.template token<0>(token, t0);
@@ -500,8 +504,10 @@ struct RotaryThread {
   }
 
   // This token's table entries for the item's pairs: (c1, s1) at their first members, (c2, s2) at
-  // their second; with conjugate, (-s2, -s1) in place of (s1, s2).
-  C10_HOST_DEVICE void load_tables(int64_t pair0, const int64_t (&tok)[4], opmath_t (&c1)[kPairs],
+  // their second; with conjugate, (-s2, -s1) in place of (s1, s2). These helpers are force-inlined:
+  // a device call taking arrays by reference puts them on the stack (nvcc left the 16-bit
+  // interleaved kernels with 8 to 16 bytes of stack when it chose not to inline).
+  ROPE_HD void load_tables(int64_t pair0, const int64_t (&tok)[4], opmath_t (&c1)[kPairs],
                                    opmath_t (&s1)[kPairs], opmath_t (&c2)[kPairs], opmath_t (&s2)[kPairs]) const {
     if constexpr (kGathered) {
       load_cache_rows(pair0, tok, c1, s1);
@@ -522,7 +528,7 @@ struct RotaryThread {
   }
 
   // Gathered: the cache rows at the token's position, column i serving both members of pair i.
-  C10_HOST_DEVICE void load_cache_rows(int64_t pair0, const int64_t (&tok)[4], opmath_t (&c1)[kPairs],
+  ROPE_HD void load_cache_rows(int64_t pair0, const int64_t (&tok)[4], opmath_t (&c1)[kPairs],
                                        opmath_t (&s1)[kPairs]) const {
     const int64_t pos =
         positions_int32
@@ -554,7 +560,7 @@ struct RotaryThread {
   // Full tables: the token's row, at both members' columns. The item's values are contiguous where
   // its x columns are: kVec values from column 2 * pair0 (interleaved: first and second members
   // alternate), or kPairs = kVec from pair0 and as many from half + pair0 (half-split).
-  C10_HOST_DEVICE void load_full_tables(int64_t pair0, const int64_t (&tok)[4], opmath_t (&c1)[kPairs],
+  ROPE_HD void load_full_tables(int64_t pair0, const int64_t (&tok)[4], opmath_t (&c1)[kPairs],
                                         opmath_t (&s1)[kPairs], opmath_t (&c2)[kPairs],
                                         opmath_t (&s2)[kPairs]) const {
     const int64_t half = idx.rotary_dim() / 2;
@@ -607,7 +613,9 @@ struct RotaryThread {
     const int64_t step = g.grid_y * g.block_y;
     int64_t h = g.by * g.block_y + g.ty;
     for (; h < idx.heads0; h += step) rotate_row<0>(h, t0, pair0, c1, s1, c2, s2);
-    for (; h < idx.heads; h += step) rotate_row<1>(h - idx.heads0, t1, pair0, c1, s1, c2, s2);
+    if constexpr (kGathered) {
+      for (; h < idx.heads; h += step) rotate_row<1>(h - idx.heads0, t1, pair0, c1, s1, c2, s2);
+    }
   }
 
   template <int O>
@@ -673,7 +681,9 @@ struct RotaryThread {
     const int64_t step = g.grid_y * g.block_y;
     int64_t h = g.by * g.block_y + g.ty;
     for (; h < idx.heads0; h += step) copy_row<0>(h, t0, item);
-    for (; h < idx.heads; h += step) copy_row<1>(h - idx.heads0, t1, item);
+    if constexpr (kGathered) {
+      for (; h < idx.heads; h += step) copy_row<1>(h - idx.heads0, t1, item);
+    }
   }
 
   template <int O>
