@@ -4,6 +4,8 @@ math, bounds, vector/scalar choice and tails on a machine without a GPU."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import (
@@ -33,8 +35,9 @@ def launch(x, cos, sin, interleaved):
 DIMS = {"128_full": (128, 128), "128_half": (128, 64), "72_40": (72, 40), "36_full": (36, 36), "10_6": (10, 6)}
 
 
-def _expect_vector(layout, dtype, interleaved, d, r):
-    e = 16 // torch.empty((), dtype=dtype).element_size()
+def _expect_vector(layout, dtype, table_dtype, interleaved, d, r):
+    # 16 bytes of the wider of x and the tables (a table vector is never wider than 16 bytes)
+    e = 16 // max(torch.empty((), dtype=t).element_size() for t in (dtype, table_dtype))
     contiguous_rows = layout not in ("strided_cols",)
     aligned = layout not in ("strided_cols",) and (layout != "padded" or (d + 8) % e == 0) and d % e == 0
     widths = (r % e == 0 if interleaved else (r // 2) % e == 0) and (d - r) % e == 0
@@ -60,8 +63,10 @@ def test_emulated_kernel_matches_cpu_and_reference(interleaved, dtype, layout, d
             # same roundings as the CPU kernel (no FMA contraction on either): bit-identical
             assert torch.equal(out, rope_ext.rotary(x, cos, sin, interleaved=interleaved, conjugate=conjugate))
         cfg = launch(x, cos, sin, interleaved)
-        expect_vec = _expect_vector(layout, dtype, interleaved, d, r)
+        expect_vec = _expect_vector(layout, dtype, table_dtype, interleaved, d, r)
         assert (cfg["vec"] > 1) == expect_vec, cfg
+        # fresh tables: their items are aligned wherever x's are; every layout but strided columns is compact
+        assert cfg["table_vec"] == expect_vec and cfg["compact"] == (layout != "strided_cols"), cfg
         assert cfg["block_x"] * cfg["block_y"] <= 256 and cfg["grid_y"] <= 65535
 
 
@@ -128,6 +133,82 @@ def test_emulated_bad_input_uses_the_shared_checks():
         TESTING.cuda_emulate_rotary(torch.zeros(2, 8), torch.ones(2, 3), torch.ones(2, 3), False, False)
 
 
+# Full tables (rotary, rotary_qk: the HF drop-in) in the layouts users hand them, each as
+# (x, cos, sin, CompactIndex expected, vector table loads expected). x is (2, 3, 4, 64) in some layout
+# with r = 48: whole vectors for every dtype pairing here, so only the tables decide the gates.
+def _full_table_cases(dtype, table_dtype, gen):
+    B, S, H, D, r = 2, 3, 4, 64, 48
+
+    def tables(*shape):
+        return random_tables(shape, table_dtype, gen)  # c1 != c2 and s1 != s2: the general per-pair matrix
+
+    def offset(t, by):  # t's values in a buffer that starts `by` elements earlier
+        buf = torch.zeros(t.numel() + by, dtype=t.dtype)
+        buf[by:] = t.flatten()
+        return buf[by:].view(t.shape)
+
+    bshd = make_layout("bshd", B, S, H, D, dtype, gen)[0]
+    c, s = tables(B, S, 1, r)
+    cases = {
+        "hf_view_b1sr": (make_layout("hf_view", B, S, H, D, dtype, gen)[0], *(t.transpose(1, 2) for t in (c, s)),
+                         True, True),
+        "bshd_shared_over_batch": (bshd, *tables(S, 1, r), True, True),
+        "thd": (make_layout("thd", B, S, H, D, dtype, gen)[0], *tables(B * S, 1, r), True, True),
+        "qkv_slice": (make_layout("qkv_slice", B, S, H, D, dtype, gen)[0], c, s, True, True),
+        # one element off: items no longer start on their width
+        "misaligned_tables": (bshd, offset(c, 1), offset(s, 1), True, False),
+        # rows of r + 1: every other token's items off their width
+        "odd_row_stride": (bshd, *(torch.cat((t, t[..., :1]), -1)[..., :r] for t in (c, s)), True, False),
+        # cos and sin laid out differently: one set of token strides cannot serve both (PlanIndex)
+        "cos_sin_strides_differ": (bshd, c, s.transpose(0, 1).contiguous().transpose(0, 1), False, True),
+        "strided_table_columns": (bshd, *(torch.stack((t, t), -1).flatten(-2)[..., ::2] for t in (c, s)), False,
+                                  False),
+    }
+    return cases
+
+
+FULL_TABLE_DTYPES = {"bf16": (torch.bfloat16, torch.bfloat16), "bf16_f32tables": (torch.bfloat16, torch.float32),
+                     "f32": (torch.float32, torch.float32), "f64": (torch.float64, torch.float64)}
+
+
+@pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
+@pytest.mark.parametrize("dtypes", FULL_TABLE_DTYPES.values(), ids=FULL_TABLE_DTYPES.keys())
+def test_full_tables_compact_index_and_vector_table_loads(dtypes, interleaved, gen):
+    """The full-table path's two gates, chosen at run time from the real pointers and strides: CompactIndex
+    or PlanIndex (forced too, through the testing knob), vector or scalar table loads. Every side gives
+    the CPU op's bits, forward and transpose (conjugate, a runtime flag: (s1, s2) -> (-s2, -s1))."""
+    seen = set()
+    for name, (x, cos, sin, compact, table_vec) in _full_table_cases(*dtypes, gen).items():
+        expected = [rope_ext.rotary(x, cos, sin, interleaved=interleaved, conjugate=conj) for conj in (False, True)]
+        assert_matches_reference(expected[1], x, cos, sin, interleaved, True)
+        for allow in (True, False):
+            before = TESTING.cuda_allow_compact_index(allow)
+            try:
+                cfg = launch(x, cos, sin, interleaved)
+                gates = (cfg["compact"], cfg["table_vec"])
+                assert cfg["vec"] > 1 and gates == (compact and allow, table_vec), (name, cfg)
+                seen.add(gates)
+                for conj, want in zip((False, True), expected, strict=True):
+                    assert torch.equal(TESTING.cuda_emulate_rotary(x, cos, sin, interleaved, conj), want), (name, allow)
+            finally:
+                TESTING.cuda_allow_compact_index(before)
+    assert seen == {(0, 0), (0, 1), (1, 0), (1, 1)}
+
+
+def test_full_tables_rotary_qk_gqa_hf_view(gen):
+    """The transformers patch's call: rotary_qk on HF's (B, H, S, D) views, 32/8 heads, (B, 1, S, D) tables
+    in x's dtype. Both launches take CompactIndex and vector table loads and give the CPU op's bits."""
+    q = make_layout("hf_view", 2, 5, 32, 128, torch.bfloat16, gen)[0]
+    k = make_layout("hf_view", 2, 5, 8, 128, torch.bfloat16, gen)[0]
+    cos, sin = (t.unsqueeze(1) for t in rope_tables(torch.arange(5).expand(2, 5), 128, False, torch.bfloat16))
+    for x in (q, k):
+        cfg = launch(x, cos, sin, False)
+        assert (cfg["vec"], cfg["table_vec"], cfg["compact"]) == (8, 1, 1), cfg
+    got = TESTING.cuda_emulate_rotary_qk(q, k, cos, sin, False, None, None, False)
+    want = rope_ext.rotary_qk(q, k, cos, sin)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize(
     "t, inner",
     [
@@ -147,3 +228,82 @@ def test_compact_index_token_offsets_on_both_sides_of_the_32_bit_division(t, inn
     expected = [o * strides[0] + i * strides[1], o * strides[2] + i * strides[3], o * strides[4] + i * strides[5]]
     expected.append(expected[-1])
     assert TESTING.cuda_compact_token_offsets(t, inner, strides) == expected
+
+
+# --- the emulator's memory checks and traffic model (csrc/testing/host_emulation.cpp) -----------
+
+TRAFFIC_FIELDS = ("ld_needed", "ld_sectors", "st_needed", "st_sectors", "ld_distinct", "st_distinct",
+                  "ld_instructions", "st_instructions", "ld_lanes", "st_lanes")
+
+
+@contextlib.contextmanager
+def ignoring_alignment():
+    """Launches take vector loads wherever the widths allow, whatever the alignment (a testing knob)."""
+    before = TESTING.cuda_ignore_alignment(True)
+    try:
+        yield
+    finally:
+        TESTING.cuda_ignore_alignment(before)
+
+
+def recorded_traffic(fn, *args):
+    """fn(*args) with the emulator recording: (its result, the totals, {site: (needed, sector bytes, instructions)})."""
+    TESTING.cuda_record_traffic(True)
+    try:
+        result = fn(*args)
+        totals = dict(zip(TRAFFIC_FIELDS, TESTING.cuda_traffic(), strict=True))
+        names, flat = TESTING.cuda_traffic_by_site()
+    finally:
+        TESTING.cuda_record_traffic(False)
+    return result, totals, {n: tuple(flat[3 * i:3 * i + 3]) for i, n in enumerate(names)}
+
+
+def test_emulator_refuses_misaligned_vector_accesses(gen):
+    """A GPU faults on a 16-byte access that is not 16-byte aligned; x86 does not. The launch never
+    chooses one (it falls back to scalar loads), so the knob that ignores alignment forces one, and the
+    emulator must refuse it, naming the access; aligned vector accesses pass the same check."""
+    x = make_layout("bshd", 2, 3, 4, 64, torch.bfloat16, gen)[0]
+    shifted = torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape)  # 2 bytes past a 16-byte boundary
+    shifted.copy_(x)
+    cos, sin = rope_tables(torch.arange(3)[None, :, None], 64, False, torch.bfloat16)
+    checked = TESTING.cuda_checked_accesses()
+    assert torch.equal(TESTING.cuda_emulate_rotary(x, cos, sin, False, False), rope_ext.rotary(x, cos, sin))
+    # every access is checked: at least the output's 16-byte stores, and x's loads
+    assert TESTING.cuda_checked_accesses() - checked >= 2 * x.numel() // 8
+    assert launch(shifted, cos, sin, False)["vec"] == 1
+    assert torch.equal(TESTING.cuda_emulate_rotary(shifted, cos, sin, False, False), rope_ext.rotary(x, cos, sin))
+    with ignoring_alignment():
+        assert launch(shifted, cos, sin, False)["vec"] == 8
+        with pytest.raises(RuntimeError, match=r"misaligned 16-byte load at 0x[0-9a-f]+ \(2 bytes past a 16-byte "
+                                               r"boundary\), access site q\.x1: a GPU faults on it"):
+            TESTING.cuda_emulate_rotary(shifted, cos, sin, False, False)
+        # gathered caches: x aligned, the caches one element off, so only the vector table load is misaligned
+        cache = torch.randn(2 * 16 * 32 + 1, generator=gen).to(torch.bfloat16)[1:].view(2, 16, 32)
+        pos = torch.randint(0, 16, (2, 3, 1), generator=gen)
+        assert TESTING.cuda_pos_launch_config(x, None, cache[0], cache[1], pos, False)[LAUNCH_FIELDS.index("table_vec")]
+        with pytest.raises(RuntimeError, match=r"misaligned 16-byte load .* access site q\.cos1"):
+            TESTING.cuda_emulate_rotary_pos(x, cache[0], cache[1], pos, False, False)
+    assert launch(shifted, cos, sin, False)["vec"] == 1  # the knob is off again
+
+
+def test_traffic_model_counts_bytes_and_sectors(gen):
+    """The recorder against what can be worked out by hand. Every output byte is stored once, in
+    whole sectors (a contiguous output); x is read at least once. With the scalar path on columns of
+    stride 2 (float32, 32 pairs per row: one warp per head row), each warp's load of x's first members
+    needs 32 x 4 bytes spread over 256 bytes: efficiency exactly 1/2; the contiguous output's stores 1."""
+    x = make_layout("bshd", 2, 3, 4, 64, torch.float32, gen)[0]
+    cos, sin = rope_tables(torch.arange(3)[None, :, None], 64, False, torch.float32)
+    out, t, _ = recorded_traffic(TESTING.cuda_emulate_rotary, x, cos, sin, False, False)
+    assert torch.equal(out, rope_ext.rotary(x, cos, sin))
+    nbytes = x.numel() * 4
+    assert t["st_needed"] == t["st_sectors"] == t["st_distinct"] == nbytes
+    assert t["ld_needed"] >= nbytes and t["ld_distinct"] == nbytes + 2 * cos.numel() * 4
+
+    strided, _ = make_layout("strided_cols", 2, 3, 4, 64, torch.float32, gen)
+    assert launch(strided, cos, sin, False)["vec"] == 1 and launch(strided, cos, sin, False)["block_x"] == 32
+    out, t, sites = recorded_traffic(TESTING.cuda_emulate_rotary, strided, cos, sin, False, False)
+    assert torch.equal(out, rope_ext.rotary(strided, cos, sin))
+    rows = 2 * 3 * 4
+    assert sites["q.x1"] == (rows * 32 * 4, rows * 256, rows) and sites["q.x2"] == sites["q.x1"]
+    assert sites["q.out1"] == (rows * 32 * 4, rows * 32 * 4, rows)
+    assert t["st_needed"] == t["st_sectors"] == nbytes

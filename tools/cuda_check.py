@@ -82,12 +82,12 @@ def check_arch(lib: Path, arch: str, out: Path) -> str:
         (args.replace(" ", "").replace("rope_ext::cuda::", ""), int(r), int(st), int(lo), int(c0) - param_offset)
         for args, r, st, lo, c0 in rows
     ]
-    lines = [f"{'kernel (scalar, table, conj, interleaved, vec, gathered, index)':72} REG STACK LOCAL PARAM_BYTES"]
+    lines = [f"{'kernel (scalar, table, interleaved, vec, gathered, memory, index)':72} REG STACK LOCAL PARAM_BYTES"]
     lines += [f"{k:72} {r:>3} {st:>5} {lo:>5} {p:>11}" for k, r, st, lo, p in kernels]
     out.write_text("\n".join(lines) + "\n")
 
-    def gathered(name: str) -> bool:
-        return name.split(",")[5] == "true"
+    def gathered(name: str) -> bool:  # (RotaryThread's fifth template argument, kGathered)
+        return name.split(",")[4] == "true"
 
     stacked = [k[0] for k in kernels if k[3] or k[2] > (PRINTF_STACK if gathered(k[0]) else 0)]
     if stacked:

@@ -44,7 +44,7 @@ struct RotaryLaunch {
   int64_t pairs_per_item = 1;  // pairs one thread rotates per head
   int64_t rot_items = 0;       // items covering the rotary columns
   int64_t pass_items = 0;      // items covering the pass-through columns (vec columns each)
-  bool table_vec = false;      // gathered caches: an item's pairs_per_item table values in one load
+  bool table_vec = false;      // an item's table values in one load (see choose_launch)
   bool compact = false;        // rows addressed by CompactIndex (else PlanIndex)
 };
 
@@ -63,26 +63,34 @@ struct LaunchOperand {
 
 // Chooses the launch for one or two operands (q and k share tokens and tables) covering `tokens`
 // tokens and `heads` rows per token in all, given the element sizes and the data pointers (for
-// alignment). The 16-byte vector path needs contiguous rows, 16-byte aligned row starts, and a
-// rotary and pass-through width that split into whole vectors, for every operand; anything else
-// takes the scalar path. Gathered caches are loaded a whole item at a time when their columns are
-// contiguous and each item's values are aligned.
+// alignment). The vector path (16 bytes of x, or 8 where the tables are float32 and x 16-bit: see
+// vec_elems) needs contiguous rows, 16-byte aligned row starts, and a rotary and pass-through width
+// that split into whole vectors, for every operand; anything else takes the scalar path. The tables
+// are loaded a whole item at a time (table_vec) when their columns are contiguous and each item's
+// values are aligned: for gathered caches, the row stride and the bases; for full tables, every
+// token stride and the bases (the item's columns start at a multiple of its width, and half-split's
+// second members at r/2, a multiple too). `ignore_alignment` (the host emulator's tests only)
+// skips the pointer and stride alignment checks, so that the emulator can show it catches what a
+// misaligned vector access would do on a GPU.
 inline RotaryLaunch choose_launch(std::initializer_list<LaunchOperand> operands, int64_t tokens, int64_t heads,
                                   int64_t elem_size, bool interleaved, const void* cos = nullptr,
-                                  const void* sin = nullptr, int64_t table_elem_size = 0) {
+                                  const void* sin = nullptr, int64_t table_elem_size = 0,
+                                  bool ignore_alignment = false) {
+  const auto aligned = [ignore_alignment](const void* p, int64_t bytes) {
+    return ignore_alignment || reinterpret_cast<uintptr_t>(p) % bytes == 0;
+  };
   RotaryLaunch L;
   const RotaryPlan& p = *operands.begin()->plan;
   const int64_t half = p.rotary_dim / 2;
   const int64_t pass = p.head_dim - p.rotary_dim;
-  const int64_t e = kVectorBytes / elem_size;
+  const int64_t e = kVectorBytes / std::max(elem_size, table_elem_size);  // vec_elems
   bool vec_ok = e >= 2 && (interleaved ? p.rotary_dim % e == 0 : half % e == 0) && pass % e == 0;
   for (const LaunchOperand& o : operands) {
     const RotaryPlan& q = *o.plan;
-    vec_ok = vec_ok && q.x_col == 1 && q.out_col == 1 && reinterpret_cast<uintptr_t>(o.x) % kVectorBytes == 0 &&
-             reinterpret_cast<uintptr_t>(o.out) % kVectorBytes == 0;
-    for (int d = 0; vec_ok && d < q.tokens.ndim; ++d)
+    vec_ok = vec_ok && q.x_col == 1 && q.out_col == 1 && aligned(o.x, e * elem_size) && aligned(o.out, e * elem_size);
+    for (int d = 0; vec_ok && !ignore_alignment && d < q.tokens.ndim; ++d)
       vec_ok = q.tokens.strides[kX][d] % e == 0 && q.tokens.strides[kOut][d] % e == 0;
-    for (int d = 0; vec_ok && d < q.heads.ndim; ++d)
+    for (int d = 0; vec_ok && !ignore_alignment && d < q.heads.ndim; ++d)
       vec_ok = q.heads.strides[kX][d] % e == 0 && q.heads.strides[kOut][d] % e == 0;
   }
 
@@ -90,11 +98,18 @@ inline RotaryLaunch choose_launch(std::initializer_list<LaunchOperand> operands,
   L.pairs_per_item = vec_ok ? (interleaved ? e / 2 : e) : 1;
   L.rot_items = half / L.pairs_per_item;
   L.pass_items = pass / L.vec;
-  if (p.gathered && L.pairs_per_item > 1) {
-    const int64_t item_bytes = L.pairs_per_item * table_elem_size;
-    L.table_vec = p.cos_col == 1 && p.sin_col == 1 && p.cos_row % L.pairs_per_item == 0 &&
-                  p.sin_row % L.pairs_per_item == 0 && reinterpret_cast<uintptr_t>(cos) % item_bytes == 0 &&
-                  reinterpret_cast<uintptr_t>(sin) % item_bytes == 0;
+  // Table values per vector load: an item's pairs (gathered), or its columns (full tables).
+  const int64_t n = p.gathered ? L.pairs_per_item : L.vec;
+  if (n > 1) {
+    bool strides_ok = true;
+    if (p.gathered) {
+      strides_ok = p.cos_row % n == 0 && p.sin_row % n == 0;
+    } else {
+      for (int d = 0; d < p.tokens.ndim; ++d)
+        strides_ok = strides_ok && p.tokens.strides[kCos][d] % n == 0 && p.tokens.strides[kSin][d] % n == 0;
+    }
+    L.table_vec = p.cos_col == 1 && p.sin_col == 1 && (ignore_alignment || strides_ok) &&
+                  aligned(cos, n * table_elem_size) && aligned(sin, n * table_elem_size);
   }
   const int64_t items = L.rot_items + L.pass_items;
   L.block_x = std::max<int64_t>(1, std::min<int64_t>(items, kMaxThreads));
@@ -106,6 +121,40 @@ inline RotaryLaunch choose_launch(std::initializer_list<LaunchOperand> operands,
   return L;
 }
 
+// Every global memory access of the thread function goes through its Memory policy, which names the
+// access site: one per load or store instruction of the thread function, in program order (a
+// site inside rotate_row or copy_row exists once per operand, O * kSiteCount + site). The kernel's
+// policy, DeviceMemory, is a plain dereference, inlined: nvcc compiles what the bare expression
+// would give. The host emulator's (csrc/testing/host_emulation.cpp) checks that every address is
+// aligned to its access width, as a GPU requires, and can record the addresses of every warp for
+// its memory traffic model; at_item tells it which loop iteration the accesses belong to.
+enum AccessSite : int {
+  kSitePosition,  // the token's position (gathered tables)
+  kSiteCos1,      // table values of the item's pairs: at their first members, or all of them
+  kSiteSin1,
+  kSiteCos2,      // ... at their second members (full tables, half-split)
+  kSiteSin2,
+  kSiteX1,  // x: the pairs' first members (or the whole interleaved item)
+  kSiteX2,  // x: their second members (half-split, or scalar)
+  kSiteOut1,
+  kSiteOut2,
+  kSitePassLoad,  // pass-through columns
+  kSitePassStore,
+  kSiteCount
+};
+
+struct DeviceMemory {
+  ROPE_HD static void at_item(int64_t /*token*/, int64_t /*item*/) {}
+  template <int kSite, class V>
+  ROPE_HD static V load(const V* p) {
+    return *p;
+  }
+  template <int kSite, class V>
+  ROPE_HD static void store(V* p, const V& v) {
+    *p = v;
+  }
+};
+
 // How the thread function finds a row: two index types it is templated on, with one interface.
 //   token<O>(t, off): operand O's x and out offsets of token t, and (kCos, kSin) the offsets of its
 //                     table entries (full tables) or of its position (gathered);
@@ -113,8 +162,8 @@ inline RotaryLaunch choose_launch(std::initializer_list<LaunchOperand> operands,
 // Operands are 0 (x or q) and 1 (k); O is a template argument, so no array is indexed at run time
 // (such arrays live in local memory, which cuda-check refuses).
 
-// Any layout: both operands' RotaryPlans, any rank and strides, ~3.5 KB of kernel parameters. Every
-// full-table call uses it, and so does a gathered call whose layout CompactIndex cannot describe.
+// Any layout: both operands' RotaryPlans, any rank and strides, ~3.5 KB of kernel parameters, and a
+// division per dim for each token and head. Calls whose layout CompactIndex cannot describe use it.
 struct PlanIndex {
   RotaryPlan p[2];
   int64_t heads0 = 0, heads = 0;  // operand 0's heads, and both operands'
@@ -144,18 +193,20 @@ struct PlanIndex {
   C10_HOST_DEVICE int64_t cache_rows() const { return p[0].cache_rows; }
 };
 
-// A gathered call's rows in 168 bytes, so that its kernel's parameters stay under 256 bytes: at most
-// two token dims and one head dim per operand once dims are collapsed and outer broadcast dims (the
-// batch of (B, S, H, D) under (S, 1) positions) are counted as tokens; unit column strides; one row
-// stride for both caches. Nearly every layout rotary_pos sees qualifies (compact_index decides).
+// A call's rows in 168 bytes, so that its kernel's parameters stay under 256 bytes: at most two token
+// dims and one head dim per operand once dims are collapsed and outer broadcast dims (the batch of
+// (B, S, H, D) under (S, 1) positions or (S, 1, r) tables) are counted as tokens; unit column
+// strides; gathered, one row stride for both caches; full tables, one set of token strides for cos
+// and sin. Nearly every layout rotary_pos and rotary see qualifies (compact_index decides): HF's
+// (B, S, r) tables broadcast over heads, (S, r) tables shared over the batch, packed tokens.
 struct CompactIndex {
   int64_t num_tokens = 0;
   int64_t inner = 1;          // size of the inner token dim: token t = (t / inner, t % inner)
   int64_t tok[2][2][2] = {};  // token strides [operand][x, out][outer, inner]
-  int64_t pos[2] = {};        // positions' token strides [outer, inner]
+  int64_t pos[2] = {};        // token strides [outer, inner] of the positions, or of cos and sin
   int64_t hd[2][2] = {};      // head stride [operand][x, out]
-  int64_t row = 0;            // both caches' row stride
-  int64_t rows = 0;           // cache rows
+  int64_t row = 0;            // gathered: both caches' row stride
+  int64_t rows = 0;           // gathered: cache rows
   int64_t heads0 = 0, heads = 0;
   int64_t half = 0;           // rotary_dim / 2
 
@@ -192,9 +243,10 @@ struct CompactIndex {
   C10_HOST_DEVICE int64_t cache_rows() const { return rows; }
 };
 
-// The CompactIndex of a gathered call, or nullopt where its layout needs PlanIndex. Dims of x
-// (q) along which positions vary are token dims; the others are broadcast dims. Adjacent dims that
-// every operand (q, q_out, k, k_out, and positions for tokens) steps through as one are merged;
+// The CompactIndex of a call, or nullopt where its layout needs PlanIndex. Dims of x (q) along which
+// the positions (gathered) or the tables (full) vary are token dims; the others are broadcast dims.
+// Adjacent dims that every operand (q, q_out, k, k_out, and positions or tables for tokens) steps
+// through as one are merged;
 // of the broadcast dims left, the one where q and k differ in size (GQA/MQA) or else the innermost
 // is the head dim, and the rest become token dims with position stride 0.
 inline std::optional<CompactIndex> compact_index(const RotaryCall& c) {
@@ -203,17 +255,29 @@ inline std::optional<CompactIndex> compact_index(const RotaryCall& c) {
   const at::Tensor& cc = c.cos;
   const at::Tensor& sc = c.sin;
   const auto unit = [](const at::Tensor& a, int64_t d) { return a.size(d) <= 1 || a.stride(d) == 1; };
-  if (c.positions == nullptr || !unit(cc, 1) || !unit(sc, 1) || cc.stride(0) != sc.stride(0)) return std::nullopt;
   for (const at::Tensor* a : t) {
     if (!unit(*a, -1)) return std::nullopt;
   }
+  // What varies along the token dims, as a view over x's dims: the positions, or the tables.
+  std::vector<int64_t> view(c.x.sizes().begin(), c.x.sizes().end());
+  at::Tensor pos;
+  if (c.positions != nullptr) {
+    if (!unit(cc, 1) || !unit(sc, 1) || cc.stride(0) != sc.stride(0)) return std::nullopt;
+    view.back() = 1;
+    pos = c.positions->unsqueeze(-1).expand(view);
+  } else {
+    view.back() = cc.size(-1);
+    pos = cc.expand(view);
+    const at::Tensor sin_view = sc.expand(view);
+    if (!unit(pos, -1) || !unit(sin_view, -1)) return std::nullopt;
+    for (int64_t d = 0; d + 1 < c.x.dim(); ++d) {
+      if (c.x.size(d) > 1 && pos.stride(d) != sin_view.stride(d)) return std::nullopt;  // one offset for both
+    }
+  }
   struct Dim {
     int64_t size[kOps];
-    int64_t stride[kOps + 1];  // the operands', then the positions' (0 for a broadcast dim)
+    int64_t stride[kOps + 1];  // the operands', then the positions' or tables' (0 for a broadcast dim)
   };
-  std::vector<int64_t> view(c.x.sizes().begin(), c.x.sizes().end());
-  view.back() = 1;
-  const at::Tensor pos = c.positions->unsqueeze(-1).expand(view);
   std::vector<std::pair<int64_t, Dim>> token_dims, bcast_dims;  // (x's dim, dim)
   for (int64_t d = 0; d + 1 < c.x.dim(); ++d) {
     Dim m{};
@@ -286,9 +350,13 @@ inline std::optional<CompactIndex> compact_index(const RotaryCall& c) {
     }
     ix.pos[slot] = m.stride[kOps];
   }
-  ix.row = cc.stride(0);
-  ix.rows = cc.size(0);
-  ix.half = cc.size(1);
+  if (c.positions != nullptr) {
+    ix.row = cc.stride(0);
+    ix.rows = cc.size(0);
+    ix.half = cc.size(1);
+  } else {
+    ix.half = cc.size(-1) / 2;
+  }
   return ix;
 }
 
@@ -334,7 +402,8 @@ struct CallLaunch {
   RotaryLaunch launch;
 };
 
-inline CallLaunch plan_call(const RotaryCall& c, bool allow_compact = true) {
+// (`ignore_alignment`: see choose_launch.)
+inline CallLaunch plan_call(const RotaryCall& c, bool allow_compact = true, bool ignore_alignment = false) {
   CallLaunch r;
   const auto make = [&](const at::Tensor& x, const at::Tensor& out) {
     return c.positions ? make_rotary_pos_plan(x, out, c.cos, c.sin, *c.positions)
@@ -349,7 +418,7 @@ inline CallLaunch plan_call(const RotaryCall& c, bool allow_compact = true) {
   const LaunchOperand q{&r.plan, c.x.const_data_ptr(), c.out.const_data_ptr()};
   const auto choose = [&](std::initializer_list<LaunchOperand> operands) {
     return choose_launch(operands, tokens, heads, c.x.element_size(), c.interleaved, c.cos.const_data_ptr(),
-                         c.sin.const_data_ptr(), c.cos.element_size());
+                         c.sin.const_data_ptr(), c.cos.element_size(), ignore_alignment);
   };
   r.launch = c.k != nullptr ? choose({q, {&r.k_plan, c.k->const_data_ptr(), c.k_out->const_data_ptr()}})
                             : choose({q});
@@ -358,15 +427,22 @@ inline CallLaunch plan_call(const RotaryCall& c, bool allow_compact = true) {
 }
 
 // The work of one thread of a launch. kVec is the launch's `vec` (1: scalar path). kGathered: the
-// tables are half-width caches read at each token's position (rotary_pos*); the transpose
-// (conjugate) is then the rotation with -sin, a runtime flag. Index: PlanIndex or CompactIndex.
-template <typename scalar_t, typename table_t, bool kConj, bool kInterleaved, int kVec, bool kGathered,
-          class Index>
+// tables are half-width caches read at each token's position (rotary_pos*), else full tables.
+// The transpose (conjugate) is a runtime flag: rotate_pair's transpose is its forward form with
+// (s1, s2) replaced by (-s2, -s1), which gives the same roundings (negation is exact, and a - b is
+// a + (-b)), so one kernel serves both and the number of kernels stays what it was before full
+// tables had two indexes. Mem: the memory access policy (DeviceMemory in the kernel). Index:
+// PlanIndex or CompactIndex.
+template <typename scalar_t, typename table_t, bool kInterleaved, int kVec, bool kGathered, class Mem, class Index>
 struct RotaryThread {
   using opmath_t = typename OpMath<scalar_t>::type;
+  // The same thread function with another memory policy (the host emulator's).
+  template <class M>
+  using WithMemory = RotaryThread<scalar_t, table_t, kInterleaved, kVec, kGathered, M, Index>;
 
   // Host side: the thread function of a planned call.
   static RotaryThread make(const RotaryCall& c, const CallLaunch& cl) {
+    TORCH_CHECK(kGathered || c.k == nullptr, "rope_ext: full-table calls take one tensor per launch");
     RotaryThread t{};
     if constexpr (std::is_same_v<Index, CompactIndex>) {
       t.idx = *cl.compact;
@@ -408,16 +484,20 @@ struct RotaryThread {
   int64_t rot_items, pass_items;  // the launch's
   bool positions_int32;
   bool table_vec;                 // the launch's
-  bool conjugate;                 // gathered: the transpose, a rotation by -sin (else kConj)
+  bool conjugate;                 // the transpose (see above)
 
   C10_HOST_DEVICE void operator()(const ThreadCoord& g) const {
     const int64_t tokens = idx.tokens();
-    const bool two = idx.heads > idx.heads0;
+    // A second operand (k) only with gathered tables: rotary_qk with full tables makes one call per
+    // tensor. Known at compile time, full-table kernels hold no code for k (nvcc gave two of them a
+    // 16-byte stack frame around the 64-bit division of k's token index).
+    const bool two = kGathered && idx.heads > idx.heads0;
     for (int64_t token = g.bx; token < tokens; token += g.grid_x) {
       int64_t t0[4], t1[4] = {};
       idx.template token<0>(token, t0);
       if (two) idx.template token<1>(token, t1);
       for (int64_t item = g.tx; item < rot_items + pass_items; item += g.block_x) {
+        Mem::at_item(token, item);
         if (item < rot_items) {
           rotate_item(item, t0, t1, g);
         } else {
@@ -428,48 +508,107 @@ struct RotaryThread {
   }
 
  private:
-  // This token's table entries for the item's pairs.
-  C10_HOST_DEVICE void load_tables(int64_t pair0, const int64_t (&tok)[4], opmath_t (&c1)[kPairs],
+  // Operand O's instance of a site in rotate_row or copy_row (each is compiled once per operand).
+  template <int O>
+  static constexpr int site(AccessSite s) {
+    return O * kSiteCount + s;
+  }
+
+  // This token's table entries for the item's pairs: (c1, s1) at their first members, (c2, s2) at
+  // their second; with conjugate, (-s2, -s1) in place of (s1, s2). These helpers are force-inlined:
+  // a device call taking arrays by reference puts them on the stack (nvcc left the 16-bit
+  // interleaved kernels with 8 to 16 bytes of stack when it chose not to inline).
+  ROPE_HD void load_tables(int64_t pair0, const int64_t (&tok)[4], opmath_t (&c1)[kPairs],
                                    opmath_t (&s1)[kPairs], opmath_t (&c2)[kPairs], opmath_t (&s2)[kPairs]) const {
     if constexpr (kGathered) {
-      const int64_t pos = positions_int32 ? int64_t{static_cast<const int32_t*>(positions)[tok[kCos]]}
-                                          : static_cast<const int64_t*>(positions)[tok[kCos]];
-      const opmath_t sin_sign = conjugate ? opmath_t(-1) : opmath_t(1);
-      ROPE_EXT_POSITION_CHECK(pos, idx.cache_rows());
-      const table_t* c = cos + pos * idx.cos_row();
-      const table_t* s = sin + pos * idx.sin_row();
-      bool vector_load = false;
-      if constexpr (kPairs > 1) {
-        if (table_vec) {
-          const auto cv = *reinterpret_cast<const VecOf<table_t, kPairs>*>(c + pair0);
-          const auto sv = *reinterpret_cast<const VecOf<table_t, kPairs>*>(s + pair0);
-          for (int j = 0; j < kPairs; ++j) {
-            c1[j] = static_cast<opmath_t>(cv.v[j]);
-            s1[j] = sin_sign * static_cast<opmath_t>(sv.v[j]);
-          }
-          vector_load = true;
-        }
-      }
-      if (!vector_load) {
-        for (int j = 0; j < kPairs; ++j) {
-          c1[j] = static_cast<opmath_t>(c[(pair0 + j) * idx.cos_col()]);
-          s1[j] = sin_sign * static_cast<opmath_t>(s[(pair0 + j) * idx.sin_col()]);
-        }
-      }
+      load_cache_rows(pair0, tok, c1, s1);
       for (int j = 0; j < kPairs; ++j) {
         c2[j] = c1[j];
         s2[j] = s1[j];
       }
     } else {
-      const int64_t half = idx.rotary_dim() / 2;
+      load_full_tables(pair0, tok, c1, s1, c2, s2);
+    }
+    if (conjugate) {
       for (int j = 0; j < kPairs; ++j) {
-        const int64_t a = pair_first(pair0 + j, half, kInterleaved);
-        const int64_t b = pair_second(pair0 + j, half, kInterleaved);
-        c1[j] = static_cast<opmath_t>(cos[tok[kCos] + a * idx.cos_col()]);
-        s1[j] = static_cast<opmath_t>(sin[tok[kSin] + a * idx.sin_col()]);
-        c2[j] = static_cast<opmath_t>(cos[tok[kCos] + b * idx.cos_col()]);
-        s2[j] = static_cast<opmath_t>(sin[tok[kSin] + b * idx.sin_col()]);
+        const opmath_t t = s1[j];
+        s1[j] = -s2[j];
+        s2[j] = -t;
       }
+    }
+  }
+
+  // Gathered: the cache rows at the token's position, column i serving both members of pair i.
+  ROPE_HD void load_cache_rows(int64_t pair0, const int64_t (&tok)[4], opmath_t (&c1)[kPairs],
+                                       opmath_t (&s1)[kPairs]) const {
+    const int64_t pos =
+        positions_int32
+            ? int64_t{Mem::template load<kSitePosition>(static_cast<const int32_t*>(positions) + tok[kCos])}
+            : Mem::template load<kSitePosition>(static_cast<const int64_t*>(positions) + tok[kCos]);
+    ROPE_EXT_POSITION_CHECK(pos, idx.cache_rows());
+    const table_t* c = cos + pos * idx.cos_row();
+    const table_t* s = sin + pos * idx.sin_row();
+    if constexpr (kPairs > 1) {
+      if (table_vec) {
+        using V = VecOf<table_t, kPairs>;
+        const V cv = Mem::template load<kSiteCos1>(reinterpret_cast<const V*>(c + pair0));
+        const V sv = Mem::template load<kSiteSin1>(reinterpret_cast<const V*>(s + pair0));
+        for (int j = 0; j < kPairs; ++j) {
+          c1[j] = static_cast<opmath_t>(cv.v[j]);
+          s1[j] = static_cast<opmath_t>(sv.v[j]);
+        }
+        return;
+      }
+    }
+    for (int j = 0; j < kPairs; ++j) {
+      c1[j] = static_cast<opmath_t>(Mem::template load<kSiteCos1>(c + (pair0 + j) * idx.cos_col()));
+      s1[j] = static_cast<opmath_t>(Mem::template load<kSiteSin1>(s + (pair0 + j) * idx.sin_col()));
+    }
+  }
+
+  // Full tables: the token's row, at both members' columns. The item's values are contiguous where
+  // its x columns are: kVec values from column 2 * pair0 (interleaved: first and second members
+  // alternate), or kPairs = kVec from pair0 and as many from half + pair0 (half-split).
+  ROPE_HD void load_full_tables(int64_t pair0, const int64_t (&tok)[4], opmath_t (&c1)[kPairs],
+                                        opmath_t (&s1)[kPairs], opmath_t (&c2)[kPairs],
+                                        opmath_t (&s2)[kPairs]) const {
+    const int64_t half = idx.rotary_dim() / 2;
+    const table_t* c = cos + tok[kCos];
+    const table_t* s = sin + tok[kSin];
+    if constexpr (kVec > 1) {
+      if (table_vec) {
+        using V = VecOf<table_t, kVec>;
+        if constexpr (kInterleaved) {
+          const V cv = Mem::template load<kSiteCos1>(reinterpret_cast<const V*>(c + 2 * pair0));
+          const V sv = Mem::template load<kSiteSin1>(reinterpret_cast<const V*>(s + 2 * pair0));
+          for (int j = 0; j < kPairs; ++j) {
+            c1[j] = static_cast<opmath_t>(cv.v[2 * j]);
+            c2[j] = static_cast<opmath_t>(cv.v[2 * j + 1]);
+            s1[j] = static_cast<opmath_t>(sv.v[2 * j]);
+            s2[j] = static_cast<opmath_t>(sv.v[2 * j + 1]);
+          }
+        } else {
+          const V cv1 = Mem::template load<kSiteCos1>(reinterpret_cast<const V*>(c + pair0));
+          const V sv1 = Mem::template load<kSiteSin1>(reinterpret_cast<const V*>(s + pair0));
+          const V cv2 = Mem::template load<kSiteCos2>(reinterpret_cast<const V*>(c + half + pair0));
+          const V sv2 = Mem::template load<kSiteSin2>(reinterpret_cast<const V*>(s + half + pair0));
+          for (int j = 0; j < kPairs; ++j) {
+            c1[j] = static_cast<opmath_t>(cv1.v[j]);
+            s1[j] = static_cast<opmath_t>(sv1.v[j]);
+            c2[j] = static_cast<opmath_t>(cv2.v[j]);
+            s2[j] = static_cast<opmath_t>(sv2.v[j]);
+          }
+        }
+        return;
+      }
+    }
+    for (int j = 0; j < kPairs; ++j) {
+      const int64_t a = pair_first(pair0 + j, half, kInterleaved);
+      const int64_t b = pair_second(pair0 + j, half, kInterleaved);
+      c1[j] = static_cast<opmath_t>(Mem::template load<kSiteCos1>(c + a * idx.cos_col()));
+      s1[j] = static_cast<opmath_t>(Mem::template load<kSiteSin1>(s + a * idx.sin_col()));
+      c2[j] = static_cast<opmath_t>(Mem::template load<kSiteCos2>(c + b * idx.cos_col()));
+      s2[j] = static_cast<opmath_t>(Mem::template load<kSiteSin2>(s + b * idx.sin_col()));
     }
   }
 
@@ -483,7 +622,9 @@ struct RotaryThread {
     const int64_t step = g.grid_y * g.block_y;
     int64_t h = g.by * g.block_y + g.ty;
     for (; h < idx.heads0; h += step) rotate_row<0>(h, t0, pair0, c1, s1, c2, s2);
-    for (; h < idx.heads; h += step) rotate_row<1>(h - idx.heads0, t1, pair0, c1, s1, c2, s2);
+    if constexpr (kGathered) {
+      for (; h < idx.heads; h += step) rotate_row<1>(h - idx.heads0, t1, pair0, c1, s1, c2, s2);
+    }
   }
 
   template <int O>
@@ -499,45 +640,47 @@ struct RotaryThread {
     if constexpr (kVec == 1) {
       const int64_t a = pair_first(pair0, half, kInterleaved);
       const int64_t b = pair_second(pair0, half, kInterleaved);
-      x1[0] = static_cast<opmath_t>(xr[a * idx.template x_col<O>()]);
-      x2[0] = static_cast<opmath_t>(xr[b * idx.template x_col<O>()]);
+      x1[0] = static_cast<opmath_t>(Mem::template load<site<O>(kSiteX1)>(xr + a * idx.template x_col<O>()));
+      x2[0] = static_cast<opmath_t>(Mem::template load<site<O>(kSiteX2)>(xr + b * idx.template x_col<O>()));
     } else if constexpr (kInterleaved) {
-      const auto v = *reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + 2 * pair0);
+      const auto v =
+          Mem::template load<site<O>(kSiteX1)>(reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + 2 * pair0));
       for (int j = 0; j < kPairs; ++j) {
         x1[j] = static_cast<opmath_t>(v.v[2 * j]);
         x2[j] = static_cast<opmath_t>(v.v[2 * j + 1]);
       }
     } else {
-      const auto v1 = *reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + pair0);
-      const auto v2 = *reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + half + pair0);
+      const auto v1 = Mem::template load<site<O>(kSiteX1)>(reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + pair0));
+      const auto v2 =
+          Mem::template load<site<O>(kSiteX2)>(reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + half + pair0));
       for (int j = 0; j < kPairs; ++j) {
         x1[j] = static_cast<opmath_t>(v1.v[j]);
         x2[j] = static_cast<opmath_t>(v2.v[j]);
       }
     }
     for (int j = 0; j < kPairs; ++j) {
-      rotate_pair<kConj>(x1[j], x2[j], c1[j], s1[j], c2[j], s2[j], o1[j], o2[j]);
+      rotate_pair<false>(x1[j], x2[j], c1[j], s1[j], c2[j], s2[j], o1[j], o2[j]);
     }
     if constexpr (kVec == 1) {
       const int64_t a = pair_first(pair0, half, kInterleaved);
       const int64_t b = pair_second(pair0, half, kInterleaved);
-      outr[a * idx.template out_col<O>()] = static_cast<scalar_t>(o1[0]);
-      outr[b * idx.template out_col<O>()] = static_cast<scalar_t>(o2[0]);
+      Mem::template store<site<O>(kSiteOut1)>(outr + a * idx.template out_col<O>(), static_cast<scalar_t>(o1[0]));
+      Mem::template store<site<O>(kSiteOut2)>(outr + b * idx.template out_col<O>(), static_cast<scalar_t>(o2[0]));
     } else if constexpr (kInterleaved) {
       VecOf<scalar_t, kVec> v;
       for (int j = 0; j < kPairs; ++j) {
         v.v[2 * j] = static_cast<scalar_t>(o1[j]);
         v.v[2 * j + 1] = static_cast<scalar_t>(o2[j]);
       }
-      *reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + 2 * pair0) = v;
+      Mem::template store<site<O>(kSiteOut1)>(reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + 2 * pair0), v);
     } else {
       VecOf<scalar_t, kVec> v1, v2;
       for (int j = 0; j < kPairs; ++j) {
         v1.v[j] = static_cast<scalar_t>(o1[j]);
         v2.v[j] = static_cast<scalar_t>(o2[j]);
       }
-      *reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + pair0) = v1;
-      *reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + half + pair0) = v2;
+      Mem::template store<site<O>(kSiteOut1)>(reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + pair0), v1);
+      Mem::template store<site<O>(kSiteOut2)>(reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + half + pair0), v2);
     }
   }
 
@@ -547,7 +690,9 @@ struct RotaryThread {
     const int64_t step = g.grid_y * g.block_y;
     int64_t h = g.by * g.block_y + g.ty;
     for (; h < idx.heads0; h += step) copy_row<0>(h, t0, item);
-    for (; h < idx.heads; h += step) copy_row<1>(h - idx.heads0, t1, item);
+    if constexpr (kGathered) {
+      for (; h < idx.heads; h += step) copy_row<1>(h - idx.heads0, t1, item);
+    }
   }
 
   template <int O>
@@ -560,56 +705,52 @@ struct RotaryThread {
     if (xr == outr && xc == oc) return;  // in place: already there
     const int64_t c = idx.rotary_dim() + item * kVec;
     if constexpr (kVec == 1) {
-      outr[c * oc] = xr[c * xc];
+      const scalar_t v = Mem::template load<site<O>(kSitePassLoad)>(xr + c * xc);
+      Mem::template store<site<O>(kSitePassStore)>(outr + c * oc, v);
     } else {
-      *reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + c) = *reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + c);
+      using V = VecOf<scalar_t, kVec>;
+      const V v = Mem::template load<site<O>(kSitePassLoad)>(reinterpret_cast<const V*>(xr + c));
+      Mem::template store<site<O>(kSitePassStore)>(reinterpret_cast<V*>(outr + c), v);
     }
   }
 };
 
 // cuda-check fails on any kernel with CompactIndex whose parameters reach 256 bytes; this catches the
 // largest of them at compile time.
-static_assert(sizeof(RotaryThread<double, double, false, false, 2, true, CompactIndex>) < 256);
+static_assert(sizeof(RotaryThread<double, double, false, 2, true, DeviceMemory, CompactIndex>) < 256);
 
-// Elements per 16-byte vector for scalar_t.
-template <typename scalar_t>
+// Elements per vector: as many as 16 bytes of the wider of x and the tables hold, so that a table
+// vector is never wider than 16 bytes (the widest load of sm_80 to sm_90: a 32-byte one is two
+// instructions, each touching every other half-sector of its warp's span).
+template <typename scalar_t, typename table_t>
 constexpr int vec_elems() {
-  return kVectorBytes / static_cast<int>(sizeof(scalar_t));
+  return kVectorBytes / static_cast<int>(std::max(sizeof(scalar_t), sizeof(table_t)));
 }
 
 // Calls f.template operator()<Thread>() with the RotaryThread type of a planned call: x's dtype,
-// the tables' dtype (x's or float32), conjugate, interleaved, the launch's vector width, gathered
-// tables and the index. Shared by the CUDA launcher and the host emulator, so both instantiate
-// exactly the same set of kernels. Gathered kernels take conjugate at run time (Thread::make),
-// which halves their number; they come with either index.
+// the tables' dtype (x's or float32), interleaved, the launch's vector width, full or gathered
+// tables, and the index. Shared by the CUDA launcher and the host emulator, so both instantiate
+// exactly the same set of kernels: 16 per pair of dtypes (conjugate is a runtime flag).
 template <typename scalar_t, typename table_t, typename F>
 void dispatch_variant(const RotaryCall& c, const RotaryLaunch& L, F&& f) {
-  constexpr int kV = vec_elems<scalar_t>();
-  auto by_vec = [&](auto conj_tag, auto inter_tag, auto gathered_tag, auto index_tag) {
-    constexpr bool kC = decltype(conj_tag)::value, kI = decltype(inter_tag)::value;
-    constexpr bool kG = decltype(gathered_tag)::value;
+  constexpr int kV = vec_elems<scalar_t, table_t>();
+  const auto by_vec = [&](auto inter_tag, auto gathered_tag, auto index_tag) {
+    constexpr bool kI = decltype(inter_tag)::value, kG = decltype(gathered_tag)::value;
     using Index = typename decltype(index_tag)::type;
     if (L.vec == 1) {
-      f.template operator()<RotaryThread<scalar_t, table_t, kC, kI, 1, kG, Index>>();
+      f.template operator()<RotaryThread<scalar_t, table_t, kI, 1, kG, DeviceMemory, Index>>();
     } else {
-      f.template operator()<RotaryThread<scalar_t, table_t, kC, kI, kV, kG, Index>>();
+      f.template operator()<RotaryThread<scalar_t, table_t, kI, kV, kG, DeviceMemory, Index>>();
     }
   };
-  using T = std::true_type;
-  using Fa = std::false_type;
-  const std::type_identity<PlanIndex> plan;
-  if (c.positions != nullptr) {
-    const auto gathered = [&](auto index) {
-      c.interleaved ? by_vec(Fa{}, T{}, T{}, index) : by_vec(Fa{}, Fa{}, T{}, index);
-    };
-    L.compact ? gathered(std::type_identity<CompactIndex>{}) : gathered(plan);
-    return;
-  }
-  if (c.conjugate) {
-    c.interleaved ? by_vec(T{}, T{}, Fa{}, plan) : by_vec(T{}, Fa{}, Fa{}, plan);
-  } else {
-    c.interleaved ? by_vec(Fa{}, T{}, Fa{}, plan) : by_vec(Fa{}, Fa{}, Fa{}, plan);
-  }
+  const auto by_index = [&](auto inter_tag, auto gathered_tag) {
+    L.compact ? by_vec(inter_tag, gathered_tag, std::type_identity<CompactIndex>{})
+              : by_vec(inter_tag, gathered_tag, std::type_identity<PlanIndex>{});
+  };
+  const auto by_tables = [&](auto inter_tag) {
+    c.positions != nullptr ? by_index(inter_tag, std::true_type{}) : by_index(inter_tag, std::false_type{});
+  };
+  c.interleaved ? by_tables(std::true_type{}) : by_tables(std::false_type{});
 }
 
 template <typename F>

@@ -2,9 +2,25 @@
 // and thread of the launch choose_launch picks for the input: the GPU code path, tested where there
 // is no GPU. The checks and the plan are librope_ext.so's own (rotary_plan.h), so these ops have
 // the semantics of the real ones and the same tests and references apply.
+//
+// Every load and store of the thread function goes through EmulatedMemory here (the kernel's
+// DeviceMemory is a plain dereference), which
+//  - refuses any address not aligned to its access width: a GPU faults on a misaligned vector
+//    access, x86 does not, so without this check the emulator would pass what a GPU cannot run;
+//  - when recording (cuda_record_traffic), groups the accesses of each warp (32 consecutive threads
+//    of a block in CUDA's linear order, tx + ty * block_x) by instruction instance (access site and
+//    loop iteration) as a GPU coalesces them, and counts the bytes each instance needs against the
+//    32-byte sectors it touches.
 #include "testing/testing.h"
 
+#include <algorithm>
+#include <array>
+#include <cinttypes>
+#include <cstdio>
 #include <optional>
+#include <string>
+#include <tuple>
+#include <unordered_set>
 #include <vector>
 
 #include "cuda/rotary_thread.h"
@@ -18,19 +34,180 @@ using cuda::RotaryLaunch;
 // Whether gathered calls may use CompactIndex (as the CUDA launcher does wherever the layout allows);
 // the tests turn it off to run every layout through PlanIndex too.
 bool g_allow_compact = true;
+// Whether launches take vector loads regardless of alignment (where the widths allow): only to show
+// that EmulatedMemory's alignment check fires.
+bool g_ignore_alignment = false;
 
-cuda::CallLaunch plan(const RotaryCall& c) { return cuda::plan_call(c, g_allow_compact); }
+cuda::CallLaunch plan(const RotaryCall& c) { return cuda::plan_call(c, g_allow_compact, g_ignore_alignment); }
+
+constexpr int kSites = 2 * cuda::kSiteCount;  // rotate_row's and copy_row's sites exist once per operand
+constexpr int64_t kSectorBytes = 32;
+constexpr int64_t kMaxAccessBytes = 16;  // the widest load/store instruction of sm_80 to sm_90
+
+const char* site_name(int site) {
+  static constexpr const char* kNames[cuda::kSiteCount] = {"position", "cos1",    "sin1",   "cos2",
+                                                           "sin2",     "x1",      "x2",     "out1",
+                                                           "out2",     "pass_in", "pass_out"};
+  static const auto names = [] {
+    std::array<std::string, kSites> n;
+    for (int s = 0; s < kSites; ++s) {
+      n[s] = std::string(s < cuda::kSiteCount ? "q." : "k.") + kNames[s % cuda::kSiteCount];
+    }
+    return n;
+  }();
+  return names[site].c_str();
+}
+
+bool is_store(int site) {
+  const int s = site % cuda::kSiteCount;
+  return s == cuda::kSiteOut1 || s == cuda::kSiteOut2 || s == cuda::kSitePassStore;
+}
+
+// The traffic model's record: per access site, the bytes the warps' instructions needed (distinct
+// bytes, so lanes reading one value count it once), the bytes of the 32-byte sectors they touched,
+// and how many warp-level instructions that took; and the distinct sectors over the recording.
+class TrafficRecorder {
+ public:
+  struct SiteTotals {
+    int64_t needed = 0, sector_bytes = 0, instructions = 0, lane_accesses = 0;
+  };
+
+  void begin_thread(const cuda::ThreadCoord& g) {
+    const int64_t tid = g.tx + g.ty * g.block_x;
+    const std::tuple<int64_t, int64_t, int64_t> warp{g.bx, g.by, tid / 32};
+    if (warp != warp_) flush();
+    warp_ = warp;
+    tx_ = g.tx;
+    block_x_ = g.block_x;
+  }
+
+  // The token and item loops of the thread function: an instruction instance is a site within one
+  // iteration of both (the item loop's iteration, not its item, which differs between lanes).
+  void at_item(int64_t token, int64_t item) {
+    token_ = token;
+    iteration_ = (item - tx_) / block_x_;
+    counts_.fill(0);
+  }
+
+  void record(int site, const void* p, int64_t bytes) {
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    const int count = counts_[site]++;  // the site's instance within this iteration (loops over j)
+    for (int64_t off = 0; off < bytes; off += kMaxAccessBytes) {
+      pending_.push_back({site, token_, iteration_, count, static_cast<int>(off / kMaxAccessBytes), a + off,
+                          std::min(kMaxAccessBytes, bytes - off)});
+    }
+  }
+
+  // Totals the current warp's instructions.
+  void flush() {
+    std::sort(pending_.begin(), pending_.end());
+    for (size_t i = 0; i < pending_.size();) {
+      size_t j = i;
+      int64_t needed = 0, sectors = 0;
+      uintptr_t covered = 0;  // bytes below this address are counted
+      uintptr_t last_sector = UINTPTR_MAX;
+      auto& unique = is_store(pending_[i].site) ? store_sectors_ : load_sectors_;
+      for (; j < pending_.size() && pending_[j].same_instruction(pending_[i]); ++j) {
+        const Access& x = pending_[j];
+        const uintptr_t lo = std::max(covered, x.addr), hi = x.addr + x.bytes;
+        if (hi > lo) needed += static_cast<int64_t>(hi - lo);
+        covered = std::max(covered, hi);
+        for (uintptr_t s = x.addr / kSectorBytes; s <= (hi - 1) / kSectorBytes; ++s) {
+          if (last_sector != UINTPTR_MAX && s <= last_sector) continue;
+          last_sector = s;
+          ++sectors;
+          unique.insert(s);
+        }
+      }
+      SiteTotals& t = sites_[pending_[i].site];
+      t.needed += needed;
+      t.sector_bytes += sectors * kSectorBytes;
+      t.instructions += 1;
+      t.lane_accesses += static_cast<int64_t>(j - i);
+      i = j;
+    }
+    pending_.clear();
+  }
+
+  const std::array<SiteTotals, kSites>& sites() const { return sites_; }
+  int64_t unique_sector_bytes(bool store) const {
+    return static_cast<int64_t>((store ? store_sectors_ : load_sectors_).size()) * kSectorBytes;
+  }
+
+ private:
+  struct Access {
+    int site;
+    int64_t token, iteration;
+    int count, chunk;
+    uintptr_t addr;
+    int64_t bytes;
+    bool operator<(const Access& o) const {
+      return std::tie(site, token, iteration, count, chunk, addr) <
+             std::tie(o.site, o.token, o.iteration, o.count, o.chunk, o.addr);
+    }
+    bool same_instruction(const Access& o) const {
+      return site == o.site && token == o.token && iteration == o.iteration && count == o.count && chunk == o.chunk;
+    }
+  };
+  std::tuple<int64_t, int64_t, int64_t> warp_{-1, -1, -1};
+  int64_t tx_ = 0, block_x_ = 1, token_ = 0, iteration_ = 0;
+  std::array<int, kSites> counts_{};
+  std::vector<Access> pending_;
+  std::array<SiteTotals, kSites> sites_{};
+  std::unordered_set<uintptr_t> load_sectors_, store_sectors_;
+};
+
+std::optional<TrafficRecorder> g_traffic;  // recording while set
+int64_t g_checked_accesses = 0;          // accesses whose alignment EmulatedMemory checked
+
+template <class V>
+void check_aligned(const V* p, int site) {
+  ++g_checked_accesses;
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  if (a % sizeof(V) == 0) return;
+  char address[32];
+  std::snprintf(address, sizeof(address), "0x%" PRIxPTR, a);
+  TORCH_CHECK(false, "rope_ext CUDA emulation: misaligned ", sizeof(V), "-byte ", is_store(site) ? "store" : "load",
+              " at ", address, " (", a % sizeof(V), " bytes past a ", sizeof(V), "-byte boundary), access site ",
+              site_name(site), ": a GPU faults on it (cudaErrorMisalignedAddress); the launch chose a vector ",
+              "width its pointers or strides do not allow");
+}
+
+// The emulator's memory policy for RotaryThread (rotary_thread.h).
+struct EmulatedMemory {
+  static void at_item(int64_t token, int64_t item) {
+    if (g_traffic) g_traffic->at_item(token, item);
+  }
+  template <int kSite, class V>
+  static V load(const V* p) {
+    check_aligned(p, kSite);
+    if (g_traffic) g_traffic->record(kSite, p, sizeof(V));
+    return *p;
+  }
+  template <int kSite, class V>
+  static void store(V* p, const V& v) {
+    check_aligned(p, kSite);
+    if (g_traffic) g_traffic->record(kSite, p, sizeof(V));
+    *p = v;
+  }
+};
 
 void run_emulated(const RotaryCall& c) {
   if (c.out.numel() == 0 && (c.k_out == nullptr || c.k_out->numel() == 0)) return;
   const cuda::CallLaunch cl = plan(c);
   const RotaryLaunch& L = cl.launch;
   cuda::dispatch_thread(c, L, [&]<class Thread>() {
-    const Thread t = Thread::make(c, cl);
+    using Emulated = typename Thread::template WithMemory<EmulatedMemory>;
+    const Emulated t = Emulated::make(c, cl);
     for (int64_t bx = 0; bx < L.grid_x; ++bx)
       for (int64_t by = 0; by < L.grid_y; ++by)
         for (int64_t ty = 0; ty < L.block_y; ++ty)
-          for (int64_t tx = 0; tx < L.block_x; ++tx) t({bx, by, tx, ty, L.grid_x, L.grid_y, L.block_x, L.block_y});
+          for (int64_t tx = 0; tx < L.block_x; ++tx) {
+            const cuda::ThreadCoord g{bx, by, tx, ty, L.grid_x, L.grid_y, L.block_x, L.block_y};
+            if (g_traffic) g_traffic->begin_thread(g);
+            t(g);
+          }
+    if (g_traffic) g_traffic->flush();
   });
 }
 
@@ -70,6 +247,55 @@ bool allow_compact_index(bool allow) {
   const bool previous = g_allow_compact;
   g_allow_compact = allow;
   return previous;
+}
+
+bool ignore_alignment(bool ignore) {
+  const bool previous = g_ignore_alignment;
+  g_ignore_alignment = ignore;
+  return previous;
+}
+
+int64_t checked_accesses() { return g_checked_accesses; }
+
+bool record_traffic(bool on) {
+  const bool previous = g_traffic.has_value();
+  if (on) {
+    g_traffic.emplace();
+  } else {
+    g_traffic.reset();
+  }
+  return previous;
+}
+
+std::vector<int64_t> traffic() {
+  TORCH_CHECK(g_traffic.has_value(), "rope_ext_testing.cuda_traffic: not recording; call cuda_record_traffic(True) ",
+              "before the emulated ops");
+  std::vector<int64_t> r(10, 0);
+  for (int s = 0; s < kSites; ++s) {
+    const auto& t = g_traffic->sites()[s];
+    const int base = is_store(s) ? 1 : 0;
+    r[0 + 2 * base] += t.needed;
+    r[1 + 2 * base] += t.sector_bytes;
+    r[6 + base] += t.instructions;
+    r[8 + base] += t.lane_accesses;
+  }
+  r[4] = g_traffic->unique_sector_bytes(false);
+  r[5] = g_traffic->unique_sector_bytes(true);
+  return r;
+}
+
+std::tuple<std::vector<std::string>, std::vector<int64_t>> traffic_by_site() {
+  TORCH_CHECK(g_traffic.has_value(), "rope_ext_testing.cuda_traffic_by_site: not recording; call ",
+              "cuda_record_traffic(True) before the emulated ops");
+  std::vector<std::string> names;
+  std::vector<int64_t> totals;
+  for (int s = 0; s < kSites; ++s) {
+    const auto& t = g_traffic->sites()[s];
+    if (t.instructions == 0) continue;
+    names.emplace_back(site_name(s));
+    totals.insert(totals.end(), {t.needed, t.sector_bytes, t.instructions});
+  }
+  return {names, totals};
 }
 
 std::vector<int64_t> compact_token_offsets(int64_t t, int64_t inner, const std::vector<int64_t>& strides) {

@@ -6,6 +6,8 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <string>
+#include <tuple>
 #include <vector>
 
 namespace rope_ext::testing {
@@ -17,6 +19,24 @@ void register_cuda_emulation(torch::Library& m);
 // Whether the emulator's gathered calls may use CompactIndex (as the CUDA launcher does); returns
 // the previous setting. Off, they use PlanIndex for every layout.
 bool allow_compact_index(bool allow);
+
+// Whether the emulator's launches take the vector path (and vector table loads) wherever the widths
+// allow, ignoring the alignment of pointers and strides; returns the previous setting. Only to show
+// that the emulator's alignment check fires: with a misaligned input, the next emulated op fails.
+bool ignore_alignment(bool ignore);
+
+// How many loads and stores the emulator has checked for alignment, in this process.
+int64_t checked_accesses();
+
+// The traffic model (host_emulation.cpp): record_traffic(true) starts recording the emulated ops'
+// memory accesses afresh, record_traffic(false) stops; each returns whether it was recording.
+// traffic(): [load bytes needed, load sector bytes, store bytes needed, store sector bytes, distinct
+// load sector bytes, distinct store sector bytes, load instructions, store instructions, load lane
+// accesses, store lane accesses] (instructions are per warp; sectors are 32 bytes).
+// traffic_by_site(): the access sites used, and for each [bytes needed, sector bytes, instructions].
+bool record_traffic(bool on);
+std::vector<int64_t> traffic();
+std::tuple<std::vector<std::string>, std::vector<int64_t>> traffic_by_site();
 
 // CompactIndex::token<0>(t, off) for operand 0 with the given inner size and token strides
 // [x outer, x inner, out outer, out inner, positions outer, positions inner]: the offsets

@@ -67,6 +67,12 @@ TORCH_LIBRARY(rope_ext_testing, m) {
       "bool interleaved=False) -> int[]");
   m.def("cuda_allow_compact_index(bool allow) -> bool", &allow_compact_index);
   m.def("cuda_compact_token_offsets(int t, int inner, int[] strides) -> int[]", &compact_token_offsets);
+  // The emulator's alignment check and traffic model (testing.h says what each returns).
+  m.def("cuda_ignore_alignment(bool ignore) -> bool", &ignore_alignment);
+  m.def("cuda_checked_accesses() -> int", &checked_accesses);
+  m.def("cuda_record_traffic(bool on) -> bool", &record_traffic);
+  m.def("cuda_traffic() -> int[]", &traffic);
+  m.def("cuda_traffic_by_site() -> (str[], int[])", &traffic_by_site);
 
   m.def("parallel_threads_used(int n) -> int", &parallel_threads_used);
   m.def(
