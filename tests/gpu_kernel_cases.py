@@ -1,0 +1,108 @@
+"""One small call for every CUDA kernel rope_ext instantiates, checked bit for bit against the CPU
+kernel: what `make gpu-check STEP=sanitize` runs under compute-sanitizer (memcheck, racecheck,
+initcheck), where each kernel must launch at least once.
+
+The kernels are RotaryThread<scalar, table, interleaved, vec, gathered, memory, index>: 7 pairs of x
+and table dtypes (16-bit x with its own or float32 tables, float32, float64 with its own or float32
+tables) x both pairings x vector or scalar x full tables or gathered caches x CompactIndex or
+PlanIndex = 112. Which one a call takes is the launcher's run-time choice (rotary_thread.h's
+plan_call); the same choice, made on the host by the testing library for the same strides and
+alignments, tells which ones these cases reach, and a case set that misses one fails.
+
+    python tests/gpu_kernel_cases.py [--device cuda]    # --device cpu: only the coverage, here
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import LAUNCH_FIELDS, TESTING, _twins, random_tables  # noqa: E402
+
+import rope_ext  # noqa: E402
+
+DTYPE_PAIRS = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
+               (torch.float16, torch.float32), (torch.float32, torch.float32), (torch.float64, torch.float64),
+               (torch.float64, torch.float32)]
+
+
+def _offset(t: torch.Tensor, by: int) -> torch.Tensor:
+    """t's values in a buffer that starts `by` elements earlier: misaligned for vector accesses."""
+    buf = torch.zeros(t.numel() + by, dtype=t.dtype)
+    buf[by:] = t.flatten()
+    return buf[by:].view(t.shape)
+
+
+def _apart(t: torch.Tensor) -> torch.Tensor:
+    """t with a wider row stride (rows of 2 * width): cos and sin then differ in layout."""
+    return torch.cat((t, torch.zeros_like(t)), -1)[..., : t.shape[-1]]
+
+
+def cases(gen):
+    """(name, intended kernel, op, args) for every combination; x (2, 3, 4, 64) with r = 64."""
+    for (dtype, table_dtype), interleaved, vector, gathered, compact in itertools.product(
+            DTYPE_PAIRS, (False, True), (True, False), (False, True), (True, False)):
+        x = torch.randn(2, 3, 4, 64, generator=gen, dtype=torch.float64).to(dtype)
+        if not vector:
+            x = _offset(x, 1)  # not 16-byte aligned: the scalar path
+        name = f"{str(dtype)[6:]}/{str(table_dtype)[6:]} {'interleaved' if interleaved else 'halfsplit'} " \
+               f"{'vector' if vector else 'scalar'} {'gathered' if gathered else 'full'} " \
+               f"{'CompactIndex' if compact else 'PlanIndex'}"
+        intended = (dtype, table_dtype, interleaved, vector, gathered, compact)
+        if gathered:
+            cc, sc = random_tables((16, 32), table_dtype, gen)
+            if not compact:
+                sc = _apart(sc)  # cos and sin rows of different strides: no CompactIndex
+            pos = torch.randint(0, 16, (2, 3, 1), generator=gen)
+            yield name, intended, "rotary_pos", (x, cc, sc, pos, interleaved, False)
+        else:
+            cos, sin = random_tables((3, 1, 64), table_dtype, gen)
+            if not compact:
+                sin = sin.transpose(0, 1).contiguous().transpose(0, 1)  # (same values, another layout)
+                sin = _apart(sin)
+            yield name, intended, "rotary", (x, cos, sin, interleaved, False)
+
+
+def kernel_of(op, args) -> tuple:
+    """(dtype, table dtype, interleaved, vector, gathered, compact): the template the launcher picks."""
+    if op == "rotary_pos":
+        x, cc, sc, pos, interleaved, _ = args
+        cfg = dict(zip(LAUNCH_FIELDS, TESTING.cuda_pos_launch_config(x, None, cc, sc, pos, interleaved), strict=True))
+    else:
+        x, cc, sc, interleaved, _ = args
+        cfg = dict(zip(LAUNCH_FIELDS, TESTING.cuda_launch_config(x, cc, sc, interleaved), strict=True))
+    return x.dtype, cc.dtype, interleaved, cfg["vec"] > 1, op == "rotary_pos", bool(cfg["compact"])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    reached, failed = set(), []
+    for name, intended, op, call in cases(gen):
+        kernel = kernel_of(op, call)
+        reached.add(kernel)
+        if kernel != intended:
+            failed.append(f"{name}: takes {kernel}")
+        if args.device != "cpu":
+            twins = _twins(call, args.device)[0]
+            got = getattr(rope_ext, op)(*twins[:-2], interleaved=call[-2], conjugate=call[-1])
+            ref = getattr(rope_ext, op)(*call[:-2], interleaved=call[-2], conjugate=call[-1])
+            if not torch.equal(_twins([got], "cpu")[0][0], ref):
+                failed.append(f"{name}: differs from the CPU kernel")
+    expected = 7 * 2 * 2 * 2 * 2
+    print(f"gpu_kernel_cases: {len(reached)} of {expected} kernels reached on {args.device}"
+          f"{'' if args.device == 'cpu' else ', each bit-identical to the CPU kernel'}")
+    for line in failed:
+        print("  FAILED", line)
+    return 0 if not failed and len(reached) == expected else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
