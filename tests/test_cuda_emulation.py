@@ -307,3 +307,13 @@ def test_traffic_model_counts_bytes_and_sectors(gen):
     assert sites["q.x1"] == (rows * 32 * 4, rows * 256, rows) and sites["q.x2"] == sites["q.x1"]
     assert sites["q.out1"] == (rows * 32 * 4, rows * 32 * 4, rows)
     assert t["st_needed"] == t["st_sectors"] == nbytes
+
+
+def test_the_sanitizer_cases_reach_every_cuda_kernel(capsys, monkeypatch):
+    """make gpu-check's sanitize step runs tests/gpu_kernel_cases.py under compute-sanitizer, which
+    must launch every kernel template: its cases reach all 112, by the launcher's own choice."""
+    import gpu_kernel_cases
+
+    monkeypatch.setattr("sys.argv", ["gpu_kernel_cases.py", "--device", "cpu"])
+    assert gpu_kernel_cases.main() == 0
+    assert "112 of 112 kernels reached" in capsys.readouterr().out
