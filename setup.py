@@ -40,9 +40,31 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import Extension, setup
-from setuptools.command.bdist_wheel import bdist_wheel
-from setuptools.command.build_ext import build_ext
+import setuptools
+
+# setuptools 77 is the oldest that reads pyproject.toml's `license = "BSD-3-Clause"` (an SPDX
+# expression, PEP 639), and 70.1 the oldest with setuptools.command.bdist_wheel. pyproject.toml's
+# build-system requires says so, but pip does not check it in a build without isolation, the only
+# build rope_ext allows: that uses the environment's own setuptools, and a fresh venv of Python 3.11
+# has 65.5. Say what to install rather than fail on an import or a schema error.
+SETUPTOOLS_MIN = 77
+_setuptools_major = int(re.match(r"\d+", setuptools.__version__).group())
+if _setuptools_major < SETUPTOOLS_MIN:
+    # Named with the installed torch, which caps setuptools (torch 2.11 requires setuptools<82), so that
+    # pip picks a setuptools this torch accepts and leaves torch as it is.
+    try:
+        from importlib.metadata import version as _version_of
+        _keep_torch = f' "torch=={_version_of("torch")}"'
+    except Exception:  # no torch: the torch check below says so once setuptools is new enough
+        _keep_torch = ""
+    raise SystemExit(
+        f"rope_ext needs setuptools {SETUPTOOLS_MIN} or newer to build, and this environment has setuptools "
+        f"{setuptools.__version__}. A build without isolation uses the environment's own setuptools: upgrade it "
+        f'first, `pip install "setuptools>={SETUPTOOLS_MIN}"{_keep_torch}`, then build again.')
+
+from setuptools import Extension, setup  # noqa: E402  (after the version check)
+from setuptools.command.bdist_wheel import bdist_wheel  # noqa: E402
+from setuptools.command.build_ext import build_ext  # noqa: E402
 
 if (platform.system(), platform.machine().lower()) not in (("Linux", "x86_64"), ("Linux", "amd64")) and \
         os.environ.get("ROPE_EXT_UNTESTED_PLATFORM") != "1":
