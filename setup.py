@@ -18,6 +18,7 @@ Platforms: Linux on x86-64, the one that is built and tested; others are refused
 compiles (ROPE_EXT_UNTESTED_PLATFORM=1 tries anyway, for someone porting rope_ext).
 
 Environment:
+  ROPE_EXT_UNTESTED_TORCH=1  build against a torch outside the tested 2.9 to 2.15 (refused otherwise).
   MAX_JOBS=N          parallel compile jobs (default: the number of CPUs); nvcc also compiles that
                       many architectures at once (--threads).
   ROPE_EXT_CUDA=1|0   force the CUDA build on (an error if it cannot be done) or off.
@@ -201,6 +202,7 @@ class CMakeBuild(build_ext):
             # (a C++ program linking it); in Python, torch is always imported first.
             "-DCMAKE_INSTALL_RPATH=$ORIGIN/../../torch/lib",
             "-DCMAKE_INSTALL_LIBDIR=lib",
+            f"-DROPE_EXT_UNTESTED_TORCH={'ON' if os.environ.get('ROPE_EXT_UNTESTED_TORCH') == '1' else 'OFF'}",
             "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
         ] + generator() + (cuda_args() if cuda else [])
         # One build directory per configuration: the options, the torch, and what CMake reads from the
@@ -248,6 +250,15 @@ class Wheel(bdist_wheel):
 # The binary uses torch's C++ ABI, which changes between minor releases: the package requires the
 # major.minor it was compiled against, so pip refuses (rather than breaks) it beside another torch.
 TORCH_MAJOR_MINOR = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+# The releases rope_ext is built and tested against (README, "Tested torch versions"; make
+# compat-check TORCH=<version>); CMakeLists.txt checks the same range.
+TORCH_TESTED = ((2, 9), (2, 15))
+_torch_release = tuple(int(n) for n in TORCH_MAJOR_MINOR.split("."))
+if not TORCH_TESTED[0] <= _torch_release <= TORCH_TESTED[1] and os.environ.get("ROPE_EXT_UNTESTED_TORCH") != "1":
+    raise SystemExit(
+        f"rope_ext is built and tested against torch {'.'.join(map(str, TORCH_TESTED[0]))} to "
+        f"{'.'.join(map(str, TORCH_TESTED[1]))}; this environment has torch {torch.__version__}. Install a torch in "
+        "that range, or set ROPE_EXT_UNTESTED_TORCH=1 to try the build anyway.")
 
 setup(
     version=VERSION,

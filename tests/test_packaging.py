@@ -65,6 +65,20 @@ def test_an_old_setuptools_says_what_to_install():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("version", ["2.8.0", "2.16.0"])
+def test_a_torch_outside_the_tested_range_is_refused(version):
+    """The README's tested range, 2.9 to 2.15 (make compat-check), is the one setup.py builds
+    against; ROPE_EXT_UNTESTED_TORCH=1 goes on."""
+    prelude = f"import torch; torch.__version__ = {version!r}"
+    proc = _run_setup(prelude)
+    assert proc.returncode != 0
+    assert f"rope_ext is built and tested against torch 2.9 to 2.15; this environment has torch {version}" \
+        in proc.stderr, proc.stderr[-2000:]
+    assert "ROPE_EXT_UNTESTED_TORCH=1" in proc.stderr
+    proc = _run_setup(prelude, {"ROPE_EXT_UNTESTED_TORCH": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_the_cmake_package_refuses_another_torch_release(tmp_path):
     """find_package(rope_ext) with a torch of another major.minor than the one rope_ext was built
     against (a stand-in Torch package of version 9.9.0, found first on CMAKE_PREFIX_PATH) fails at
