@@ -56,10 +56,12 @@ def _torch_exports_the_gqa_expand_non_strict() -> bool:
 
 TORCH_EXPORT_BUG = pytest.mark.xfail(
     not _torch_exports_the_gqa_expand_non_strict(), raises=torch._dynamo.exc.UserError, strict=True,
-    reason=f"torch {torch.__version__} cannot export repeat_interleave of such a layout non-strict (no rope_ext involved)")
+    reason=f"torch {torch.__version__} cannot export repeat_interleave of such a layout non-strict "
+    "(no rope_ext involved)")
 
 
-@pytest.mark.parametrize("strict", [True, pytest.param(False, marks=TORCH_EXPORT_BUG)], ids=["strict", "non_strict"])
+@pytest.mark.parametrize("strict", [True, pytest.param(False, marks=TORCH_EXPORT_BUG)],
+                         ids=["strict", "non_strict"])
 def test_export_round_trip(strict, tmp_path, gen):
     model = Attention()
     x, pos = randn(2, 10, 64, gen=gen), torch.arange(10).expand(2, 10)

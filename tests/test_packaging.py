@@ -1,6 +1,7 @@
 """setup.py's guards, which run before anything compiles: a platform other than Linux x86-64, a
-setuptools older than 77 and a build environment without torch (an isolated `pip install`) each stop
-the build with a message that says what to do. (make dist-check builds the sdist and the wheel and checks the wheel's torch pin.)"""
+setuptools older than 77, a torch outside the tested range and a build environment without torch
+(an isolated `pip install`) each stop the build with a message that says what to do.
+(make dist-check builds the sdist and the wheel and checks the wheel's torch pin.)"""
 from __future__ import annotations
 
 import os
