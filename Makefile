@@ -36,14 +36,16 @@ bench: setup
 dist-check:
 	PYTHON=$(PYTHON) bash tools/dist_check.sh
 
-# The core tests against each torch the README claims: 2.13.0 here (the CPU build `make test`
-# uses) and 2.14.1 (a CUDA build, run on the CPU) through cuda-check, whose last step runs them.
+# The core tests (CPU): `make test` runs them under torch 2.13.0, cuda-check under 2.14.1, and
+# `make compat-check TORCH=<version>` under any release: a venv with that torch in
+# build/compat/<version> (reused), rope_ext built CPU-only against it, the core tests. See
+# tools/compat_check.sh.
 CORE_TESTS := tests/test_rotary.py tests/test_autograd.py tests/test_qk_and_inplace.py tests/test_errors.py \
   tests/test_cpu_kernel.py tests/test_cuda_emulation.py tests/test_rotary_pos.py tests/test_compile.py tests/test_export.py \
   tests/test_dtensor.py
-compat-check: setup
-	$(PYTHON) -m pytest -q $(CORE_TESTS)
-	$(MAKE) cuda-check
+compat-check:
+	@[ -n "$(TORCH)" ] || { echo "make compat-check needs TORCH=<version>, e.g. make compat-check TORCH=2.11.0" >&2; exit 2; }
+	TORCH="$(TORCH)" CORE_TESTS="$(CORE_TESTS)" bash tools/compat_check.sh
 
 # Build the CUDA kernels with nvcc and link them against a CUDA build of torch (in a venv
 # under build/, about 5.5 GB); no GPU needed. See tools/cuda_check.sh.

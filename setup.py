@@ -18,6 +18,7 @@ Platforms: Linux on x86-64, the one that is built and tested; others are refused
 compiles (ROPE_EXT_UNTESTED_PLATFORM=1 tries anyway, for someone porting rope_ext).
 
 Environment:
+  ROPE_EXT_UNTESTED_TORCH=1  build against a torch outside the tested 2.9 to 2.15 (refused otherwise).
   MAX_JOBS=N          parallel compile jobs (default: the number of CPUs); nvcc also compiles that
                       many architectures at once (--threads).
   ROPE_EXT_CUDA=1|0   force the CUDA build on (an error if it cannot be done) or off.
@@ -40,9 +41,31 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import Extension, setup
-from setuptools.command.bdist_wheel import bdist_wheel
-from setuptools.command.build_ext import build_ext
+import setuptools
+
+# setuptools 77 is the oldest that reads pyproject.toml's `license = "BSD-3-Clause"` (an SPDX
+# expression, PEP 639), and 70.1 the oldest with setuptools.command.bdist_wheel. pyproject.toml's
+# build-system requires says so, but pip does not check it in a build without isolation, the only
+# build rope_ext allows: that uses the environment's own setuptools, and a fresh venv of Python 3.11
+# has 65.5. Say what to install rather than fail on an import or a schema error.
+SETUPTOOLS_MIN = 77
+_setuptools_major = int(re.match(r"\d+", setuptools.__version__).group())
+if _setuptools_major < SETUPTOOLS_MIN:
+    # Named with the installed torch, which caps setuptools (torch 2.11 requires setuptools<82), so that
+    # pip picks a setuptools this torch accepts and leaves torch as it is.
+    try:
+        from importlib.metadata import version as _version_of
+        _keep_torch = f' "torch=={_version_of("torch")}"'
+    except Exception:  # no torch: the torch check below says so once setuptools is new enough
+        _keep_torch = ""
+    raise SystemExit(
+        f"rope_ext needs setuptools {SETUPTOOLS_MIN} or newer to build, and this environment has setuptools "
+        f"{setuptools.__version__}. A build without isolation uses the environment's own setuptools: upgrade it "
+        f'first, `pip install "setuptools>={SETUPTOOLS_MIN}"{_keep_torch}`, then build again.')
+
+from setuptools import Extension, setup  # noqa: E402  (after the version check)
+from setuptools.command.bdist_wheel import bdist_wheel  # noqa: E402
+from setuptools.command.build_ext import build_ext  # noqa: E402
 
 if (platform.system(), platform.machine().lower()) not in (("Linux", "x86_64"), ("Linux", "amd64")) and \
         os.environ.get("ROPE_EXT_UNTESTED_PLATFORM") != "1":
@@ -179,6 +202,7 @@ class CMakeBuild(build_ext):
             # (a C++ program linking it); in Python, torch is always imported first.
             "-DCMAKE_INSTALL_RPATH=$ORIGIN/../../torch/lib",
             "-DCMAKE_INSTALL_LIBDIR=lib",
+            f"-DROPE_EXT_UNTESTED_TORCH={'ON' if os.environ.get('ROPE_EXT_UNTESTED_TORCH') == '1' else 'OFF'}",
             "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
         ] + generator() + (cuda_args() if cuda else [])
         # One build directory per configuration: the options, the torch, and what CMake reads from the
@@ -226,6 +250,15 @@ class Wheel(bdist_wheel):
 # The binary uses torch's C++ ABI, which changes between minor releases: the package requires the
 # major.minor it was compiled against, so pip refuses (rather than breaks) it beside another torch.
 TORCH_MAJOR_MINOR = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+# The releases rope_ext is built and tested against (README, "Tested torch versions"; make
+# compat-check TORCH=<version>); CMakeLists.txt checks the same range.
+TORCH_TESTED = ((2, 9), (2, 15))
+_torch_release = tuple(int(n) for n in TORCH_MAJOR_MINOR.split("."))
+if not TORCH_TESTED[0] <= _torch_release <= TORCH_TESTED[1] and os.environ.get("ROPE_EXT_UNTESTED_TORCH") != "1":
+    raise SystemExit(
+        f"rope_ext is built and tested against torch {'.'.join(map(str, TORCH_TESTED[0]))} to "
+        f"{'.'.join(map(str, TORCH_TESTED[1]))}; this environment has torch {torch.__version__}. Install a torch in "
+        "that range, or set ROPE_EXT_UNTESTED_TORCH=1 to try the build anyway.")
 
 setup(
     version=VERSION,

@@ -19,6 +19,7 @@
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #include <optional>
 #include <tuple>
@@ -207,11 +208,21 @@ std::pair<Tensor, Tensor> cache_grads(const Tensor& grad, const Tensor& x, const
   const Tensor index = positions.flatten();
   const auto scatter = [&](const Tensor& d) {
     const Tensor rows = at::sum_to(d, per_token).reshape_symint({index.sym_size(0), half});
-    // index_put with accumulate rather than index_add: the same sums, and DTensor has a sharding
-    // rule for it; new_zeros keeps the zeros the same kind of tensor as rows (a DTensor's too).
-    return at::index_put(rows.new_zeros_symint(cos.sym_sizes()), {std::optional<Tensor>(index)}, rows,
-                         /*accumulate=*/true)
+    // new_zeros keeps the zeros the same kind of tensor as rows (a DTensor's too).
+    const Tensor zeros = rows.new_zeros_symint(cos.sym_sizes());
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 12
+    // Before torch 2.12, DTensor's rule for index_put (prop_index_put) lets the values keep a shard
+    // of the indexed dim while it replicates the index, so rows sharded over tokens (positions
+    // split with the sequence) fail with a shape mismatch. scatter_add's rule there shards only
+    // dims other than the scattered one. The same sums, but on CUDA scatter_add adds with atomics
+    // (the order of the sums varies); from 2.12 on, index_put, which sorts on CUDA.
+    return zeros.scatter_add(0, index.to(at::kLong).unsqueeze(1).expand_symint({index.sym_size(0), half}), rows)
         .to(cos.scalar_type());
+#else
+    // index_put with accumulate rather than index_add: the same sums, and DTensor has a sharding
+    // rule for it that replicates the index and the values' indexed dim.
+    return at::index_put(zeros, {std::optional<Tensor>(index)}, rows, /*accumulate=*/true).to(cos.scalar_type());
+#endif
   };
   Tensor dcos, dsin;
   if (need_cos) dcos = scatter(ga * xa + gb * xb);

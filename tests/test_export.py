@@ -30,7 +30,38 @@ class Attention(torch.nn.Module):
         return (q @ k.transpose(-1, -2)).softmax(-1), v
 
 
-@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non_strict"])
+class _GQAExpand(torch.nn.Module):
+    """What Attention does after the op, on what the op returns (torch.empty_like of k, a view of 2
+    of 4 heads), with no rope_ext in it."""
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        k = torch.empty_like(x.view(B, S, 4, 16).transpose(1, 2)[:, :2])
+        return k.repeat_interleave(2, dim=1)
+
+
+def _torch_exports_the_gqa_expand_non_strict() -> bool:
+    """False on torch 2.11 (2.13 exports it): its non-strict export guards on
+    min(16*seq, 32*seq) == 16*seq while expanding a (B, 2, seq, 16) tensor with strides
+    (32*seq, 16, 32, 1) and then cannot prove the guard over seq's range (ConstraintViolationError).
+    A torch bug, shown here without rope_ext; the tests below then fail at that guard whatever
+    rope_ext does, and xfail strictly (they must fail, and only with torch's UserError)."""
+    seq = torch.export.Dim("seq", min=2, max=4096)
+    try:
+        torch.export.export(_GQAExpand(), (torch.randn(2, 10, 64),), dynamic_shapes=({1: seq},), strict=False)
+    except torch._dynamo.exc.UserError:
+        return False
+    return True
+
+
+TORCH_EXPORT_BUG = pytest.mark.xfail(
+    not _torch_exports_the_gqa_expand_non_strict(), raises=torch._dynamo.exc.UserError, strict=True,
+    reason=f"torch {torch.__version__} cannot export repeat_interleave of such a layout non-strict "
+    "(no rope_ext involved)")
+
+
+@pytest.mark.parametrize("strict", [True, pytest.param(False, marks=TORCH_EXPORT_BUG)],
+                         ids=["strict", "non_strict"])
 def test_export_round_trip(strict, tmp_path, gen):
     model = Attention()
     x, pos = randn(2, 10, 64, gen=gen), torch.arange(10).expand(2, 10)
@@ -50,6 +81,7 @@ def test_export_round_trip(strict, tmp_path, gen):
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@TORCH_EXPORT_BUG
 def test_aot_inductor_package_runs_the_op(tmp_path, gen):
     """AOTInductor compiles the exported program to a C++ package that calls rope_ext's op
     through the dispatcher (the library is loaded in this process) and matches eager."""

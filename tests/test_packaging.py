@@ -1,6 +1,7 @@
-"""setup.py's guards, which run before anything compiles: a platform other than Linux x86-64 and a
-build environment without torch (an isolated `pip install`) each stop the build with a message that
-says what to do. (make dist-check builds the sdist and the wheel and checks the wheel's torch pin.)"""
+"""setup.py's guards, which run before anything compiles: a platform other than Linux x86-64, a
+setuptools older than 77, a torch outside the tested range and a build environment without torch
+(an isolated `pip install`) each stop the build with a message that says what to do.
+(make dist-check builds the sdist and the wheel and checks the wheel's torch pin.)"""
 from __future__ import annotations
 
 import os
@@ -45,6 +46,38 @@ def test_a_build_without_torch_says_to_install_it_and_not_isolate():
     assert proc.returncode != 0
     assert "this build environment has none" in proc.stderr
     assert "pip install --no-build-isolation rope_ext" in proc.stderr
+
+
+def test_an_old_setuptools_says_what_to_install():
+    """A fresh venv of Python 3.11 keeps setuptools 65.5, which has no setuptools.command.bdist_wheel
+    and cannot read pyproject.toml's license expression: setup.py stops before importing either, and
+    says which setuptools to install. (Faked: the module is made unimportable, the version old.)"""
+    prelude = ("import setuptools; setuptools.__version__ = '65.5.0'\n"
+               "sys.modules['setuptools.command.bdist_wheel'] = None  # as in setuptools 65.5")
+    proc = _run_setup(prelude)
+    assert proc.returncode != 0
+    assert "rope_ext needs setuptools 77 or newer to build, and this environment has setuptools 65.5.0" \
+        in proc.stderr, proc.stderr[-2000:]
+    from importlib.metadata import version
+
+    assert f'pip install "setuptools>=77" "torch=={version("torch")}"' in proc.stderr, proc.stderr[-2000:]
+    assert "ModuleNotFoundError" not in proc.stderr
+    proc = _run_setup("import setuptools; setuptools.__version__ = '77.0.3'")  # the oldest accepted
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("version", ["2.8.0", "2.16.0"])
+def test_a_torch_outside_the_tested_range_is_refused(version):
+    """The README's tested range, 2.9 to 2.15 (make compat-check), is the one setup.py builds
+    against; ROPE_EXT_UNTESTED_TORCH=1 goes on."""
+    prelude = f"import torch; torch.__version__ = {version!r}"
+    proc = _run_setup(prelude)
+    assert proc.returncode != 0
+    assert f"rope_ext is built and tested against torch 2.9 to 2.15; this environment has torch {version}" \
+        in proc.stderr, proc.stderr[-2000:]
+    assert "ROPE_EXT_UNTESTED_TORCH=1" in proc.stderr
+    proc = _run_setup(prelude, {"ROPE_EXT_UNTESTED_TORCH": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_the_cmake_package_refuses_another_torch_release(tmp_path):
