@@ -7,7 +7,7 @@ PIP := $(PYTHON) -m pip
 SOURCES := setup.py pyproject.toml CMakeLists.txt $(wildcard cmake/*) $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
 STAMP := build/.installed
 
-.PHONY: setup test bench lint dist-check compat-check cuda-check sanitize gtest cpp-test cpp-example clean FORCE
+.PHONY: setup test bench lint dist-check compat-check cuda-check gpu-check sanitize gtest cpp-test cpp-example clean FORCE
 
 setup: $(STAMP)
 
@@ -51,6 +51,14 @@ compat-check:
 # under build/, about 5.5 GB); no GPU needed. See tools/cuda_check.sh.
 cuda-check:
 	CORE_TESTS="$(CORE_TESTS)" bash tools/cuda_check.sh
+
+# rope_ext proven on a CUDA GPU, on a machine that has one (see tools/gpu_check.sh): STEP=build, test,
+# mirror, sanitize, bench, or all (the default), each under 10 minutes on the lent 16-core machine;
+# GPU_CHECK_OUT=dir for the logs and summary (default build/gpu-check). Without a GPU it says so and
+# exits 0 at once.
+STEP ?= all
+gpu-check:
+	STEP=$(STEP) PYTHON=$(PYTHON) bash tools/gpu_check.sh
 
 # Build the CPU library with AddressSanitizer + UndefinedBehaviorSanitizer into build/sanitize
 # (the editable build in rope_ext/ is left alone) and run the core and fuzz tests against it;

@@ -77,3 +77,24 @@ def test_cuda_graphs_reduce_overhead(cuda, gen):
         out = compiled(q, k)
     expected = rope(q, k)
     assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
+
+
+def test_gpu_check_without_a_gpu_runs_nothing(tmp_path):
+    """`make gpu-check` on a machine with no NVIDIA GPU says so and exits 0 at once, building and
+    running nothing (its output folder is not even made)."""
+    import os
+    import subprocess
+    import time
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "tools" / "gpu_check.sh"
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed: no devices' >&2\nexit 9\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "GPU_CHECK_OUT": str(tmp_path / "out")}
+    start = time.monotonic()
+    run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "no NVIDIA GPU on this machine" in run.stdout and "ran nothing" in run.stdout
+    assert time.monotonic() - start < 5 and not (tmp_path / "out").exists()
