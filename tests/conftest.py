@@ -264,6 +264,17 @@ def make_layout(name: str, B: int, S: int, H: int, D: int, dtype, gen=None):
 
 
 @pytest.fixture
+def cuda():
+    """The CUDA device, for tests that need a GPU: they skip without one (no CUDA call at import or
+    collection), and fail if a GPU is present but rope_ext was built without its CUDA kernels."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("rope_ext::rotary", "CUDA"):
+        pytest.fail("a GPU is present but rope_ext was built without CUDA (see ROPE_EXT_CUDA in the README)")
+    return torch.device("cuda")
+
+
+@pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)
 

@@ -11,15 +11,6 @@ from conftest import CONVENTIONS, DTYPES, _twins, randn, random_tables, rope_tab
 import rope_ext
 
 
-@pytest.fixture
-def cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("rope_ext::rotary", "CUDA"):
-        pytest.fail("a GPU is present but rope_ext was built without CUDA (see ROPE_EXT_CUDA in the README)")
-    return torch.device("cuda")
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
 @pytest.mark.parametrize("layout", ["hf_view", "bshd", "strided_cols"])

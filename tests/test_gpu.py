@@ -31,15 +31,6 @@ ops = torch.ops.rope_ext
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
-@pytest.fixture
-def cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("rope_ext::rotary", "CUDA"):
-        pytest.fail("a GPU is present but rope_ext was built without CUDA (see ROPE_EXT_CUDA in the README)")
-    return torch.device("cuda")
-
-
 def on(device, *tensors):
     """The tensors on `device` with their storage layouts (see conftest._twins), each requiring grad
     where its original does."""
