@@ -215,14 +215,16 @@ std::pair<Tensor, Tensor> cache_grads(const Tensor& grad, const Tensor& x, const
     // of the indexed dim while it replicates the index, so rows sharded over tokens (positions
     // split with the sequence) fail with a shape mismatch. scatter_add's rule there shards only
     // dims other than the scattered one. The same sums, but on CUDA scatter_add adds with atomics
-    // (the order of the sums varies); from 2.12 on, index_put, which sorts on CUDA.
-    return zeros.scatter_add(0, index.to(at::kLong).unsqueeze(1).expand_symint({index.sym_size(0), half}), rows)
-        .to(cos.scalar_type());
-#else
-    // index_put with accumulate rather than index_add: the same sums, and DTensor has a sharding
-    // rule for it that replicates the index and the values' indexed dim.
-    return at::index_put(zeros, {std::optional<Tensor>(index)}, rows, /*accumulate=*/true).to(cos.scalar_type());
+    // (the order of the sums varies), so only tensor subclasses (the Python key: DTensor) take it.
+    if (rows.key_set().has(c10::DispatchKey::Python)) {
+      return zeros.scatter_add(0, index.to(at::kLong).unsqueeze(1).expand_symint({index.sym_size(0), half}), rows)
+          .to(cos.scalar_type());
+    }
 #endif
+    // index_put with accumulate rather than index_add: the same sums (deterministic: sorted on CUDA),
+    // and from torch 2.12 DTensor has a sharding rule for it that replicates the index and the
+    // values' indexed dim.
+    return at::index_put(zeros, {std::optional<Tensor>(index)}, rows, /*accumulate=*/true).to(cos.scalar_type());
   };
   Tensor dcos, dsin;
   if (need_cos) dcos = scatter(ga * xa + gb * xb);

@@ -282,9 +282,9 @@ class RotaryEmbedding(nn.Module):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"rope_ext.RotaryEmbedding.ensure_positions: n must be an int >= 0, got {n!r}")
         if self._cache_kind in ("static", "longrope") and n > self._cached_positions():
-            self._build_cache(n, self.inv_freq.device)
+            self._build_cache(n, self.inv_freq.device, grow=True)
 
-    def _build_cache(self, n: int, device) -> None:
+    def _build_cache(self, n: int, device, grow: bool = False) -> None:
         """cos_cache, sin_cache covering positions 0..n-1 (see _kind_of_cache): cos/sin of
         p * theta_i (angles in float64) times the attention factor, rounded once to float32; and
         _steps = arange(rows)."""
@@ -292,7 +292,7 @@ class RotaryEmbedding(nn.Module):
         if kind is None:
             return
         old = (self._buffers["cos_cache"], self._buffers["sin_cache"], self._buffers["_steps"])
-        if old[0].numel() and old[0].device.type != "cpu":
+        if grow and old[0].numel() and old[0].device.type != "cpu":
             # Off the CPU, a CUDA graph captured earlier holds these buffers' addresses: freeing them
             # would let a replay read whatever the allocator puts there next. Growing for a call at
             # least doubles the cache, so those kept add up to less than the current buffers (more
@@ -333,13 +333,15 @@ class RotaryEmbedding(nn.Module):
         if dynamic or needed > max(self.max_cache_positions, self.max_position_embeddings):
             return False
         self._build_cache(min(max(needed, 2 * rows), max(self.max_cache_positions, self.max_position_embeddings)),
-                          self.inv_freq.device)
+                          self.inv_freq.device, grow=True)
         return True
 
     def _apply(self, fn, recurse=True):
         # .to(dtype), .half(), to_empty(): keep the frequencies float64 and exact by rebuilding
         # them from the configuration on whatever device fn moved them to.
         super()._apply(fn, recurse)
+        # (a graph captured before a move or cast holds the replaced inv_freq too: nothing to keep)
+        self._retired_caches = []
         self._init_buffers(self.inv_freq.device)
         return self
 
@@ -604,7 +606,9 @@ class RotaryEmbedding(nn.Module):
         so in-place updates through torch are seen (writes that bypass the version counter, through
         .data or DLPack, are not, for longrope). Eager and outside inference_mode only (inference
         tensors have no version counter, and must not reach a later training call)."""
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or (source.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # (under CUDA graph capture a memo would bake in rows computed from the warm-up's
+            # positions, and a later eager call would free the tensor the graph reads)
             return make()
         last = self.__dict__.get("_last_rows")
         if last is not None and last[0] is source and last[1] == key:  # (never an inference tensor)

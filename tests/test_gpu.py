@@ -256,8 +256,10 @@ def test_module_on_cuda_matches_the_cpu_module(cuda, module, gen):
     for the device (set_sync_debug_mode('error')), and a second call with the same position tensor
     (the module's positions memo) gives the same result."""
     mrope = "mrope_section" in module
-    ref = rope_ext.RotaryEmbedding(64, layout="bhsd", max_position_embeddings=128, **module)
-    dev = rope_ext.RotaryEmbedding(64, layout="bhsd", max_position_embeddings=128, **module).to(cuda)
+    # (512 positions: every position below covered, since a GPU position past the cache is a device-side
+    # assert that would end this process's CUDA context; the CPU module would grow instead)
+    ref = rope_ext.RotaryEmbedding(64, layout="bhsd", max_position_embeddings=512, **module)
+    dev = rope_ext.RotaryEmbedding(64, layout="bhsd", max_position_embeddings=512, **module).to(cuda)
     calls = zip(_module_calls("cpu", mrope, gen), _module_calls(cuda, mrope, gen), strict=True)
     for (name, q, k, kw), (_, qg, kg, kwg) in calls:
         want = ref(q, k, **kw)
@@ -441,11 +443,17 @@ def test_graph_replay_after_the_cache_grows_reads_live_buffers(cuda, gen):
     with torch.cuda.graph(graph):
         out = rope(q, k, position_ids=pos)
     want = [t.clone() for t in rope(q, k, position_ids=pos)]
+    captured = {rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr()}
     rope(q, k, offset=100)  # grows the cache
-    filler = torch.full((1 << 28,), float("nan"), device=cuda)
+    kept = {t.data_ptr() for old in rope._retired_caches for t in old}
+    assert captured <= kept and rope.cos_cache.data_ptr() not in captured
+    # Blocks of the old caches' size (the allocator's small pool, where freed ones would be reused)
+    # and 1 GB, all NaN: a replay reading freed memory would read these.
+    fillers = [torch.full_like(rope.cos_cache[:64], float("nan")) for _ in range(256)]
+    fillers.append(torch.full((1 << 28,), float("nan"), device=cuda))
     graph.replay()
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
-    del filler
+    del fillers
 
 
 def test_cuda_graph_of_a_patched_model_decode_step(cuda):
@@ -486,6 +494,8 @@ def test_in_place_ops_under_reduce_overhead_do_not_skip_cudagraphs(cuda, gen):
 
     q, k = randn(4, 8, 64, gen=gen).to(cuda), randn(4, 2, 64, gen=gen).to(cuda)
     pos = torch.arange(4, device=cuda)[:, None]
+    for t in (q, k):  # (buffers that live across steps, as a KV cache does: cudagraphs may write them)
+        torch._dynamo.mark_static_address(t)
     for _ in range(3):
         step(q, k, pos)
     assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
@@ -574,7 +584,7 @@ _PAST_THE_CACHE = textwrap.dedent("""
     except RuntimeError as e:
         print("RAISED AT SYNC:", str(e).splitlines()[0], flush=True)
         try:
-            torch.empty(1, device="cuda")
+            torch.ones(1, device="cuda").cpu()  # (a kernel and a copy: the allocator's cache alone needs no CUDA call)
             print("LATER CALL WORKED", flush=True)
         except RuntimeError:
             print("LATER CALL FAILED", flush=True)
@@ -583,13 +593,13 @@ _PAST_THE_CACHE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("index_dtype", ["int64", "int32"])
-@pytest.mark.parametrize("bad", [16, -1])
+@pytest.mark.parametrize(("bad", "index_dtype"), [(16, "int64"), (-1, "int32")])
 @pytest.mark.parametrize("op", ["rotary_pos", "rotary_pos_qk", "rotary_pos_", "module"])
 def test_a_position_past_the_cache_is_a_device_assert_that_names_it(cuda, op, bad, index_dtype):
     """H1, in a subprocess (the assert ends the CUDA context): the kernel prints the position and
-    the row count, the error surfaces at the next sync, and every later CUDA call fails."""
-    for blocking in ("0", "1"):
+    the row count, the error surfaces at the next sync, and every later CUDA call fails; also with
+    CUDA_LAUNCH_BLOCKING=1 (for one op: each run starts CUDA anew, seconds apiece)."""
+    for blocking in ("0", "1") if op == "rotary_pos" else ("0",):
         env = {**os.environ, "CUDA_LAUNCH_BLOCKING": blocking}
         run = subprocess.run([sys.executable, "-c", _PAST_THE_CACHE, op, index_dtype, str(bad)], env=env,
                              capture_output=True, text=True, timeout=120)

@@ -71,6 +71,11 @@ built() {
 }
 
 if [ "$STEP" = build ] || [ "$STEP" = all ]; then
+  if ! "$PY" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)"; then
+    echo "gpu-check: the build needs setuptools 77 or newer and this machine has $("$PY" -c 'import setuptools; print(setuptools.__version__)');" \
+      "with no network, bring its wheel (pip download setuptools==80.9.0 where there is one) and install it first"
+    exit 1
+  fi
   ARCH=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
   step build env ROPE_EXT_CUDA=1 ROPE_EXT_TESTING=1 TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="$(nproc)" \
     "$PY" -m pip install --no-build-isolation --no-deps --no-index -v -e .
@@ -96,7 +101,7 @@ if [ "$STEP" = sanitize ] || [ "$STEP" = all ]; then
     for tool in memcheck racecheck initcheck; do
       # Each tensor its own allocation (no caching allocator), so an access past one is caught.
       step "sanitize-$tool" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool "$tool" --error-exitcode 1 \
-        --kernel-name regex:rotary_kernel "$PY" tests/gpu_kernel_cases.py --device cuda
+        --kernel-name kns=rotary_kernel "$PY" tests/gpu_kernel_cases.py --device cuda
     done
   fi
 fi
