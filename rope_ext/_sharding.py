@@ -217,10 +217,34 @@ def replicated_like(x, *tensors):
     )
 
 
+def _let_dtensor_dispatch_ops_that_return_nothing() -> None:
+    """The in-place ops return nothing (``-> ()``). DTensor's sharding propagation of torch 2.9 asks
+    ``OpSchema.return_type_tensor()`` of every op whose rule it ran, and that reads the op's first
+    return without checking that there is one: an IndexError, which DTensor reports as "Sharding
+    propagation failed" for any placement. Later torch (2.11 at the latest) answers False for an op
+    with no returns; this gives torch 2.9 that answer, and changes nothing for an op with returns.
+    Detected by asking, not by version: where torch answers already, nothing is touched."""
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    try:
+        OpSchema(torch.ops.rope_ext.rotary_.default, (), {}).return_type_tensor()
+        return
+    except IndexError:
+        pass
+    answer = OpSchema.return_type_tensor
+
+    def return_type_tensor(self) -> bool:
+        return len(self.op._schema.returns) > 0 and answer(self)
+
+    return_type_tensor.__wrapped__ = answer
+    OpSchema.return_type_tensor = return_type_tensor
+
+
 def register() -> None:
     """Register the rules of every rope_ext op with DTensor (imports torch.distributed.tensor)."""
     from torch.distributed.tensor.experimental import register_sharding
 
+    _let_dtensor_dispatch_ops_that_return_nothing()
     for op in _OPS:
         register_sharding(getattr(torch.ops.rope_ext, op).default)(_Rule(op))
 
