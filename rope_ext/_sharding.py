@@ -58,6 +58,16 @@ def _followers(op: str, args: dict) -> list[tuple[str, tuple[str, ...], bool]]:
     return [(name, _OPS[op]["rotated"], True) for name in _OPS[op]["tables"]]
 
 
+def _refusal(message: str) -> RuntimeError:
+    """The error with which a rule refuses a call. torch 2.9's DTensor dispatcher replaces anything
+    a rule raises with "Sharding propagation failed for <the op's specs>", keeping the rule's message
+    only as the new error's cause (2.11 and later put the message first; 2.10 is unchecked); a
+    NotImplementedError, which is a RuntimeError, it lets through as it is. So on torch before 2.10
+    a refusal is a NotImplementedError: the same message, caught by the same ``except RuntimeError``."""
+    release = tuple(int(n) for n in torch.__version__.split("+")[0].split(".")[:2])
+    return (NotImplementedError if release < (2, 10) else RuntimeError)(message)
+
+
 def _describe(placements) -> str:
     return "(" + ", ".join(str(p) for p in placements) + ")"
 
@@ -169,7 +179,7 @@ class _Rule:
         for name in rotated:
             for i, p in enumerate(bound[name].placements):
                 if not (isinstance(p, Replicate) or usable(name, p)):
-                    raise RuntimeError(
+                    raise _refusal(
                         f"{op}: {name} is placed {_describe(bound[name].placements)}, and the in-place op "
                         f"cannot keep {p} on mesh dim {i}: it writes {name} where it is, so {name} must be "
                         "replicated or sharded on a dim other than the last (the rotated one). Redistribute "
@@ -177,7 +187,7 @@ class _Rule:
                     )
         per_dim = [tuple(bound[n].placements[i] for n in rotated) for i in mesh_dims]
         if len(set(per_dim)) != len({c[0] for c in per_dim}):  # DTensor only pins the first one's placement
-            raise RuntimeError(
+            raise _refusal(
                 f"{op}: q {_describe(bound['q'].placements)} and k {_describe(bound['k'].placements)}: where q "
                 "has one placement on two mesh dims, k must too, for the in-place op to keep both. "
                 "Redistribute k to match, or call the out-of-place op."
@@ -186,7 +196,7 @@ class _Rule:
         for placements in dict.fromkeys(per_dim):
             result = strategy(list(placements))
             if isinstance(result, str):
-                raise RuntimeError(
+                raise _refusal(
                     f"{op}: "
                     + " and ".join(f"{n} {_describe(bound[n].placements)}" for n in rotated)
                     + f" do not fit together: {result}. The in-place op cannot redistribute what it writes; "
