@@ -19,7 +19,9 @@ and a placement that the op cannot keep raises an error that names the argument.
 
 Registration goes through torch's public ``register_sharding`` and happens on import of
 ``torch.distributed.tensor``, whichever comes first: importing rope_ext never imports DTensor (about
-0.9 s), and a process that never uses DTensor pays nothing (see ``install``).
+0.9 s), and a process that never uses DTensor pays nothing (see ``install``). Under torch 2.9, whose
+DTensor cannot dispatch an op that returns nothing and hides a rule's error message, two
+accommodations keep the in-place ops working as under later torch (``register``, ``_refusal``).
 """
 
 from __future__ import annotations
