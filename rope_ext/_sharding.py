@@ -19,7 +19,9 @@ and a placement that the op cannot keep raises an error that names the argument.
 
 Registration goes through torch's public ``register_sharding`` and happens on import of
 ``torch.distributed.tensor``, whichever comes first: importing rope_ext never imports DTensor (about
-0.9 s), and a process that never uses DTensor pays nothing (see ``install``).
+0.9 s), and a process that never uses DTensor pays nothing (see ``install``). Under torch 2.9, whose
+DTensor cannot dispatch an op that returns nothing and hides a rule's error message, two
+accommodations keep the in-place ops working as under later torch (``register``, ``_refusal``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,16 @@ def _followers(op: str, args: dict) -> list[tuple[str, tuple[str, ...], bool]]:
     if op == "rotary_qk" and args.get("cos_k") is not None:  # k has tables of its own
         return [("cos", ("q",), True), ("sin", ("q",), True), ("cos_k", ("k",), True), ("sin_k", ("k",), True)]
     return [(name, _OPS[op]["rotated"], True) for name in _OPS[op]["tables"]]
+
+
+def _refusal(message: str) -> RuntimeError:
+    """The error with which a rule refuses a call. torch 2.9's DTensor dispatcher replaces anything
+    a rule raises with "Sharding propagation failed for <the op's specs>", keeping the rule's message
+    only as the new error's cause (2.11 and later put the message first; 2.10 is unchecked); a
+    NotImplementedError, which is a RuntimeError, it lets through as it is. So on torch before 2.10
+    a refusal is a NotImplementedError: the same message, caught by the same ``except RuntimeError``."""
+    release = tuple(int(n) for n in torch.__version__.split("+")[0].split(".")[:2])
+    return (NotImplementedError if release < (2, 10) else RuntimeError)(message)
 
 
 def _describe(placements) -> str:
@@ -169,7 +181,7 @@ class _Rule:
         for name in rotated:
             for i, p in enumerate(bound[name].placements):
                 if not (isinstance(p, Replicate) or usable(name, p)):
-                    raise RuntimeError(
+                    raise _refusal(
                         f"{op}: {name} is placed {_describe(bound[name].placements)}, and the in-place op "
                         f"cannot keep {p} on mesh dim {i}: it writes {name} where it is, so {name} must be "
                         "replicated or sharded on a dim other than the last (the rotated one). Redistribute "
@@ -177,7 +189,7 @@ class _Rule:
                     )
         per_dim = [tuple(bound[n].placements[i] for n in rotated) for i in mesh_dims]
         if len(set(per_dim)) != len({c[0] for c in per_dim}):  # DTensor only pins the first one's placement
-            raise RuntimeError(
+            raise _refusal(
                 f"{op}: q {_describe(bound['q'].placements)} and k {_describe(bound['k'].placements)}: where q "
                 "has one placement on two mesh dims, k must too, for the in-place op to keep both. "
                 "Redistribute k to match, or call the out-of-place op."
@@ -186,7 +198,7 @@ class _Rule:
         for placements in dict.fromkeys(per_dim):
             result = strategy(list(placements))
             if isinstance(result, str):
-                raise RuntimeError(
+                raise _refusal(
                     f"{op}: "
                     + " and ".join(f"{n} {_describe(bound[n].placements)}" for n in rotated)
                     + f" do not fit together: {result}. The in-place op cannot redistribute what it writes; "
@@ -217,10 +229,34 @@ def replicated_like(x, *tensors):
     )
 
 
+def _let_dtensor_dispatch_ops_that_return_nothing() -> None:
+    """The in-place ops return nothing (``-> ()``). DTensor's sharding propagation of torch 2.9 asks
+    ``OpSchema.return_type_tensor()`` of every op whose rule it ran, and that reads the op's first
+    return without checking that there is one: an IndexError, which DTensor reports as "Sharding
+    propagation failed" for any placement. Later torch (2.11 at the latest) answers False for an op
+    with no returns; this gives torch 2.9 that answer, and changes nothing for an op with returns.
+    Detected by asking, not by version: where torch answers already, nothing is touched."""
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    try:
+        OpSchema(torch.ops.rope_ext.rotary_.default, (), {}).return_type_tensor()
+        return
+    except IndexError:
+        pass
+    answer = OpSchema.return_type_tensor
+
+    def return_type_tensor(self) -> bool:
+        return len(self.op._schema.returns) > 0 and answer(self)
+
+    return_type_tensor.__wrapped__ = answer
+    OpSchema.return_type_tensor = return_type_tensor
+
+
 def register() -> None:
     """Register the rules of every rope_ext op with DTensor (imports torch.distributed.tensor)."""
     from torch.distributed.tensor.experimental import register_sharding
 
+    _let_dtensor_dispatch_ops_that_return_nothing()
     for op in _OPS:
         register_sharding(getattr(torch.ops.rope_ext, op).default)(_Rule(op))
 

@@ -68,8 +68,23 @@ def test_inplace_refuses_what_it_cannot_keep(sharded, name):
     _, words = cases.REFUSED[name]
     got = sharded[name]
     assert isinstance(got, str), "an in-place call whose written input would move must be refused"
+    # rope_ext's message first, on every torch (2.9's dispatcher would hide a RuntimeError's)
+    assert got.split(": ", 1)[1].startswith(words[0]), got
     for word in words:
         assert word in got, (word, got)
+
+
+def test_dtensor_dispatches_ops_that_return_nothing():
+    """DTensor asks every op whose rule ran whether it returns a tensor; torch 2.9 answered the
+    in-place ops (which return nothing) with an IndexError. Ops with returns keep their answers."""
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    import rope_ext._sharding  # noqa: F401  (registered once DTensor is imported)
+
+    for op in ["rotary_", "rotary_pos_"]:
+        assert OpSchema(getattr(torch.ops.rope_ext, op).default, (), {}).return_type_tensor() is False
+    assert OpSchema(torch.ops.rope_ext.rotary.default, (), {}).return_type_tensor() is True
+    assert OpSchema(torch.ops.aten.add.Tensor, (), {}).return_type_tensor() is True
 
 
 class _Spec:
