@@ -217,6 +217,7 @@ def test_full_tables_rotary_qk_gqa_hf_view(gen):
         (1 << 32, 3),  # t past 32 bits: the 64-bit division
         ((1 << 40) + 12345, 1 << 33),  # inner past 32 bits too
         (5, (1 << 32) + 1),  # only inner past 32 bits
+        ((1 << 62) + 999, (1 << 31) + 11),  # every quotient bit of the bitwise 64-bit division
     ],
 )
 def test_compact_index_token_offsets_on_both_sides_of_the_32_bit_division(t, inner):

@@ -73,7 +73,8 @@ def check_arch(lib: Path, arch: str, out: Path) -> str:
     param_offset = offsets.pop()
     demangled = subprocess.run(["c++filt"], input=dump, capture_output=True, text=True, check=True).stdout
     rows = re.findall(
-        r"RotaryThread<([^>]*)> >\(.*?\):\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+) CONSTANT\[0\]:(\d+)",
+        # (other constant banks, e.g. CONSTANT[2] for literals on sm_80, may stand before bank 0)
+        r"RotaryThread<([^>]*)> >\(.*?\):\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)[^\n]*?CONSTANT\[0\]:(\d+)",
         demangled,
     )
     if not rows:

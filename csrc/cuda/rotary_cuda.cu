@@ -17,8 +17,11 @@ namespace {
 
 // The thread function is the kernel's only parameter (under 256 bytes with CompactIndex);
 // __grid_constant__ lets it be read in place from the parameter bank, never copied to local memory.
+// At least 2 blocks of kMaxThreads per SM, so up to 128 registers a thread: with the block size
+// alone, ptxas for sm_100 and later held the kernels to 64 registers and spilled (cuda-check refuses
+// stack); they use 32 to 88.
 template <typename Thread>
-__global__ void __launch_bounds__(kMaxThreads) rotary_kernel(const __grid_constant__ Thread t) {
+__global__ void __launch_bounds__(kMaxThreads, 2) rotary_kernel(const __grid_constant__ Thread t) {
   t({blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y, gridDim.x, gridDim.y, blockDim.x, blockDim.y});
 }
 

@@ -162,6 +162,25 @@ struct DeviceMemory {
 // Operands are 0 (x or q) and 1 (k); O is a template argument, so no array is indexed at run time
 // (such arrays live in local memory, which cuda-check refuses).
 
+// n / d for 64-bit values, one quotient bit per step (restoring division), as plain inline code:
+// nvcc's 64-bit '/' is a call to a subroutine, around which it saved a live register to the stack
+// in some kernels on sm_80 (a local store and load per thread, which cuda-check refuses). Only
+// launches of 2^32 tokens or more take it, where 64 steps per token are nothing against the data.
+C10_HOST_DEVICE inline uint64_t divide_u64(uint64_t n, uint64_t d) {
+  uint64_t q = 0, r = 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll 1
+#endif
+  for (int bit = 63; bit >= 0; --bit) {
+    r = (r << 1) | ((n >> bit) & 1);
+    if (r >= d) {
+      r -= d;
+      q |= uint64_t{1} << bit;
+    }
+  }
+  return q;
+}
+
 // Any layout: both operands' RotaryPlans, any rank and strides, ~3.5 KB of kernel parameters, and a
 // division per dim for each token and head. Calls whose layout CompactIndex cannot describe use it.
 struct PlanIndex {
@@ -216,7 +235,7 @@ struct CompactIndex {
     // A 32-bit division where the values allow (almost always): 64-bit division is a long
     // instruction sequence on a GPU.
     const int64_t o = ((t | inner) >> 32) == 0 ? int64_t{static_cast<uint32_t>(t) / static_cast<uint32_t>(inner)}
-                                                : t / inner;
+                                                : static_cast<int64_t>(divide_u64(t, inner));
     const int64_t i = t - o * inner;
     off[kX] = o * tok[O][0][0] + i * tok[O][0][1];
     off[kOut] = o * tok[O][1][0] + i * tok[O][1][1];
