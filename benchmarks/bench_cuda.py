@@ -113,9 +113,10 @@ def implementations(compiled_hf):
         def flashinfer_inplace(c):  # in place on (T, H * D) views: bshd only
             if c.q.stride(1) < c.q.stride(2):
                 return None
-            q, k = c.q.clone(), c.k.clone()
-            cache = torch.cat((c.cos_cache, c.sin_cache), -1)
-            pos = c.positions.reshape(-1)
+            if not hasattr(c, "flashinfer"):  # its own copies, made once (rotating them again keeps their norms)
+                c.flashinfer = (c.q.clone(), c.k.clone(), torch.cat((c.cos_cache, c.sin_cache), -1),
+                                c.positions.reshape(-1))
+            q, k, cache, pos = c.flashinfer
             flashinfer.apply_rope_with_cos_sin_cache_inplace(pos, q.view(pos.numel(), -1), k.view(pos.numel(), -1), D,
                                                              cache, True)
             return q, k
