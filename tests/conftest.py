@@ -273,6 +273,17 @@ def make_layout(name: str, B: int, S: int, H: int, D: int, dtype, gen=None):
     return LAYOUTS[name](randn(B, S, H, D, dtype=dtype, gen=gen))
 
 
+@contextlib.contextmanager
+def hook_setting(name: str, value):
+    """TESTING.<name>(value) in the block, the previous setting restored after (each of the testing
+    library's switches returns the setting it replaces)."""
+    before = getattr(TESTING, name)(value)
+    try:
+        yield
+    finally:
+        getattr(TESTING, name)(before)
+
+
 @pytest.fixture
 def cuda():
     """The CUDA device, for tests that need a GPU: they skip without one (no CUDA call at import or

@@ -4,8 +4,6 @@ math, bounds, vector/scalar choice and tails on a machine without a GPU."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from conftest import (
@@ -15,6 +13,7 @@ from conftest import (
     LAYOUTS,
     TESTING,
     assert_matches_reference,
+    hook_setting,
     make_layout,
     random_tables,
     rope_tables,
@@ -237,14 +236,9 @@ TRAFFIC_FIELDS = ("ld_needed", "ld_sectors", "st_needed", "st_sectors", "ld_dist
                   "ld_instructions", "st_instructions", "ld_lanes", "st_lanes")
 
 
-@contextlib.contextmanager
 def ignoring_alignment():
     """Launches take vector loads wherever the widths allow, whatever the alignment (a testing knob)."""
-    before = TESTING.cuda_ignore_alignment(True)
-    try:
-        yield
-    finally:
-        TESTING.cuda_ignore_alignment(before)
+    return hook_setting("cuda_ignore_alignment", True)
 
 
 def recorded_traffic(fn, *args):

@@ -20,6 +20,7 @@ from conftest import (
     TESTING,
     assert_matches_reference,
     cpu_thresholds,
+    hook_setting,
     inv_freq,
     make_layout,
     path_counts,
@@ -60,15 +61,10 @@ def positions_for(layout: str, pos_bs: torch.Tensor) -> torch.Tensor:
     return pos_bs[:, :, None]  # (B, S, 1)
 
 
-@contextlib.contextmanager
 def plan_index_only():
     """In the block, emulated gathered calls address rows through PlanIndex (any layout) where the
     CUDA launcher would use CompactIndex (rotary_thread.h), so that both index types see every case."""
-    before = TESTING.cuda_allow_compact_index(False)
-    try:
-        yield
-    finally:
-        TESTING.cuda_allow_compact_index(before)
+    return hook_setting("cuda_allow_compact_index", False)
 
 
 def emulate_both_indexes(emulate, *args):
