@@ -32,9 +32,8 @@ import dataclasses
 import functools
 import importlib
 import os
-import threading
 
-from rope_ext.integrations import _hf_forms
+from rope_ext.integrations import _engine, _hf_forms
 
 __all__ = ["FamilyReport", "RopeFunction", "family_report", "patch", "patched_families", "survey", "unpatch"]
 
@@ -52,7 +51,7 @@ class RopeFunction:
 
     module: str
     name: str
-    form: _hf_forms.Form | None
+    form: _engine.Form | None
     reason: str | None = None
 
     @property
@@ -92,7 +91,7 @@ def _classify_file(path: str, module: str) -> list[RopeFunction]:
     for name in _hf_forms.ROPE_FUNCTIONS:
         if name not in functions:
             continue
-        key = _hf_forms.fingerprint(functions, name)
+        key = _engine.fingerprint(functions, name)
         form = _hf_forms.KNOWN.get(key)
         reason = None if form else (f"its code (fingerprint {key}) matches no form rope_ext is tested on; "
                                     "patching it on a guess could change the model's results")
@@ -132,46 +131,10 @@ def survey() -> dict[str, FamilyReport]:
     return reports
 
 
-_lock = threading.Lock()
-# family -> [(module object, function name, the object transformers had there)]
-_originals: dict[str, list[tuple[object, str, object]]] = {}
+_patcher = _engine.Patcher()
 
 
-class Patched(list):
-    """The families a :func:`patch` call switched; as a context manager, unpatches them on exit."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        unpatch(list(self))
-        return False
-
-
-def _family_names(model_types) -> list[str]:
-    """A family name or an iterable of them, as a list of str."""
-    if isinstance(model_types, str):
-        return [model_types]
-    if isinstance(model_types, (list, tuple, set, frozenset)) and all(isinstance(f, str) for f in model_types):
-        return list(model_types)
-    raise TypeError(
-        f"rope_ext: model_types must be a family name, a list of them or None, got {type(model_types).__name__}"
-    )
-
-
-def _defined_here(obj, module, name) -> bool:
-    """Whether obj is the function the model file defines under name: the plain function, or the
-    ``nn.Module`` the ``kernels`` package wraps it in (its forward closes over the function)."""
-    fn = obj
-    if not hasattr(fn, "__code__"):
-        forward = getattr(type(obj), "forward", None)
-        cells = getattr(forward, "__closure__", None) or ()
-        fn = next((c.cell_contents for c in cells if getattr(c.cell_contents, "__name__", None) == name), None)
-    code = getattr(fn, "__code__", None)
-    return code is not None and code.co_name == name and code.co_filename == module.__file__
-
-
-def patch(model_types=None) -> Patched:
+def patch(model_types=None) -> _engine.Patched:
     """Switch transformers model families onto rope_ext.
 
     Args:
@@ -193,7 +156,7 @@ def patch(model_types=None) -> Patched:
     if model_types is None:
         families = [f for f, r in survey().items() if r.patchable]
     else:
-        families = _family_names(model_types)
+        families = _engine.group_names(model_types, "model_types")
     plan = []
     for family in families:
         report = family_report(family)
@@ -206,41 +169,24 @@ def patch(model_types=None) -> Patched:
             raise ValueError(f"rope_ext: cannot patch {family!r}: {report.reason}")
         for fn in report.functions:
             module = importlib.import_module(fn.module)
-            saved = {(m, n): o for m, n, o in _originals.get(family, ())}
-            current = saved.get((module, fn.name), getattr(module, fn.name, None))
-            if not _defined_here(current, module, fn.name):
+            current = _patcher.original(family, module, fn.name, None)
+            if not _engine.defined_here(current, module, fn.name):
                 raise ValueError(
                     f"rope_ext: cannot patch {family!r}: {fn.module}.{fn.name} is {current!r}, not the function "
                     "its model file defines (was it replaced by another patch?)"
                 )
-            plan.append((family, module, fn.name, current, fn.replacement))
-    done = Patched()
-    with _lock:
-        already = set(_originals)  # patched by an earlier call, which keeps them (and unpatches them)
-        for family, module, name, original, replacement in plan:
-            entries = _originals.setdefault(family, [])
-            if all(m is not module or n != name for m, n, _ in entries):
-                entries.append((module, name, original))
-            setattr(module, name, replacement)
-            if family not in done and family not in already:
-                done.append(family)
-    return done
+            plan.append((family, module, fn.name, fn.replacement))
+    return _patcher.apply(plan, unpatch)
 
 
 def unpatch(model_types=None) -> list[str]:
     """Restore transformers' own functions for the given families (default: all patched ones)."""
-    with _lock:
-        named = list(_originals) if model_types is None else _family_names(model_types)
-        families = [f for f in named if f in _originals]
-        for family in families:
-            for module, name, original in _originals.pop(family):
-                setattr(module, name, original)
-    return families
+    return _patcher.restore(None if model_types is None else _engine.group_names(model_types, "model_types"))
 
 
 def patched_families() -> list[str]:
     """The families currently switched to rope_ext."""
-    return list(_originals)
+    return _patcher.groups()
 
 
 def main() -> None:
