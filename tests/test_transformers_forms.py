@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 
+import form_checks
 import pytest
 import torch
 
@@ -32,10 +33,7 @@ def _one_family_per_form():
 FORMS = _one_family_per_form()
 
 
-def _rand(*shape, dtype, gen):
-    """Normal values drawn in float64, so float64 inputs have bits float32 cannot hold (what tells a
-    form that narrows x from one that does not)."""
-    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+_rand = form_checks.rand
 
 
 def _table_width(form, head):
@@ -90,38 +88,8 @@ def _original(key):
     return getattr(importlib.import_module(fn.module), name), fn.replacement
 
 
-def _outputs(result):
-    return [r for r in (result if isinstance(result, tuple) else (result,)) if r is not None]
-
-
-def _weights(t):
-    """Per-element loss weights in {-1, -0.75, ..., 1}: exact in every dtype, so the gradient that
-    flows back is the same in the dtype under test and in float64."""
-    g = torch.Generator().manual_seed(t.numel())
-    return (torch.randint(-4, 5, t.shape, generator=g) / 4).to(t.dtype)
-
-
-def _loss(outputs):
-    return sum((r * _weights(r)).sum() for r in outputs)
-
-
-def _wide(a):
-    """a in float64 (complex128 for complex tables), a new leaf with a's requires_grad."""
-    if not (a.dtype.is_floating_point or a.dtype.is_complex):
-        return a
-    wide = a.detach().to(torch.complex128 if a.dtype.is_complex else torch.float64)
-    return wide.requires_grad_(a.requires_grad)
-
-
-def _within_rounding(got, truth, dtype):
-    """got within one rounding to dtype of the float64 truth (1 ulp relative), plus what float32
-    arithmetic adds where the form computes in float32 (2^-20 of the largest value: a few float32
-    roundings of sums of terms no larger than it)."""
-    got, truth = got.detach().double(), truth.detach().double()
-    scale = truth.abs().max().item()
-    bound = torch.finfo(dtype).eps * truth.abs() + 2.0**-20 * scale
-    bad = (got - truth).abs() > bound
-    assert not bad.any(), f"{int(bad.sum())} elements off by up to {(got - truth).abs().max().item():.3g}"
+_outputs, _loss, _wide, _within_rounding = (form_checks.outputs, form_checks.loss, form_checks.wide,
+                                          form_checks.within_rounding)
 
 
 # Signatures with an unsqueeze_dim take both layouts (except the one slicing rows along dim -2).

@@ -107,6 +107,8 @@ def function_defs(tree: ast.Module):
                 if isinstance(child, ast.FunctionDef):
                     yield qualname, child
                 yield from walk(child, qualname + ".")
+            else:  # a def inside an if, with or try block belongs to the enclosing function
+                yield from walk(child, prefix)
 
     yield from walk(tree, "")
 
@@ -229,12 +231,15 @@ def rotate(form: Form, xs, cos, sin, cos_k=None, sin_k=None):
     width = cos.shape[-1]
     jobs = []  # (the op's input, the dtype it computes in, the dtype returned)
     for x in xs:
+        original_dtype = x.dtype
         _check_width(form, x, width)
         compute, out_dtype = _dtypes(form, x, cos, xs[0].dtype)
         if form.dtype in ("float32", "float32_tables") and x.dtype == torch.float64:
             x = x.float()  # the original's x.float() rounds float64 x to float32 first
         if form.span == "suffix" and width < x.shape[-1]:
             x = x[..., -width:]
+        elif form.span == "prefix" and width < x.shape[-1] and x.dtype != original_dtype:
+            x = x[..., :width]  # the pass-through columns keep x's own precision (joined below)
         # the op computes in x's dtype, or in float32 for 16-bit x
         computes = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         direct = out_dtype == x.dtype and compute == computes
@@ -248,6 +253,8 @@ def rotate(form: Form, xs, cos, sin, cos_k=None, sin_k=None):
             out = out.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
         if form.span == "suffix" and width < original.shape[-1]:
             out = torch.cat((original[..., :-width], out), dim=-1)
+        elif out.shape[-1] < original.shape[-1]:
+            out = torch.cat((out, original[..., width:]), dim=-1)
         results.append(out)
     return results
 

@@ -1,0 +1,348 @@
+"""Switch diffusers' diffusion transformers onto rope_ext's fused op.
+
+    from rope_ext.integrations import diffusers as rope_diffusers
+
+    patched = rope_diffusers.patch()            # every model file rope_ext can express
+    ...
+    rope_diffusers.unpatch()                    # back to diffusers' own functions
+
+    with rope_diffusers.patch(["flux"]):        # or for a block only
+        pipe(...)
+
+    python -m rope_ext.integrations.diffusers   # every model file with RoPE, its form, patched or why not
+
+What is patched is decided from the installed diffusers' code, not from a list of names. Each model
+file under ``diffusers/models/transformers/`` (and ``embeddings.py``, ``attention_processor.py``) is
+parsed; its RoPE functions are fingerprinted with the helpers they call and matched against the forms
+rope_ext has been tested on (``_diffusers_forms``); code that matches none is refused by name, with
+the reason. The RoPE sites are of three kinds:
+
+- a module-level function (``apply_rotary_emb_qwen``, LTX's ``apply_rotary_emb``): replaced in its
+  module;
+- a function an attention processor defines inside its ``__call__`` (Wan, Z-Image, Mochi): the
+  processor's code gets a trampoline to the replacement in its place, the rest of ``__call__``
+  unchanged;
+- diffusers' shared ``embeddings.apply_rotary_emb``, bound by name in the files that import it (Flux,
+  HunyuanVideo, CogView4, Lumina2, ...): replaced by :func:`rope_ext.compat.diffusers.apply_rotary_emb`
+  in each such file, and in ``embeddings`` itself for the processors that import it when called.
+
+A model file that reaches RoPE only through another file's processor (CogVideoX's processor lives
+in ``attention_processor.py``) can be named too: :func:`patch` switches the files it reaches.
+
+A model file's name is its file stem without a leading ``transformer_``: ``"flux"``, ``"wan"``,
+``"qwenimage"``, ``"hunyuan_video"``, ``"cogvideox_transformer_3d"``, plus ``"embeddings"`` and
+``"attention_processor"``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import importlib
+import os
+import re
+
+from rope_ext.integrations import _diffusers_forms, _engine
+
+__all__ = ["ModelFileReport", "RopeFunction", "model_report", "patch", "patched_models", "survey", "unpatch"]
+
+# The shared functions of diffusers.models.embeddings that model files import by name.
+_SHARED = ("apply_rotary_emb", "apply_rotary_emb_allegro")
+_ROPE_NAME = re.compile(r"^_?apply_.*(rot|rope)|^rope_apply$")
+_ROTATE_HALF = re.compile(r"^_?rotate_half$")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeFunction:
+    """One RoPE site of a diffusers model file.
+
+    Attributes:
+        module: the module's import name, e.g. ``diffusers.models.transformers.transformer_wan``.
+        name: the function's qualified name in it (``WanAttnProcessor.__call__.apply_rotary_emb``
+            for one defined inside a method), or the name it imports the shared function as.
+        kind: ``"function"`` (module-level), ``"inner"`` (inside a method) or ``"import"`` (the
+            shared ``embeddings`` function bound by name).
+        form: the recognised form, or None.
+        reason: why it is refused (None when it has a form).
+    """
+
+    module: str
+    name: str
+    kind: str
+    form: _engine.Form | None
+    reason: str | None = None
+
+    @property
+    def replacement(self):
+        """rope_ext's stand-in for this function (None when refused)."""
+        return None if self.form is None else _replacement(self.form)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFileReport:
+    """A model file's RoPE sites, and the other files whose RoPE its processors call; it is
+    patchable when every site, its own and those it reaches, has a form."""
+
+    name: str
+    module: str
+    functions: tuple[RopeFunction, ...]
+    reaches: tuple[str, ...] = ()
+
+    @property
+    def patchable(self) -> bool:
+        own = all(f.form is not None for f in self.functions)
+        return own and all(model_report(r) is not None and model_report(r).patchable for r in self.reaches)
+
+    @property
+    def reason(self) -> str | None:
+        refused = [f"{f.name}: {f.reason}" for f in self.functions if f.form is None]
+        refused += [f"through {r}: {model_report(r).reason}" for r in self.reaches
+                    if model_report(r) is not None and not model_report(r).patchable]
+        return "; ".join(refused) or None
+
+
+_replacement = functools.lru_cache(maxsize=None)(_diffusers_forms.replacement)
+
+
+def _models_root() -> str:
+    import diffusers.models
+
+    return os.path.dirname(diffusers.models.__file__)
+
+
+def _files() -> dict[str, tuple[str, str]]:
+    """name -> (path, module) for the files scanned: the transformer model files, embeddings and
+    attention_processor."""
+    root = _models_root()
+    files = {n: (os.path.join(root, f"{n}.py"), f"diffusers.models.{n}") for n in ("embeddings", "attention_processor")}
+    folder = os.path.join(root, "transformers")
+    for file in sorted(os.listdir(folder)):
+        if file.endswith(".py") and file != "__init__.py":
+            stem = file[:-3]
+            module = f"diffusers.models.transformers.{stem}"
+            files[stem.removeprefix("transformer_")] = (os.path.join(folder, file), module)
+    return files
+
+
+@functools.cache
+def _parsed(name: str):
+    path, module = _files()[name]
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read(), filename=path), module
+
+
+def _refusal(key: str) -> str:
+    return (f"its code (fingerprint {key}) matches no form rope_ext is tested on; "
+            "patching it on a guess could change the model's results")
+
+
+def _imports_shared(node: ast.ImportFrom) -> list[str]:
+    """The shared embeddings functions an import statement binds (by their local names)."""
+    if not (node.module or "").endswith("embeddings"):
+        return []
+    return [a.asname or a.name for a in node.names if a.name in _SHARED]
+
+
+def _sites(name: str) -> tuple[list[RopeFunction], set[str]]:
+    """A file's own RoPE sites, and the classes (by name) whose methods use RoPE."""
+    tree, module = _parsed(name)
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    sites, rope_classes = [], set()
+    defs = list(_engine.function_defs(tree))
+    for qualname, node in defs:
+        depth = qualname.count(".")
+        is_method_inner = depth == 2 and not isinstance(functions.get(qualname.split(".")[0]), ast.FunctionDef)
+        if not _ROPE_NAME.match(node.name) or not (depth == 0 or is_method_inner):
+            continue
+        key = _engine.fingerprint(functions, node)
+        form = _diffusers_forms.KNOWN.get(key)
+        sites.append(RopeFunction(module, qualname, "function" if depth == 0 else "inner", form,
+                                  None if form else _refusal(key)))
+        if depth:
+            rope_classes.add(qualname.split(".")[0])
+    shared_names = {n for node in tree.body if isinstance(node, ast.ImportFrom) for n in _imports_shared(node)}
+    for local in sorted(shared_names):
+        sites.append(RopeFunction(module, local, "import", _shared_form(local), None))
+    # rotation written inline in methods, with only a rotate_half helper at module level
+    helpers = [n for n in functions if _ROTATE_HALF.match(n)]
+    if helpers and not any(s.kind == "function" for s in sites):
+        users = sorted({q.rsplit(".", 1)[0] if q.count(".") > 1 else q for q, n in defs if "." in q
+                        and any(isinstance(c, ast.Name) and c.id in helpers for c in ast.walk(n))})
+        sites.append(RopeFunction(module, helpers[0], "inline", None,
+                                  f"the rotation is written inline in {', '.join(users)} (only its helper "
+                                  f"{helpers[0]} is a function); rope_ext replaces whole RoPE functions, not "
+                                  "statements inside a method"))
+    module_level = {s.name for s in sites if s.kind in ("function", "import")}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for inner in ast.walk(node):
+                uses = isinstance(inner, ast.Name) and inner.id in module_level
+                imports = isinstance(inner, ast.ImportFrom) and _imports_shared(inner)
+                if uses or imports:
+                    rope_classes.add(node.name)
+                    break
+    return sites, rope_classes
+
+
+def _shared_form(local: str) -> _engine.Form | None:
+    """The form of the embeddings function an import binds (None when embeddings' code is refused)."""
+    report = next((f for f in _site_table("embeddings")[0] if f.name in _SHARED and f.name == local), None)
+    return None if report is None else report.form
+
+
+@functools.cache
+def _site_table(name: str):
+    return _sites(name)
+
+
+def _reaches(name: str) -> tuple[str, ...]:
+    """The other files whose RoPE-using classes, or embeddings' shared function imported when
+    called, this file's code uses."""
+    tree, _ = _parsed(name)
+    found = set()
+    users = {other: _site_table(other)[1] for other in _files() if other != name}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if _imports_shared(node) and node not in tree.body:
+            found.add("embeddings")  # imported inside a function: reaches embeddings' own binding
+        source = (node.module or "").rsplit(".", 1)[-1].removeprefix("transformer_")
+        if source in users and any(a.name in users[source] for a in node.names):
+            found.add(source)
+    return tuple(sorted(found - {name}))
+
+
+@functools.cache
+def model_report(name: str) -> ModelFileReport | None:
+    """The RoPE sites of one model file of the installed diffusers, classified from its source;
+    None when it has none and reaches none (or no such file exists)."""
+    if not name.isidentifier() or name not in _files():
+        return None
+    sites, _ = _site_table(name)
+    reaches = _reaches(name)
+    if not sites and not reaches:
+        return None
+    return ModelFileReport(name, _parsed(name)[1], tuple(sites), reaches)
+
+
+def survey() -> dict[str, ModelFileReport]:
+    """Every model file of the installed diffusers with a RoPE site or reaching one, classified from
+    its source (nothing is imported), by name."""
+    return {n: r for n in _files() if (r := model_report(n)) is not None}
+
+
+_patcher = _engine.Patcher()
+
+
+def _closure(names) -> list[str]:
+    """The files named and, transitively, the files they reach."""
+    out: list[str] = []
+    todo = list(names)
+    while todo:
+        name = todo.pop(0)
+        if name in out:
+            continue
+        out.append(name)
+        report = model_report(name)
+        todo += list(report.reaches) if report else []
+    return out
+
+
+def _plan_site(name: str, fn: RopeFunction, module):
+    """The assignments that switch one site; ValueError when the code found is not the file's own."""
+    replacement = fn.replacement
+    if fn.kind == "function":
+        current = _patcher.original(name, module, fn.name, None)
+        if not _engine.defined_here(current, module, fn.name):
+            raise ValueError(f"{fn.module}.{fn.name} is {current!r}, not the function its model file defines "
+                             "(was it replaced by another patch?)")
+        return [(name, module, fn.name, replacement)]
+    if fn.kind == "import":
+        embeddings = importlib.import_module("diffusers.models.embeddings")
+        shared = _patcher.original("embeddings", embeddings, fn.name, None)
+        current = _patcher.original(name, module, fn.name, None)
+        if current is not shared and not (name == "embeddings" and _engine.defined_here(current, module, fn.name)):
+            raise ValueError(f"{fn.module}.{fn.name} is {current!r}, not diffusers' embeddings.{fn.name} "
+                             "(was it replaced by another patch?)")
+        return [(name, module, fn.name, replacement)]
+    cls_name, method_name, inner = fn.name.split(".")
+    method = getattr(getattr(module, cls_name, None), method_name, None)
+    if method is None or not hasattr(method, "__code__") or method.__code__.co_filename != module.__file__:
+        raise ValueError(f"{fn.module}.{cls_name}.{method_name} is not the method its model file defines")
+    return _engine.trampoline_plan(name, module, method, inner, replacement, _patcher)
+
+
+def patch(models=None) -> _engine.Patched:
+    """Switch diffusers model files onto rope_ext.
+
+    Args:
+        models: model file names (see the module docstring; ``python -m rope_ext.integrations.diffusers``
+            lists them), or None for every file of the installed diffusers whose RoPE rope_ext can
+            express. A file that reaches RoPE through another file's processor switches that file.
+
+    Returns:
+        The files this call switched (a list, usable as a context manager, which unpatches them
+        on exit); files an earlier call patched stay with that call.
+
+    Raises:
+        ValueError: a named file has no RoPE site in the installed diffusers, or one of its sites
+            (or of the files it reaches) is refused, or the code found at run time is not the
+            file's own. Nothing is patched then: all checks run before any change.
+    """
+    if models is None:
+        names = [n for n, r in survey().items() if r.patchable]
+    else:
+        names = _engine.group_names(models, "models")
+    plan = []
+    for requested in names:
+        report = model_report(requested)
+        if report is None:
+            raise ValueError(
+                f"rope_ext: cannot patch {requested!r}: the installed diffusers has no model file of that name with "
+                "a RoPE function (run `python -m rope_ext.integrations.diffusers` for the list)"
+            )
+        if not report.patchable:
+            raise ValueError(f"rope_ext: cannot patch {requested!r}: {report.reason}")
+        for name in _closure([requested]):
+            sites = model_report(name).functions
+            module = importlib.import_module(model_report(name).module) if sites else None
+            for fn in sites:
+                try:
+                    plan += _plan_site(name, fn, module)
+                except ValueError as e:
+                    raise ValueError(f"rope_ext: cannot patch {requested!r}: {e}") from None
+    return _patcher.apply(plan, unpatch)
+
+
+def unpatch(models=None) -> list[str]:
+    """Restore diffusers' own functions for the given model files (default: all patched ones)."""
+    return _patcher.restore(None if models is None else _engine.group_names(models, "models"))
+
+
+def patched_models() -> list[str]:
+    """The model files currently switched to rope_ext."""
+    return _patcher.groups()
+
+
+def main() -> None:
+    """Print every model file of the installed diffusers with RoPE: its sites' forms, patched or why not."""
+    import diffusers
+
+    reports = survey()
+    width = max(len(n) for n in reports)
+    for name, report in reports.items():
+        status = "patched" if report.patchable else "refused"
+        lines = [f"{fn.name}: " + (f"'{fn.form.name}' form ({fn.form.describe()})" if fn.form else fn.reason)
+                 for fn in report.functions]
+        lines += [f"through {', '.join(report.reaches)}"] if report.reaches else []
+        for i, line in enumerate(lines):
+            print(f"{name if i == 0 else '':<{width}}  {status if i == 0 else '':<7}  {line}")
+    patched = sum(r.patchable for r in reports.values())
+    own = sum(1 for r in reports.values() if any(f.kind != "import" for f in r.functions))
+    print(f"\ndiffusers {diffusers.__version__}: {len(reports)} model files with RoPE ({own} with their own "
+          f"function); {patched} patched, {len(reports) - patched} refused")
+
+
+if __name__ == "__main__":
+    main()
