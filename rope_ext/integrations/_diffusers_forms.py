@@ -278,6 +278,34 @@ def _allegro(form):
     return apply_rotary_emb_allegro
 
 
+def _grid_loop(form):
+    """Wan-Animate 2's ``rope_apply(x, grid_sizes, freqs, time_stride=1)``: x ``(batch, tokens,
+    heads, head_dim)``; per sample, its first ``f * h * w`` tokens rotate by complex tables whose
+    pairs split in three (frame, height, width), each indexed by the token's place in its
+    ``(f, h, w)`` grid; the rest pass through. In float64, returned as float32, as the original.
+    The grid sizes are read to the host, as the original's loop does."""
+
+    def rope_apply(x, grid_sizes, freqs, time_stride=1):
+        n, c = x.size(2), x.size(3) // 2
+        freqs = freqs.split([c - 2 * (c // 3), c // 3, c // 3], dim=1)
+        output = []
+        for i, (f, h, w) in enumerate(grid_sizes.tolist()):
+            seq_len = f * h * w
+            grid = torch.cat(
+                [
+                    freqs[0][: f * time_stride : time_stride].view(f, 1, 1, -1).expand(f, h, w, -1),
+                    freqs[1][:h].view(1, h, 1, -1).expand(f, h, w, -1),
+                    freqs[2][:w].view(1, 1, w, -1).expand(f, h, w, -1),
+                ],
+                dim=-1,
+            ).reshape(seq_len, 1, -1)
+            rotated = rotate(form, (x[i, :seq_len],), *complex_parts(grid))[0]
+            output.append(torch.cat([rotated, x[i, seq_len:]]))
+        return torch.stack(output).float()
+
+    return rope_apply
+
+
 _SIGNATURES = {
     "diffusers": _shared,
     "qwen": _qwen,
@@ -300,6 +328,7 @@ _SIGNATURES = {
     "cos, sin in x's dtype": _cos_sin_in_x_dtype_contiguous,
     "(cos, sin) in x's dtype": _pair_in_x_dtype,
     "allegro": _allegro,
+    "grid loop": _grid_loop,
 }
 
 
@@ -367,6 +396,9 @@ KNOWN: dict[str, Form] = {
     "43f0988983ced70a": Form("tables in x's dtype", "(cos, sin) in x's dtype", span="prefix"),
     # qwenimage apply_rotary_emb_qwen (and qwenimage21)
     "a53cd6b326710a27": Form("qwen", "qwen", interleaved=True, dtype="float32"),
+    # wan_animate_2 rope_apply
+    "e1b0ded04ab1528d": Form("per-sample 3-D grid, complex128", "grid loop", interleaved=True, tables="complex",
+                             dtype="float64", returns="float64"),
     # nucleusmoe_image _apply_rotary_emb_nucleus
     "ef7d458fea886203": Form("qwen", "qwen", interleaved=True, dtype="float32"),
 }
