@@ -385,3 +385,22 @@ def trampoline_plan(group: str, module, method, name: str, replacement, patcher:
         code = code.replace(co_qualname=inner.co_qualname)
     consts = tuple(code if c is inner else c for c in original.co_consts)
     return [(group, module, holder, replacement), (group, method, "__code__", original.replace(co_consts=consts))]
+
+
+# --- listings -------------------------------------------------------------------------------------
+
+
+def site_text(name: str, form: Form | None, reason: str | None) -> str:
+    """One RoPE function in a listing: its form, or why it is refused."""
+    return f"{name}: " + (f"'{form.name}' form ({form.describe()})" if form else reason)
+
+
+def print_listing(reports: dict, lines) -> int:
+    """Print each report (name -> an object with ``patchable``) as its name, ``patched`` or
+    ``refused``, and its ``lines(report)``, one per row; returns how many are patchable."""
+    width = max(len(n) for n in reports)
+    for name, report in reports.items():
+        status = "patched" if report.patchable else "refused"
+        for i, line in enumerate(lines(report)):
+            print(f"{name if i == 0 else '':<{width}}  {status if i == 0 else '':<7}  {line}")
+    return sum(r.patchable for r in reports.values())

@@ -330,15 +330,12 @@ def main() -> None:
     import diffusers
 
     reports = survey()
-    width = max(len(n) for n in reports)
-    for name, report in reports.items():
-        status = "patched" if report.patchable else "refused"
-        lines = [f"{fn.name}: " + (f"'{fn.form.name}' form ({fn.form.describe()})" if fn.form else fn.reason)
-                 for fn in report.functions]
-        lines += [f"through {', '.join(report.reaches)}"] if report.reaches else []
-        for i, line in enumerate(lines):
-            print(f"{name if i == 0 else '':<{width}}  {status if i == 0 else '':<7}  {line}")
-    patched = sum(r.patchable for r in reports.values())
+
+    def lines(report):
+        out = [_engine.site_text(fn.name, fn.form, fn.reason) for fn in report.functions]
+        return out + ([f"through {', '.join(report.reaches)}"] if report.reaches else [])
+
+    patched = _engine.print_listing(reports, lines)
     own = sum(1 for r in reports.values() if any(f.kind != "import" for f in r.functions))
     print(f"\ndiffusers {diffusers.__version__}: {len(reports)} model files with RoPE ({own} with their own "
           f"function); {patched} patched, {len(reports) - patched} refused")

@@ -194,13 +194,8 @@ def main() -> None:
     import transformers
 
     reports = survey()
-    width = max(len(f) for f in reports)
-    for family, report in reports.items():
-        status = "patched" if report.patchable else "refused"
-        for i, fn in enumerate(report.functions):
-            form = f"'{fn.form.name}' form ({fn.form.describe()})" if fn.form else fn.reason
-            print(f"{family if i == 0 else '':<{width}}  {status if i == 0 else '':<7}  {fn.name}: {form}")
-    patched = sum(r.patchable for r in reports.values())
+    patched = _engine.print_listing(
+        reports, lambda report: [_engine.site_text(fn.name, fn.form, fn.reason) for fn in report.functions])
     print(f"\ntransformers {transformers.__version__}: {len(reports)} families with RoPE; "
           f"{patched} patched, {len(reports) - patched} refused")
 
