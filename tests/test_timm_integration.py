@@ -380,3 +380,18 @@ def test_listing(capsys):
     assert any(line.startswith("timm.models.eva.EvaAttention.forward") and " patched " in line for line in out)
     bound = next(line for line in out if line.strip().startswith("in timm.layers, timm.layers.attention,"))
     assert "timm.models.eva" in bound
+
+
+def test_readme_example(capsys):
+    """The README's "Use with timm" example (tests/test_readme.py runs the others, where timm may be
+    missing) runs as written, prints what it says, and leaves timm unpatched."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+              if "from rope_ext.integrations import timm as rope_timm\n" in b]
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "README timm example", "exec"), {})
+    assert capsys.readouterr().out == f"{list(rope_timm.survey())}\n"
+    assert rope_timm.patched() == []
