@@ -33,7 +33,7 @@ B, H, N, D = 2, 3, 7, 16
 
 @pytest.fixture(autouse=True)
 def _unpatched():
-    assert rope_timm.patched() == []
+    assert rope_timm.patched_names() == []
     yield
     rope_timm.unpatch()
 
@@ -237,7 +237,7 @@ def test_model_outputs_and_gradients_match(key):
     with rope_timm.patch() as patched, RopeOpSpy() as spy, CatSpy() as cats:
         assert set(patched) == set(rope_timm.survey())
         out, grads = _forward_backward(model, images)
-    assert rope_timm.patched() == []  # the context manager restored timm's code
+    assert rope_timm.patched_names() == []  # the context manager restored timm's code
     assert [n for n in spy.names if n in ("rotary", "rotary_qk")], spy.names
     # timm concatenates q and k with their prefix tokens in each layer; rope_ext does not
     assert stock_cats.shapes.count(heads_shape) == 2 * len(model.blocks) * (attn.num_prefix_tokens > 0)
@@ -288,7 +288,7 @@ def test_patch_replaces_every_binding_and_unpatch_restores():
     assert before[("timm.models.eva", "apply_rot_embed_cat")] is sincos.apply_rot_embed_cat
     patched = rope_timm.patch()
     try:
-        assert patched == list(rope_timm.survey()) == rope_timm.patched()
+        assert patched == list(rope_timm.survey()) == rope_timm.patched_names()
         during = _bindings()
         for key, value in before.items():
             assert during[key] is not value, key  # every binding of timm's functions, both methods
@@ -316,7 +316,7 @@ def test_code_replaced_by_someone_else_is_not_patched(monkeypatch):
     monkeypatch.setattr(eva, "apply_rot_embed_cat", lambda x, emb, half=False: x)
     with pytest.raises(ValueError, match="neither timm's function nor rope_ext's"):
         rope_timm.patch(["EvaAttention.forward"])
-    assert rope_timm.patched() == []
+    assert rope_timm.patched_names() == []
 
 
 @pytest.fixture
@@ -351,7 +351,7 @@ def test_unknown_rotation_is_refused_by_name(tmp_path, monkeypatch, fresh_survey
         assert survey[name].form is None and "apply_rot_embed_cat it calls is refused" in survey[name].reason
     with pytest.raises(ValueError, match=r"cannot patch 'apply_rot_embed_cat': its code \(fingerprint"):
         rope_timm.patch(["apply_rot_embed_cat"])
-    assert rope_timm.patch() == [] and rope_timm.patched() == []
+    assert rope_timm.patch() == [] and rope_timm.patched_names() == []
 
 
 def test_unknown_attention_is_refused_and_keeps_timms_concatenation(tmp_path, monkeypatch, fresh_survey):
@@ -394,4 +394,4 @@ def test_readme_example(capsys):
     assert len(blocks) == 1
     exec(compile(blocks[0], "README timm example", "exec"), {})
     assert capsys.readouterr().out == f"{list(rope_timm.survey())}\n"
-    assert rope_timm.patched() == []
+    assert rope_timm.patched_names() == []

@@ -39,7 +39,7 @@ import sys
 
 from rope_ext.integrations import _engine, _timm_forms
 
-__all__ = ["RopeCode", "main", "patch", "patched", "survey", "unpatch"]
+__all__ = ["RopeCode", "main", "patch", "patched_names", "survey", "unpatch"]
 
 _SINCOS = "timm.layers.pos_embed_sincos"
 
@@ -218,7 +218,7 @@ def unpatch(names=None) -> list[str]:
     return _patcher.restore(None if names is None else _engine.group_names(names, "names"))
 
 
-def patched() -> list[str]:
+def patched_names() -> list[str]:
     """The keys currently switched to rope_ext."""
     return _patcher.groups()
 
