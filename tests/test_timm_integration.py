@@ -18,6 +18,10 @@ timm = pytest.importorskip("timm")
 
 import torch  # noqa: E402
 from conftest import RopeOpSpy  # noqa: E402
+from form_checks import rand as _rand  # noqa: E402
+from form_checks import weights as _weights  # noqa: E402
+from form_checks import wide as _wide  # noqa: E402
+from form_checks import within_rounding  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from rope_ext.compat import timm as compat  # noqa: E402
@@ -38,31 +42,16 @@ def _unpatched():
     rope_timm.unpatch()
 
 
-def _rand(*shape, dtype, gen):
-    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
-
-
-def _weights(t):
-    """Per-element loss weights in {-1, -0.75, ..., 1}: exact in every dtype, so the gradient that
-    flows back is the same in the dtype under test and in float64."""
-    g = torch.Generator().manual_seed(t.numel())
-    return (torch.randint(-4, 5, t.shape, generator=g) / 4).to(t.dtype)
-
-
-def _wide(a):
-    return a.detach().double().requires_grad_(a.requires_grad)
-
-
 def _within_rounding(got, truth, dtype, terms=0, term_bound=0.0):
-    """got within one rounding to dtype of the float64 truth (1 ulp relative), plus what float32
-    arithmetic adds (2^-20 of the largest value: a few float32 roundings of sums of terms no larger
-    than it). A table's gradient sums `terms` products over the dims it broadcasts along, each
-    rounded to dtype first (by timm's autograd and by rope_ext's alike): up to one rounding of each,
-    eps * terms * term_bound, with term_bound the largest product."""
+    """form_checks.within_rounding, and for a table's gradient, which sums `terms` products over the
+    dims the table broadcasts along, each rounded to dtype first (by timm's autograd and by
+    rope_ext's alike), up to one rounding of each: eps * terms * term_bound more, with term_bound
+    the largest product."""
+    if not terms:
+        return within_rounding(got, truth, dtype)
     got, truth = got.detach().double(), truth.detach().double()
-    scale = truth.abs().max().item()
     eps = torch.finfo(dtype).eps
-    bound = eps * truth.abs() + 2.0**-20 * scale + eps * terms * term_bound
+    bound = eps * truth.abs() + 2.0**-20 * truth.abs().max().item() + eps * terms * term_bound
     bad = (got - truth).abs() > bound
     assert not bad.any(), f"{int(bad.sum())} elements off by up to {(got - truth).abs().max().item():.3g}"
 
