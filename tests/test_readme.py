@@ -33,10 +33,15 @@ q_local, k_local = torch.randn(2, 8, 4, 32), torch.randn(2, 8, 2, 32)
 """
 
 
+# The "Use with timm" example needs timm, which needs torchvision and so torch 2.14.1: it runs in
+# tests/test_timm_integration.py (cuda-check's venv).
+TIMM_BLOCK = "from rope_ext.integrations import timm as rope_timm\n"
+
+
 def test_every_example_runs():
     """The examples run in order in one namespace, as a reader would paste them (the distributed
-    ones apart: test_distributed_examples_run)."""
-    blocks = [b for b in _blocks() if not b.startswith(RANK_BLOCK)]
+    ones apart: test_distributed_examples_run; timm's: tests/test_timm_integration.py)."""
+    blocks = [b for b in _blocks() if not b.startswith(RANK_BLOCK) and TIMM_BLOCK not in b]
     assert len(blocks) >= 4, "README lost its examples"
     scope: dict = {}
     for i, block in enumerate(blocks):

@@ -16,7 +16,9 @@
 #     user of a CUDA build links it, and run;
 #  5. the core tests (CORE_TESTS) under this torch 2.14.1, the newest on this machine, against the
 #     build of step 2, on the CPU (tests that need a CUDA device skip): with `make test` under
-#     torch 2.13.0, the supported range the README states.
+#     torch 2.13.0, the supported range the README states. Beside them the timm integration's
+#     tests, which run here only: timm needs torchvision, whose builds here load beside torch 2.14.1
+#     alone (about 25 s in all: the two installs 7 s, the tests 10 to 20 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(realpath -m "${CUDA_VENV:-build/venv-cuda}")
@@ -63,13 +65,18 @@ t3=$(date +%s)
 # the venv's build, not the checkout's own (built against another torch).
 CORE_TESTS=${CORE_TESTS:?"the core test files: run this through make cuda-check"}
 "$PY" -m pip install -q "pytest>=7" "hypothesis==6.155.2" expecttest numpy
+# timm without its optional packages (huggingface_hub, safetensors, pyyaml: for downloads and data
+# loading, which the tests do not do); torchvision pinned to the build for this torch.
+"$PY" -m pip install -q torchvision==0.29.1
+"$PY" -m pip install -q --no-deps timm==1.0.31
+"$PY" -c "import timm.models.eva"  # the timm tests skip where timm does not import: not here
 PYTHONSAFEPATH=1 "$PY" -c "
 import pathlib, rope_ext, torch
 assert pathlib.Path('$SITE') in pathlib.Path(rope_ext.__file__).resolve().parents, rope_ext.__file__
 print(f'cuda-check: core tests under torch {torch.__version__}, rope_ext from {rope_ext.__file__}')"
-PYTHONSAFEPATH=1 "$PY" -m pytest -q -p no:cacheprovider $CORE_TESTS
+PYTHONSAFEPATH=1 "$PY" -m pytest -q -p no:cacheprovider $CORE_TESTS tests/test_timm_integration.py
 # 6. The kernels' memory traffic as the host emulator measures it (benchmarks/cuda_traffic.py; goal >= 0.90).
 PYTHONSAFEPATH=1 "$PY" benchmarks/cuda_traffic.py | tail -1 | sed 's/^/cuda-check: host-emulated traffic, /'
 t4=$(date +%s)
 echo "cuda-check: CUDA torch venv $((t1 - t0)) s, CUDA build (setup.py -> CMake) $((t2 - t1)) s, C++ example $((t3 - t2)) s," \
-     "core tests under torch 2.14.1 $((t4 - t3)) s"
+     "core and timm tests under torch 2.14.1 $((t4 - t3)) s"
