@@ -286,7 +286,7 @@ def _grid_loop(form):
     The grid sizes are read to the host, as the original's loop does."""
 
     def rope_apply(x, grid_sizes, freqs, time_stride=1):
-        n, c = x.size(2), x.size(3) // 2
+        c = x.size(3) // 2
         freqs = freqs.split([c - 2 * (c // 3), c // 3, c // 3], dim=1)
         output = []
         for i, (f, h, w) in enumerate(grid_sizes.tolist()):
