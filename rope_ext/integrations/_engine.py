@@ -28,6 +28,7 @@ the method runs exactly as written.
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import hashlib
 import threading
@@ -386,6 +387,39 @@ def trampoline_plan(group: str, module, method, name: str, replacement, patcher:
     consts = tuple(code if c is inner else c for c in original.co_consts)
     return [(group, module, holder, replacement), (group, method, "__code__", original.replace(co_consts=consts))]
 
+
+
+def rewrite_method(node: ast.FunctionDef, filename: str, original: types.CodeType, rewrite_block) -> types.CodeType:
+    """The code of a method (``node``, as its file defines it) with some of its statements
+    rewritten and everything else as written, line numbers included. ``rewrite_block(stmts)``
+    edits one statement list of the method in place (every body, ``else`` and ``finally`` block);
+    the new statements take the positions of the ones they replace. Raises ValueError where the
+    rewritten code would close over other variables than the original (``original``: the method's
+    code now)."""
+    fn = copy.deepcopy(node)
+    for parent in list(ast.walk(fn)):
+        for field in ("body", "orelse", "finalbody"):
+            stmts = getattr(parent, field, None)
+            if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
+                rewrite_block(stmts)
+    fn.decorator_list = []
+    module = ast.Module(body=[fn], type_ignores=[])
+    ast.fix_missing_locations(module)
+    compiled = compile(module, filename, "exec", dont_inherit=True)
+    code = next(c for c in compiled.co_consts if isinstance(c, types.CodeType) and c.co_name == node.name)
+    if code.co_freevars != original.co_freevars:
+        raise ValueError(f"{node.name}'s code closes over {original.co_freevars}; a rewrite cannot keep them")
+    if hasattr(code, "co_qualname"):
+        code = code.replace(co_qualname=original.co_qualname)
+    return code
+
+
+def located(new_stmts, old: ast.stmt):
+    """new_stmts, every node placed at old's position (for tracebacks and line tables)."""
+    for stmt in new_stmts:
+        for child in ast.walk(stmt):
+            ast.copy_location(child, old)
+    return new_stmts
 
 # --- listings -------------------------------------------------------------------------------------
 

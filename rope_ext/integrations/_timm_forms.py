@@ -22,13 +22,12 @@ timm's conventions, as its code reads:
 from __future__ import annotations
 
 import ast
-import copy
 import dataclasses
 import types
 
 import torch
 
-from rope_ext.integrations._engine import Form, rotate
+from rope_ext.integrations._engine import Form, located, rewrite_method, rotate
 
 # The module-level functions of timm.layers.pos_embed_sincos that apply RoPE.
 ROPE_FUNCTIONS = ("apply_rot_embed", "apply_rot_embed_list", "apply_rot_embed_cat")
@@ -146,37 +145,23 @@ def rewrite_prefix_method(node: ast.FunctionDef, filename: str, original: types.
         k = torch.cat([k[:, :, :npt, :], apply_rot_embed_cat(k[:, :, npt:, :], rope, half=half)], dim=2).type_as(v)
 
     replaced by ``q, k = <helper>(q, k, rope, npt, half)`` and ``q, k = q.type_as(v), k.type_as(v)``,
-    everything else as written (line numbers included). Raises ValueError where the method does not
-    hold that pair of statements exactly once, or its code would need other free variables."""
-    fn = copy.deepcopy(node)
+    everything else as written (line numbers included; see ``_engine.rewrite_method``). Raises
+    ValueError where the method does not hold that pair of statements exactly once, or its code
+    would need other free variables."""
     want = [_dump(ast.parse(_PREFIX_CAT.format(x=x)).body[0]) for x in ("q", "k")]
     found = []
-    for parent in ast.walk(fn):
-        for field in ("body", "orelse", "finalbody"):
-            stmts = getattr(parent, field, None)
-            if not isinstance(stmts, list):
-                continue
-            for i in range(len(stmts) - 1):
-                if [_dump(stmts[i]), _dump(stmts[i + 1])] == want:
-                    found.append((stmts, i))
+
+    def rewrite_block(stmts):
+        for i in range(len(stmts) - 1):
+            if [_dump(stmts[i]), _dump(stmts[i + 1])] == want:
+                found.append(i)
+                new = ast.parse(f"q, k = {helper}(q, k, rope, npt, half)\nq, k = q.type_as(v), k.type_as(v)\n").body
+                stmts[i : i + 2] = [located([n], old)[0] for n, old in zip(new, stmts[i : i + 2], strict=True)]
+                return
+
+    code = rewrite_method(node, filename, original, rewrite_block)
     if len(found) != 1:
         raise ValueError(f"{node.name} holds the prefix-token concatenation of q and k {len(found)} times, not once")
-    stmts, i = found[0]
-    new = ast.parse(f"q, k = {helper}(q, k, rope, npt, half)\nq, k = q.type_as(v), k.type_as(v)\n").body
-    for stmt, old in zip(new, stmts[i : i + 2], strict=True):
-        ast.copy_location(stmt, old)
-        for child in ast.walk(stmt):
-            ast.copy_location(child, old)
-    stmts[i : i + 2] = new
-    fn.decorator_list = []
-    module = ast.Module(body=[fn], type_ignores=[])
-    ast.fix_missing_locations(module)
-    compiled = compile(module, filename, "exec", dont_inherit=True)
-    code = next(c for c in compiled.co_consts if isinstance(c, types.CodeType) and c.co_name == node.name)
-    if code.co_freevars != original.co_freevars:
-        raise ValueError(f"{node.name}'s code closes over {original.co_freevars}; a rewrite cannot keep them")
-    if hasattr(code, "co_qualname"):
-        code = code.replace(co_qualname=original.co_qualname)
     return code
 
 
