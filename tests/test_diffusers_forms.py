@@ -26,6 +26,9 @@ rand = form_checks.rand
 def _original_of(fn: rope_diffusers.RopeFunction):
     """diffusers' own function for a site (an inner function rebuilt from its method's code)."""
     module = importlib.import_module(fn.module)
+    if fn.kind == "inline":  # the statement the processor writes, with the file's own helper
+        helper = module._rotate_half
+        return lambda x, cos, sin: x * cos + helper(x) * sin
     if fn.kind != "inner":
         return getattr(module, fn.name)
     cls, method, inner = fn.name.split(".")
@@ -37,8 +40,8 @@ def _one_site_per_fingerprint():
     seen = {}
     for name, report in rope_diffusers.survey().items():
         for fn in report.functions:
-            if fn.kind in ("function", "inner") and fn.form is not None:
-                key = _engine.fingerprint(*_function_nodes(name, fn.name))
+            if fn.kind in ("function", "inner", "inline") and fn.form is not None:
+                key = _engine.fingerprint(*_function_nodes(name, "_rotate_half" if fn.kind == "inline" else fn.name))
                 seen.setdefault(key, (f"{name}.{fn.name}", fn))
     return dict(seen.values())
 
@@ -121,6 +124,8 @@ def _inputs(sig, x_dtype, t_dtype, gen, variant):
         pos = [torch.randint(0, 7, (B, S), generator=gen) for _ in range(3)]
         widths = [c.shape[-1] for c in torch.empty(d).chunk(3)]
         return (x(B, H, S, d), tuple((t(7, w), t(7, w)) for w in widths), pos), (0,)
+    if sig == "inline x * cos + rotate_half(x) * sin":
+        return (x(B, S, H, D), t(1, S, 1, D), t(1, S, 1, D)), (0, 1, 2)
     if sig == "grid loop":  # tokens (f, h, w) grids of two samples, padded to 14 tokens; 6 pairs split 2/2/2
         grids = torch.tensor([[2, 2, 3], [1, 3, 3]])
         return (x(B, 14, H, D), grids, _complex(5, D // 2, dtype=t_dtype, gen=gen), variant), (0,)
@@ -323,7 +328,7 @@ def test_every_model_file_is_classified():
             assert (fn.form is None) != (fn.reason is None), (name, fn)
         assert report.patchable or report.reason, name
     patchable = {n for n in with_rope if reports[n].patchable}
-    assert sorted(with_rope - patchable) == ["cosmos3", "ideogram4"]
+    assert with_rope == patchable
     reached_only = {n for n, r in reports.items() if not r.functions and "embeddings" not in r.reaches}
     assert len(reached_only) == 10 and all(reports[n].patchable for n in reached_only)
     used = {fn.form for r in reports.values() for fn in r.functions}
@@ -369,6 +374,24 @@ def test_patched_wan_processor_runs_the_op_and_matches():
     ran = [e.name for e in prof.events() if e.name.startswith("rope_ext::")]
     assert ran
     torch.testing.assert_close(got, stock, rtol=0, atol=1e-6)
+
+
+def test_patched_inline_rotation_runs_the_op_and_matches():
+    """Ideogram 4's processor rotates inline (`query = (query * cos) + (_rotate_half(query) * sin)`):
+    those statements become op calls, the rest of the processor runs as written."""
+    from diffusers.models.transformers import transformer_ideogram4 as ideogram4
+
+    torch.manual_seed(0)
+    attn = ideogram4.Ideogram4Attention(hidden_size=24, num_heads=2)
+    x = torch.randn(1, 6, 24)
+    angles = torch.randn(1, 6, 6)
+    rotary = (torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin())
+    stock = attn.processor(attn, x, None, rotary)
+    with rope_diffusers.patch(["ideogram4"]), torch.profiler.profile() as prof:
+        got = attn.processor(attn, x, None, rotary)
+    assert [e.name for e in prof.events() if e.name.startswith("rope_ext::")]
+    torch.testing.assert_close(got, stock, rtol=0, atol=1e-6)
+    assert torch.equal(attn.processor(attn, x, None, rotary), stock)  # unpatched again
 
 
 def test_unknown_code_is_refused_by_name(monkeypatch):

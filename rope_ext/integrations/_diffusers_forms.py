@@ -278,6 +278,16 @@ def _allegro(form):
     return apply_rotary_emb_allegro
 
 
+def _inline(form):
+    """A statement ``x * cos + _rotate_half(x) * sin`` of a processor (Cosmos 3, Ideogram 4),
+    as a call: full tables broadcast against x as given."""
+
+    def rotate_inline(x, cos, sin):
+        return rotate(form, (x,), cos, sin)[0]
+
+    return rotate_inline
+
+
 def _grid_loop(form):
     """Wan-Animate 2's ``rope_apply(x, grid_sizes, freqs, time_stride=1)``: x ``(batch, tokens,
     heads, head_dim)``; per sample, its first ``f * h * w`` tokens rotate by complex tables whose
@@ -329,6 +339,7 @@ _SIGNATURES = {
     "(cos, sin) in x's dtype": _pair_in_x_dtype,
     "allegro": _allegro,
     "grid loop": _grid_loop,
+    "inline x * cos + rotate_half(x) * sin": _inline,
 }
 
 
@@ -399,6 +410,8 @@ KNOWN: dict[str, Form] = {
     # wan_animate_2 rope_apply
     "e1b0ded04ab1528d": Form("per-sample 3-D grid, complex128", "grid loop", interleaved=True, tables="complex",
                              dtype="float64", returns="float64"),
+    # cosmos3 and ideogram4 _rotate_half, in their processors' `x = x * cos + _rotate_half(x) * sin`
+    "1872421fe1e254e3": Form("inline rotate_half", "inline x * cos + rotate_half(x) * sin"),
     # nucleusmoe_image _apply_rotary_emb_nucleus
     "ef7d458fea886203": Form("qwen", "qwen", interleaved=True, dtype="float32"),
 }

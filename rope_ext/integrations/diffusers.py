@@ -61,8 +61,10 @@ class RopeFunction:
         module: the module's import name, e.g. ``diffusers.models.transformers.transformer_wan``.
         name: the function's qualified name in it (``WanAttnProcessor.__call__.apply_rotary_emb``
             for one defined inside a method), or the name it imports the shared function as.
-        kind: ``"function"`` (module-level), ``"inner"`` (inside a method) or ``"import"`` (the
-            shared ``embeddings`` function bound by name).
+        kind: ``"function"`` (module-level), ``"inner"`` (inside a method), ``"import"`` (the
+            shared ``embeddings`` function bound by name) or ``"inline"`` (a method whose
+            statements ``x = x * cos + _rotate_half(x) * sin`` do the rotation; ``name`` is the
+            method's).
         form: the recognised form, or None.
         reason: why it is refused (None when it has a form).
     """
@@ -164,15 +166,19 @@ def _sites(name: str) -> tuple[list[RopeFunction], set[str]]:
     shared_names = {n for node in tree.body if isinstance(node, ast.ImportFrom) for n in _imports_shared(node)}
     for local in sorted(shared_names):
         sites.append(RopeFunction(module, local, "import", _shared_form(local), None))
-    # rotation written inline in methods, with only a rotate_half helper at module level
-    helpers = [n for n in functions if _ROTATE_HALF.match(n)]
-    if helpers and not any(s.kind == "function" for s in sites):
-        users = sorted({q.rsplit(".", 1)[0] if q.count(".") > 1 else q for q, n in defs if "." in q
-                        and any(isinstance(c, ast.Name) and c.id in helpers for c in ast.walk(n))})
-        sites.append(RopeFunction(module, helpers[0], "inline", None,
-                                  f"the rotation is written inline in {', '.join(users)} (only its helper "
-                                  f"{helpers[0]} is a function); rope_ext replaces whole RoPE functions, not "
-                                  "statements inside a method"))
+    # rotation written inline in methods (`q = q * cos + _rotate_half(q) * sin`), with only a
+    # rotate_half helper at module level
+    for helper in (n for n in functions if _ROTATE_HALF.match(n)):
+        key = _engine.fingerprint(functions, helper)
+        helper_form = _diffusers_forms.KNOWN.get(key)
+        for qualname, node in defs:
+            if qualname.count(".") != 1 or not any(isinstance(c, ast.Name) and c.id == helper for c in ast.walk(node)):
+                continue
+            reason = None if helper_form else _refusal(key).replace("its code", f"its helper {helper}'s code")
+            if helper_form and not _inline_rotations(node, helper):
+                reason = f"it calls {helper} outside statements of the form x = x * cos + {helper}(x) * sin"
+            sites.append(RopeFunction(module, qualname, "inline", None if reason else helper_form, reason))
+            rope_classes.add(qualname.split(".")[0])
     module_level = {s.name for s in sites if s.kind in ("function", "import")}
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef):
@@ -183,6 +189,34 @@ def _sites(name: str) -> tuple[list[RopeFunction], set[str]]:
                     rope_classes.add(node.name)
                     break
     return sites, rope_classes
+
+
+def _inline_rotation(stmt, helper: str):
+    """(target, x, cos, sin) names when stmt is ``target = x * cos + helper(x) * sin`` (parentheses
+    aside), else None."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return None
+    v = stmt.value
+    if not (isinstance(v, ast.BinOp) and isinstance(v.op, ast.Add)
+            and all(isinstance(t, ast.BinOp) and isinstance(t.op, ast.Mult) for t in (v.left, v.right))):
+        return None
+    (x, cos), (call, sin) = (v.left.left, v.left.right), (v.right.left, v.right.right)
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == helper
+            and len(call.args) == 1 and not call.keywords and all(isinstance(n, ast.Name) for n in (x, cos, sin)
+                                                                   + tuple(call.args))):
+        return None
+    if call.args[0].id != x.id:
+        return None
+    return stmt.targets[0].id, x.id, cos.id, sin.id
+
+
+def _inline_rotations(method: ast.FunctionDef, helper: str) -> int:
+    """How many statements of method rotate inline through helper; 0 when helper is also called
+    anywhere else (that code could not be rewritten, so the method is refused)."""
+    rotations = [s for s in ast.walk(method) if isinstance(s, ast.stmt) and _inline_rotation(s, helper)]
+    calls = [c for c in ast.walk(method) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+             and c.func.id == helper]
+    return len(rotations) if len(calls) == len(rotations) else 0
 
 
 def _shared_form(local: str) -> _engine.Form | None:
@@ -266,11 +300,38 @@ def _plan_site(name: str, fn: RopeFunction, module):
             raise ValueError(f"{fn.module}.{fn.name} is {current!r}, not diffusers' embeddings.{fn.name} "
                              "(was it replaced by another patch?)")
         return [(name, module, fn.name, replacement)]
+    if fn.kind == "inline":
+        return _inline_plan(name, fn, module)
     cls_name, method_name, inner = fn.name.split(".")
     method = getattr(getattr(module, cls_name, None), method_name, None)
     if method is None or not hasattr(method, "__code__") or method.__code__.co_filename != module.__file__:
         raise ValueError(f"{fn.module}.{cls_name}.{method_name} is not the method its model file defines")
     return _engine.trampoline_plan(name, module, method, inner, replacement, _patcher)
+
+
+def _inline_plan(name: str, fn: RopeFunction, module):
+    """A method whose statements ``t = x * cos + _rotate_half(x) * sin`` become
+    ``t = <rope_ext's function>(x, cos, sin)``, the rest of its code as written."""
+    cls_name, method_name = fn.name.split(".")
+    method = getattr(getattr(module, cls_name, None), method_name, None)
+    original = _patcher.original(name, method, "__code__", None)
+    if original is None or original.co_filename != module.__file__ or original.co_name != method_name:
+        raise ValueError(f"{fn.module}.{fn.name} is not the method its model file defines")
+    tree, _ = _parsed(name)
+    node = dict(_engine.function_defs(tree))[fn.name]
+    helper = next(n.func.id for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                  and _ROTATE_HALF.match(n.func.id))
+    holder = f"_rope_ext_{cls_name}_{method_name}_rotate"
+
+    def rewrite_block(stmts):
+        for i, stmt in enumerate(stmts):
+            names = _inline_rotation(stmt, helper)
+            if names:
+                target, x, cos, sin = names
+                stmts[i] = _engine.located(ast.parse(f"{target} = {holder}({x}, {cos}, {sin})").body, stmt)[0]
+
+    code = _engine.rewrite_method(node, module.__file__, original, rewrite_block)
+    return [(name, module, holder, fn.replacement), (name, method, "__code__", code)]
 
 
 def patch(models=None) -> _engine.Patched:
