@@ -15,7 +15,7 @@ What is patched is decided from the installed diffusers' code, not from a list o
 file under ``diffusers/models/transformers/`` (and ``embeddings.py``, ``attention_processor.py``) is
 parsed; its RoPE functions are fingerprinted with the helpers they call and matched against the forms
 rope_ext has been tested on (``_diffusers_forms``); code that matches none is refused by name, with
-the reason. The RoPE sites are of three kinds:
+the reason. The RoPE sites are of four kinds:
 
 - a module-level function (``apply_rotary_emb_qwen``, LTX's ``apply_rotary_emb``): replaced in its
   module;
@@ -24,7 +24,10 @@ the reason. The RoPE sites are of three kinds:
   unchanged;
 - diffusers' shared ``embeddings.apply_rotary_emb``, bound by name in the files that import it (Flux,
   HunyuanVideo, CogView4, Lumina2, ...): replaced by :func:`rope_ext.compat.diffusers.apply_rotary_emb`
-  in each such file, and in ``embeddings`` itself for the processors that import it when called.
+  in each such file, and in ``embeddings`` itself for the processors that import it when called;
+- statements ``x = x * cos + _rotate_half(x) * sin`` written inline in a processor's ``__call__``
+  (Cosmos 3, Ideogram 4): each becomes one op call, the rest of the method compiled as written
+  (the file's ``_rotate_half`` is fingerprinted).
 
 A model file that reaches RoPE only through another file's processor (CogVideoX's processor lives
 in ``attention_processor.py``) can be named too: :func:`patch` switches the files it reaches.
