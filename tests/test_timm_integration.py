@@ -286,7 +286,10 @@ def test_patch_replaces_every_binding_and_unpatch_restores():
     finally:
         assert sorted(rope_timm.unpatch()) == sorted(patched)
     assert _bindings() == before and all(_bindings()[k] is v for k, v in before.items())
-    assert not any(name.startswith("_rope_ext_") for name in vars(eva))
+    # the holders rewritten code calls stay (a call running in another thread still finds them); unused
+    holders = [name for name in vars(eva) if name.startswith("_rope_ext_")]
+    assert all(getattr(eva, name).__module__.startswith("rope_ext.") for name in holders)
+    assert not any(name in eva.EvaAttention.forward.__code__.co_names for name in holders)
 
 
 def test_patch_some_names():
@@ -354,12 +357,21 @@ def test_unknown_attention_is_refused_and_keeps_timms_concatenation(tmp_path, mo
         assert "apply_rot_embed_cat" in eva.EvaAttention.forward.__code__.co_names  # timm's code as it is
 
 
-def test_rewrite_needs_the_statements_once():
+def test_rewrite_finds_the_statements_once():
+    """EVA's forward holds the prefix concatenation of q and k once; code without it, never (the
+    patch is refused then)."""
     import ast
 
-    tree = ast.parse("def forward(self, q, k, v, rope):\n    return q\n")
-    with pytest.raises(ValueError, match="concatenation of q and k 0 times"):
-        _timm_forms.rewrite_prefix_method(tree.body[0], "f.py", eva.EvaAttention.forward.__code__, "h")
+    from rope_ext.integrations import _engine
+
+    block, found = _timm_forms.prefix_rewrite()
+    tree = ast.parse(open(eva.__file__, encoding="utf-8").read())
+    node = dict(_engine.function_defs(tree))["EvaAttention.forward"]
+    code = _engine.rewrite_method(node, eva.__file__, eva.EvaAttention.forward.__code__, lambda st: block(st, "h"))
+    assert len(found) == 1 and "h" in code.co_names and "apply_rot_embed_cat" not in code.co_names
+    block, found = _timm_forms.prefix_rewrite()
+    block(ast.parse("def forward(self, q, k, v, rope):\n    return q\n").body[0].body, "h")
+    assert found == []
 
 
 def test_listing(capsys):

@@ -33,10 +33,10 @@ def complex_parts(freqs: torch.Tensor):
 def rotate_complex(x: torch.Tensor, freqs: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """``view_as_real(view_as_complex(x.float() pairs) * freqs.unsqueeze(dim))`` cast back to x's
     dtype (freqs as given when dim is None), broadcast against x's pairs; no complex op runs, not
-    even the unsqueeze (its parts are unsqueezed instead)."""
-    cos, sin = complex_parts(freqs)
-    if dim is not None:
-        dim = dim if dim >= 0 else dim - 1  # a dim of the complex tensor, on its real parts
+    even the unsqueeze (its parts are unsqueezed instead). Real freqs scale each pair, as the
+    complex product with a real tensor does."""
+    cos, sin = complex_parts(freqs) if freqs.is_complex() else (freqs, torch.zeros_like(freqs))
+    if dim is not None:  # the parts have the complex tensor's dims
         cos, sin = cos.unsqueeze(dim), sin.unsqueeze(dim)
     return rotate(_COMPLEX, (x,), cos, sin)[0]
 
@@ -54,10 +54,10 @@ def apply_rotary_emb(
         x: ``(batch, heads, seqlen, head_dim)`` with ``sequence_dim=2`` (diffusers' default), or
             ``(batch, seqlen, heads, head_dim)`` with ``sequence_dim=1``; with complex
             ``freqs_cis``, always ``(batch, seqlen, heads, head_dim)``.
-        freqs_cis: with ``use_real``, ``(cos, sin)``, each ``(seqlen, head_dim)`` with one entry
-            per column (each angle twice, as diffusers' embedders build them); otherwise a complex
-            tensor ``(seqlen, head_dim / 2)`` or ``(batch, seqlen, head_dim / 2)``, one unit
-            number per pair.
+        freqs_cis: with ``use_real``, ``(cos, sin)`` (or a ``(2, seqlen, head_dim)`` tensor), each
+            ``(seqlen, head_dim)`` with one entry per column (each angle twice, as diffusers'
+            embedders build them); otherwise a complex tensor ``(batch, seqlen, head_dim / 2)``,
+            one unit number per pair (a real one scales the pairs, as diffusers' product does).
         use_real: which of the two table forms ``freqs_cis`` is.
         use_real_unbind_dim: the pairing: ``-1``, pairs ``(2i, 2i + 1)`` (Flux, CogVideoX,
             HunyuanVideo); ``-2``, pairs ``(i, i + head_dim / 2)`` (CogView4, OmniGen, Cosmos,
@@ -72,13 +72,13 @@ def apply_rotary_emb(
     require_tensor(x, "x")
     if not use_real:
         require_tensor(freqs_cis, "freqs_cis")
-        if not freqs_cis.is_complex():
-            raise TypeError(f"rope_ext: with use_real=False freqs_cis must be a complex tensor, got {freqs_cis.dtype}")
         return rotate_complex(x, freqs_cis, 2)
-    if not isinstance(freqs_cis, (tuple, list)) or len(freqs_cis) != 2:
+    pair = isinstance(freqs_cis, (tuple, list)) or (isinstance(freqs_cis, torch.Tensor) and freqs_cis.dim() >= 1)
+    if not pair or len(freqs_cis) != 2:
         raise TypeError(
-            "rope_ext: with use_real=True freqs_cis must be a (cos, sin) pair of tensors, "
-            f"got {type(freqs_cis).__name__}"
+            "rope_ext: with use_real=True freqs_cis must be a (cos, sin) pair of tensors (or a tensor whose dim 0 "
+            f"holds the two), got {type(freqs_cis).__name__}"
+            + (f" of length {len(freqs_cis)}" if pair else "")
         )
     cos, sin = freqs_cis
     require_tensor(cos, "freqs_cis[0] (cos)")

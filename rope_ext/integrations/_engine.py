@@ -26,6 +26,7 @@ the method runs exactly as written.
 """
 
 from __future__ import annotations
+import __future__
 
 import ast
 import copy
@@ -95,6 +96,12 @@ def fingerprint(functions: dict[str, ast.FunctionDef], node: ast.FunctionDef | s
         return out
 
     return hashlib.sha256(text(name, functions[node] if isinstance(node, str) else node).encode()).hexdigest()[:16]
+
+
+def refusal(key: str, what: str = "its code") -> str:
+    """Why code whose fingerprint is ``key`` is not patched."""
+    return (f"{what} (fingerprint {key}) matches no form rope_ext is tested on; "
+            "patching it on a guess could change the model's results")
 
 
 def function_defs(tree: ast.Module):
@@ -280,6 +287,11 @@ class Patched(list):
         return False
 
 
+# Module globals the engine adds for trampolines and rewritten methods to call: they stay after an
+# unpatch, so a call already running in patched code when another thread unpatches still finds them.
+HOLDER_PREFIX = "_rope_ext_"
+
+
 class Patcher:
     """The assignments an integration made, by group (a family or model file), so that each can be
     undone. A group patched by an earlier call stays with that call: nesting a ``with patch(...)``
@@ -318,10 +330,10 @@ class Patcher:
             restored = [g for g in named if g in self._originals]
             for group in restored:
                 for obj, attr, original in reversed(self._originals.pop(group)):
-                    if original is _MISSING:
-                        delattr(obj, attr)
-                    else:
+                    if original is not _MISSING:
                         setattr(obj, attr, original)
+                    elif not attr.startswith(HOLDER_PREFIX):
+                        delattr(obj, attr)
         return restored
 
     def groups(self) -> list[str]:
@@ -378,7 +390,7 @@ def trampoline_plan(group: str, module, method, name: str, replacement, patcher:
         raise ValueError(f"{method.__qualname__} defines no single inner function {name!r}")
     if inner.co_freevars:
         raise ValueError(f"{method.__qualname__}.{name} closes over {inner.co_freevars}")
-    holder = f"_rope_ext_{method.__qualname__.replace('.', '_')}_{name}"
+    holder = f"{HOLDER_PREFIX}{method.__qualname__.replace('.', '_')}_{name}"
     namespace: dict = {}
     exec(f"def {name}(*args, **kwargs):\n    return {holder}(*args, **kwargs)\n", namespace)
     code = namespace[name].__code__
@@ -396,22 +408,50 @@ def rewrite_method(node: ast.FunctionDef, filename: str, original: types.CodeTyp
     the new statements take the positions of the ones they replace. Raises ValueError where the
     rewritten code would close over other variables than the original (``original``: the method's
     code now)."""
+    def compiled(fn):
+        fn.decorator_list = []
+        module = ast.Module(body=[fn], type_ignores=[])
+        ast.fix_missing_locations(module)
+        flags = original.co_flags & __future__.annotations.compiler_flag  # the file's own future import
+        out = compile(module, filename, "exec", flags=flags, dont_inherit=True)
+        return next(c for c in out.co_consts if isinstance(c, types.CodeType) and c.co_name == node.name)
+
+    # The source as parsed must compile to the code that runs: not so where the file changed since
+    # it was imported, or the method needs its class's scope (super(), name mangling of self.__x).
+    baseline = compiled(copy.deepcopy(node))
+    if (baseline.co_code, baseline.co_names, baseline.co_freevars) != (
+            original.co_code, original.co_names, original.co_freevars):
+        raise ValueError(f"{node.name}'s source, compiled alone, is not the code that runs "
+                         "(the file changed since it was imported, or the method needs its class's scope)")
     fn = copy.deepcopy(node)
     for parent in list(ast.walk(fn)):
         for field in ("body", "orelse", "finalbody"):
             stmts = getattr(parent, field, None)
             if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
                 rewrite_block(stmts)
-    fn.decorator_list = []
-    module = ast.Module(body=[fn], type_ignores=[])
-    ast.fix_missing_locations(module)
-    compiled = compile(module, filename, "exec", dont_inherit=True)
-    code = next(c for c in compiled.co_consts if isinstance(c, types.CodeType) and c.co_name == node.name)
+    code = compiled(fn)
     if code.co_freevars != original.co_freevars:
         raise ValueError(f"{node.name}'s code closes over {original.co_freevars}; a rewrite cannot keep them")
     if hasattr(code, "co_qualname"):
         code = code.replace(co_qualname=original.co_qualname)
     return code
+
+
+def method_rewrite_plan(group: str, module, qualname: str, node: ast.FunctionDef, rewrite_block, replacement,
+                        patcher: Patcher):
+    """The assignments that rewrite a method (``Class.method`` of module, ``node`` as its file
+    defines it) by ``rewrite_block`` (see :func:`rewrite_method`), whose new statements call
+    ``replacement`` as the module global this returns as its last element's name. Raises
+    ValueError where the method found is not the one its file defines."""
+    cls_name, method_name = qualname.split(".")
+    method = getattr(getattr(module, cls_name, None), method_name, None)
+    original = patcher.original(group, method, "__code__", None)
+    if original is None or original.co_filename != module.__file__ or original.co_name != method_name:
+        raise ValueError(f"{module.__name__}.{qualname} is not the method its file defines "
+                         "(was it replaced by another patch?)")
+    holder = f"{HOLDER_PREFIX}{cls_name}_{method_name}"
+    code = rewrite_method(node, module.__file__, original, lambda stmts: rewrite_block(stmts, holder))
+    return [(group, module, holder, replacement), (group, method, "__code__", code)]
 
 
 def located(new_stmts, old: ast.stmt):

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import types
 
 import torch
 
-from rope_ext.integrations._engine import Form, located, rewrite_method, rotate
+from rope_ext.integrations._engine import Form, located, rotate
 
 # The module-level functions of timm.layers.pos_embed_sincos that apply RoPE.
 ROPE_FUNCTIONS = ("apply_rot_embed", "apply_rot_embed_list", "apply_rot_embed_cat")
@@ -121,7 +120,7 @@ _SIGNATURES = {
 
 def replacement(form: Form):
     """The rope_ext function standing in for a timm function of this form (for an attention
-    method's form: the function its rewritten code calls, see :func:`rewrite_prefix_method`)."""
+    method's form: the function its rewritten code calls, see :func:`prefix_rewrite`)."""
     fn = _SIGNATURES[form.signature](form)
     fn.__doc__ = fn.__doc__ or f"timm's RoPE of the form '{form.name}' ({form.describe()}), on rope_ext's fused op."
     fn.__module__ = __name__
@@ -138,31 +137,27 @@ def _dump(stmt) -> str:
     return ast.dump(stmt, include_attributes=False)
 
 
-def rewrite_prefix_method(node: ast.FunctionDef, filename: str, original: types.CodeType, helper: str):
-    """The code of an attention method (``node``, as its file defines it) with its two statements
+def prefix_rewrite():
+    """(rewrite_block, found): the rewrite (see ``_engine.method_rewrite_plan``) of an attention
+    method's two statements
 
         q = torch.cat([q[:, :, :npt, :], apply_rot_embed_cat(q[:, :, npt:, :], rope, half=half)], dim=2).type_as(v)
         k = torch.cat([k[:, :, :npt, :], apply_rot_embed_cat(k[:, :, npt:, :], rope, half=half)], dim=2).type_as(v)
 
-    replaced by ``q, k = <helper>(q, k, rope, npt, half)`` and ``q, k = q.type_as(v), k.type_as(v)``,
-    everything else as written (line numbers included; see ``_engine.rewrite_method``). Raises
-    ValueError where the method does not hold that pair of statements exactly once, or its code
-    would need other free variables."""
+    into ``q, k = <holder>(q, k, rope, npt, half)`` and ``q, k = q.type_as(v), k.type_as(v)``, everything
+    else as written; ``found`` lists where it rewrote (the caller requires exactly one place)."""
     want = [_dump(ast.parse(_PREFIX_CAT.format(x=x)).body[0]) for x in ("q", "k")]
     found = []
 
-    def rewrite_block(stmts):
+    def rewrite_block(stmts, holder):
         for i in range(len(stmts) - 1):
             if [_dump(stmts[i]), _dump(stmts[i + 1])] == want:
                 found.append(i)
-                new = ast.parse(f"q, k = {helper}(q, k, rope, npt, half)\nq, k = q.type_as(v), k.type_as(v)\n").body
+                new = ast.parse(f"q, k = {holder}(q, k, rope, npt, half)\nq, k = q.type_as(v), k.type_as(v)\n").body
                 stmts[i : i + 2] = [located([n], old)[0] for n, old in zip(new, stmts[i : i + 2], strict=True)]
                 return
 
-    code = rewrite_method(node, filename, original, rewrite_block)
-    if len(found) != 1:
-        raise ValueError(f"{node.name} holds the prefix-token concatenation of q and k {len(found)} times, not once")
-    return code
+    return rewrite_block, found
 
 
 # The forms read in timm 1.0.31, by fingerprint (each function together with the module-level

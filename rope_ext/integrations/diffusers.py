@@ -45,6 +45,7 @@ import functools
 import importlib
 import os
 import re
+import threading
 
 from rope_ext.integrations import _diffusers_forms, _engine
 
@@ -96,14 +97,15 @@ class ModelFileReport:
 
     @property
     def patchable(self) -> bool:
-        own = all(f.form is not None for f in self.functions)
-        return own and all(model_report(r) is not None and model_report(r).patchable for r in self.reaches)
+        return self.reason is None
 
     @property
     def reason(self) -> str | None:
-        refused = [f"{f.name}: {f.reason}" for f in self.functions if f.form is None]
-        refused += [f"through {r}: {model_report(r).reason}" for r in self.reaches
-                    if model_report(r) is not None and not model_report(r).patchable]
+        """Why it is refused: its refused sites and those of the files it reaches (None when patchable)."""
+        refused = []
+        for name in _closure([self.name]):
+            through = "" if name == self.name else f"through {name}: "
+            refused += [f"{through}{f.name}: {f.reason}" for f in model_report(name).functions if f.form is None]
         return "; ".join(refused) or None
 
 
@@ -116,17 +118,18 @@ def _models_root() -> str:
     return os.path.dirname(diffusers.models.__file__)
 
 
+@functools.cache
 def _files() -> dict[str, tuple[str, str]]:
-    """name -> (path, module) for the files scanned: the transformer model files, embeddings and
-    attention_processor."""
+    """name -> (path, module) for the files scanned: the transformer model files, the controlnets
+    built on them, embeddings and attention_processor."""
     root = _models_root()
     files = {n: (os.path.join(root, f"{n}.py"), f"diffusers.models.{n}") for n in ("embeddings", "attention_processor")}
-    folder = os.path.join(root, "transformers")
-    for file in sorted(os.listdir(folder)):
-        if file.endswith(".py") and file != "__init__.py":
-            stem = file[:-3]
-            module = f"diffusers.models.transformers.{stem}"
-            files[stem.removeprefix("transformer_")] = (os.path.join(folder, file), module)
+    for sub in ("transformers", "controlnets"):
+        folder = os.path.join(root, sub)
+        for file in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+            if file.endswith(".py") and file != "__init__.py":
+                stem, path = file[:-3], os.path.join(folder, file)
+                files[stem.removeprefix("transformer_")] = (path, f"diffusers.models.{sub}.{stem}")
     return files
 
 
@@ -135,11 +138,6 @@ def _parsed(name: str):
     path, module = _files()[name]
     with open(path, encoding="utf-8") as f:
         return ast.parse(f.read(), filename=path), module
-
-
-def _refusal(key: str) -> str:
-    return (f"its code (fingerprint {key}) matches no form rope_ext is tested on; "
-            "patching it on a guess could change the model's results")
 
 
 def _imports_shared(node: ast.ImportFrom) -> list[str]:
@@ -163,7 +161,7 @@ def _sites(name: str) -> tuple[list[RopeFunction], set[str]]:
         key = _engine.fingerprint(functions, node)
         form = _diffusers_forms.KNOWN.get(key)
         sites.append(RopeFunction(module, qualname, "function" if depth == 0 else "inner", form,
-                                  None if form else _refusal(key)))
+                                  None if form else _engine.refusal(key)))
         if depth:
             rope_classes.add(qualname.split(".")[0])
     shared_names = {n for node in tree.body if isinstance(node, ast.ImportFrom) for n in _imports_shared(node)}
@@ -177,20 +175,29 @@ def _sites(name: str) -> tuple[list[RopeFunction], set[str]]:
         for qualname, node in defs:
             if qualname.count(".") != 1 or not any(isinstance(c, ast.Name) and c.id == helper for c in ast.walk(node)):
                 continue
-            reason = None if helper_form else _refusal(key).replace("its code", f"its helper {helper}'s code")
+            reason = None if helper_form else _engine.refusal(key, f"its helper {helper}'s code")
             if helper_form and not _inline_rotations(node, helper):
                 reason = f"it calls {helper} outside statements of the form x = x * cos + {helper}(x) * sin"
             sites.append(RopeFunction(module, qualname, "inline", None if reason else helper_form, reason))
             rope_classes.add(qualname.split(".")[0])
     module_level = {s.name for s in sites if s.kind in ("function", "import")}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef):
-            for inner in ast.walk(node):
-                uses = isinstance(inner, ast.Name) and inner.id in module_level
-                imports = isinstance(inner, ast.ImportFrom) and _imports_shared(inner)
-                if uses or imports:
-                    rope_classes.add(node.name)
-                    break
+    classes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    for node in classes:
+        for inner in ast.walk(node):
+            uses = isinstance(inner, ast.Name) and inner.id in module_level
+            imports = isinstance(inner, ast.ImportFrom) and _imports_shared(inner)
+            if uses or imports:
+                rope_classes.add(node.name)
+                break
+    # and, transitively, the classes that use those (a transformer block holding a RoPE processor)
+    grew = True
+    while grew:
+        grew = False
+        for node in classes:
+            if node.name not in rope_classes and any(isinstance(n, ast.Name) and n.id in rope_classes
+                                                     for n in ast.walk(node)):
+                rope_classes.add(node.name)
+                grew = True
     return sites, rope_classes
 
 
@@ -245,7 +252,7 @@ def _reaches(name: str) -> tuple[str, ...]:
         if _imports_shared(node) and node not in tree.body:
             found.add("embeddings")  # imported inside a function: reaches embeddings' own binding
         source = (node.module or "").rsplit(".", 1)[-1].removeprefix("transformer_")
-        if source in users and any(a.name in users[source] for a in node.names):
+        if source in users and any(a.name in users[source] for a in node.names if a.name != "*"):
             found.add(source)
     return tuple(sorted(found - {name}))
 
@@ -315,26 +322,19 @@ def _plan_site(name: str, fn: RopeFunction, module):
 def _inline_plan(name: str, fn: RopeFunction, module):
     """A method whose statements ``t = x * cos + _rotate_half(x) * sin`` become
     ``t = <rope_ext's function>(x, cos, sin)``, the rest of its code as written."""
-    cls_name, method_name = fn.name.split(".")
-    method = getattr(getattr(module, cls_name, None), method_name, None)
-    original = _patcher.original(name, method, "__code__", None)
-    if original is None or original.co_filename != module.__file__ or original.co_name != method_name:
-        raise ValueError(f"{fn.module}.{fn.name} is not the method its model file defines")
     tree, _ = _parsed(name)
     node = dict(_engine.function_defs(tree))[fn.name]
     helper = next(n.func.id for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
                   and _ROTATE_HALF.match(n.func.id))
-    holder = f"_rope_ext_{cls_name}_{method_name}_rotate"
 
-    def rewrite_block(stmts):
+    def rewrite_block(stmts, holder):
         for i, stmt in enumerate(stmts):
             names = _inline_rotation(stmt, helper)
             if names:
                 target, x, cos, sin = names
                 stmts[i] = _engine.located(ast.parse(f"{target} = {holder}({x}, {cos}, {sin})").body, stmt)[0]
 
-    code = _engine.rewrite_method(node, module.__file__, original, rewrite_block)
-    return [(name, module, holder, fn.replacement), (name, method, "__code__", code)]
+    return _engine.method_rewrite_plan(name, module, fn.name, node, rewrite_block, fn.replacement, _patcher)
 
 
 def patch(models=None) -> _engine.Patched:
@@ -346,8 +346,9 @@ def patch(models=None) -> _engine.Patched:
             express. A file that reaches RoPE through another file's processor switches that file.
 
     Returns:
-        The files this call switched (a list, usable as a context manager, which unpatches them
-        on exit); files an earlier call patched stay with that call.
+        The files this call switched, and the files named that reach RoPE only through them (a
+        list, usable as a context manager, which unpatches them on exit; ``unpatch`` takes either
+        name); files an earlier call patched stay with that call.
 
     Raises:
         ValueError: a named file has no RoPE site in the installed diffusers, or one of its sites
@@ -358,7 +359,7 @@ def patch(models=None) -> _engine.Patched:
         names = [n for n, r in survey().items() if r.patchable]
     else:
         names = _engine.group_names(models, "models")
-    plan = []
+    plan, closures = [], {}
     for requested in names:
         report = model_report(requested)
         if report is None:
@@ -368,7 +369,8 @@ def patch(models=None) -> _engine.Patched:
             )
         if not report.patchable:
             raise ValueError(f"rope_ext: cannot patch {requested!r}: {report.reason}")
-        for name in _closure([requested]):
+        closures[requested] = _closure([requested])
+        for name in closures[requested]:
             sites = model_report(name).functions
             module = importlib.import_module(model_report(name).module) if sites else None
             for fn in sites:
@@ -376,17 +378,64 @@ def patch(models=None) -> _engine.Patched:
                     plan += _plan_site(name, fn, module)
                 except ValueError as e:
                     raise ValueError(f"rope_ext: cannot patch {requested!r}: {e}") from None
-    return _patcher.apply(plan, unpatch)
+    if any("embeddings" in closure for closure in closures.values()):
+        _import_binders()
+    done = _patcher.apply(plan, unpatch)
+    with _aliases_lock:
+        for requested, closure in closures.items():
+            switched = [g for g in closure if g in done]
+            if requested not in done and switched and requested not in _aliases:
+                _aliases[requested] = switched
+                done.append(requested)
+    return done
+
+
+def _import_binders() -> None:
+    """Import every scanned file that binds embeddings' shared function by name, before embeddings'
+    own binding is switched: one imported while it is switched would bind rope_ext's function, and
+    keep it after an unpatch."""
+    for report in survey().values():
+        if any(fn.kind == "import" for fn in report.functions):
+            importlib.import_module(report.module)
+
+
+# names patched only as what they reach -> the files their patch call switched
+_aliases: dict[str, list[str]] = {}
+_aliases_lock = threading.Lock()
 
 
 def unpatch(models=None) -> list[str]:
-    """Restore diffusers' own functions for the given model files (default: all patched ones)."""
-    return _patcher.restore(None if models is None else _engine.group_names(models, "models"))
+    """Restore diffusers' own functions for the given model files (default: all patched ones); a
+    file that reaches RoPE through others restores those its patch call switched.
+
+    Raises:
+        ValueError: a name is not a model file with RoPE of the installed diffusers.
+    """
+    if models is None:
+        with _aliases_lock:
+            aliases = list(_aliases)
+            _aliases.clear()
+        return aliases + _patcher.restore()
+    names = _engine.group_names(models, "models")
+    unknown = [n for n in names if model_report(n) is None]
+    if unknown:
+        raise ValueError(f"rope_ext: cannot unpatch {unknown}: no model file of that name with RoPE in the installed "
+                         "diffusers (run `python -m rope_ext.integrations.diffusers` for the list)")
+    with _aliases_lock:
+        aliases = [n for n in names if n in _aliases]
+        groups = [g for n in names for g in (_aliases.pop(n) if n in _aliases else [n])]
+    restored = _patcher.restore(list(dict.fromkeys(groups)))
+    with _aliases_lock:  # aliases whose files are all restored now
+        for alias in [a for a, files in _aliases.items() if not set(files) & set(_patcher.groups())]:
+            del _aliases[alias]
+    return aliases + restored
 
 
 def patched_models() -> list[str]:
-    """The model files currently switched to rope_ext."""
-    return _patcher.groups()
+    """The model files currently switched to rope_ext, and those named in a patch call that reach
+    RoPE through them."""
+    with _aliases_lock:
+        return _patcher.groups() + list(_aliases)
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ matches no tested form is refused by name, with the reason.
   ``timm.models.vision_transformer_sam``, ...), wherever that name is still timm's own function.
 - An attention method keeps its code except the two statements that concatenate the prefix tokens
   with the rotated rest of q and k: they become one op call on q and k whole, as strided views,
-  with no concatenation (see ``_timm_forms.rewrite_prefix_method``).
+  with no concatenation (see ``_timm_forms.prefix_rewrite``).
 """
 
 from __future__ import annotations
@@ -93,8 +93,7 @@ def _classify(module: str, qualname: str, node, functions) -> RopeCode:
         return RopeCode(name, module, qualname, None, "not found in the installed timm")
     key = _engine.fingerprint(functions, node)
     form = _timm_forms.KNOWN.get(key)
-    reason = None if form else (f"its code (fingerprint {key}) matches no form rope_ext is tested on; "
-                                "patching it on a guess could change the model's results")
+    reason = None if form else _engine.refusal(key)
     return RopeCode(name, module, qualname, form, reason)
 
 
@@ -161,12 +160,6 @@ def _plan_function(code: RopeCode):
 
 def _plan_method(code: RopeCode):
     module = importlib.import_module(code.module)
-    cls_name, method_name = code.qualname.split(".")
-    method = getattr(getattr(module, cls_name), method_name)
-    original = _patcher.original(code.name, method, "__code__")
-    if original.co_name != method_name or original.co_filename != module.__file__:
-        raise ValueError(f"rope_ext: cannot patch {code.name!r}: {code.module}.{code.qualname} is not the method "
-                         "its file defines (was it replaced by another patch?)")
     sincos = importlib.import_module(_SINCOS)
     cat = getattr(module, "apply_rot_embed_cat", None)
     timm_cat = _patcher.original("apply_rot_embed_cat", sincos, "apply_rot_embed_cat")
@@ -175,9 +168,16 @@ def _plan_method(code: RopeCode):
                          "neither timm's function nor rope_ext's")
     path, tree, _ = _parse(code.module)
     node = dict(_engine.function_defs(tree))[code.qualname]
-    holder = f"_rope_ext_{cls_name}_rot_after_prefix"
-    new_code = _timm_forms.rewrite_prefix_method(node, path, original, holder)
-    return [(code.name, module, holder, _replacement(code.form)), (code.name, method, "__code__", new_code)]
+    rewrite_block, found = _timm_forms.prefix_rewrite()
+    try:
+        plan = _engine.method_rewrite_plan(code.name, module, code.qualname, node, rewrite_block,
+                                           _replacement(code.form), _patcher)
+    except ValueError as e:
+        raise ValueError(f"rope_ext: cannot patch {code.name!r}: {e}") from None
+    if len(found) != 1:
+        raise ValueError(f"rope_ext: cannot patch {code.name!r}: {code.qualname} holds the prefix-token "
+                         f"concatenation of q and k {len(found)} times, not once")
+    return plan
 
 
 def patch(names=None) -> _engine.Patched:

@@ -93,8 +93,7 @@ def _classify_file(path: str, module: str) -> list[RopeFunction]:
             continue
         key = _engine.fingerprint(functions, name)
         form = _hf_forms.KNOWN.get(key)
-        reason = None if form else (f"its code (fingerprint {key}) matches no form rope_ext is tested on; "
-                                    "patching it on a guess could change the model's results")
+        reason = None if form else _engine.refusal(key)
         found.append(RopeFunction(module, name, form, reason))
     return found
 
