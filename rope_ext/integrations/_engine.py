@@ -31,6 +31,7 @@ import __future__
 import ast
 import copy
 import dataclasses
+import dis
 import hashlib
 import threading
 import types
@@ -419,8 +420,8 @@ def rewrite_method(node: ast.FunctionDef, filename: str, original: types.CodeTyp
     # The source as parsed must compile to the code that runs: not so where the file changed since
     # it was imported, or the method needs its class's scope (super(), name mangling of self.__x).
     baseline = compiled(copy.deepcopy(node))
-    if (baseline.co_code, baseline.co_names, baseline.co_freevars) != (
-            original.co_code, original.co_names, original.co_freevars):
+    if _instructions(baseline) != _instructions(original) or (baseline.co_names, baseline.co_freevars) != (
+            original.co_names, original.co_freevars):
         raise ValueError(f"{node.name}'s source, compiled alone, is not the code that runs "
                          "(the file changed since it was imported, or the method needs its class's scope)")
     fn = copy.deepcopy(node)
@@ -435,6 +436,15 @@ def rewrite_method(node: ast.FunctionDef, filename: str, original: types.CodeTyp
     if hasattr(code, "co_qualname"):
         code = code.replace(co_qualname=original.co_qualname)
     return code
+
+
+def _instructions(code: types.CodeType):
+    """code's instructions as what they do: jump offsets left out, and the forms the compiler picks
+    for one and the same step by the route it compiled (a method call's LOAD_METHOD or LOAD_ATTR in
+    3.11) made one."""
+    skip = {"CACHE", "PRECALL", "EXTENDED_ARG", "NOP"}
+    return [("LOAD_ATTR" if i.opname == "LOAD_METHOD" else i.opname, None if "JUMP" in i.opname else repr(i.argval))
+            for i in dis.get_instructions(code) if i.opname not in skip]
 
 
 def method_rewrite_plan(group: str, module, qualname: str, node: ast.FunctionDef, rewrite_block, replacement,
