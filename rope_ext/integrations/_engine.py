@@ -443,7 +443,13 @@ def _instructions(code: types.CodeType):
     for one and the same step by the route it compiled (a method call's LOAD_METHOD or LOAD_ATTR in
     3.11) made one."""
     skip = {"CACHE", "PRECALL", "EXTENDED_ARG", "NOP"}
-    return [("LOAD_ATTR" if i.opname == "LOAD_METHOD" else i.opname, None if "JUMP" in i.opname else repr(i.argval))
+
+    def arg(i):
+        if "JUMP" in i.opname:
+            return None
+        return _instructions(i.argval) if isinstance(i.argval, types.CodeType) else repr(i.argval)
+
+    return [("LOAD_ATTR" if i.opname == "LOAD_METHOD" else i.opname, arg(i))
             for i in dis.get_instructions(code) if i.opname not in skip]
 
 
