@@ -90,10 +90,30 @@ struct VecIO {
   static_assert(!kStreams || (kStep * sizeof(scalar_t)) % kStreamStoreBytes == 0,
                 "a step of the vector body stores whole registers (streaming_row_aligned relies on it)");
 
+#if defined(CPU_CAPABILITY_AVX512)
+  static constexpr bool kHalfLoads = true;
+  static Vec bf16_half_to_float(const scalar_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  static constexpr bool kHalfLoads = true;
+  static Vec bf16_half_to_float(const scalar_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+#else
+  static constexpr bool kHalfLoads = false;
+#endif
   static void load(const scalar_t* p, Vec& a, Vec& b) {
     if constexpr (std::is_same_v<scalar_t, opmath_t>) {
       a = Vec::loadu(p);
       b = Vec::loadu(p + Vec::size());
+    } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kHalfLoads) {
+      // a bfloat16 is the high half of its float: widen each half-register load directly (ATen's
+      // load_to_float loads the whole register twice and extracts the upper half)
+      a = bf16_half_to_float(p);
+      b = bf16_half_to_float(p + Vec::size());
     } else {
       at::vec::load_to_float<scalar_t>(p, a, b);
     }
@@ -107,7 +127,8 @@ struct VecIO {
       // lanes are rare and found with two compares: those steps take ATen's rounding.
       const __m512 fa = a, fb = b;
       constexpr int kDenormal = 0x20;  // vfpclassps category: denormal (either sign)
-      if (__builtin_expect((_mm512_fpclass_ps_mask(fa, kDenormal) | _mm512_fpclass_ps_mask(fb, kDenormal)) == 0, 1)) {
+      // (kortestw: one test and branch for both masks)
+      if (__builtin_expect(_kortestz_mask16_u8(_mm512_fpclass_ps_mask(fa, kDenormal), _mm512_fpclass_ps_mask(fb, kDenormal)), 1)) {
         // the second operand fills the low half
         return Vectorized<scalar_t>(reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(fb, fa)));
       }
