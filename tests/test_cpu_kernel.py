@@ -56,7 +56,7 @@ def test_variants_are_compiled_for_their_isa():
                          capture_output=True, text=True).stdout
     bodies: dict[str, str] = {"DEFAULT": "", "AVX2": "", "AVX512": "", "AVX512_BF16": ""}
     for block in asm.split("\n\n"):
-        m = re.search(r"<rope_ext::cpu::(DEFAULT|AVX2|AVX512|AVX512_BF16)::", block.split("\n", 1)[0])
+        m = re.search(r"[< ]rope_ext::cpu::(DEFAULT|AVX2|AVX512|AVX512_BF16)::", block.split("\n", 1)[0])
         if m:
             bodies[m.group(1)] += block
     assert all(bodies.values()), {k: len(v) for k, v in bodies.items()}
