@@ -552,10 +552,6 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
         if (fast) {
           const int64_t hx = p.heads.ndim ? p.heads.strides[kX][0] : 0;
           const int64_t ho = p.heads.ndim ? p.heads.strides[kOut][0] : 0;
-          if (h_begin == 0) {  // the next token's rows are requested while these compute
-            const char* ahead = reinterpret_cast<const char*>(x_base + tok[kX]) + kPrefetchBytes;
-            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
-          }
           rotate_token_rows<kConj, kInterleaved, kGathered>(x_base + tok[kX] + h_begin * hx, hx,
                                                            out_base + tok[kOut] + h_begin * ho, ho,
                                                            h_end - h_begin, t, half, p.head_dim);
