@@ -73,7 +73,8 @@ def native_switch():
         return None
     torch.ops.load_library(str(hooks))
     t = torch.ops.rope_ext_testing
-    return t.cpu_allow_native_bf16 if t.cpu_native_bf16_available() else None
+    available = getattr(t, "cpu_native_bf16_available", None)  # absent before issue 30
+    return t.cpu_allow_native_bf16 if available is not None and available() else None
 
 
 def one_case(label, nbytes, dtype, lib, switch, cc, sc, g, rounds, min_run_time) -> None:

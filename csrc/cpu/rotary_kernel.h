@@ -542,16 +542,17 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
       std::vector<opmath_t> buf(4 * half);
       int64_t streamed = 0;
       StridedCursor<2> head{p.heads};
-      for (int64_t row = begin; row < end;) {
-        const int64_t token = row / nheads;
-        const int64_t h_begin = row % nheads;
+      const int64_t hx = p.heads.ndim ? p.heads.strides[kX][0] : 0;  // the fast path's head strides
+      const int64_t ho = p.heads.ndim ? p.heads.strides[kOut][0] : 0;
+      // one division for the chunk; each next token starts at its head 0
+      int64_t token = begin / nheads;
+      int64_t h_begin = begin % nheads;
+      for (int64_t row = begin; row < end; ++token, h_begin = 0) {
         const int64_t h_end = std::min(nheads, h_begin + (end - row));
         int64_t tok[4];
         p.tokens.offsets(token, tok);
         const auto t = tables_at(tok, buf.data());
         if (fast) {
-          const int64_t hx = p.heads.ndim ? p.heads.strides[kX][0] : 0;
-          const int64_t ho = p.heads.ndim ? p.heads.strides[kOut][0] : 0;
           rotate_token_rows<kConj, kInterleaved, kGathered>(x_base + tok[kX] + h_begin * hx, hx,
                                                            out_base + tok[kOut] + h_begin * ho, ho,
                                                            h_end - h_begin, t, half, p.head_dim);
