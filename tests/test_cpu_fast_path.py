@@ -36,8 +36,13 @@ def native_bf16_expected() -> bool:
 
 
 NATIVE = TESTING.cpu_native_bf16_available()
-# Both roundings where the CPU has AVX512-BF16; elsewhere the only one there is.
-BF16_MODES = {"native": True, "fallback": False} if NATIVE else {"fallback": False}
+# The AVX512_BF16 variant (where the CPU has it) and the AVX512 or AVX2 variant's own rounding.
+BF16_MODES = {"native": True, "fallback": False}
+
+
+def skip_unless_native(mode: bool):
+    if mode and not NATIVE:
+        pytest.skip(f"no AVX512_BF16 variant here (kernel {rope_ext.cpu_kernel_isa()}, or no avx512_bf16 in cpuid)")
 
 
 class native_bf16:
@@ -147,6 +152,7 @@ def test_fast_path_tables_bit_exact(dtype, dims, interleaved, conjugate):
 def test_gathered_fast_path_bit_exact(dtype, dims, interleaved, conjugate, mode):
     """rotary_pos and rotary_pos_ (half-width float32 caches) on the fast path, with the AVX512_BF16
     variant and with its fallback, equal the kernel's arithmetic bit for bit."""
+    skip_unless_native(mode)
     d, r = dims
     gen = torch.Generator().manual_seed(d * 11 + r)
     cos_cache, sin_cache = random_tables((40, r // 2), torch.float32, gen)
@@ -175,6 +181,7 @@ def test_bf16_special_values(dims, interleaved, conjugate, mode):
     """NaN stays NaN, infinities, signed zeros and ties round as ATen rounds, and float32 denormal
     results become the bfloat16 denormals they round to (vcvtne2ps2bf16 alone would flush them to
     zero: those steps take the integer rounding). Both roundings, bit for bit."""
+    skip_unless_native(mode)
     d, r = dims
     gen = torch.Generator().manual_seed(3)
     x = special_values((16, 4, d), torch.bfloat16, gen)

@@ -127,8 +127,8 @@ struct VecIO {
       // lanes are rare and found with two compares: those steps take ATen's rounding.
       const __m512 fa = a, fb = b;
       constexpr int kDenormal = 0x20;  // vfpclassps category: denormal (either sign)
-      // (kortestw: one test and branch for both masks)
-      if (__builtin_expect(_kortestz_mask16_u8(_mm512_fpclass_ps_mask(fa, kDenormal), _mm512_fpclass_ps_mask(fb, kDenormal)), 1)) {
+      const __mmask16 da = _mm512_fpclass_ps_mask(fa, kDenormal), db = _mm512_fpclass_ps_mask(fb, kDenormal);
+      if (__builtin_expect(_kortestz_mask16_u8(da, db), 1)) {  // kortestw: one branch for both
         // the second operand fills the low half
         return Vectorized<scalar_t>(reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(fb, fa)));
       }
