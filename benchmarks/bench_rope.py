@@ -3,6 +3,7 @@
     python benchmarks/bench_rope.py            # the full suite (the run behind benchmarks/RESULTS.md)
     python benchmarks/bench_rope.py --quick    # what `make bench` runs: HF layout, 2 threads
     python benchmarks/bench_rope.py --positions  # issue 18: positions + caches (positions_suite.py)
+    python benchmarks/bench_rope.py --cache      # issue 30: against a plain loop (cache_suite.py)
 
 Shape: Llama-3-8B attention, 32 q heads and 8 kv heads of head dim 128.
   prefill  S = 2048, with B chosen so that q + k take 160 MiB in every dtype, 5x the 32 MiB
@@ -454,7 +455,13 @@ def main():
     p.add_argument("--reuse-memory", action="store_true", help="rerun under GLIBC_TUNABLES that reuse freed outputs")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     p.add_argument("--positions", action="store_true", help="the positions + caches suite (positions_suite.py)")
+    p.add_argument("--cache", action="store_true", help="issue 30's suite against a plain loop (cache_suite.py)")
     args = p.parse_args()
+    if args.cache:
+        import cache_suite
+
+        cache_suite.run(rounds=args.rounds or 5)
+        return
     if args.positions:
         import positions_suite
 

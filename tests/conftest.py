@@ -330,7 +330,15 @@ def cpu_thresholds(**changes):
         TESTING.set_cpu_thresholds(**before)
 
 
-PATH_COUNT_NAMES = ("streamed_rows", "huge_page_outputs", "head_split_walks", "token_split_walks")
+PATH_COUNT_NAMES = (
+    "streamed_rows",
+    "huge_page_outputs",
+    "head_split_walks",
+    "token_split_walks",
+    "fast_rows",
+    "general_rows",
+    "native_bf16_calls",
+)
 
 
 def path_counts() -> dict:

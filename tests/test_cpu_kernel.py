@@ -54,14 +54,16 @@ def test_variants_are_compiled_for_their_isa():
     and Vectorized is not the generic fallback. The DEFAULT variant uses neither."""
     asm = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", str(LIB)], check=True,
                          capture_output=True, text=True).stdout
-    bodies: dict[str, str] = {"DEFAULT": "", "AVX2": "", "AVX512": ""}
+    bodies: dict[str, str] = {"DEFAULT": "", "AVX2": "", "AVX512": "", "AVX512_BF16": ""}
     for block in asm.split("\n\n"):
-        m = re.search(r"<rope_ext::cpu::(DEFAULT|AVX2|AVX512)::", block.split("\n", 1)[0])
+        m = re.search(r"[< ]rope_ext::cpu::(DEFAULT|AVX2|AVX512|AVX512_BF16)::", block.split("\n", 1)[0])
         if m:
             bodies[m.group(1)] += block
     assert all(bodies.values()), {k: len(v) for k, v in bodies.items()}
     assert "%ymm" in bodies["AVX2"] and "%zmm" not in bodies["AVX2"]
     assert "%zmm" in bodies["AVX512"]
+    # bfloat16 rounded by AVX512-BF16's instruction in its own variant only
+    assert "vcvtne2ps2bf16" in bodies["AVX512_BF16"] and "vcvtne2ps2bf16" not in bodies["AVX512"]
     assert "%ymm" not in bodies["DEFAULT"] and "%zmm" not in bodies["DEFAULT"]
     # No fused multiply-add anywhere: every product and sum rounds on its own, as in CUDA's
     # --fmad=false build and the references (GCC's SLP vectorizer once emitted vfmaddsub here).

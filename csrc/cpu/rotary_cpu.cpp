@@ -37,9 +37,35 @@ const Variant& variant() {
   return v;
 }
 
+// Whether this CPU has AVX512-BF16 (cpuid, read once when the library loads: torch's capability
+// says only "AVX512"), under the AVX512 variant.
+bool detect_native_bf16() {
+#ifdef ROPE_EXT_HAVE_AVX
+  return variant().fn == &AVX512::rotary_kernel && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+const bool g_native_bf16_available = detect_native_bf16();
+std::atomic<bool> g_native_bf16_allowed{true};
+
+// The variant for one call: the AVX512_BF16 kernel where it may run, else the process's variant.
+KernelFn kernel_for_call() {
+#ifdef ROPE_EXT_HAVE_AVX
+  if (g_native_bf16_available && g_native_bf16_allowed.load(std::memory_order_relaxed)) {
+    return &AVX512_BF16::rotary_kernel;
+  }
+#endif
+  return variant().fn;
+}
+
 }  // namespace
 
 std::string kernel_isa() { return variant().name; }
+
+bool native_bf16_available() { return g_native_bf16_available; }
+
+bool allow_native_bf16(bool allow) { return g_native_bf16_allowed.exchange(allow); }
 
 namespace {
 
@@ -134,7 +160,13 @@ void run_one(const at::Tensor& x, at::Tensor& out, const RotaryCall& c, const Th
   const RotaryPlan plan = c.positions ? make_rotary_pos_plan(x, out, c.cos, c.sin, *c.positions)
                                       : make_rotary_plan(x, out, c.cos, c.sin);
   if (!out.is_same(x)) advise_huge_pages(out, th.huge_page_bytes);  // a new output
-  variant().fn(plan, x, out, c.cos, c.sin, c.positions ? c.positions->const_data_ptr() : nullptr,
+  const KernelFn fn = kernel_for_call();
+#ifdef ROPE_EXT_HAVE_AVX
+  if (fn == &AVX512_BF16::rotary_kernel && x.scalar_type() == at::kBFloat16) {
+    path_counts().native_bf16_calls.fetch_add(1, std::memory_order_relaxed);
+  }
+#endif
+  fn(plan, x, out, c.cos, c.sin, c.positions ? c.positions->const_data_ptr() : nullptr,
                c.interleaved, c.conjugate, th);
 }
 

@@ -38,7 +38,12 @@ struct PathCounts {
   std::atomic<int64_t> huge_page_outputs{0};    // new outputs of at least huge_page_bytes
   std::atomic<int64_t> head_split_walks{0};     // head-major calls whose threads split the heads
   std::atomic<int64_t> token_split_walks{0};    // head-major calls whose threads split the tokens
+  // Rows rotated by the contiguous-row fast path (rotate_token_rows) and by the general one
+  // (rotate_row, per row), indexed by RowPath; added once per parallel chunk.
+  std::atomic<int64_t> rows[2] = {0, 0};
+  std::atomic<int64_t> native_bf16_calls{0};    // calls run by the AVX512_BF16 variant
 };
+enum RowPath { kFastRows = 0, kGeneralRows = 1 };
 ROPE_EXT_INTERNAL PathCounts& path_counts();
 
 #define ROPE_EXT_DECLARE_KERNEL(CAP)                                                        \
@@ -51,12 +56,20 @@ ROPE_EXT_DECLARE_KERNEL(DEFAULT)
 #ifdef ROPE_EXT_HAVE_AVX
 ROPE_EXT_DECLARE_KERNEL(AVX2)
 ROPE_EXT_DECLARE_KERNEL(AVX512)
+ROPE_EXT_DECLARE_KERNEL(AVX512_BF16)
 #endif
 #undef ROPE_EXT_DECLARE_KERNEL
 
 // The kernel variant this process runs: "AVX512", "AVX2" or "DEFAULT". It follows
 // at::get_cpu_capability(), so ATEN_CPU_CAPABILITY=default|avx2 selects a lower one.
 std::string kernel_isa();
+
+// Where kernel_isa() is "AVX512" and cpuid reports AVX512-BF16, calls run the AVX512_BF16 variant
+// (the same kernel, bfloat16 rounded by vcvtne2ps2bf16) unless native bfloat16 has been switched off
+// (tests do, to reach the fallback). native_bf16_available(): the CPU and the build have it.
+// allow_native_bf16 returns the previous setting.
+ROPE_EXT_INTERNAL bool native_bf16_available();
+ROPE_EXT_INTERNAL bool allow_native_bf16(bool allow);
 
 // What `call` describes, on the CPU, for checked arguments; the ops are RotaryOps<&run>
 // (rotary_ops.h). With positions, every one is checked against the cache before anything runs.

@@ -35,6 +35,15 @@
 #define ROPE_EXT_STREAMING_STORES 0
 #endif
 
+// The AVX512_BF16 variant (rotary_kernel_avx512_bf16.cpp) is the AVX512 one with bfloat16 rounded
+// by AVX512-BF16's instructions; rotary_cpu.cpp runs it only where cpuid reports them.
+#ifndef ROPE_EXT_NATIVE_BF16
+#define ROPE_EXT_NATIVE_BF16 0
+#endif
+#if ROPE_EXT_NATIVE_BF16 && !(defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__))
+#error "ROPE_EXT_NATIVE_BF16 needs CPU_CAPABILITY_AVX512 and -mavx512bf16"
+#endif
+
 namespace rope_ext::cpu::CPU_CAPABILITY {
 
 using at::vec::Vectorized;
@@ -81,20 +90,58 @@ struct VecIO {
   static_assert(!kStreams || (kStep * sizeof(scalar_t)) % kStreamStoreBytes == 0,
                 "a step of the vector body stores whole registers (streaming_row_aligned relies on it)");
 
+#if defined(CPU_CAPABILITY_AVX512)
+  static constexpr bool kHalfLoads = true;
+  static Vec bf16_half_to_float(const scalar_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  static constexpr bool kHalfLoads = true;
+  static Vec bf16_half_to_float(const scalar_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+#else
+  static constexpr bool kHalfLoads = false;
+#endif
   static void load(const scalar_t* p, Vec& a, Vec& b) {
     if constexpr (std::is_same_v<scalar_t, opmath_t>) {
       a = Vec::loadu(p);
       b = Vec::loadu(p + Vec::size());
+    } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kHalfLoads) {
+      // a bfloat16 is the high half of its float: widen each half-register load directly (ATen's
+      // load_to_float loads the whole register twice and extracts the upper half)
+      a = bf16_half_to_float(p);
+      b = bf16_half_to_float(p + Vec::size());
     } else {
       at::vec::load_to_float<scalar_t>(p, a, b);
     }
+  }
+  // a and b rounded to scalar_t, for float16/bfloat16: one Vectorized<scalar_t>.
+  static Vectorized<scalar_t> narrow(const Vec& a, const Vec& b) {
+#if ROPE_EXT_NATIVE_BF16
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      // vcvtne2ps2bf16 rounds to nearest even like ATen's integer sequence (and keeps NaN a NaN),
+      // but it reads float denormals as zero where ATen rounds them to bfloat16 denormals. Such
+      // lanes are rare and found with two compares: those steps take ATen's rounding.
+      const __m512 fa = a, fb = b;
+      constexpr int kDenormal = 0x20;  // vfpclassps category: denormal (either sign)
+      const __mmask16 da = _mm512_fpclass_ps_mask(fa, kDenormal), db = _mm512_fpclass_ps_mask(fb, kDenormal);
+      if (__builtin_expect(_kortestz_mask16_u8(da, db), 1)) {  // kortestw: one branch for both
+        // the second operand fills the low half
+        return Vectorized<scalar_t>(reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(fb, fa)));
+      }
+    }
+#endif
+    return at::vec::convert_from_float<scalar_t>(a, b);
   }
   static void store(scalar_t* p, const Vec& a, const Vec& b) {
     if constexpr (std::is_same_v<scalar_t, opmath_t>) {
       a.store(p);
       b.store(p + Vec::size());
     } else {
-      at::vec::convert_from_float<scalar_t>(a, b).store(p);
+      narrow(a, b).store(p);
     }
   }
 
@@ -119,7 +166,7 @@ struct VecIO {
 #endif
       return;
     } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
-      const Vectorized<scalar_t> v = at::vec::convert_from_float<scalar_t>(a, b);
+      const Vectorized<scalar_t> v = narrow(a, b);
       static_assert(sizeof(v) == kStreamStoreBytes, "a 16-bit step is one whole register");
 #if defined(CPU_CAPABILITY_AVX512)
       _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
@@ -286,6 +333,116 @@ void rotate_row_contiguous(const scalar_t* x, scalar_t* out, const PairTables<op
   rotate_pairs_scalar<kConj, kInterleaved>(x, 1, out, 1, t, i, half);
 }
 
+// The contiguous-row fast path: columns [i, i + kSteps * kStep) of `nh` rows that share one
+// token's tables, row h at x + h * x_head (and out + h * out_head), columns contiguous. The tables
+// of the block are loaded into registers once and kept there for every row, which a row-at-a-time
+// walk reloads per row; the loop has no per-row calls, checks or index arithmetic. kSteps is
+// chosen so that the tables fit the register file beside the row's own values.
+template <int kSteps, bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
+inline void rotate_block_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
+                              const PairTables<opmath_t>& t, int64_t i, int64_t half) {
+  using IO = VecIO<scalar_t>;
+  using Vec = typename IO::Vec;
+  constexpr int64_t V = Vec::size();
+  constexpr int64_t kStep = IO::kStep;
+  constexpr int kN = 2 * kSteps;  // Vec registers per table per row block
+  constexpr int kTables = kGathered ? 2 : 4;
+  Vec tab[kTables][kN];
+#pragma GCC unroll 16
+  for (int k = 0; k < kN; ++k) {
+    const int64_t j = i + k * V;
+    tab[0][k] = Vec::loadu(t.c1 + j);
+    tab[1][k] = Vec::loadu(t.s1 + j);
+    if constexpr (!kGathered) {
+      tab[2][k] = Vec::loadu(t.c2 + j);
+      tab[3][k] = Vec::loadu(t.s2 + j);
+    }
+  }
+  const Vec(&c2)[kN] = tab[kGathered ? 0 : 2];
+  const Vec(&s2)[kN] = tab[kGathered ? 1 : 3];
+  for (int64_t h = 0; h < nh; ++h) {
+    const scalar_t* xr = x + h * x_head;
+    scalar_t* outr = out + h * out_head;
+#pragma GCC unroll 16
+    for (int q = 0; q < kSteps; ++q) {
+      const int64_t c = i + q * kStep;  // first pair of this step
+      Vec x1[2], x2[2], o1[2], o2[2];
+      if constexpr (kInterleaved) {
+        Vec a[4];
+        IO::load(xr + 2 * c, a[0], a[1]);
+        IO::load(xr + 2 * c + kStep, a[2], a[3]);
+        std::tie(x1[0], x2[0]) = at::vec::deinterleave2(a[0], a[1]);
+        std::tie(x1[1], x2[1]) = at::vec::deinterleave2(a[2], a[3]);
+      } else {
+        IO::load(xr + c, x1[0], x1[1]);
+        IO::load(xr + half + c, x2[0], x2[1]);
+      }
+#pragma GCC unroll 2
+      for (int k = 0; k < 2; ++k) {
+        const int m = 2 * q + k;
+        rotate_pair<kConj>(x1[k], x2[k], tab[0][m], tab[1][m], c2[m], s2[m], o1[k], o2[k]);
+      }
+      if constexpr (kInterleaved) {
+        Vec b[4];
+        std::tie(b[0], b[1]) = at::vec::interleave2(o1[0], o2[0]);
+        std::tie(b[2], b[3]) = at::vec::interleave2(o1[1], o2[1]);
+        IO::store(outr + 2 * c, b[0], b[1]);
+        IO::store(outr + 2 * c + kStep, b[2], b[3]);
+      } else {
+        IO::store(outr + c, o1[0], o1[1]);
+        IO::store(outr + half + c, o2[0], o2[1]);
+      }
+    }
+  }
+}
+
+// How many vector steps (IO::kStep pairs each) of one token's tables rotate_block_rows holds in
+// registers: 8 of AVX2's 16 and 16 of AVX-512's 32 registers, the rest left to the rows' values.
+template <typename scalar_t, bool kGathered>
+constexpr int kRegisterSteps =
+    std::max(1, ((sizeof(Vectorized<float>) >= 64 ? 16 : 8) / (2 * (kGathered ? 2 : 4))));
+
+// Rotates `nh` rows of one token, row h at x + h * x_head, whose columns are contiguous (x_col =
+// out_col = 1), and copies their pass-through columns when out is not x: blocks of tables held in
+// registers, then one step at a time, then each row's scalar tail.
+template <bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
+void rotate_token_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
+                       const PairTables<opmath_t>& t, int64_t half, int64_t head_dim) {
+  constexpr int64_t kStep = VecIO<scalar_t>::kStep;
+  constexpr int kMax = kRegisterSteps<scalar_t, kGathered>;
+  static_assert(kMax <= 4, "rotate_block_rows is instantiated for 1 to 4 steps");
+  int64_t i = 0;
+  // Each block as wide as the registers allow, so that most rows are rotated in one pass.
+  while (i + kStep <= half) {
+    const int64_t n = std::min<int64_t>(kMax, (half - i) / kStep);
+    const auto block = [&](auto steps) {
+      rotate_block_rows<decltype(steps)::value, kConj, kInterleaved, kGathered>(x, x_head, out, out_head, nh, t, i,
+                                                                                half);
+      i += decltype(steps)::value * kStep;
+    };
+    if (kMax >= 4 && n >= 4) {
+      block(std::integral_constant<int, std::min(kMax, 4)>{});
+    } else if (kMax >= 3 && n == 3) {
+      block(std::integral_constant<int, std::min(kMax, 3)>{});
+    } else if (kMax >= 2 && n == 2) {
+      block(std::integral_constant<int, std::min(kMax, 2)>{});
+    } else {
+      block(std::integral_constant<int, 1>{});
+    }
+  }
+  const int64_t rotary_dim = 2 * half;
+  if (i < half || (rotary_dim < head_dim && out != x)) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const scalar_t* xr = x + h * x_head;
+      scalar_t* outr = out + h * out_head;
+      rotate_pairs_scalar<kConj, kInterleaved>(xr, 1, outr, 1, t, i, half);
+      if (rotary_dim < head_dim && out != x) {
+        std::memcpy(outr + rotary_dim, xr + rotary_dim, (head_dim - rotary_dim) * sizeof(scalar_t));
+      }
+    }
+  }
+}
+
 // Walks the linear indices of a StridedDims in order, keeping each operand's offset: the first
 // position costs an unravel (divisions), each next one an add and rarely a carry.
 template <int kOperands>
@@ -375,6 +532,9 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
   };
 
   if (!head_major(p)) {
+    // The fast path: rows with contiguous columns along at most one head dim, stored normally.
+    // (Streamed rows keep rotate_row, which checks each row's alignment.)
+    const bool fast = contiguous_rows && !stream && p.heads.ndim <= 1;
     // Token-major storage (e.g. (B,S,H,D), or HF's (B,H,S,D) view of it): rows in storage
     // order, each token's tables built once for its adjacent heads. Threads split rows, so
     // a few tokens with many heads (decode) still divide.
@@ -382,13 +542,23 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
       std::vector<opmath_t> buf(4 * half);
       int64_t streamed = 0;
       StridedCursor<2> head{p.heads};
-      for (int64_t row = begin; row < end;) {
-        const int64_t token = row / nheads;
-        const int64_t h_begin = row % nheads;
+      const int64_t hx = p.heads.ndim ? p.heads.strides[kX][0] : 0;  // the fast path's head strides
+      const int64_t ho = p.heads.ndim ? p.heads.strides[kOut][0] : 0;
+      // one division for the chunk; each next token starts at its head 0
+      int64_t token = begin / nheads;
+      int64_t h_begin = begin % nheads;
+      for (int64_t row = begin; row < end; ++token, h_begin = 0) {
         const int64_t h_end = std::min(nheads, h_begin + (end - row));
         int64_t tok[4];
         p.tokens.offsets(token, tok);
         const auto t = tables_at(tok, buf.data());
+        if (fast) {
+          rotate_token_rows<kConj, kInterleaved, kGathered>(x_base + tok[kX] + h_begin * hx, hx,
+                                                           out_base + tok[kOut] + h_begin * ho, ho,
+                                                           h_end - h_begin, t, half, p.head_dim);
+          row += h_end - h_begin;
+          continue;
+        }
         head.seek(h_begin);  // then no division per row
         for (int64_t h = h_begin; h < h_end; ++h, head.next()) {
           rotate_row(x_base + tok[kX] + head.off[kX], out_base + tok[kOut] + head.off[kOut], t, streamed);
@@ -396,6 +566,7 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
         row += h_end - h_begin;
       }
       if (stream) finish_streaming(streamed);
+      path_counts().rows[fast ? kFastRows : kGeneralRows].fetch_add(end - begin, std::memory_order_relaxed);
     });
     return;
   }
@@ -438,10 +609,12 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
     path_counts().head_split_walks.fetch_add(1, std::memory_order_relaxed);
     const int64_t head_grain = std::max<int64_t>(1, grain / std::max<int64_t>(1, ntokens));
     at::parallel_for(0, nheads, head_grain, [&](int64_t begin, int64_t end) { walk(0, ntokens, begin, end); });
+    path_counts().rows[kGeneralRows].fetch_add(rows, std::memory_order_relaxed);
   } else {
     path_counts().token_split_walks.fetch_add(1, std::memory_order_relaxed);
     const int64_t token_grain = std::max<int64_t>(1, grain / std::max<int64_t>(1, nheads));
     at::parallel_for(0, ntokens, token_grain, [&](int64_t begin, int64_t end) { walk(begin, end, 0, nheads); });
+    path_counts().rows[kGeneralRows].fetch_add(rows, std::memory_order_relaxed);
   }
 }
 

@@ -12,12 +12,12 @@
 
 namespace rope_ext::cpu {
 
-enum class Isa { DEFAULT, AVX2, AVX512 };
+enum class Isa { DEFAULT, AVX2, AVX512, AVX512_BF16 };
 
 // Bytes one streaming store of the variant writes, and so the alignment it needs; 0 where the
 // variant has no streaming store (DEFAULT writes with ordinary stores only).
 constexpr int64_t streaming_store_bytes(Isa isa) {
-  return isa == Isa::AVX512 ? 64 : isa == Isa::AVX2 ? 32 : 0;
+  return isa == Isa::AVX512 || isa == Isa::AVX512_BF16 ? 64 : isa == Isa::AVX2 ? 32 : 0;
 }
 
 // True when every vector store of rotate_row_contiguous's vector body on the row of `out` that

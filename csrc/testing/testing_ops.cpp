@@ -98,8 +98,14 @@ TORCH_LIBRARY(rope_ext_testing, m) {
   m.def("cpu_path_counts() -> int[]", []() -> std::vector<int64_t> {
     const cpu::PathCounts& c = cpu::path_counts();
     return {c.streamed_rows.load(), c.huge_page_outputs.load(), c.head_split_walks.load(),
-            c.token_split_walks.load()};
+            c.token_split_walks.load(), c.rows[cpu::kFastRows].load(), c.rows[cpu::kGeneralRows].load(),
+            c.native_bf16_calls.load()};
   });
+  // Whether the CPU kernel may round bfloat16 with AVX512-BF16 where the CPU has it (the AVX512_BF16
+  // variant); False forces the AVX512 variant's integer rounding. Returns the previous setting.
+  m.def("cpu_allow_native_bf16(bool allow) -> bool", &cpu::allow_native_bf16);
+  // Whether this CPU and build have the AVX512_BF16 variant (AVX512 kernel and cpuid's avx512bf16).
+  m.def("cpu_native_bf16_available() -> bool", &cpu::native_bf16_available);
 }
 
 TORCH_LIBRARY_IMPL(rope_ext_testing, CPU, m) { register_cuda_emulation(m); }
