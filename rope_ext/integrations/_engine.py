@@ -488,7 +488,7 @@ def site_text(name: str, form: Form | None, reason: str | None) -> str:
 def print_listing(reports: dict, lines) -> int:
     """Print each report (name -> an object with ``patchable``) as its name, ``patched`` or
     ``refused``, and its ``lines(report)``, one per row; returns how many are patchable."""
-    width = max(len(n) for n in reports)
+    width = max((len(n) for n in reports), default=0)
     for name, report in reports.items():
         status = "patched" if report.patchable else "refused"
         for i, line in enumerate(lines(report)):
