@@ -145,6 +145,45 @@ struct VecIO {
     }
   }
 
+  // The step of pairs [c, c + kStep) of a row with contiguous columns: x1 holds their first
+  // members and x2 their second, two vectors each (half-split: columns c.. and half + c..;
+  // interleaved: columns 2c.. alternating first and second).
+  template <bool kInterleaved>
+  static void load_pairs(const scalar_t* row, int64_t c, int64_t half, Vec (&x1)[2], Vec (&x2)[2]) {
+    if constexpr (kInterleaved) {
+      Vec a[4];
+      load(row + 2 * c, a[0], a[1]);
+      load(row + 2 * c + kStep, a[2], a[3]);
+      std::tie(x1[0], x2[0]) = at::vec::deinterleave2(a[0], a[1]);
+      std::tie(x1[1], x2[1]) = at::vec::deinterleave2(a[2], a[3]);
+    } else {
+      load(row + c, x1[0], x1[1]);
+      load(row + half + c, x2[0], x2[1]);
+    }
+  }
+  // load_pairs' inverse: the step's results o1 (first members) and o2 (second) into their columns;
+  // with kStream through non-temporal stores (the caller has checked their alignment).
+  template <bool kInterleaved, bool kStream = false>
+  static void store_pairs(scalar_t* row, int64_t c, int64_t half, const Vec (&o1)[2], const Vec (&o2)[2]) {
+    const auto put = [](scalar_t* p, const Vec& a, const Vec& b) {
+      if constexpr (kStream) {
+        store_streaming(p, a, b);
+      } else {
+        store(p, a, b);
+      }
+    };
+    if constexpr (kInterleaved) {
+      Vec b[4];
+      std::tie(b[0], b[1]) = at::vec::interleave2(o1[0], o2[0]);
+      std::tie(b[2], b[3]) = at::vec::interleave2(o1[1], o2[1]);
+      put(row + 2 * c, b[0], b[1]);
+      put(row + 2 * c + kStep, b[2], b[3]);
+    } else {
+      put(row + c, o1[0], o1[1]);
+      put(row + half + c, o2[0], o2[1]);
+    }
+  }
+
   // store() with non-temporal stores where the ISA has them. Every register store must be
   // kStreamStoreBytes-aligned, which the caller establishes with streaming_row_aligned.
   static void store_streaming(scalar_t* p, const Vec& a, const Vec& b) {
@@ -295,17 +334,7 @@ void rotate_row_contiguous(const scalar_t* x, scalar_t* out, const PairTables<op
   int64_t i = 0;
   for (; i + kStep <= half; i += kStep) {
     Vec x1[2], x2[2], o1[2], o2[2];
-    if constexpr (kInterleaved) {
-      // 2 * kStep consecutive columns hold kStep (first, second) pairs.
-      Vec a[4];
-      IO::load(x + 2 * i, a[0], a[1]);
-      IO::load(x + 2 * i + kStep, a[2], a[3]);
-      std::tie(x1[0], x2[0]) = at::vec::deinterleave2(a[0], a[1]);
-      std::tie(x1[1], x2[1]) = at::vec::deinterleave2(a[2], a[3]);
-    } else {
-      IO::load(x + i, x1[0], x1[1]);
-      IO::load(x + half + i, x2[0], x2[1]);
-    }
+    IO::template load_pairs<kInterleaved>(x, i, half, x1, x2);
     for (int k = 0; k < 2; ++k) {
       const int64_t j = i + k * V;
       if constexpr (kGathered) {
@@ -316,19 +345,7 @@ void rotate_row_contiguous(const scalar_t* x, scalar_t* out, const PairTables<op
                            Vec::loadu(t.c2 + j), Vec::loadu(t.s2 + j), o1[k], o2[k]);
       }
     }
-    const auto store = [](scalar_t* p, const Vec& a, const Vec& b) {
-      kStream ? IO::store_streaming(p, a, b) : IO::store(p, a, b);
-    };
-    if constexpr (kInterleaved) {
-      Vec b[4];
-      std::tie(b[0], b[1]) = at::vec::interleave2(o1[0], o2[0]);
-      std::tie(b[2], b[3]) = at::vec::interleave2(o1[1], o2[1]);
-      store(out + 2 * i, b[0], b[1]);
-      store(out + 2 * i + kStep, b[2], b[3]);
-    } else {
-      store(out + i, o1[0], o1[1]);
-      store(out + half + i, o2[0], o2[1]);
-    }
+    IO::template store_pairs<kInterleaved, kStream>(out, i, half, o1, o2);
   }
   rotate_pairs_scalar<kConj, kInterleaved>(x, 1, out, 1, t, i, half);
 }
@@ -367,31 +384,13 @@ inline void rotate_block_rows(const scalar_t* x, int64_t x_head, scalar_t* out, 
     for (int q = 0; q < kSteps; ++q) {
       const int64_t c = i + q * kStep;  // first pair of this step
       Vec x1[2], x2[2], o1[2], o2[2];
-      if constexpr (kInterleaved) {
-        Vec a[4];
-        IO::load(xr + 2 * c, a[0], a[1]);
-        IO::load(xr + 2 * c + kStep, a[2], a[3]);
-        std::tie(x1[0], x2[0]) = at::vec::deinterleave2(a[0], a[1]);
-        std::tie(x1[1], x2[1]) = at::vec::deinterleave2(a[2], a[3]);
-      } else {
-        IO::load(xr + c, x1[0], x1[1]);
-        IO::load(xr + half + c, x2[0], x2[1]);
-      }
+      IO::template load_pairs<kInterleaved>(xr, c, half, x1, x2);
 #pragma GCC unroll 2
       for (int k = 0; k < 2; ++k) {
         const int m = 2 * q + k;
         rotate_pair<kConj>(x1[k], x2[k], tab[0][m], tab[1][m], c2[m], s2[m], o1[k], o2[k]);
       }
-      if constexpr (kInterleaved) {
-        Vec b[4];
-        std::tie(b[0], b[1]) = at::vec::interleave2(o1[0], o2[0]);
-        std::tie(b[2], b[3]) = at::vec::interleave2(o1[1], o2[1]);
-        IO::store(outr + 2 * c, b[0], b[1]);
-        IO::store(outr + 2 * c + kStep, b[2], b[3]);
-      } else {
-        IO::store(outr + c, o1[0], o1[1]);
-        IO::store(outr + half + c, o2[0], o2[1]);
-      }
+      IO::template store_pairs<kInterleaved>(outr, c, half, o1, o2);
     }
   }
 }
@@ -481,10 +480,13 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
   // A token's PairTables, from the tables' offsets `tok` (kCos, kSin) or, gathered, from the row
   // of the caches its position (at offset tok[kCos] of positions) selects. The caller has checked
   // every position against the cache.
+  const auto position_at = [&](int64_t offset) {
+    return p.positions_int32 ? int64_t{static_cast<const int32_t*>(positions)[offset]}
+                             : static_cast<const int64_t*>(positions)[offset];
+  };
   const auto tables_at = [&](const int64_t (&tok)[4], opmath_t* buf) {
     if constexpr (kGathered) {
-      const int64_t pos = p.positions_int32 ? int64_t{static_cast<const int32_t*>(positions)[tok[kCos]]}
-                                            : static_cast<const int64_t*>(positions)[tok[kCos]];
+      const int64_t pos = position_at(tok[kCos]);
       return token_tables<kInterleaved, true>(cos_base + pos * p.cos_row, p.cos_col, sin_base + pos * p.sin_row,
                                               p.sin_col, p.rotary_dim / 2, buf);
     } else {
@@ -496,6 +498,27 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
   const int64_t half = p.rotary_dim / 2;
   const int64_t pass = p.head_dim - p.rotary_dim;  // pass-through columns per row
   const int64_t nheads = p.num_heads();
+  const int64_t ntokens = p.num_tokens();
+
+  // Gathered: requests the cache rows of `token` (the next one) while the current token rotates.
+  // Positions in no order (packed sequences, decodes at different lengths, random tests) give the
+  // hardware prefetcher nothing to follow, and out of cache, with x streaming through, each token
+  // would otherwise wait for its rows from memory. A hint: it reads and checks nothing. Rows with
+  // strided columns are left to the hardware.
+  const auto prefetch_tables = [&](int64_t token) {
+    if constexpr (kGathered) {
+      if (token >= ntokens || p.cos_col != 1 || p.sin_col != 1) return;
+      int64_t tok[4];
+      p.tokens.offsets(token, tok);
+      const int64_t pos = position_at(tok[kCos]);
+      const char* c = reinterpret_cast<const char*>(cos_base + pos * p.cos_row);
+      const char* s = reinterpret_cast<const char*>(sin_base + pos * p.sin_row);
+      for (int64_t b = 0; b < half * static_cast<int64_t>(sizeof(table_t)); b += 64) {
+        __builtin_prefetch(c + b, 0, 3);
+        __builtin_prefetch(s + b, 0, 3);
+      }
+    }
+  };
   const int64_t rows = p.num_tokens() * nheads;
   const bool contiguous_rows = p.x_col == 1 && p.out_col == 1;
   const int64_t grain = std::max<int64_t>(1, th.grain_elements / std::max<int64_t>(1, p.head_dim));
@@ -552,6 +575,7 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
         int64_t tok[4];
         p.tokens.offsets(token, tok);
         const auto t = tables_at(tok, buf.data());
+        prefetch_tables(token + 1);
         if (fast) {
           rotate_token_rows<kConj, kInterleaved, kGathered>(x_base + tok[kX] + h_begin * hx, hx,
                                                            out_base + tok[kOut] + h_begin * ho, ho,
@@ -577,7 +601,6 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
   // rows of a tile are one contiguous run of memory. Threads split the heads when there are
   // enough of them, so that each writes its own stretch of the output (pages that fault in on
   // first write are not shared between threads); otherwise they split the tokens.
-  const int64_t ntokens = p.num_tokens();
   const auto walk = [&](int64_t t_begin, int64_t t_end, int64_t h_begin, int64_t h_end) {
     const int64_t tile = th.tile_tokens;
     std::vector<opmath_t> buf(tile * 4 * half);
