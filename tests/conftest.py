@@ -338,6 +338,7 @@ PATH_COUNT_NAMES = (
     "fast_rows",
     "general_rows",
     "native_bf16_calls",
+    "wide_fast_rows",
 )
 
 

@@ -24,8 +24,9 @@ import rope_ext
 
 CONVENTIONS = {"halfsplit": False, "interleaved": True}
 # (head_dim, rotary_dim): whole vector steps, a step plus a scalar tail, only a tail (r/2 = 10),
-# and partial rotary with pass-through columns.
-DIMS = [(128, 128), (80, 80), (136, 136), (64, 20), (96, 64)]
+# partial rotary with pass-through columns, and rows too wide for the register blocks on every ISA
+# (512; see test_wide_rows_take_the_row_loop).
+DIMS = [(128, 128), (80, 80), (136, 136), (64, 20), (96, 64), (512, 512)]
 DIM_IDS = [f"d{d}r{r}" for d, r in DIMS]
 HEADS = [1, 3, 32]
 
@@ -218,6 +219,45 @@ def test_general_path_still_taken():
     assert ran["general_rows"] == 2 * x[..., 0].numel() and ran["fast_rows"] == 0, ran
     assert_same(head_major, fast)
     assert_same(by_cols, fast)
+
+
+def register_steps(gathered: bool) -> tuple[int, int]:
+    """(pairs per vector step, steps of tables held in registers) of the running variant, from the
+    register files: AVX-512 has 32 registers of 16 floats and gives 16 to the tables, AVX2 (and
+    DEFAULT's 256-bit vectors) 16 of 8 floats and gives 8; each step needs 2 registers per table,
+    and a step is two float vectors of pairs. Half-width (gathered) caches are 2 tables, full-width 4."""
+    wide = rope_ext.cpu_kernel_isa() == "AVX512"
+    floats = 16 if wide else 8
+    return 2 * floats, max(1, (16 if wide else 8) // (2 * (2 if gathered else 4)))
+
+
+@pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
+def test_wide_rows_take_the_row_loop(interleaved):
+    """Rows with more vector steps than the register blocks hold are rotated a whole row at a time
+    (wide_fast_rows), the rest through the blocks, with the same results: float32, tables full-width
+    and gathered, at head dims that put some on each side on this ISA."""
+    gen = torch.Generator().manual_seed(30)
+    sides = {False: set(), True: set()}
+    for d in (32, 64, 96, 128, 192, 256, 320, 512):
+        x = torch.randn(5, 3, d, generator=gen)
+        cos, sin = random_tables((5, 1, d), torch.float32, gen)
+        cos_cache, sin_cache = random_tables((40, d // 2), torch.float32, gen)
+        positions = torch.randint(0, 40, (5,), generator=gen)
+        for gathered in (False, True):
+            step, held = register_steps(gathered)
+            wide = (d // 2) // step > held
+            sides[gathered].add(wide)
+            before = path_counts()
+            if gathered:
+                got = rope_ext.rotary_pos(x, cos_cache, sin_cache, positions[:, None], interleaved=interleaved)
+                want = exact_rotary_pos(x, cos_cache, sin_cache, positions, interleaved, False)
+            else:
+                got = rope_ext.rotary(x, cos, sin, interleaved=interleaved)
+                want = exact_rotary(x, cos, sin, interleaved, False)
+            ran = path_counts_since(before)
+            assert ran["fast_rows"] == 15 and ran["wide_fast_rows"] == (15 if wide else 0), (d, gathered, ran)
+            assert_same(got, want)
+    assert sides == {False: {False, True}, True: {False, True}}, sides
 
 
 def test_native_bf16_availability_follows_cpuid():

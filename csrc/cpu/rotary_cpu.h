@@ -41,6 +41,8 @@ struct PathCounts {
   // Rows rotated by the contiguous-row fast path (rotate_token_rows) and by the general one
   // (rotate_row, per row), indexed by RowPath; added once per parallel chunk.
   std::atomic<int64_t> rows[2] = {0, 0};
+  // Of the fast path's rows, those too wide for its register blocks, rotated a row at a time
+  std::atomic<int64_t> wide_fast_rows{0};
   std::atomic<int64_t> native_bf16_calls{0};    // calls run by the AVX512_BF16 variant
 };
 enum RowPath { kFastRows = 0, kGeneralRows = 1 };

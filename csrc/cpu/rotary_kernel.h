@@ -324,9 +324,13 @@ void rotate_pairs_scalar(const scalar_t* x, int64_t x_col, scalar_t* out, int64_
 // Rotates one row whose x and out columns are contiguous: vector body, scalar tail. With
 // kStream the vector body's stores are non-temporal (the caller checks their alignment). With
 // kGathered the tables hold one value per pair (c2 = c1, s2 = s1), loaded once.
+//
+// Inlined into its loops, and `t` taken by value: the compiler then knows the row's stores cannot
+// change the table pointers, which it otherwise reloads at every step (the call and those reloads
+// were a fifth of the AVX2 float32 row's instructions).
 template <bool kConj, bool kInterleaved, bool kStream, bool kGathered, typename scalar_t, typename opmath_t>
-void rotate_row_contiguous(const scalar_t* x, scalar_t* out, const PairTables<opmath_t>& t,
-                           int64_t half) {
+C10_ALWAYS_INLINE void rotate_row_contiguous(const scalar_t* x, scalar_t* out, const PairTables<opmath_t> t,
+                                             int64_t half) {
   using IO = VecIO<scalar_t>;
   using Vec = typename IO::Vec;
   constexpr int64_t V = Vec::size();
@@ -357,7 +361,7 @@ void rotate_row_contiguous(const scalar_t* x, scalar_t* out, const PairTables<op
 // chosen so that the tables fit the register file beside the row's own values.
 template <int kSteps, bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
 inline void rotate_block_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
-                              const PairTables<opmath_t>& t, int64_t i, int64_t half) {
+                              const PairTables<opmath_t>& t, int64_t half) {
   using IO = VecIO<scalar_t>;
   using Vec = typename IO::Vec;
   constexpr int64_t V = Vec::size();
@@ -367,7 +371,7 @@ inline void rotate_block_rows(const scalar_t* x, int64_t x_head, scalar_t* out, 
   Vec tab[kTables][kN];
 #pragma GCC unroll 16
   for (int k = 0; k < kN; ++k) {
-    const int64_t j = i + k * V;
+    const int64_t j = k * V;
     tab[0][k] = Vec::loadu(t.c1 + j);
     tab[1][k] = Vec::loadu(t.s1 + j);
     if constexpr (!kGathered) {
@@ -382,7 +386,7 @@ inline void rotate_block_rows(const scalar_t* x, int64_t x_head, scalar_t* out, 
     scalar_t* outr = out + h * out_head;
 #pragma GCC unroll 16
     for (int q = 0; q < kSteps; ++q) {
-      const int64_t c = i + q * kStep;  // first pair of this step
+      const int64_t c = q * kStep;  // first pair of this step
       Vec x1[2], x2[2], o1[2], o2[2];
       IO::template load_pairs<kInterleaved>(xr, c, half, x1, x2);
 #pragma GCC unroll 2
@@ -402,44 +406,61 @@ constexpr int kRegisterSteps =
     std::max(1, ((sizeof(Vectorized<float>) >= 64 ? 16 : 8) / (2 * (kGathered ? 2 : 4))));
 
 // Rotates `nh` rows of one token, row h at x + h * x_head, whose columns are contiguous (x_col =
-// out_col = 1), and copies their pass-through columns when out is not x: blocks of tables held in
-// registers, then one step at a time, then each row's scalar tail.
+// out_col = 1), and copies their pass-through columns when out is not x.
+//
+// Where a row's vector steps fit the register budget (kRegisterSteps), the token's tables are
+// loaded into registers once and every row streams past them in one pass (rotate_block_rows),
+// then each row's scalar tail. Wider rows (AVX2 at head_dim 128; AVX-512 at 256 with full-width
+// tables, or 512) are rotated a whole row at a time with the tables read from L1 at every step,
+// as a plain loop does: splitting them into column blocks, one pass over the token's rows per
+// block, reads each row's cache lines out of order, which measured 0.58 of neg_ out of cache (AVX2,
+// float32, head_dim 128, in place) where a pass per row reaches 0.97. Returns false for such rows
+// (PathCounts::wide_fast_rows).
 template <bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
-void rotate_token_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
+bool rotate_token_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
                        const PairTables<opmath_t>& t, int64_t half, int64_t head_dim) {
   constexpr int64_t kStep = VecIO<scalar_t>::kStep;
   constexpr int kMax = kRegisterSteps<scalar_t, kGathered>;
   static_assert(kMax <= 4, "rotate_block_rows is instantiated for 1 to 4 steps");
-  int64_t i = 0;
-  // Each block as wide as the registers allow, so that most rows are rotated in one pass.
-  while (i + kStep <= half) {
-    const int64_t n = std::min<int64_t>(kMax, (half - i) / kStep);
-    const auto block = [&](auto steps) {
-      rotate_block_rows<decltype(steps)::value, kConj, kInterleaved, kGathered>(x, x_head, out, out_head, nh, t, i,
-                                                                                half);
-      i += decltype(steps)::value * kStep;
-    };
-    if (kMax >= 4 && n >= 4) {
-      block(std::integral_constant<int, std::min(kMax, 4)>{});
-    } else if (kMax >= 3 && n == 3) {
-      block(std::integral_constant<int, std::min(kMax, 3)>{});
-    } else if (kMax >= 2 && n == 2) {
-      block(std::integral_constant<int, std::min(kMax, 2)>{});
-    } else {
-      block(std::integral_constant<int, 1>{});
-    }
-  }
   const int64_t rotary_dim = 2 * half;
-  if (i < half || (rotary_dim < head_dim && out != x)) {
+  const bool copy_pass = rotary_dim < head_dim && out != x;  // in place, they are already there
+  const auto pass_through = [&](const scalar_t* xr, scalar_t* outr) {
+    std::memcpy(outr + rotary_dim, xr + rotary_dim, (head_dim - rotary_dim) * sizeof(scalar_t));
+  };
+  const int64_t steps = half / kStep;
+  if (steps > kMax) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const scalar_t* xr = x + h * x_head;
+      scalar_t* outr = out + h * out_head;
+      rotate_row_contiguous<kConj, kInterleaved, false, kGathered>(xr, outr, t, half);
+      if (copy_pass) pass_through(xr, outr);
+    }
+    return false;
+  }
+  const auto block = [&](auto n) {
+    rotate_block_rows<decltype(n)::value, kConj, kInterleaved, kGathered>(x, x_head, out, out_head, nh, t, half);
+  };
+  // steps <= kMax <= 4: all of a row's steps in one block
+  if constexpr (kMax >= 4) {
+    if (steps == 4) block(std::integral_constant<int, 4>{});
+  }
+  if constexpr (kMax >= 3) {
+    if (steps == 3) block(std::integral_constant<int, 3>{});
+  }
+  if constexpr (kMax >= 2) {
+    if (steps == 2) block(std::integral_constant<int, 2>{});
+  }
+  if (steps == 1) block(std::integral_constant<int, 1>{});
+  const int64_t i = steps * kStep;
+  if (i < half || copy_pass) {
     for (int64_t h = 0; h < nh; ++h) {
       const scalar_t* xr = x + h * x_head;
       scalar_t* outr = out + h * out_head;
       rotate_pairs_scalar<kConj, kInterleaved>(xr, 1, outr, 1, t, i, half);
-      if (rotary_dim < head_dim && out != x) {
-        std::memcpy(outr + rotary_dim, xr + rotary_dim, (head_dim - rotary_dim) * sizeof(scalar_t));
-      }
+      if (copy_pass) pass_through(xr, outr);
     }
   }
+  return true;
 }
 
 // Walks the linear indices of a StridedDims in order, keeping each operand's offset: the first
@@ -564,6 +585,7 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
       std::vector<opmath_t> buf(4 * half);
       int64_t streamed = 0;
+      int64_t wide_rows = 0;  // fast-path rows too wide for the register blocks
       StridedCursor<2> head{p.heads};
       const int64_t hx = p.heads.ndim ? p.heads.strides[kX][0] : 0;  // the fast path's head strides
       const int64_t ho = p.heads.ndim ? p.heads.strides[kOut][0] : 0;
@@ -577,9 +599,11 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
         const auto t = tables_at(tok, buf.data());
         prefetch_tables(token + 1);
         if (fast) {
-          rotate_token_rows<kConj, kInterleaved, kGathered>(x_base + tok[kX] + h_begin * hx, hx,
-                                                           out_base + tok[kOut] + h_begin * ho, ho,
-                                                           h_end - h_begin, t, half, p.head_dim);
+          if (!rotate_token_rows<kConj, kInterleaved, kGathered>(x_base + tok[kX] + h_begin * hx, hx,
+                                                                out_base + tok[kOut] + h_begin * ho, ho,
+                                                                h_end - h_begin, t, half, p.head_dim)) {
+            wide_rows += h_end - h_begin;
+          }
           row += h_end - h_begin;
           continue;
         }
@@ -591,6 +615,7 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
       }
       if (stream) finish_streaming(streamed);
       path_counts().rows[fast ? kFastRows : kGeneralRows].fetch_add(end - begin, std::memory_order_relaxed);
+      if (wide_rows > 0) path_counts().wide_fast_rows.fetch_add(wide_rows, std::memory_order_relaxed);
     });
     return;
   }

@@ -99,7 +99,7 @@ TORCH_LIBRARY(rope_ext_testing, m) {
     const cpu::PathCounts& c = cpu::path_counts();
     return {c.streamed_rows.load(), c.huge_page_outputs.load(), c.head_split_walks.load(),
             c.token_split_walks.load(), c.rows[cpu::kFastRows].load(), c.rows[cpu::kGeneralRows].load(),
-            c.native_bf16_calls.load()};
+            c.native_bf16_calls.load(), c.wide_fast_rows.load()};
   });
   // Whether the CPU kernel may round bfloat16 with AVX512-BF16 where the CPU has it (the AVX512_BF16
   // variant); False forces the AVX512 variant's integer rounding. Returns the previous setting.
