@@ -354,11 +354,11 @@ C10_ALWAYS_INLINE void rotate_row_contiguous(const scalar_t* x, scalar_t* out, c
   rotate_pairs_scalar<kConj, kInterleaved>(x, 1, out, 1, t, i, half);
 }
 
-// The contiguous-row fast path: columns [i, i + kSteps * kStep) of `nh` rows that share one
-// token's tables, row h at x + h * x_head (and out + h * out_head), columns contiguous. The tables
-// of the block are loaded into registers once and kept there for every row, which a row-at-a-time
-// walk reloads per row; the loop has no per-row calls, checks or index arithmetic. kSteps is
-// chosen so that the tables fit the register file beside the row's own values.
+// The contiguous-row fast path: pairs [0, kSteps * kStep) (a row's whole vector part) of `nh`
+// rows that share one token's tables, row h at x + h * x_head (and out + h * out_head), columns
+// contiguous. The tables of the block are loaded into registers once and kept there for every
+// row, which a row-at-a-time walk reloads per row; the loop has no per-row calls, checks or index
+// arithmetic. kSteps is chosen so that the tables fit the register file beside the row's values.
 template <int kSteps, bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
 inline void rotate_block_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
                               const PairTables<opmath_t>& t, int64_t half) {
@@ -410,12 +410,13 @@ constexpr int kRegisterSteps =
 //
 // Where a row's vector steps fit the register budget (kRegisterSteps), the token's tables are
 // loaded into registers once and every row streams past them in one pass (rotate_block_rows),
-// then each row's scalar tail. Wider rows (AVX2 at head_dim 128; AVX-512 at 256 with full-width
-// tables, or 512) are rotated a whole row at a time with the tables read from L1 at every step,
-// as a plain loop does: splitting them into column blocks, one pass over the token's rows per
-// block, reads each row's cache lines out of order, which measured 0.58 of neg_ out of cache (AVX2,
-// float32, head_dim 128, in place) where a pass per row reaches 0.97. Returns false for such rows
-// (PathCounts::wide_fast_rows).
+// then each row's scalar tail. Wider rows (half / kStep > kRegisterSteps: for float and 16-bit
+// x, from rotary_dim 64 with full-width tables and 96 with gathered ones on AVX2 and DEFAULT,
+// from 192 and 320 on AVX-512; double x at half those) are rotated a whole row at a time with
+// the tables read from L1 at every step, as a plain loop does. Splitting them into column
+// blocks, one pass over the token's rows per block, reads each row's cache lines out of order:
+// it measured 0.58 of neg_ out of cache (AVX2, float32, head_dim 128, in place), where a pass per
+// row reaches 0.97. Returns false for such rows (PathCounts::wide_fast_rows).
 template <bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
 bool rotate_token_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
                        const PairTables<opmath_t>& t, int64_t half, int64_t head_dim) {
