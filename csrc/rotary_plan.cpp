@@ -3,6 +3,8 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <utility>
@@ -217,20 +219,33 @@ void check_inplace_args(const char* op, const at::Tensor& x, std::initializer_li
 
 namespace {
 
-// Splits x's leading dims into the plan's token and head dims. c and s are the tables as views
-// over x.shape[:-1] (+ the table's last dim, if any): a dim along which either varies is a token dim.
-void split_dims(RotaryPlan& p, const at::Tensor& x, const at::Tensor& out, const at::Tensor& c,
-                const at::Tensor& s) {
+// Element strides of a tensor with `sizes` and `strides` broadcast over `shape` (its trailing dims
+// aligned with shape's, as expand() would give them, without making the view): 0 along the dims it
+// lacks or has size 1. The callers have checked that it broadcasts.
+using DimStrides = std::array<int64_t, kMaxDims>;
+DimStrides broadcast_strides(at::IntArrayRef sizes, at::IntArrayRef strides, int64_t ndim) {
+  DimStrides out{};
+  const int64_t lead = ndim - static_cast<int64_t>(sizes.size());
+  for (int64_t d = std::max<int64_t>(lead, 0); d < ndim; ++d) {
+    out[d] = sizes[d - lead] == 1 ? 0 : strides[d - lead];
+  }
+  return out;
+}
+
+// Splits x's leading dims into the plan's token and head dims. c and s are the tables' strides
+// over x.shape[:-1] (broadcast_strides): a dim along which either varies is a token dim.
+void split_dims(RotaryPlan& p, const at::Tensor& x, const at::Tensor& out, const DimStrides& c,
+                const DimStrides& s) {
   for (int64_t d = 0; d + 1 < x.dim(); ++d) {
     const int64_t n = x.size(d);
     if (n == 1) continue;
-    if (c.stride(d) != 0 || s.stride(d) != 0) {
+    if (c[d] != 0 || s[d] != 0) {
       auto& t = p.tokens;
       t.sizes[t.ndim] = n;
       t.strides[kX][t.ndim] = x.stride(d);
       t.strides[kOut][t.ndim] = out.stride(d);
-      t.strides[kCos][t.ndim] = c.stride(d);
-      t.strides[kSin][t.ndim] = s.stride(d);
+      t.strides[kCos][t.ndim] = c[d];
+      t.strides[kSin][t.ndim] = s[d];
       ++t.ndim;
     } else {
       auto& h = p.heads;
@@ -248,19 +263,19 @@ void split_dims(RotaryPlan& p, const at::Tensor& x, const at::Tensor& out, const
 
 }  // namespace
 
+// The plans read strides only: the broadcasts are computed, not made as views (each view cost
+// about 1000 instructions of the dispatcher's, a third of a small call's own time).
 RotaryPlan make_rotary_plan(const at::Tensor& x, const at::Tensor& out, const at::Tensor& cos,
                             const at::Tensor& sin) {
   RotaryPlan p;
   p.head_dim = x.size(-1);
   p.rotary_dim = cos.size(-1);
-  // Broadcast views (no copies): stride 0 along every dim that cos/sin broadcast over.
-  std::vector<int64_t> table_shape(x.sizes().begin(), x.sizes().end());
-  table_shape.back() = p.rotary_dim;
-  const at::Tensor c = cos.expand(table_shape);
-  const at::Tensor s = sin.expand(table_shape);
+  // stride 0 along every dim that cos/sin broadcast over
+  const DimStrides c = broadcast_strides(cos.sizes(), cos.strides(), x.dim());
+  const DimStrides s = broadcast_strides(sin.sizes(), sin.strides(), x.dim());
   split_dims(p, x, out, c, s);
-  p.cos_col = c.stride(-1);
-  p.sin_col = s.stride(-1);
+  p.cos_col = cos.stride(-1);
+  p.sin_col = sin.stride(-1);
   return p;
 }
 
@@ -269,10 +284,8 @@ RotaryPlan make_rotary_pos_plan(const at::Tensor& x, const at::Tensor& out, cons
   RotaryPlan p;
   p.head_dim = x.size(-1);
   p.rotary_dim = 2 * cos_cache.size(1);
-  // positions as a view over x.shape[:-1] + (1,), so that split_dims sees x's rank.
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = 1;
-  const at::Tensor pos = positions.unsqueeze(-1).expand(shape);
+  // positions over x.shape[:-1], aligned as if unsqueezed to x's rank (the last dim is the columns)
+  DimStrides pos = broadcast_strides(positions.sizes(), positions.strides(), x.dim() - 1);
   split_dims(p, x, out, pos, pos);
   p.gathered = true;
   p.positions_int32 = positions.scalar_type() == at::kInt;

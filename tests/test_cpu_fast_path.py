@@ -24,9 +24,10 @@ import rope_ext
 
 CONVENTIONS = {"halfsplit": False, "interleaved": True}
 # (head_dim, rotary_dim): whole vector steps, a step plus a scalar tail, only a tail (r/2 = 10),
-# partial rotary with pass-through columns, and rows too wide for the register blocks on every ISA
-# (512; see test_wide_rows_take_the_row_loop).
-DIMS = [(128, 128), (80, 80), (136, 136), (64, 20), (96, 64), (512, 512)]
+# partial rotary with pass-through columns, rows with more steps than the registers hold tables for
+# (128 on AVX2, 512 on every ISA), and rows too wide to unroll (512 on AVX2, 576 with pass-through
+# columns on every ISA; see test_wide_rows_take_the_row_loop).
+DIMS = [(128, 128), (80, 80), (136, 136), (64, 20), (96, 64), (512, 512), (640, 576)]
 DIM_IDS = [f"d{d}r{r}" for d, r in DIMS]
 HEADS = [1, 3, 32]
 
@@ -231,22 +232,28 @@ def register_steps(gathered: bool) -> tuple[int, int]:
     return 2 * floats, max(1, (16 if wide else 8) // (2 * (2 if gathered else 4)))
 
 
+# The widest row, in vector steps, that the fast path unrolls (kUnrolledSteps in rotary_kernel.h).
+UNROLLED_STEPS = 8
+
+
 @pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
 def test_wide_rows_take_the_row_loop(interleaved):
-    """Rows with more vector steps than the register blocks hold are rotated a whole row at a time
-    (wide_fast_rows), the rest through the blocks, with the same results: float32, tables full-width
-    and gathered, at head dims that put some on each side on this ISA."""
+    """Rows of up to UNROLLED_STEPS vector steps are rotated by the unrolled blocks, with all their
+    tables held in registers or, past the register budget, the rest read at each row; wider rows take
+    the row loop (wide_fast_rows). The same results on every side: float32, tables full-width and
+    gathered, at head dims that reach all three on this ISA."""
     gen = torch.Generator().manual_seed(30)
     sides = {False: set(), True: set()}
-    for d in (32, 64, 96, 128, 192, 256, 320, 512):
+    for d in (32, 64, 96, 128, 192, 256, 320, 512, 640):
         x = torch.randn(5, 3, d, generator=gen)
         cos, sin = random_tables((5, 1, d), torch.float32, gen)
         cos_cache, sin_cache = random_tables((40, d // 2), torch.float32, gen)
         positions = torch.randint(0, 40, (5,), generator=gen)
         for gathered in (False, True):
             step, held = register_steps(gathered)
-            wide = (d // 2) // step > held
-            sides[gathered].add(wide)
+            steps = (d // 2) // step
+            side = "held" if steps <= held else "wide" if steps > UNROLLED_STEPS else "held and read"
+            sides[gathered].add(side)
             before = path_counts()
             if gathered:
                 got = rope_ext.rotary_pos(x, cos_cache, sin_cache, positions[:, None], interleaved=interleaved)
@@ -255,9 +262,11 @@ def test_wide_rows_take_the_row_loop(interleaved):
                 got = rope_ext.rotary(x, cos, sin, interleaved=interleaved)
                 want = exact_rotary(x, cos, sin, interleaved, False)
             ran = path_counts_since(before)
-            assert ran["fast_rows"] == 15 and ran["wide_fast_rows"] == (15 if wide else 0), (d, gathered, ran)
+            wide = 15 if side == "wide" else 0
+            assert ran["fast_rows"] == 15 and ran["wide_fast_rows"] == wide, (d, gathered, ran)
             assert_same(got, want)
-    assert sides == {False: {False, True}, True: {False, True}}, sides
+    every = {"held", "held and read", "wide"}
+    assert sides == {False: every, True: every}, sides
 
 
 def test_native_bf16_availability_follows_cpuid():

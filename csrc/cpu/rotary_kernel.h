@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu/rotary_cpu.h"
@@ -354,19 +355,38 @@ C10_ALWAYS_INLINE void rotate_row_contiguous(const scalar_t* x, scalar_t* out, c
   rotate_pairs_scalar<kConj, kInterleaved>(x, 1, out, 1, t, i, half);
 }
 
+// How many vector steps (IO::kStep pairs each) of one token's tables rotate_block_rows holds in
+// registers: 8 of AVX2's 16 and 16 of AVX-512's 32 registers, the rest left to the rows' values.
+template <typename scalar_t, bool kGathered>
+constexpr int kRegisterSteps =
+    std::max(1, ((sizeof(Vectorized<float>) >= 64 ? 16 : 8) / (2 * (kGathered ? 2 : 4))));
+
+// The widest row, in vector steps, that rotate_block_rows unrolls (rotary_dim 256 on AVX2 and
+// DEFAULT, 512 on AVX-512, for float and 16-bit x). Wider rows take rotate_row_contiguous's loop.
+constexpr int kUnrolledSteps = 8;
+
 // The contiguous-row fast path: pairs [0, kSteps * kStep) (a row's whole vector part) of `nh`
 // rows that share one token's tables, row h at x + h * x_head (and out + h * out_head), columns
-// contiguous. The tables of the block are loaded into registers once and kept there for every
-// row, which a row-at-a-time walk reloads per row; the loop has no per-row calls, checks or index
-// arithmetic. kSteps is chosen so that the tables fit the register file beside the row's values.
-template <int kSteps, bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
+// contiguous, one row after the other, each row's steps unrolled. The tables of the first kHeld
+// steps are loaded into registers once and kept there for every row, which a row-at-a-time loop
+// reloads per row; those of the steps beyond (rows wider than the register budget) are read from
+// L1 at each row, as a plain loop does. kHeld is chosen so that the held tables fit the register
+// file beside the row's values.
+//
+// Each row is finished before the next starts: splitting wide rows into column blocks, one pass
+// over the token's rows per block, reads each row's cache lines out of order, which measured 0.58
+// of neg_ out of cache (AVX2, float32, head_dim 128, in place) where a pass per row reaches 0.97.
+// And the unrolled steps: the same rows through rotate_row_contiguous's loop (4 iterations a row)
+// ran at 0.74 to 0.87 of a plain loop in cache, unrolled at 0.96 to 1.0 (RESULTS.md).
+template <int kSteps, int kHeld, bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
 inline void rotate_block_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
-                              const PairTables<opmath_t>& t, int64_t half) {
+                              const PairTables<opmath_t> t, int64_t half) {
+  static_assert(1 <= kHeld && kHeld <= kSteps, "rotate_block_rows holds 1 to kSteps steps of tables");
   using IO = VecIO<scalar_t>;
   using Vec = typename IO::Vec;
   constexpr int64_t V = Vec::size();
   constexpr int64_t kStep = IO::kStep;
-  constexpr int kN = 2 * kSteps;  // Vec registers per table per row block
+  constexpr int kN = 2 * kHeld;  // Vec registers per held table
   constexpr int kTables = kGathered ? 2 : 4;
   Vec tab[kTables][kN];
 #pragma GCC unroll 16
@@ -381,55 +401,54 @@ inline void rotate_block_rows(const scalar_t* x, int64_t x_head, scalar_t* out, 
   }
   const Vec(&c2)[kN] = tab[kGathered ? 0 : 2];
   const Vec(&s2)[kN] = tab[kGathered ? 1 : 3];
+  // Step q of a row (pairs [q * kStep, (q + 1) * kStep)), with q known at compile time.
+  const auto rotate_step = [&](auto step, const scalar_t* xr, scalar_t* outr) {
+    constexpr int q = decltype(step)::value;
+    const int64_t c = q * kStep;  // first pair of this step
+    Vec x1[2], x2[2], o1[2], o2[2];
+    IO::template load_pairs<kInterleaved>(xr, c, half, x1, x2);
+    for (int k = 0; k < 2; ++k) {
+      const int m = 2 * q + k;
+      if constexpr (q < kHeld) {
+        rotate_pair<kConj>(x1[k], x2[k], tab[0][m], tab[1][m], c2[m], s2[m], o1[k], o2[k]);
+      } else if constexpr (kGathered) {
+        const Vec cm = Vec::loadu(t.c1 + m * V), sm = Vec::loadu(t.s1 + m * V);
+        rotate_pair<kConj>(x1[k], x2[k], cm, sm, cm, sm, o1[k], o2[k]);
+      } else {
+        rotate_pair<kConj>(x1[k], x2[k], Vec::loadu(t.c1 + m * V), Vec::loadu(t.s1 + m * V),
+                           Vec::loadu(t.c2 + m * V), Vec::loadu(t.s2 + m * V), o1[k], o2[k]);
+      }
+    }
+    IO::template store_pairs<kInterleaved>(outr, c, half, o1, o2);
+  };
   for (int64_t h = 0; h < nh; ++h) {
     const scalar_t* xr = x + h * x_head;
     scalar_t* outr = out + h * out_head;
-#pragma GCC unroll 16
-    for (int q = 0; q < kSteps; ++q) {
-      const int64_t c = q * kStep;  // first pair of this step
-      Vec x1[2], x2[2], o1[2], o2[2];
-      IO::template load_pairs<kInterleaved>(xr, c, half, x1, x2);
-#pragma GCC unroll 2
-      for (int k = 0; k < 2; ++k) {
-        const int m = 2 * q + k;
-        rotate_pair<kConj>(x1[k], x2[k], tab[0][m], tab[1][m], c2[m], s2[m], o1[k], o2[k]);
-      }
-      IO::template store_pairs<kInterleaved>(outr, c, half, o1, o2);
-    }
+    [&]<int... q>(std::integer_sequence<int, q...>) {
+      (rotate_step(std::integral_constant<int, q>{}, xr, outr), ...);
+    }(std::make_integer_sequence<int, kSteps>{});
   }
 }
-
-// How many vector steps (IO::kStep pairs each) of one token's tables rotate_block_rows holds in
-// registers: 8 of AVX2's 16 and 16 of AVX-512's 32 registers, the rest left to the rows' values.
-template <typename scalar_t, bool kGathered>
-constexpr int kRegisterSteps =
-    std::max(1, ((sizeof(Vectorized<float>) >= 64 ? 16 : 8) / (2 * (kGathered ? 2 : 4))));
 
 // Rotates `nh` rows of one token, row h at x + h * x_head, whose columns are contiguous (x_col =
 // out_col = 1), and copies their pass-through columns when out is not x.
 //
-// Where a row's vector steps fit the register budget (kRegisterSteps), the token's tables are
-// loaded into registers once and every row streams past them in one pass (rotate_block_rows),
-// then each row's scalar tail. Wider rows (half / kStep > kRegisterSteps: for float and 16-bit
-// x, from rotary_dim 64 with full-width tables and 96 with gathered ones on AVX2 and DEFAULT,
-// from 192 and 320 on AVX-512; double x at half those) are rotated a whole row at a time with
-// the tables read from L1 at every step, as a plain loop does. Splitting them into column
-// blocks, one pass over the token's rows per block, reads each row's cache lines out of order:
-// it measured 0.58 of neg_ out of cache (AVX2, float32, head_dim 128, in place), where a pass per
-// row reaches 0.97. Returns false for such rows (PathCounts::wide_fast_rows).
+// Rows of up to kUnrolledSteps vector steps take rotate_block_rows, then each row's scalar tail.
+// Wider rows (half / kStep > kUnrolledSteps: for float and 16-bit x, rotary_dim 288 and up on AVX2
+// and DEFAULT, 576 and up on AVX-512; double x from half those) are rotated by
+// rotate_row_contiguous's loop, a row at a time. Returns false for those (PathCounts::wide_fast_rows).
 template <bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
 bool rotate_token_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
                        const PairTables<opmath_t>& t, int64_t half, int64_t head_dim) {
   constexpr int64_t kStep = VecIO<scalar_t>::kStep;
-  constexpr int kMax = kRegisterSteps<scalar_t, kGathered>;
-  static_assert(kMax <= 4, "rotate_block_rows is instantiated for 1 to 4 steps");
+  constexpr int kHold = kRegisterSteps<scalar_t, kGathered>;
   const int64_t rotary_dim = 2 * half;
   const bool copy_pass = rotary_dim < head_dim && out != x;  // in place, they are already there
   const auto pass_through = [&](const scalar_t* xr, scalar_t* outr) {
     std::memcpy(outr + rotary_dim, xr + rotary_dim, (head_dim - rotary_dim) * sizeof(scalar_t));
   };
   const int64_t steps = half / kStep;
-  if (steps > kMax) {
+  if (steps > kUnrolledSteps) {
     for (int64_t h = 0; h < nh; ++h) {
       const scalar_t* xr = x + h * x_head;
       scalar_t* outr = out + h * out_head;
@@ -438,20 +457,24 @@ bool rotate_token_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t
     }
     return false;
   }
+  // One instantiation per step count, 1 to kUnrolledSteps, each holding what the registers allow.
   const auto block = [&](auto n) {
-    rotate_block_rows<decltype(n)::value, kConj, kInterleaved, kGathered>(x, x_head, out, out_head, nh, t, half);
+    constexpr int kSteps = decltype(n)::value;
+    rotate_block_rows<kSteps, std::min(kSteps, kHold), kConj, kInterleaved, kGathered>(x, x_head, out, out_head,
+                                                                                       nh, t, half);
   };
-  // steps <= kMax <= 4: all of a row's steps in one block
-  if constexpr (kMax >= 4) {
-    if (steps == 4) block(std::integral_constant<int, 4>{});
+  static_assert(kUnrolledSteps == 8, "the switch below lists the step counts 1 to kUnrolledSteps");
+  switch (steps) {
+    case 1: block(std::integral_constant<int, 1>{}); break;
+    case 2: block(std::integral_constant<int, 2>{}); break;
+    case 3: block(std::integral_constant<int, 3>{}); break;
+    case 4: block(std::integral_constant<int, 4>{}); break;
+    case 5: block(std::integral_constant<int, 5>{}); break;
+    case 6: block(std::integral_constant<int, 6>{}); break;
+    case 7: block(std::integral_constant<int, 7>{}); break;
+    case 8: block(std::integral_constant<int, 8>{}); break;
+    default: break;  // steps == 0: the row is all tail
   }
-  if constexpr (kMax >= 3) {
-    if (steps == 3) block(std::integral_constant<int, 3>{});
-  }
-  if constexpr (kMax >= 2) {
-    if (steps == 2) block(std::integral_constant<int, 2>{});
-  }
-  if (steps == 1) block(std::integral_constant<int, 1>{});
   const int64_t i = steps * kStep;
   if (i < half || copy_pass) {
     for (int64_t h = 0; h < nh; ++h) {
