@@ -38,10 +38,10 @@ struct PathCounts {
   std::atomic<int64_t> huge_page_outputs{0};    // new outputs of at least huge_page_bytes
   std::atomic<int64_t> head_split_walks{0};     // head-major calls whose threads split the heads
   std::atomic<int64_t> token_split_walks{0};    // head-major calls whose threads split the tokens
-  // Rows rotated by the contiguous-row fast path (rotate_token_rows) and by the general one
+  // Rows rotated by the contiguous-row fast path (FastRows) and by the general one
   // (rotate_row, per row), indexed by RowPath; added once per parallel chunk.
   std::atomic<int64_t> rows[2] = {0, 0};
-  // Of the fast path's rows, those too wide for its register blocks, rotated a row at a time
+  // Of the fast path's rows, those too wide for its unrolled blocks, rotated by the row loop
   std::atomic<int64_t> wide_fast_rows{0};
   std::atomic<int64_t> native_bf16_calls{0};    // calls run by the AVX512_BF16 variant
 };

@@ -14,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -430,62 +431,78 @@ inline void rotate_block_rows(const scalar_t* x, int64_t x_head, scalar_t* out, 
   }
 }
 
-// Rotates `nh` rows of one token, row h at x + h * x_head, whose columns are contiguous (x_col =
-// out_col = 1), and copies their pass-through columns when out is not x.
-//
-// Rows of up to kUnrolledSteps vector steps take rotate_block_rows, then each row's scalar tail.
-// Wider rows (half / kStep > kUnrolledSteps: for float and 16-bit x, rotary_dim 288 and up on AVX2
-// and DEFAULT, 576 and up on AVX-512; double x from half those) are rotated by
-// rotate_row_contiguous's loop, a row at a time. Returns false for those (PathCounts::wide_fast_rows).
+// rotate_row_contiguous on `nh` rows of one token (row h at x + h * x_head), for rows too wide for
+// rotate_block_rows to unroll.
 template <bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
-bool rotate_token_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
-                       const PairTables<opmath_t>& t, int64_t half, int64_t head_dim) {
-  constexpr int64_t kStep = VecIO<scalar_t>::kStep;
-  constexpr int kHold = kRegisterSteps<scalar_t, kGathered>;
-  const int64_t rotary_dim = 2 * half;
-  const bool copy_pass = rotary_dim < head_dim && out != x;  // in place, they are already there
-  const auto pass_through = [&](const scalar_t* xr, scalar_t* outr) {
-    std::memcpy(outr + rotary_dim, xr + rotary_dim, (head_dim - rotary_dim) * sizeof(scalar_t));
-  };
-  const int64_t steps = half / kStep;
-  if (steps > kUnrolledSteps) {
-    for (int64_t h = 0; h < nh; ++h) {
-      const scalar_t* xr = x + h * x_head;
-      scalar_t* outr = out + h * out_head;
-      rotate_row_contiguous<kConj, kInterleaved, false, kGathered>(xr, outr, t, half);
-      if (copy_pass) pass_through(xr, outr);
-    }
-    return false;
+void rotate_wide_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
+                      const PairTables<opmath_t> t, int64_t half) {
+  for (int64_t h = 0; h < nh; ++h) {
+    rotate_row_contiguous<kConj, kInterleaved, false, kGathered>(x + h * x_head, out + h * out_head, t, half);
   }
-  // One instantiation per step count, 1 to kUnrolledSteps, each holding what the registers allow.
-  const auto block = [&](auto n) {
-    constexpr int kSteps = decltype(n)::value;
-    rotate_block_rows<kSteps, std::min(kSteps, kHold), kConj, kInterleaved, kGathered>(x, x_head, out, out_head,
-                                                                                       nh, t, half);
-  };
-  static_assert(kUnrolledSteps == 8, "the switch below lists the step counts 1 to kUnrolledSteps");
-  switch (steps) {
-    case 1: block(std::integral_constant<int, 1>{}); break;
-    case 2: block(std::integral_constant<int, 2>{}); break;
-    case 3: block(std::integral_constant<int, 3>{}); break;
-    case 4: block(std::integral_constant<int, 4>{}); break;
-    case 5: block(std::integral_constant<int, 5>{}); break;
-    case 6: block(std::integral_constant<int, 6>{}); break;
-    case 7: block(std::integral_constant<int, 7>{}); break;
-    case 8: block(std::integral_constant<int, 8>{}); break;
-    default: break;  // steps == 0: the row is all tail
-  }
-  const int64_t i = steps * kStep;
-  if (i < half || copy_pass) {
-    for (int64_t h = 0; h < nh; ++h) {
-      const scalar_t* xr = x + h * x_head;
-      scalar_t* outr = out + h * out_head;
-      rotate_pairs_scalar<kConj, kInterleaved>(xr, 1, outr, 1, t, i, half);
-      if (copy_pass) pass_through(xr, outr);
-    }
-  }
-  return true;
 }
+
+// The contiguous-row fast path for the rows of one call (columns contiguous, x_col = out_col = 1),
+// chosen once per call from the rotary width, so that each token costs one call:
+// - rows of up to kUnrolledSteps vector steps: the instantiation of rotate_block_rows for their
+//   step count, then each row's scalar tail (pairs [tail, half)) where there is one;
+// - wider rows (half / kStep > kUnrolledSteps: for float and 16-bit x, rotary_dim 288 and up on
+//   AVX2 and DEFAULT, 576 and up on AVX-512; double x from half those): rotate_row_contiguous's
+//   loop, a row at a time, tail included (PathCounts::wide_fast_rows).
+template <bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
+struct FastRows {
+  using Fn = void (*)(const scalar_t*, int64_t, scalar_t*, int64_t, int64_t, PairTables<opmath_t>, int64_t);
+  Fn vector_part = nullptr;  // nullptr when the rows are all tail
+  int64_t tail = 0;          // first pair left to rotate_pairs_scalar
+  bool wide = false;
+
+  explicit FastRows(int64_t half) {
+    constexpr int64_t kStep = VecIO<scalar_t>::kStep;
+    const int64_t steps = half / kStep;
+    if (steps > kUnrolledSteps) {
+      vector_part = &rotate_wide_rows<kConj, kInterleaved, kGathered, scalar_t, opmath_t>;
+      tail = half;
+      wide = true;
+      return;
+    }
+    static_assert(kUnrolledSteps == 8, "the switch below lists the step counts 1 to kUnrolledSteps");
+    switch (steps) {  // steps == 0: the rows are all tail
+      case 1: vector_part = block<1>(); break;
+      case 2: vector_part = block<2>(); break;
+      case 3: vector_part = block<3>(); break;
+      case 4: vector_part = block<4>(); break;
+      case 5: vector_part = block<5>(); break;
+      case 6: vector_part = block<6>(); break;
+      case 7: vector_part = block<7>(); break;
+      case 8: vector_part = block<8>(); break;
+      default: break;
+    }
+    tail = steps * kStep;
+  }
+
+  // Rotates `nh` rows of one token, row h at x + h * x_head (and out + h * out_head), and copies
+  // their pass-through columns (head_dim > 2 * half) when out is not x.
+  void rotate(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
+              const PairTables<opmath_t>& t, int64_t half, int64_t head_dim) const {
+    if (vector_part != nullptr) vector_part(x, x_head, out, out_head, nh, t, half);
+    const int64_t rotary_dim = 2 * half;
+    const bool copy_pass = rotary_dim < head_dim && out != x;  // in place, they are already there
+    if (tail == half && !copy_pass) return;
+    for (int64_t h = 0; h < nh; ++h) {
+      const scalar_t* xr = x + h * x_head;
+      scalar_t* outr = out + h * out_head;
+      rotate_pairs_scalar<kConj, kInterleaved>(xr, 1, outr, 1, t, tail, half);
+      if (copy_pass) std::memcpy(outr + rotary_dim, xr + rotary_dim, (head_dim - rotary_dim) * sizeof(scalar_t));
+    }
+  }
+
+ private:
+  // rotate_block_rows for kSteps steps, holding what the registers allow.
+  template <int kSteps>
+  static Fn block() {
+    constexpr int kHeld = std::min(kSteps, kRegisterSteps<scalar_t, kGathered>);
+    return &rotate_block_rows<kSteps, kHeld, kConj, kInterleaved, kGathered, scalar_t, opmath_t>;
+  }
+};
 
 // Walks the linear indices of a StridedDims in order, keeping each operand's offset: the first
 // position costs an unravel (divisions), each next one an add and rarely a carry.
@@ -545,23 +562,25 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
   const int64_t nheads = p.num_heads();
   const int64_t ntokens = p.num_tokens();
 
-  // Gathered: requests the cache rows of `token` (the next one) while the current token rotates.
-  // Positions in no order (packed sequences, decodes at different lengths, random tests) give the
-  // hardware prefetcher nothing to follow, and out of cache, with x streaming through, each token
-  // would otherwise wait for its rows from memory. A hint: it reads and checks nothing. Rows with
-  // strided columns are left to the hardware.
-  const auto prefetch_tables = [&](int64_t token) {
+  // Gathered: requests the cache rows of the next token (`next`, at offsets next_tok) while the
+  // current one (at position `pos`) rotates. Positions in no order (packed sequences, decodes at
+  // different lengths, random tests) give the hardware prefetcher nothing to follow, and out of
+  // cache, with x streaming through, each token would otherwise wait for its rows from memory. The
+  // next position of a sequence (or the same one) is left to the hardware, which follows it. A hint:
+  // it reads and checks nothing. Rows with strided columns are left to the hardware.
+  const auto prefetch_tables = [&](int64_t next, const int64_t (&next_tok)[4], int64_t pos) {
     if constexpr (kGathered) {
-      if (token >= ntokens || p.cos_col != 1 || p.sin_col != 1) return;
-      int64_t tok[4];
-      p.tokens.offsets(token, tok);
-      const int64_t pos = position_at(tok[kCos]);
-      const char* c = reinterpret_cast<const char*>(cos_base + pos * p.cos_row);
-      const char* s = reinterpret_cast<const char*>(sin_base + pos * p.sin_row);
+      if (next >= ntokens || p.cos_col != 1 || p.sin_col != 1) return;
+      const int64_t next_pos = position_at(next_tok[kCos]);
+      if (next_pos == pos || next_pos == pos + 1) return;
+      const char* c = reinterpret_cast<const char*>(cos_base + next_pos * p.cos_row);
+      const char* s = reinterpret_cast<const char*>(sin_base + next_pos * p.sin_row);
       for (int64_t b = 0; b < half * static_cast<int64_t>(sizeof(table_t)); b += 64) {
         __builtin_prefetch(c + b, 0, 3);
         __builtin_prefetch(s + b, 0, 3);
       }
+    } else {
+      (void)next, (void)next_tok, (void)pos;
     }
   };
   const int64_t rows = p.num_tokens() * nheads;
@@ -606,28 +625,28 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
     // Token-major storage (e.g. (B,S,H,D), or HF's (B,H,S,D) view of it): rows in storage
     // order, each token's tables built once for its adjacent heads. Threads split rows, so
     // a few tokens with many heads (decode) still divide.
+    const FastRows<kConj, kInterleaved, kGathered, scalar_t, opmath_t> fast_rows(half);  // used when `fast`
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      std::vector<opmath_t> buf(4 * half);
+      c10::SmallVector<opmath_t, 512> buf(4 * half);  // a token's converted tables (token_tables)
       int64_t streamed = 0;
-      int64_t wide_rows = 0;  // fast-path rows too wide for the register blocks
       StridedCursor<2> head{p.heads};
       const int64_t hx = p.heads.ndim ? p.heads.strides[kX][0] : 0;  // the fast path's head strides
       const int64_t ho = p.heads.ndim ? p.heads.strides[kOut][0] : 0;
       // one division for the chunk; each next token starts at its head 0
       int64_t token = begin / nheads;
       int64_t h_begin = begin % nheads;
+      StridedCursor<4> next{p.tokens};  // the token after the current one
+      next.seek(token);
       for (int64_t row = begin; row < end; ++token, h_begin = 0) {
         const int64_t h_end = std::min(nheads, h_begin + (end - row));
         int64_t tok[4];
-        p.tokens.offsets(token, tok);
+        std::copy(next.off, next.off + 4, tok);
+        next.next();
         const auto t = tables_at(tok, buf.data());
-        prefetch_tables(token + 1);
+        if constexpr (kGathered) prefetch_tables(token + 1, next.off, position_at(tok[kCos]));
         if (fast) {
-          if (!rotate_token_rows<kConj, kInterleaved, kGathered>(x_base + tok[kX] + h_begin * hx, hx,
-                                                                out_base + tok[kOut] + h_begin * ho, ho,
-                                                                h_end - h_begin, t, half, p.head_dim)) {
-            wide_rows += h_end - h_begin;
-          }
+          fast_rows.rotate(x_base + tok[kX] + h_begin * hx, hx, out_base + tok[kOut] + h_begin * ho, ho,
+                           h_end - h_begin, t, half, p.head_dim);
           row += h_end - h_begin;
           continue;
         }
@@ -639,7 +658,7 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
       }
       if (stream) finish_streaming(streamed);
       path_counts().rows[fast ? kFastRows : kGeneralRows].fetch_add(end - begin, std::memory_order_relaxed);
-      if (wide_rows > 0) path_counts().wide_fast_rows.fetch_add(wide_rows, std::memory_order_relaxed);
+      if (fast && fast_rows.wide) path_counts().wide_fast_rows.fetch_add(end - begin, std::memory_order_relaxed);
     });
     return;
   }
