@@ -25,8 +25,8 @@ import rope_ext
 CONVENTIONS = {"halfsplit": False, "interleaved": True}
 # (head_dim, rotary_dim): whole vector steps, a step plus a scalar tail, only a tail (r/2 = 10),
 # partial rotary with pass-through columns, rows with more steps than the registers hold tables for
-# (128 on AVX2, 512 on every ISA), and rows too wide to unroll (512 on AVX2, 576 with pass-through
-# columns on every ISA; see test_wide_rows_take_the_row_loop).
+# (80, 128 and 136 on AVX2, 512 on AVX-512), and rows too wide to unroll (512 on AVX2, 576 with
+# pass-through columns on every ISA; see test_wide_rows_take_the_row_loop).
 DIMS = [(128, 128), (80, 80), (136, 136), (64, 20), (96, 64), (512, 512), (640, 576)]
 DIM_IDS = [f"d{d}r{r}" for d, r in DIMS]
 HEADS = [1, 3, 32]

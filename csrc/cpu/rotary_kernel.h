@@ -377,11 +377,13 @@ constexpr int kUnrolledSteps = 8;
 // Each row is finished before the next starts: splitting wide rows into column blocks, one pass
 // over the token's rows per block, reads each row's cache lines out of order, which measured 0.58
 // of neg_ out of cache (AVX2, float32, head_dim 128, in place) where a pass per row reaches 0.97.
-// And the unrolled steps: the same rows through rotate_row_contiguous's loop (4 iterations a row)
-// ran at 0.74 to 0.87 of a plain loop in cache, unrolled at 0.96 to 1.0 (RESULTS.md).
+// And unrolled: rows wider than the held tables went through rotate_row_contiguous's loop (4
+// iterations a row on AVX2 at head_dim 128), and the probe's AVX2 float32 in cache rose from 0.74
+// to 0.82 of the plain loop when they were unrolled instead (RESULTS.md, issue 30's third pass).
 template <int kSteps, int kHeld, bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
 inline void rotate_block_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
-                              const PairTables<opmath_t> t, int64_t half) {
+                              const PairTables<opmath_t>& tables, int64_t half) {
+  const PairTables<opmath_t> t = tables;  // a local copy: the rows' stores cannot change it
   static_assert(1 <= kHeld && kHeld <= kSteps, "rotate_block_rows holds 1 to kSteps steps of tables");
   using IO = VecIO<scalar_t>;
   using Vec = typename IO::Vec;
@@ -408,7 +410,8 @@ inline void rotate_block_rows(const scalar_t* x, int64_t x_head, scalar_t* out, 
     const int64_t c = q * kStep;  // first pair of this step
     Vec x1[2], x2[2], o1[2], o2[2];
     IO::template load_pairs<kInterleaved>(xr, c, half, x1, x2);
-    for (int k = 0; k < 2; ++k) {
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; ++k) {  // unrolled, so that tab[.][m] is a register
       const int m = 2 * q + k;
       if constexpr (q < kHeld) {
         rotate_pair<kConj>(x1[k], x2[k], tab[0][m], tab[1][m], c2[m], s2[m], o1[k], o2[k]);
@@ -435,7 +438,8 @@ inline void rotate_block_rows(const scalar_t* x, int64_t x_head, scalar_t* out, 
 // rotate_block_rows to unroll.
 template <bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
 void rotate_wide_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
-                      const PairTables<opmath_t> t, int64_t half) {
+                      const PairTables<opmath_t>& tables, int64_t half) {
+  const PairTables<opmath_t> t = tables;
   for (int64_t h = 0; h < nh; ++h) {
     rotate_row_contiguous<kConj, kInterleaved, false, kGathered>(x + h * x_head, out + h * out_head, t, half);
   }
@@ -450,7 +454,10 @@ void rotate_wide_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t 
 //   loop, a row at a time, tail included (PathCounts::wide_fast_rows).
 template <bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
 struct FastRows {
-  using Fn = void (*)(const scalar_t*, int64_t, scalar_t*, int64_t, int64_t, PairTables<opmath_t>, int64_t);
+  // The tables by reference: by value, the caller built the 32-byte argument with two 16-byte
+  // stores over its own 8-byte ones, and the loads that followed waited for them to reach the cache
+  // (no store forwarding across stores of different widths), once per token.
+  using Fn = void (*)(const scalar_t*, int64_t, scalar_t*, int64_t, int64_t, const PairTables<opmath_t>&, int64_t);
   Fn vector_part = nullptr;  // nullptr when the rows are all tail
   int64_t tail = 0;          // first pair left to rotate_pairs_scalar
   bool wide = false;
