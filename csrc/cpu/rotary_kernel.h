@@ -17,6 +17,7 @@
 #include <c10/util/SmallVector.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <cstdlib>
@@ -471,18 +472,7 @@ struct FastRows {
       wide = true;
       return;
     }
-    static_assert(kUnrolledSteps == 8, "the switch below lists the step counts 1 to kUnrolledSteps");
-    switch (steps) {  // steps == 0: the rows are all tail
-      case 1: vector_part = block<1>(); break;
-      case 2: vector_part = block<2>(); break;
-      case 3: vector_part = block<3>(); break;
-      case 4: vector_part = block<4>(); break;
-      case 5: vector_part = block<5>(); break;
-      case 6: vector_part = block<6>(); break;
-      case 7: vector_part = block<7>(); break;
-      case 8: vector_part = block<8>(); break;
-      default: break;
-    }
+    if (steps > 0) vector_part = kBlocks[steps - 1];  // steps == 0: the rows are all tail
     tail = steps * kStep;
   }
 
@@ -503,12 +493,12 @@ struct FastRows {
   }
 
  private:
-  // rotate_block_rows for kSteps steps, holding what the registers allow.
-  template <int kSteps>
-  static Fn block() {
-    constexpr int kHeld = std::min(kSteps, kRegisterSteps<scalar_t, kGathered>);
-    return &rotate_block_rows<kSteps, kHeld, kConj, kInterleaved, kGathered, scalar_t, opmath_t>;
-  }
+  // kBlocks[s - 1]: rotate_block_rows for s steps, holding what the registers allow.
+  static constexpr auto kBlocks = []<int... s>(std::integer_sequence<int, s...>) {
+    return std::array<Fn, sizeof...(s)>{
+        &rotate_block_rows<s + 1, std::min(s + 1, kRegisterSteps<scalar_t, kGathered>), kConj, kInterleaved,
+                           kGathered, scalar_t, opmath_t>...};
+  }(std::make_integer_sequence<int, kUnrolledSteps>{});
 };
 
 // Walks the linear indices of a StridedDims in order, keeping each operand's offset: the first
@@ -576,18 +566,14 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
   // next position of a sequence (or the same one) is left to the hardware, which follows it. A hint:
   // it reads and checks nothing. Rows with strided columns are left to the hardware.
   const auto prefetch_tables = [&](int64_t next, const int64_t (&next_tok)[4], int64_t pos) {
-    if constexpr (kGathered) {
-      if (next >= ntokens || p.cos_col != 1 || p.sin_col != 1) return;
-      const int64_t next_pos = position_at(next_tok[kCos]);
-      if (next_pos == pos || next_pos == pos + 1) return;
-      const char* c = reinterpret_cast<const char*>(cos_base + next_pos * p.cos_row);
-      const char* s = reinterpret_cast<const char*>(sin_base + next_pos * p.sin_row);
-      for (int64_t b = 0; b < half * static_cast<int64_t>(sizeof(table_t)); b += 64) {
-        __builtin_prefetch(c + b, 0, 3);
-        __builtin_prefetch(s + b, 0, 3);
-      }
-    } else {
-      (void)next, (void)next_tok, (void)pos;
+    if (next >= ntokens || p.cos_col != 1 || p.sin_col != 1) return;
+    const int64_t next_pos = position_at(next_tok[kCos]);
+    if (next_pos == pos || next_pos == pos + 1) return;
+    const char* c = reinterpret_cast<const char*>(cos_base + next_pos * p.cos_row);
+    const char* s = reinterpret_cast<const char*>(sin_base + next_pos * p.sin_row);
+    for (int64_t b = 0; b < half * static_cast<int64_t>(sizeof(table_t)); b += 64) {
+      __builtin_prefetch(c + b, 0, 3);
+      __builtin_prefetch(s + b, 0, 3);
     }
   };
   const int64_t rows = p.num_tokens() * nheads;
