@@ -529,6 +529,7 @@ def test_tensors_on_a_device_other_than_the_current_one(cuda, gen):
     assert got.device == torch.device("cuda:1") and torch.equal(got.cpu(), rope_ext.rotary(x, cos, sin))
 
 
+@pytest.mark.gpu_large
 def test_more_than_2_pow_31_elements(cuda):
     """x of 2^31 + 128 bfloat16 elements (4 GiB), int32 positions: rows on both sides of element
     2^31 and at the end equal the CPU kernel on the same rows."""
@@ -542,6 +543,7 @@ def test_more_than_2_pow_31_elements(cuda):
         assert torch.equal(out[rows].cpu(), want)
 
 
+@pytest.mark.gpu_large
 def test_more_than_2_pow_31_tokens_and_the_head_loop(cuda):
     """H10: 2^31 + 65 tokens of (2,) float16 (the grid's token loop past gridDim.x), and 2^25 heads
     of one token (the head loop past grid_y * block_y), against the CPU kernel on sampled rows."""
@@ -564,24 +566,27 @@ def test_more_than_2_pow_31_tokens_and_the_head_loop(cuda):
 
 
 _PAST_THE_CACHE = textwrap.dedent("""
-    import sys, torch, rope_ext
+    import ctypes, sys, torch, rope_ext
     op, index_dtype, bad = sys.argv[1], getattr(torch, sys.argv[2]), int(sys.argv[3])
     cc, sc = torch.randn(16, 64, device="cuda"), torch.randn(16, 64, device="cuda")
     q = torch.randn(1, 32, 4, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 32, 2, 128, device="cuda", dtype=torch.bfloat16)
     pos = torch.tensor([[bad]], device="cuda", dtype=index_dtype).expand(1, 32)[..., None]
-    if op == "rotary_pos":
-        rope_ext.rotary_pos(q, cc, sc, pos)
-    elif op == "rotary_pos_qk":
-        rope_ext.rotary_pos_qk(q, k, cc, sc, pos)
-    elif op == "rotary_pos_":
-        rope_ext.rotary_pos_(q, k, cc, sc, pos)
-    else:
-        rope = rope_ext.RotaryEmbedding(128, layout="bshd", max_position_embeddings=16).cuda()
-        rope(q, k, position_ids=pos[..., 0])
-    try:
+    try:  # (with CUDA_LAUNCH_BLOCKING=1 the error is raised by the call itself)
+        if op == "rotary_pos":
+            rope_ext.rotary_pos(q, cc, sc, pos)
+        elif op == "rotary_pos_qk":
+            rope_ext.rotary_pos_qk(q, k, cc, sc, pos)
+        elif op == "rotary_pos_":
+            rope_ext.rotary_pos_(q, k, cc, sc, pos)
+        else:
+            rope = rope_ext.RotaryEmbedding(128, layout="bshd", max_position_embeddings=16).cuda()
+            rope(q, k, position_ids=pos[..., 0])
         torch.cuda.synchronize()
     except RuntimeError as e:
+        # The kernel's printf reached C's stdout buffer by now: flushed before anything that could
+        # abort the process and lose it (stdout is a pipe here, so block-buffered).
+        ctypes.CDLL(None).fflush(None)
         print("RAISED AT SYNC:", str(e).splitlines()[0], flush=True)
         try:
             torch.ones(1, device="cuda").cpu()  # (a kernel and a copy: the allocator's cache alone needs no CUDA call)
