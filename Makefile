@@ -7,7 +7,7 @@ PIP := $(PYTHON) -m pip
 SOURCES := setup.py pyproject.toml CMakeLists.txt $(wildcard cmake/*) $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
 STAMP := build/.installed
 
-.PHONY: setup test bench lint dist-check compat-check cuda-check gpu-check sanitize gtest cpp-test cpp-example clean FORCE
+.PHONY: setup test bench lint dist-check compat-check cuda-check gpu-check gpu-build gpu-rehearse sanitize gtest cpp-test cpp-example clean FORCE
 
 setup: $(STAMP)
 
@@ -52,13 +52,21 @@ compat-check:
 cuda-check:
 	CORE_TESTS="$(CORE_TESTS)" bash tools/cuda_check.sh
 
-# rope_ext proven on a CUDA GPU, on a machine that has one (see tools/gpu_check.sh): STEP=build, test,
-# mirror, sanitize, bench, or all (the default), each under 10 minutes on the lent 16-core machine;
-# GPU_CHECK_OUT=dir for the logs and summary (default build/gpu-check). Without a GPU it says so and
-# exits 0 at once.
-STEP ?= all
+# rope_ext proven on a CUDA GPU, on a machine that has one (tools/gpu_check.sh; tools/GPU_LEASE.md for
+# the lent machines): STEP=lease (the default: one command of at most 9 minutes), rest, all, or a list
+# of parts; GPU_CHECK_OUT=dir for the summary and logs (default build/gpu-check). Without a GPU it says
+# so and exits 0 at once. gpu-build makes what the lease carries (build/gpu-carry: the sm_90 library
+# against the device's torch, and wheels); gpu-rehearse runs the lease here against a fake GPU.
+STEP ?= lease
+GPU_CHECK_OUT ?= build/gpu-check
 gpu-check:
-	STEP=$(STEP) PYTHON=$(PYTHON) bash tools/gpu_check.sh
+	STEP="$(STEP)" GPU_CHECK_OUT="$(GPU_CHECK_OUT)" PYTHON=$(PYTHON) bash tools/gpu_check.sh
+
+gpu-build:
+	bash tools/gpu_build.sh
+
+gpu-rehearse:
+	bash tools/gpu_rehearse.sh
 
 # Build the CPU library with AddressSanitizer + UndefinedBehaviorSanitizer into build/sanitize
 # (the editable build in rope_ext/ is left alone) and run the core and fuzz tests against it;

@@ -2,7 +2,7 @@
 what people use today (HF's eager rotate_half, torch.compile of it, Liger-Kernel's Triton RoPE and
 FlashInfer's apply_rope_with_cos_sin_cache_inplace where importable).
 
-    python benchmarks/bench_cuda.py [--quick] [--out benchmarks/out]
+    python benchmarks/bench_cuda.py [--quick | --lease] [--out benchmarks/out]
 
 Cases (Llama-3 attention, head dim 128):
 - prefill, one sequence of 2k, 8k and 32k tokens at Llama-3-8B (32 q / 8 kv heads) and -70B
@@ -19,7 +19,11 @@ timing, each implementation's result is checked against HF's formula; inputs are
 zeros) and rotated among enough sets that each call reads at least twice the L2 in all. The byte
 count of every figure is q and k read and written once (tables excluded), so GB/s and the fraction
 of the copy's speed compare like with like. Prints a table; writes bench_cuda.csv, bench_cuda.md and
-bench_cuda.png to --out.
+bench_cuda.png to --out, the csv and md again after every case (a run cut off keeps what it measured).
+
+--lease is the part of a lent GPU's one command (tools/gpu_check.sh STEP=lease), about 2 minutes: the
+8B shape in bfloat16, both layouts at 2k and 8k tokens (fwd and fwd+bwd), decode at batches 1 and 32,
+and no plot (the device call returns at most 8 files).
 """
 
 from __future__ import annotations
@@ -159,9 +163,29 @@ def sets_for(nbytes, l2_bytes):
     return max(1, min(16, math.ceil(2 * l2_bytes / nbytes)))
 
 
+def write_tables(out: Path, device: str, rows: list[dict]) -> None:
+    """bench_cuda.csv and bench_cuda.md with the rows so far."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "bench_cuda.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    lines = [f"# bench_cuda on {device} (torch {torch.__version__}, CUDA {torch.version.cuda})", "",
+             "Fraction of a same-bytes device copy's speed (higher is better), and time against rope_ext's "
+             "module path (rope_ext = 1.00; higher is slower).", "",
+             "| mode | model | layout | dtype | tokens | batch | impl | ms | GB/s | of copy | vs rope_ext |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['mode']} | {r['model']} | {r['layout']} | {r['dtype']} | {r['tokens']} | {r['batch']} "
+              f"| {r['impl']} | {r['ms']:.3f} | {r['gbps']:.0f} | {r['of_copy']:.2f} | {r['vs_rope_ext']:.2f} |"
+              for r in rows]
+    (out / "bench_cuda.md").write_text("\n".join(lines) + "\n")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="2k and 8k tokens only, fewer repetitions")
+    p.add_argument("--lease", action="store_true",
+                   help="the 8B shape in bfloat16 only, fwd and fwd+bwd, decode at batch 1 and 32; no plot")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -175,9 +199,13 @@ def main():
     compiled_hf = torch.compile(hf_eager, dynamic=True)
     impls = implementations(compiled_hf)
     print(f"compared: {', '.join(impls)}")
-    reps = 15 if args.quick else 31
+    reps = 15 if args.quick or args.lease else 31
     rows = []
-    seqs = (2048, 8192) if args.quick else (2048, 8192, 32768)
+    seqs = (2048, 8192) if args.quick or args.lease else (2048, 8192, 32768)
+    models = {"8B": HEADS["8B"]} if args.lease else HEADS
+    dtypes = (torch.bfloat16,) if args.lease else (torch.bfloat16, torch.float32)
+    modes = ("fwd", "fwd+bwd") if args.lease else ("fwd", "bwd", "fwd+bwd")
+    batches = (1, 32) if args.lease else (1, 8, 32, 64)
     header = f"{'mode':8} {'model':4} {'layout':6} {'dtype':8} {'tokens':>6} {'impl':12} {'ms':>8} {'GB/s':>7} " \
              f"{'of copy':>7} {'vs rope_ext':>11}"
     print(header)
@@ -192,9 +220,9 @@ def main():
             print(f"{mode:8} {model:4} {layout:6} {row['dtype']:8} {tokens:>6} {name:12} {ms:8.3f} {row['gbps']:7.0f} "
                   f"{row['of_copy']:7.2f} {row['vs_rope_ext']:11.2f}")
 
-    for model, heads in HEADS.items():
+    for model, heads in models.items():
         for layout in ("bshd", "bhsd"):
-            for dtype in (torch.bfloat16, torch.float32):
+            for dtype in dtypes:
                 for s in seqs:
                     one = Case(1, s, heads, layout, dtype, 0, dev)
                     cases = [one] + [Case(1, s, heads, layout, dtype, 0, dev)
@@ -210,7 +238,7 @@ def main():
                             for g, w in zip(got, want, strict=True):
                                 torch.testing.assert_close(g.double(), w, atol=tol, rtol=tol, msg=name)
                         live[name] = impl
-                    for mode in ("fwd", "bwd", "fwd+bwd"):
+                    for mode in modes:
                         results = {}
                         for name, impl in live.items():
                             if mode != "fwd" and name in ("copy", "flashinfer", "hf_compiled"):
@@ -220,29 +248,23 @@ def main():
                                 continue  # (in place, or the compiled backward: forward only)
                             results[name] = measure(mode, impl, cases, reps)
                         record(mode, model, layout, dtype, s, 1, results, one.nbytes)
+                    write_tables(args.out, props.name, rows)
                     del cases, one
                     torch.cuda.empty_cache()
     # decode: one token per sequence, the 8B shape, bfloat16; launch-bound, so many calls per figure
-    for b in (1, 8, 32, 64):
+    for b in batches:
         cases = [Case(b, 1, HEADS["8B"], "bhsd", torch.bfloat16, 4096, dev) for _ in range(4)]
         results = {name: time_ms([lambda c=c, f=impl: f(c) for c in cases] * 4, 101)
                    for name, impl in impls.items() if name not in ("flashinfer", "liger") or impl(cases[0]) is not None}
         record("decode", "8B", "bhsd", torch.bfloat16, 1, b, results, cases[0].nbytes)
+        write_tables(args.out, props.name, rows)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "bench_cuda.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    lines = [f"# bench_cuda on {props.name} (torch {torch.__version__}, CUDA {torch.version.cuda})", "",
-             "Fraction of a same-bytes device copy's speed (higher is better), and time against rope_ext's "
-             "module path (rope_ext = 1.00; higher is slower).", "",
-             "| mode | model | layout | dtype | tokens | batch | impl | ms | GB/s | of copy | vs rope_ext |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['mode']} | {r['model']} | {r['layout']} | {r['dtype']} | {r['tokens']} | {r['batch']} "
-              f"| {r['impl']} | {r['ms']:.3f} | {r['gbps']:.0f} | {r['of_copy']:.2f} | {r['vs_rope_ext']:.2f} |"
-              for r in rows]
-    (args.out / "bench_cuda.md").write_text("\n".join(lines) + "\n")
+    summary = [r for r in rows if r["impl"] == "rope_ext" and r["mode"] in ("fwd", "decode")]
+    print(f"bench_cuda: rope_ext's module path at {min(r['of_copy'] for r in summary if r['mode'] == 'fwd'):.2f} to "
+          f"{max(r['of_copy'] for r in summary if r['mode'] == 'fwd'):.2f} of the copy's speed (fwd); "
+          f"wrote {args.out}/bench_cuda.csv, .md{'' if args.lease else ', .png'}")
+    if args.lease:
+        return 0
     try:
         import matplotlib
 
@@ -261,10 +283,6 @@ def main():
         fig.savefig(args.out / "bench_cuda.png", dpi=120, bbox_inches="tight")
     except ImportError:
         print("bench_cuda: matplotlib not installed; no plot")
-    summary = [r for r in rows if r["impl"] == "rope_ext" and r["mode"] in ("fwd", "decode")]
-    print(f"bench_cuda: rope_ext's module path at {min(r['of_copy'] for r in summary if r['mode'] == 'fwd'):.2f} to "
-          f"{max(r['of_copy'] for r in summary if r['mode'] == 'fwd'):.2f} of the copy's speed (fwd); "
-          f"wrote {args.out}/bench_cuda.csv, .md, .png")
     return 0
 
 

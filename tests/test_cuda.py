@@ -89,3 +89,47 @@ def test_gpu_check_without_a_gpu_runs_nothing(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "no NVIDIA GPU on this machine" in run.stdout and "ran nothing" in run.stdout
     assert time.monotonic() - start < 5 and not (tmp_path / "out").exists()
+
+
+def _fake_gpu_run(tmp_path, **env):
+    """tools/gpu_check.sh with a fake nvidia-smi that names a GPU, under this (CPU) torch."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "tools" / "gpu_check.sh"
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-fake)'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "GPU_CHECK_OUT": str(tmp_path / "out"), **env}
+    return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_gpu_check_refuses_an_unknown_step_by_name(tmp_path):
+    run = _fake_gpu_run(tmp_path, STEP="smoke,racecheck")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "STEP must be lease, rest, all or a comma-separated list of parts" in run.stdout
+    assert "got 'smoke,racecheck'" in run.stdout and not (tmp_path / "out").exists()
+
+
+def test_gpu_check_with_a_gpu_but_a_cpu_torch_says_so(tmp_path):
+    import torch
+
+    if torch.version.cuda:
+        pytest.skip("this torch is a CUDA build")
+    run = _fake_gpu_run(tmp_path, STEP="lease")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "torch is not a CUDA build that sees it" in run.stdout and not (tmp_path / "out").exists()
+
+
+def test_the_lease_command_fits_the_device_call():
+    """tools/GPU_LEASE.md's command is what `make gpu-rehearse` runs and a lent machine is given: under
+    the call's 2,000 characters, STEP=lease, its output into the $OUT that comes back."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "tools" / "GPU_LEASE.md").read_text()
+    command = re.search(r"<!-- lease-command -->\n```\n(.*?)\n```", text, re.S).group(1)
+    assert len(command) <= 2000 and "STEP=lease" in command and "GPU_CHECK_OUT=$OUT" in command
+    assert '"build/gpu-carry"' in text and "timeout_s: 570" in text

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# `make gpu-rehearse`: the lease (tools/GPU_LEASE.md) end to end on this machine, against a fake GPU,
+# so that a lent GPU's minutes go to the kernels and not to the harness:
+#  1. the carried build is current (`make gpu-build` otherwise) and the command written in
+#     GPU_LEASE.md is under the device call's 2,000 characters;
+#  2. the tree as the device call sends it (tracked and untracked files git does not ignore, and the
+#     carried folder; no .git), in build/gpu-rehearse/tree, under the call's 64 MiB;
+#  3. a fake GPU: nvidia-smi names an H100; compute-sanitizer answers as on a gVisor machine ("Device
+#     not supported"); python3 is build/gpu-venv's, which holds the device's torch (2.11.0, CUDA 13)
+#     and the packages the device has that the tests import; pip cannot reach an index;
+#  4. the command itself, with $OUT = build/gpu-rehearse/out. The install part runs for real: the
+#     carried wheels installed, the carried library put in place and its CUDA kernels found
+#     registered. The GPU tests then skip (no device), the benchmark finds no device, and memcheck
+#     must be reported NOT RUN, not failed;
+#  5. what $OUT holds against what comes back (at most 8 files, 16 MiB each, 2 folders deep, plain
+#     names), and the summary's verdict lines, first, one per part in order;
+#  6. the command cut off: again with a 30-second budget, a part still running when the budget ends
+#     is reported TIMED OUT or NOT RUN, the summary lists the finished parts, and the exit is non-zero.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+PY=$ROOT/build/gpu-venv/bin/python
+WORK=$ROOT/build/gpu-rehearse
+fail() { echo "gpu-rehearse: FAILED: $*"; exit 1; }
+
+# 1.
+if [ "$(sed -n 's/^sources=//p' build/gpu-carry/BUILD_INFO 2> /dev/null)" != "$(bash tools/source_hash.sh)" ]; then
+  echo "gpu-rehearse: build/gpu-carry is missing or was built from other sources: make gpu-build"
+  bash tools/gpu_build.sh
+fi
+cmd=$(awk '/<!-- lease-command -->/ {f = 1; next} f && /^```/ {if (n++) exit; next} f' tools/GPU_LEASE.md)
+[ -n "$cmd" ] || fail "no lease command found in tools/GPU_LEASE.md"
+[ "${#cmd}" -le 2000 ] || fail "the lease command is ${#cmd} characters, over the device call's 2,000"
+echo "gpu-rehearse: the lease command, ${#cmd} characters: $cmd"
+
+# 2.
+rm -rf "$WORK" && mkdir -p "$WORK/tree/build" "$WORK/bin" "$WORK/out"
+git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C "$WORK/tree"
+cp -r build/gpu-carry "$WORK/tree/build/"
+sent=$(du -sb "$WORK/tree" | cut -f1)
+[ "$sent" -lt $((64 * 1048576)) ] || fail "the device call would send $((sent / 1048576)) MiB, over 64"
+echo "gpu-rehearse: the call sends $((sent / 1024)) KiB (the tree and build/gpu-carry) of 64 MiB"
+
+# 3.
+"$PY" -m pip install -q pytest pytest-timeout "hypothesis==6.155.2" numpy expecttest huggingface_hub tokenizers \
+  safetensors pyyaml regex tqdm typer
+cat > "$WORK/bin/nvidia-smi" << 'EOF'
+#!/bin/sh
+case "$*" in
+  *--query-gpu*) echo "NVIDIA H100 80GB HBM3 (fake: gpu-rehearse), 81559 MiB, 580.159.04" ;;
+  *) echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-fake-gpu-rehearse)" ;;
+esac
+EOF
+cat > "$WORK/bin/compute-sanitizer" << 'EOF'
+#!/bin/sh
+echo "========= COMPUTE-SANITIZER"
+echo "========= Error: Device not supported (fake: gpu-rehearse, as on a gVisor machine)"
+exit 1
+EOF
+printf '#!/bin/sh\nexec %s "$@"\n' "$PY" > "$WORK/bin/python3"
+chmod +x "$WORK/bin/"*
+
+# 4.
+lease() {  # lease OUT [VAR=value...]: the command, as the device runs it, in the copied tree
+  local out=$1
+  shift
+  (cd "$WORK/tree" && env OUT="$out" PATH="$WORK/bin:$PATH" GIT_CEILING_DIRECTORIES="$WORK" PIP_NO_INDEX=1 \
+    ROPE_EXT_GPU_CHECK_REHEARSAL=1 "$@" timeout 570 bash -c "$cmd")
+}
+t0=$SECONDS
+rc=0
+lease "$WORK/out" > "$WORK/lease.log" 2>&1 || rc=$?
+cat "$WORK/lease.log"
+[ "$rc" = 0 ] || fail "the lease exited $rc (build/gpu-rehearse/lease.log)"
+echo "gpu-rehearse: the lease ran in $((SECONDS - t0)) s"
+
+# 5.
+files=$(cd "$WORK/out" && find . -type f | sort)
+n=$(grep -c . <<< "$files")
+[ "$n" -le 8 ] || fail "\$OUT holds $n files, more than the 8 that come back: $files"
+while read -r f; do
+  [ "$(stat -c %s "$WORK/out/$f")" -le $((16 * 1048576)) ] || fail "$f is over 16 MiB"
+  [ "$(tr -cd / <<< "${f#./}" | wc -c)" -le 2 ] || fail "$f is more than 2 folders down"
+  [[ ${f#./} =~ ^[A-Za-z0-9._/-]+$ ]] || fail "$f has a name that would not come back"
+done <<< "$files"
+echo "gpu-rehearse: \$OUT holds $n files ($(tr '\n' ' ' <<< "${files//.\//}")), all within what comes back"
+summary=$WORK/out/summary.md
+verdicts=$(sed -n '3,7p' "$summary" | sed 's/^- \*\*\([a-z-]*\)\*\*: \([A-Z]*[a-z]*\).*/\1 \2/')
+expected=$'install ok\nsmoke ok\ntest ok\nmemcheck NOT\nbench ok'
+[ "$verdicts" = "$expected" ] || { cat "$summary"; fail "the summary's first lines are not the five verdicts expected"; }
+grep -q "^- \*\*install\*\*: ok .*carried build, CUDA kernels registered" "$summary" ||
+  fail "the install part did not use the carried build"
+grep -q "Device not supported" "$summary" || fail "memcheck's refusal is not named in the summary"
+grep -q "from build/gpu-carry/BUILD_INFO" "$summary" || fail "the summary has no commit for a tree without .git"
+echo "gpu-rehearse: the summary opens with the five verdicts (install from the carried build; memcheck NOT RUN," \
+     "named as the sanitizer's refusal); the commit comes from BUILD_INFO"
+
+# 6.
+rc=0
+lease "$WORK/out-cut" GPU_CHECK_BUDGET=30 > "$WORK/lease-cut.log" 2>&1 || rc=$?
+[ "$rc" != 0 ] || fail "the lease cut off at 30 s exited 0"
+grep -q "^- \*\*install\*\*: ok" "$WORK/out-cut/summary.md" && grep -Eq "TIMED OUT|NOT RUN: the command's" "$WORK/out-cut/summary.md" ||
+  { cat "$WORK/out-cut/summary.md"; fail "the cut-off lease's summary does not say what was cut"; }
+echo "gpu-rehearse: cut off at 30 s, the lease exits $rc and its summary says so:"
+sed -n '3,8p' "$WORK/out-cut/summary.md"
+echo "gpu-rehearse: OK"
