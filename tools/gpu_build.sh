@@ -76,8 +76,9 @@ t3=$(date +%s)
 tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2> /dev/null | tail -1 | cut -f1)
 carry=$(du -sb "$CARRY" | cut -f1)
 total=$((tree + carry))
-echo "gpu-build: build/gpu-carry $((carry / 1024)) KiB ($(find "$CARRY" -type f | wc -l) \
-     "files) + the working tree $((tree / 1024)) KiB = $((total / 1048576)) MiB of the device call's 64"
+files=$(find "$CARRY" -type f | wc -l)
+echo "gpu-build: build/gpu-carry $((carry / 1024)) KiB ($files files) + the working tree $((tree / 1024)) KiB" \
+     "= $((total / 1048576)) MiB of the device call's 64"
 [ "$total" -lt $((60 * 1048576)) ] || { echo "gpu-build: over 60 MiB: the device call would refuse it"; exit 1; }
 cat "$CARRY/BUILD_INFO" | sed 's/^/gpu-build: /'
 echo "gpu-build: venv $((t1 - t0)) s, CUDA build $((t2 - t1)) s, checks and carry $((t3 - t2)) s"
