@@ -147,6 +147,16 @@ def cuda_args() -> list[str]:
     return args
 
 
+def unrolled_steps() -> list[str]:
+    """ROPE_EXT_UNROLLED_STEPS (1 to 8; csrc/cpu/rotary_cpu.h): set by tools/sanitize.sh only."""
+    value = os.environ.get("ROPE_EXT_UNROLLED_STEPS", "").strip()
+    if not value:
+        return []
+    if value not in [str(n) for n in range(1, 9)]:
+        raise SystemExit(f"ROPE_EXT_UNROLLED_STEPS must be 1 to 8, got {value!r}")
+    return [f"-DROPE_EXT_UNROLLED_STEPS={value}"]
+
+
 def generator() -> list[str]:
     """Ninja (the `ninja` package from PyPI, a build requirement, or one on PATH), else Makefiles."""
     try:
@@ -204,7 +214,7 @@ class CMakeBuild(build_ext):
             "-DCMAKE_INSTALL_LIBDIR=lib",
             f"-DROPE_EXT_UNTESTED_TORCH={'ON' if os.environ.get('ROPE_EXT_UNTESTED_TORCH') == '1' else 'OFF'}",
             "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
-        ] + generator() + (cuda_args() if cuda else [])
+        ] + unrolled_steps() + generator() + (cuda_args() if cuda else [])
         # One build directory per configuration: the options, the torch, and what CMake reads from the
         # environment only when it first configures (compilers, flags). It lives in the source tree's
         # build/, not in setuptools' build_temp, which an editable install deletes after each build.

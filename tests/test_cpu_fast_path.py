@@ -233,7 +233,7 @@ def register_steps(gathered: bool) -> tuple[int, int]:
 
 
 # The widest row, in vector steps, that the fast path unrolls (kUnrolledSteps in rotary_kernel.h).
-UNROLLED_STEPS = 8
+UNROLLED_STEPS = TESTING.cpu_unrolled_steps()  # 8, or 5 in the sanitize build (tools/sanitize.sh)
 
 
 @pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())

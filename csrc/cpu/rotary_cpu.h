@@ -48,6 +48,18 @@ struct PathCounts {
 enum RowPath { kFastRows = 0, kGeneralRows = 1 };
 ROPE_EXT_INTERNAL PathCounts& path_counts();
 
+// The widest row, in vector steps, that the fast path's unrolled blocks take (rotate_block_rows in
+// rotary_kernel.h: rotary_dim 256 on AVX2 and DEFAULT, 512 on AVX-512, for float and 16-bit x); wider
+// rows take the row loop. 8 in every build users get. The CMake option ROPE_EXT_UNROLLED_STEPS lowers
+// it for the sanitize build alone (tools/sanitize.sh): GCC with ASan spent 16 minutes on each AVX-512
+// kernel file at 8 (one instantiation per step count, each unrolled), and every side of the switch
+// (held tables, held and read, the row loop) is still reached on every ISA at 5.
+#ifndef ROPE_EXT_UNROLLED_STEPS
+#define ROPE_EXT_UNROLLED_STEPS 8
+#endif
+constexpr int kUnrolledSteps = ROPE_EXT_UNROLLED_STEPS;
+static_assert(1 <= kUnrolledSteps && kUnrolledSteps <= 8, "ROPE_EXT_UNROLLED_STEPS must be 1 to 8");
+
 #define ROPE_EXT_DECLARE_KERNEL(CAP)                                                        \
   namespace CAP {                                                                           \
   void rotary_kernel(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,             \

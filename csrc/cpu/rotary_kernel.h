@@ -363,9 +363,8 @@ template <typename scalar_t, bool kGathered>
 constexpr int kRegisterSteps =
     std::max(1, ((sizeof(Vectorized<float>) >= 64 ? 16 : 8) / (2 * (kGathered ? 2 : 4))));
 
-// The widest row, in vector steps, that rotate_block_rows unrolls (rotary_dim 256 on AVX2 and
-// DEFAULT, 512 on AVX-512, for float and 16-bit x). Wider rows take rotate_row_contiguous's loop.
-constexpr int kUnrolledSteps = 8;
+// kUnrolledSteps (rotary_cpu.h): the widest row, in vector steps, that rotate_block_rows unrolls.
+// Wider rows take rotate_row_contiguous's loop.
 
 // The contiguous-row fast path: pairs [0, kSteps * kStep) (a row's whole vector part) of `nh`
 // rows that share one token's tables, row h at x + h * x_head (and out + h * out_head), columns
@@ -450,8 +449,8 @@ void rotate_wide_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t 
 // chosen once per call from the rotary width, so that each token costs one call:
 // - rows of up to kUnrolledSteps vector steps: the instantiation of rotate_block_rows for their
 //   step count, then each row's scalar tail (pairs [tail, half)) where there is one;
-// - wider rows (half / kStep > kUnrolledSteps: for float and 16-bit x, rotary_dim 288 and up on
-//   AVX2 and DEFAULT, 576 and up on AVX-512; double x from half those): rotate_row_contiguous's
+// - wider rows (half / kStep > kUnrolledSteps: at 8, for float and 16-bit x, rotary_dim 288 and up
+//   on AVX2 and DEFAULT, 576 and up on AVX-512; double x from half those): rotate_row_contiguous's
 //   loop, a row at a time, tail included (PathCounts::wide_fast_rows).
 template <bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
 struct FastRows {

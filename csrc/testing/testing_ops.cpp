@@ -104,6 +104,9 @@ TORCH_LIBRARY(rope_ext_testing, m) {
   // Whether the CPU kernel may round bfloat16 with AVX512-BF16 where the CPU has it (the AVX512_BF16
   // variant); False forces the AVX512 variant's integer rounding. Returns the previous setting.
   m.def("cpu_allow_native_bf16(bool allow) -> bool", &cpu::allow_native_bf16);
+  // The widest row, in vector steps, that this build's fast path unrolls (cpu::kUnrolledSteps: 8, or
+  // what the sanitize build lowered it to).
+  m.def("cpu_unrolled_steps() -> int", []() -> int64_t { return cpu::kUnrolledSteps; });
   // Whether this CPU and build have the AVX512_BF16 variant (AVX512 kernel and cpuid's avx512bf16).
   m.def("cpu_native_bf16_available() -> bool", &cpu::native_bf16_available);
 }
