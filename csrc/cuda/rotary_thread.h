@@ -646,12 +646,15 @@ struct RotaryThread {
   // The item's pairs of every head this thread covers: q's heads, then k's (heads h - heads0).
   C10_HOST_DEVICE void rotate_item(int64_t item, const int64_t (&t0)[4], const int64_t (&t1)[4],
                                    const ThreadCoord& g) const {
+    const int64_t step = g.grid_y * g.block_y;
+    int64_t h = g.by * g.block_y + g.ty;
+    // A thread past the last head (in the last head group, where q's and k's heads together do not
+    // fill it: 40 heads in blocks of 32) reads no tables, so that its warp issues no loads at all.
+    if (h >= idx.heads) return;
     // This token's table entries for the item's pairs: loaded once, reused for every head.
     opmath_t c1[kPairs], s1[kPairs], c2[kPairs], s2[kPairs];
     const int64_t pair0 = item * kPairs;
     load_tables(pair0, t0, c1, s1, c2, s2);
-    const int64_t step = g.grid_y * g.block_y;
-    int64_t h = g.by * g.block_y + g.ty;
     for (; h < idx.heads0; h += step) rotate_row<0>(h, t0, pair0, c1, s1, c2, s2);
     for (; h < idx.heads; h += step) rotate_row<1>(h - idx.heads0, t1, pair0, c1, s1, c2, s2);
   }
