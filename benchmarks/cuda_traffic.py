@@ -14,12 +14,14 @@ every case this prints
                    position);
   distinct / min   the distinct sectors touched over the same minimum (what DRAM must move at best).
 
-and the launch of q (vec: elements per vector; tvec: vector table loads; compact: CompactIndex rather
-than PlanIndex). Its last line is `min sector efficiency: X`, the least of ld eff and st eff over the
-main cases: the layouts bshd, HF's bhsd view, packed thd and a qkv slice, both pairings, bfloat16 and
-float32 (with tables in that dtype and, for bfloat16, float32 tables too), prefill, full tables
-(rotary_qk) and the gathered cache (rotary_pos_qk), at Llama's 32/8 heads and D = 128. Other cases
-(partial rotary, tables shared over the batch, a contiguous bhsd, decode at B = 1 to 64) follow.
+and the op's launch: one for q's heads and then k's, for rotary_qk (q and k share the tables) as for
+rotary_pos_qk (vec: elements per vector; tvec: vector table loads; compact: CompactIndex rather than
+PlanIndex; block: items x heads). Its last line is `min sector efficiency: X`, the least of ld eff
+and st eff over the main cases: the layouts bshd, HF's bhsd view, packed thd and a qkv slice, both
+pairings, bfloat16 and float32 (with tables in that dtype and, for bfloat16, float32 tables too),
+prefill, full tables (rotary_qk) and the gathered cache (rotary_pos_qk), at Llama's 32/8 heads and
+D = 128. Other cases (partial rotary, tables shared over the batch, a contiguous bhsd, decode at
+B = 1 to 64) follow.
 
 Run after `make setup` (it needs rope_ext_testing): python benchmarks/cuda_traffic.py [--sites]
 """
@@ -104,7 +106,6 @@ def run_case(c: Case, sites: bool = False) -> dict:
         by_layout = {"thd": pos.reshape(tokens, 1), "bhsd_view": pos[:, None], "bhsd": pos[:, None]}
         pos = by_layout.get(c.layout, pos[..., None])
         args = (q, k, cos, sin, pos, c.interleaved)
-        launch = TESTING.cuda_pos_launch_config(*args)
         run = lambda: TESTING.cuda_emulate_rotary_pos_qk(*args, False)  # noqa: E731
         expected = lambda: rope_ext.rotary_pos_qk(q, k, cos, sin, pos, interleaved=c.interleaved)  # noqa: E731
         table_min = tokens * (2 * (c.r // 2) * tsize + pos.element_size())
@@ -114,17 +115,20 @@ def run_case(c: Case, sites: bool = False) -> dict:
         cos, sin = to_layout(tab[0]), to_layout(tab[1])
         if c.layout == "thd":
             cos, sin = tab[0].reshape(tokens, 1, c.r), tab[1].reshape(tokens, 1, c.r)
-        launch = TESTING.cuda_launch_config(q, cos, sin, c.interleaved)
         run = lambda: TESTING.cuda_emulate_rotary_qk(q, k, cos, sin, c.interleaved, None, None, False)  # noqa: E731
         expected = lambda: rope_ext.rotary_qk(q, k, cos, sin, interleaved=c.interleaved)  # noqa: E731
         table_min = tokens * 2 * c.r * tsize
     TESTING.cuda_record_traffic(True)
+    TESTING.cuda_record_launches(True)
     try:
         got = run()
         t = dict(zip(TRAFFIC_FIELDS, TESTING.cuda_traffic(), strict=True))
         by_site = TESTING.cuda_traffic_by_site()
+        launches = TESTING.cuda_launches()
     finally:
         TESTING.cuda_record_traffic(False)
+        TESTING.cuda_record_launches(False)
+    assert len(launches) == len(LAUNCH_FIELDS), f"{c.name}: {len(launches) // len(LAUNCH_FIELDS)} launches, not one"
     same = all(torch.equal(a, b) for a, b in zip(got, expected(), strict=True))
     assert same, f"{c.name}: the emulated kernel differs from the CPU op"
     qk_bytes = (q.numel() + k.numel()) * esize
@@ -135,7 +139,7 @@ def run_case(c: Case, sites: bool = False) -> dict:
         "st_eff": t["st_needed"] / t["st_sectors"],
         "moved": (t["ld_sectors"] + t["st_sectors"]) / minimum,
         "distinct": (t["ld_distinct"] + t["st_distinct"]) / minimum,
-        "launch": dict(zip(LAUNCH_FIELDS, launch, strict=True)),
+        "launch": dict(zip(LAUNCH_FIELDS, launches, strict=True)),
     }
     if sites:
         names, totals = by_site
@@ -179,7 +183,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sites", action="store_true", help="also print each case's traffic by access site")
     args = parser.parse_args()
-    header = f"{'case':<64} {'ld eff':>7} {'st eff':>7} {'moved/min':>9} {'distinct/min':>12}  launch of q"
+    header = f"{'case':<64} {'ld eff':>7} {'st eff':>7} {'moved/min':>9} {'distinct/min':>12}  launch"
     print(header)
     print("-" * len(header))
     worst = None

@@ -13,7 +13,9 @@
 namespace rope_ext {
 
 // One backend call: out = rotary(x, tables) and, when k is set, k_out = rotary(k, the same
-// tables) (rotary_pos_qk; one CUDA launch covers both). out may be x and k_out may be k (in place).
+// tables) (rotary_pos_qk, and rotary_qk where q and k share tables: one CUDA launch covers both,
+// reading each token's table entries once for q's heads and k's). out may be x and k_out may be k
+// (in place).
 struct RotaryCall {
   const at::Tensor& x;
   at::Tensor& out;
@@ -28,6 +30,14 @@ struct RotaryCall {
 };
 
 using RunFn = void (*)(const RotaryCall& call);
+
+// Whether rotary_qk rotates q and k in one backend call (one CUDA launch). Not with k's own tables
+// (cos_k/sin_k): the kernel holds one pair of table pointers and reads a token's entries once for
+// every head it covers. Nor where q and k differ in head dim (shared full tables allow it): a
+// launch's items cover one row width. Each of those cases makes one call per tensor.
+inline bool rotary_qk_one_call(const at::Tensor& q, const at::Tensor& k, bool own_k_tables) {
+  return !own_k_tables && q.size(-1) == k.size(-1);
+}
 
 template <RunFn run>
 struct RotaryOps {
@@ -56,8 +66,12 @@ struct RotaryOps {
     check_qk_args("rope_ext.rotary_qk", q, k, cos_k.has_value() ? std::nullopt : std::optional(cos));
     at::Tensor q_out = at::empty_like(q);
     at::Tensor k_out = at::empty_like(k);
-    run({q, q_out, cos, sin, nullptr, nullptr, nullptr, interleaved, conjugate});
-    run({k, k_out, ck, sk, nullptr, nullptr, nullptr, interleaved, conjugate});
+    if (rotary_qk_one_call(q, k, cos_k.has_value())) {
+      run({q, q_out, cos, sin, nullptr, &k, &k_out, interleaved, conjugate, "rope_ext.rotary_qk"});
+    } else {
+      run({q, q_out, cos, sin, nullptr, nullptr, nullptr, interleaved, conjugate, "rope_ext.rotary_qk"});
+      run({k, k_out, ck, sk, nullptr, nullptr, nullptr, interleaved, conjugate, "rope_ext.rotary_qk"});
+    }
     return {q_out, k_out};
   }
 

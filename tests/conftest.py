@@ -67,7 +67,7 @@ class KernelsOn:
     # that forces PlanIndex runs CompactIndex on the device: PlanIndex's kernels run on the device
     # in tests/gpu_kernel_cases.py and the strided layouts of tests/test_gpu.py.)
     EMULATOR_ONLY = ("cuda_ignore_alignment", "cuda_checked_accesses", "cuda_record_traffic", "cuda_traffic",
-                     "cuda_traffic_by_site")
+                     "cuda_traffic_by_site", "cuda_record_launches", "cuda_launches")
 
     def __getattr__(self, name):
         if name in self.EMULATOR_ONLY:

@@ -194,17 +194,154 @@ def test_full_tables_compact_index_and_vector_table_loads(dtypes, interleaved, g
     assert seen == {(0, 0), (0, 1), (1, 0), (1, 1)}
 
 
+def qk_launches(q, k, cos, sin, interleaved):
+    """The launches rotary_qk(q, k, cos, sin) makes (shared tables), as cuda_launch_config's dicts."""
+    flat = TESTING.cuda_qk_launch_config(q, k, cos, sin, interleaved)
+    n = len(LAUNCH_FIELDS)
+    assert len(flat) % n == 0, flat
+    return [dict(zip(LAUNCH_FIELDS, flat[i:i + n], strict=True)) for i in range(0, len(flat), n)]
+
+
+def covers(cfg, tokens, heads):
+    """Whether a launch has one block column per token and just enough head groups for `heads`."""
+    return cfg["grid_x"] == tokens and cfg["block_y"] * (cfg["grid_y"] - 1) < heads <= cfg["block_y"] * cfg["grid_y"]
+
+
 def test_full_tables_rotary_qk_gqa_hf_view(gen):
     """The transformers patch's call: rotary_qk on HF's (B, H, S, D) views, 32/8 heads, (B, 1, S, D) tables
-    in x's dtype. Both launches take CompactIndex and vector table loads and give the CPU op's bits."""
+    in x's dtype. One launch covers q's 32 heads and k's 8 with CompactIndex and vector table loads, and
+    gives the CPU op's bits."""
     q = make_layout("hf_view", 2, 5, 32, 128, torch.bfloat16, gen)[0]
     k = make_layout("hf_view", 2, 5, 8, 128, torch.bfloat16, gen)[0]
     cos, sin = (t.unsqueeze(1) for t in rope_tables(torch.arange(5).expand(2, 5), 128, False, torch.bfloat16))
-    for x in (q, k):
-        cfg = launch(x, cos, sin, False)
-        assert (cfg["vec"], cfg["table_vec"], cfg["compact"]) == (8, 1, 1), cfg
+    [cfg] = qk_launches(q, k, cos, sin, False)
+    assert (cfg["vec"], cfg["table_vec"], cfg["compact"]) == (8, 1, 1) and covers(cfg, 10, 40), cfg
     got = TESTING.cuda_emulate_rotary_qk(q, k, cos, sin, False, None, None, False)
     want = rope_ext.rotary_qk(q, k, cos, sin)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _qk_shared_table_cases(dtype, table_dtype, interleaved, d, r, gen):
+    """rotary_qk's shared-table calls in the layouts users hand them: name -> (q, k, cos, sin, tokens, heads
+    under CompactIndex, tokens, heads under PlanIndex). B=2, S=5; heads GQA 32/8, MQA 4/1, 3/3 and a q of
+    one head under k's three. Tables are general (c1 != c2), in `table_dtype`."""
+    B, S = 2, 5
+
+    def tables(*shape):
+        return random_tables((*shape, r), table_dtype, gen)
+
+    def shifted(t):  # t's values one element past an aligned start: the vector path is off
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)
+        return buf.copy_(t)
+
+    cases = {}
+    for hq, hk in ((32, 8), (4, 1), (3, 3), (1, 3)):
+        h = hq + hk
+        tag = f"{hq}/{hk}"
+        q, to_layout = make_layout("bshd", B, S, hq, d, dtype, gen)
+        k = make_layout("bshd", B, S, hk, d, dtype, gen)[0]
+        cases[f"bshd {tag}"] = (q, k, *tables(B, S, 1), B * S, h, B * S, h)
+        # (S, 1, r) tables shared over the batch: CompactIndex folds the batch into tokens, PlanIndex keeps
+        # it a head dim of each operand
+        cases[f"bshd {tag} tables shared over batch"] = (q, k, *tables(S, 1), B * S, h, S, B * h)
+        cases[f"bshd {tag} k misaligned"] = (q, shifted(k), *tables(B, S, 1), B * S, h, B * S, h)
+        q, to_layout = make_layout("hf_view", B, S, hq, d, dtype, gen)
+        k = make_layout("hf_view", B, S, hk, d, dtype, gen)[0]
+        cases[f"hf_view {tag}"] = (q, k, *(to_layout(t) for t in tables(B, S, 1)), B * S, h, B * S, h)
+        cases[f"hf_view {tag} (S, r) tables"] = (q, k, *tables(S), B * S, h, S, B * h)
+        q = make_layout("thd", B, S, hq, d, dtype, gen)[0]
+        k = make_layout("thd", B, S, hk, d, dtype, gen)[0]
+        cases[f"thd {tag}"] = (q, k, *tables(B * S, 1), B * S, h, B * S, h)
+    # q and k as slices of one fused (B, S, Hq + 2 Hk, D) projection, and a contiguous (B, H, S, D)
+    qkv = torch.randn(B, S, 32 + 2 * 8, d, generator=gen).to(dtype)
+    cases["qkv_slice 32/8"] = (qkv[:, :, :32], qkv[:, :, 32:40], *tables(B, S, 1), B * S, 40, B * S, 40)
+    c, s = tables(B, 1, S)
+    cases["bhsd 32/8"] = (make_layout("bhsd", B, S, 32, d, dtype, gen)[0], make_layout("bhsd", B, S, 8, d, dtype,
+                          gen)[0], c, s, B * S, 40, B * S, 40)
+    return cases
+
+
+# (head_dim, rotary_dim): full rotary, partial rotary, and 72/40, whose 20-pair halves take the scalar
+# path for 16-bit half-split (and the vector path elsewhere)
+QK_DIMS = {"64_full": (64, 64), "64_partial": (64, 32), "72_40": (72, 40)}
+
+
+@pytest.mark.parametrize("dims", QK_DIMS.values(), ids=QK_DIMS.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())
+def test_rotary_qk_shared_tables_one_launch(interleaved, dtype, dims, gen):
+    """rotary_qk with tables q and k share (no cos_k/sin_k) is one launch covering q's heads and then
+    k's, with either row index, on the vector path where both operands allow it and the scalar path
+    where either does not; the emulated kernel gives the CPU op's bits, forward and transpose."""
+    d, r = dims
+    for table_dtype in {dtype, torch.float32}:
+        # 16 bytes of the wider of x and the tables (a table vector is never wider than 16 bytes)
+        ev = 16 // max(torch.empty((), dtype=t).element_size() for t in (dtype, table_dtype))
+        widths = (r % ev == 0 if interleaved else (r // 2) % ev == 0) and (d - r) % ev == 0
+        for name, (q, k, cos, sin, *counts) in _qk_shared_table_cases(dtype, table_dtype, interleaved, d, r,
+                                                                       gen).items():
+            expected = [rope_ext.rotary_qk(q, k, cos, sin, interleaved=interleaved, conjugate=conj)
+                        for conj in (False, True)]
+            for allow in (True, False):
+                with hook_setting("cuda_allow_compact_index", allow):
+                    [cfg] = qk_launches(q, k, cos, sin, interleaved)
+                    tokens, heads = counts[:2] if allow else counts[2:]
+                    assert cfg["compact"] == allow and covers(cfg, tokens, heads), (name, allow, cfg)
+                    assert (cfg["vec"] > 1) == (widths and "misaligned" not in name), (name, cfg)
+                    for conj, want in zip((False, True), expected, strict=True):
+                        got = TESTING.cuda_emulate_rotary_qk(q, k, cos, sin, interleaved, None, None, conj)
+                        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (name, allow, conj)
+        # the CPU op itself against the float64 formula (the emulator matches it bit for bit above)
+        assert_matches_reference(expected[1][1], k, cos, sin, interleaved, True)
+
+
+def test_rotary_qk_launches_as_the_op_makes_them(gen):
+    """The emulated rotary_qk makes the launches cuda_qk_launch_config reports: one for q and k with
+    shared tables; one per tensor with k's own tables (the kernel has one pair of table pointers) or
+    with head dims that differ (a launch's items cover one row width)."""
+    q = make_layout("bshd", 2, 5, 8, 64, torch.float32, gen)[0]
+    k = make_layout("bshd", 2, 5, 2, 64, torch.float32, gen)[0]
+    cos, sin = random_tables((2, 5, 1, 48), torch.float32, gen)
+    cos_k, sin_k = random_tables((5, 1, 48), torch.float32, gen)
+    k_wide = make_layout("bshd", 2, 5, 2, 96, torch.float32, gen)[0]
+    calls = {
+        "shared": ((q, k, cos, sin, False, None, None, False), 1),
+        "k's own tables": ((q, k, cos, sin, False, cos_k, sin_k, False), 2),
+        "head dims differ": ((q, k_wide, cos, sin, False, None, None, False), 2),
+    }
+    for name, (args, n) in calls.items():
+        with hook_setting("cuda_record_launches", True):
+            got = TESTING.cuda_emulate_rotary_qk(*args)
+            made = TESTING.cuda_launches()
+        want = rope_ext.rotary_qk(args[0], args[1], args[2], args[3], cos_k=args[5], sin_k=args[6])
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
+        assert len(made) == n * len(LAUNCH_FIELDS), (name, made)
+        if args[5] is None:
+            assert made == TESTING.cuda_qk_launch_config(*args[:4], False), name
+    [one] = qk_launches(q, k, cos, sin, False)
+    assert covers(one, 10, 10), one
+    with hook_setting("cuda_record_launches", True):
+        TESTING.cuda_emulate_rotary_pos_qk(q, k, cos[0, :, 0, :24], sin[0, :, 0, :24], torch.arange(5)[:, None],
+                                           False, False)
+        assert len(TESTING.cuda_launches()) == len(LAUNCH_FIELDS)  # rotary_pos_qk: one launch, as before
+    with pytest.raises(RuntimeError, match=r"cuda_launches: not recording"):
+        TESTING.cuda_launches()
+
+
+def test_rotary_qk_one_launch_checks_k_alignment_too(gen):
+    """k's rows go through the one launch's vector accesses: with alignment ignored, a k one element off
+    its 16-byte boundary (q aligned) is refused at k's first load, as a GPU would fault on it."""
+    q = make_layout("bshd", 2, 3, 4, 64, torch.bfloat16, gen)[0]
+    k_aligned = make_layout("bshd", 2, 3, 2, 64, torch.bfloat16, gen)[0]
+    k = torch.empty(k_aligned.numel() + 1, dtype=k_aligned.dtype)[1:].view(k_aligned.shape).copy_(k_aligned)
+    cos, sin = rope_tables(torch.arange(3)[None, :, None], 64, False, torch.bfloat16)
+    assert qk_launches(q, k, cos, sin, False)[0]["vec"] == 1
+    with ignoring_alignment():
+        assert qk_launches(q, k, cos, sin, False)[0]["vec"] == 8
+        with pytest.raises(RuntimeError, match=r"misaligned 16-byte load .* access site k\.x1"):
+            TESTING.cuda_emulate_rotary_qk(q, k, cos, sin, False, None, None, False)
+        got = TESTING.cuda_emulate_rotary_qk(q, k_aligned, cos, sin, False, None, None, False)
+    want = rope_ext.rotary_qk(q, k_aligned, cos, sin)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -302,6 +439,31 @@ def test_traffic_model_counts_bytes_and_sectors(gen):
     assert sites["q.x1"] == (rows * 32 * 4, rows * 256, rows) and sites["q.x2"] == sites["q.x1"]
     assert sites["q.out1"] == (rows * 32 * 4, rows * 32 * 4, rows)
     assert t["st_needed"] == t["st_sectors"] == nbytes
+
+
+def test_traffic_rotary_qk_reads_the_tables_once(gen):
+    """With shared tables, rotary_qk's one launch reads each token's cos and sin once for q's heads and
+    k's, where rotary(q) and rotary(k) read them once each. Float32, D = r = 64, half-split: 8 items of 4
+    pairs per row, so q's 3 heads and k's 1 fill one 32-thread warp (block 8 x 4), whose loads of a
+    token's table values are one read of them. The expected bytes follow from the shapes: q, k and the
+    tables each read once, in whole 32-byte sectors (rows of 256 bytes)."""
+    B, S, D = 2, 16, 64
+    q = make_layout("bshd", B, S, 3, D, torch.float32, gen)[0]
+    k = make_layout("bshd", B, S, 1, D, torch.float32, gen)[0]
+    cos, sin = random_tables((B, S, 1, D), torch.float32, gen)
+    [cfg] = qk_launches(q, k, cos, sin, False)
+    assert (cfg["block_x"], cfg["block_y"], cfg["grid_y"]) == (8, 4, 1), cfg
+    table_read = B * S * 2 * D * 4  # cos and sin: r float32 values each per token
+    qk_bytes = (q.numel() + k.numel()) * 4
+    (got_q, got_k), one, _ = recorded_traffic(TESTING.cuda_emulate_rotary_qk, q, k, cos, sin, False, None, None,
+                                              False)
+    want = rope_ext.rotary_qk(q, k, cos, sin)
+    assert torch.equal(got_q, want[0]) and torch.equal(got_k, want[1])
+    alone = [recorded_traffic(TESTING.cuda_emulate_rotary, x, cos, sin, False, False)[1] for x in (q, k)]
+    assert one["ld_needed"] == one["ld_sectors"] == qk_bytes + table_read
+    assert sum(t["ld_needed"] for t in alone) == sum(t["ld_sectors"] for t in alone) == qk_bytes + 2 * table_read
+    # stores do not change: q and k written once either way
+    assert one["st_sectors"] == sum(t["st_sectors"] for t in alone) == qk_bytes
 
 
 def test_the_sanitizer_cases_reach_every_cuda_kernel(capsys, monkeypatch):

@@ -19,7 +19,8 @@ namespace {
 // __grid_constant__ lets it be read in place from the parameter bank, never copied to local memory.
 // At least 2 blocks of kMaxThreads per SM, so up to 128 registers a thread: with the block size
 // alone, ptxas for sm_100 and later held the kernels to 64 registers and spilled (cuda-check refuses
-// stack); they use 32 to 88.
+// stack); they used 32 to 88 while full-table kernels held no code for k, and use 40 to 110 on sm_90
+// since (the most in the 16-bit half-split full-table kernels; other architectures not remeasured).
 template <typename Thread>
 __global__ void __launch_bounds__(kMaxThreads, 2) rotary_kernel(const __grid_constant__ Thread t) {
   t({blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y, gridDim.x, gridDim.y, blockDim.x, blockDim.y});

@@ -34,7 +34,7 @@ constexpr int64_t kTargetBlocks = 2048;  // enough blocks to fill a large GPU
 // A launch: grid (tokens x head groups), block (pair chunks x heads).
 //   blockIdx.x  -> token (looping with stride grid_x)
 //   blockIdx.y, threadIdx.y -> heads (looping with stride grid_y * block_y); with q and k in one
-//                  launch (rotary_pos_qk), q's heads and then k's
+//                  launch (rotary_pos_qk, and rotary_qk with shared tables), q's heads and then k's
 //   threadIdx.x -> chunk of `pairs_per_item` pairs of the row, or of pass-through columns
 // A thread loads its chunk's cos/sin once per token and reuses it for all its heads.
 struct RotaryLaunch {
@@ -67,9 +67,11 @@ struct LaunchOperand {
 // vec_elems) needs contiguous rows, 16-byte aligned row starts, and a rotary and pass-through width
 // that split into whole vectors, for every operand; anything else takes the scalar path. The tables
 // are loaded a whole item at a time (table_vec) when their columns are contiguous and each item's
-// values are aligned: for gathered caches, the row stride and the bases; for full tables, every
-// token stride and the bases (the item's columns start at a multiple of its width, and half-split's
-// second members at r/2, a multiple too). `ignore_alignment` (the host emulator's tests only)
+// values are aligned: for gathered caches, the row stride and the bases; for full tables, the bases
+// and every token stride of every operand's plan (q and k number their tokens alike and read the
+// same entries, but each plan collapses its token dims by its own strides, so each is checked as it
+// is; the item's columns start at a multiple of its width, and half-split's second members at r/2,
+// a multiple too). `ignore_alignment` (the host emulator's tests only)
 // skips the pointer and stride alignment checks, so that the emulator can show it catches what a
 // misaligned vector access would do on a GPU.
 inline RotaryLaunch choose_launch(std::initializer_list<LaunchOperand> operands, int64_t tokens, int64_t heads,
@@ -105,8 +107,11 @@ inline RotaryLaunch choose_launch(std::initializer_list<LaunchOperand> operands,
     if (p.gathered) {
       strides_ok = p.cos_row % n == 0 && p.sin_row % n == 0;
     } else {
-      for (int d = 0; d < p.tokens.ndim; ++d)
-        strides_ok = strides_ok && p.tokens.strides[kCos][d] % n == 0 && p.tokens.strides[kSin][d] % n == 0;
+      for (const LaunchOperand& o : operands) {
+        const StridedDims<4>& t = o.plan->tokens;
+        for (int d = 0; d < t.ndim; ++d)
+          strides_ok = strides_ok && t.strides[kCos][d] % n == 0 && t.strides[kSin][d] % n == 0;
+      }
     }
     L.table_vec = p.cos_col == 1 && p.sin_col == 1 && (ignore_alignment || strides_ok) &&
                   aligned(cos, n * table_elem_size) && aligned(sin, n * table_elem_size);
@@ -429,7 +434,16 @@ inline CallLaunch plan_call(const RotaryCall& c, bool allow_compact = true, bool
                        : make_rotary_plan(x, out, c.cos, c.sin);
   };
   r.plan = make(c.x, c.out);
-  if (c.k != nullptr) r.k_plan = make(*c.k, *c.k_out);
+  if (c.k != nullptr) {
+    r.k_plan = make(*c.k, *c.k_out);
+    // One launch walks both operands' tokens with one index and their rows with q's items (the
+    // callers' checks ensure both: the tables or positions broadcast over q and k alike, and
+    // rotary_qk_one_call / check_qk_args give them one head dim).
+    TORCH_CHECK(r.k_plan.tokens.numel() == r.plan.tokens.numel() && r.k_plan.head_dim == r.plan.head_dim, c.op,
+                ": internal error: q and k in one launch must share their tokens and head dim, got ",
+                r.plan.tokens.numel(), " and ", r.k_plan.tokens.numel(), " tokens, head dims ", r.plan.head_dim,
+                " and ", r.k_plan.head_dim);
+  }
   if (allow_compact) r.compact = compact_index(c);
   const int64_t tokens = r.compact ? r.compact->num_tokens : r.plan.tokens.numel();
   const int64_t heads = r.compact ? r.compact->heads
@@ -461,7 +475,6 @@ struct RotaryThread {
 
   // Host side: the thread function of a planned call.
   static RotaryThread make(const RotaryCall& c, const CallLaunch& cl) {
-    TORCH_CHECK(kGathered || c.k == nullptr, "rope_ext: full-table calls take one tensor per launch");
     RotaryThread t{};
     if constexpr (std::is_same_v<Index, CompactIndex>) {
       t.idx = *cl.compact;
@@ -507,10 +520,9 @@ struct RotaryThread {
 
   C10_HOST_DEVICE void operator()(const ThreadCoord& g) const {
     const int64_t tokens = idx.tokens();
-    // A second operand (k) only with gathered tables: rotary_qk with full tables makes one call per
-    // tensor. Known at compile time, full-table kernels hold no code for k (nvcc gave two of them a
-    // 16-byte stack frame around the 64-bit division of k's token index).
-    const bool two = kGathered && idx.heads > idx.heads0;
+    // A second operand (k): rotary_pos_qk, and rotary_qk where q and k share tables. k's token
+    // offsets only where it has heads; its table entries are q's (the same token of the same tables).
+    const bool two = idx.heads > idx.heads0;
     for (int64_t token = g.bx; token < tokens; token += g.grid_x) {
       int64_t t0[4], t1[4] = {};
       idx.template token<0>(token, t0);
@@ -634,16 +646,17 @@ struct RotaryThread {
   // The item's pairs of every head this thread covers: q's heads, then k's (heads h - heads0).
   C10_HOST_DEVICE void rotate_item(int64_t item, const int64_t (&t0)[4], const int64_t (&t1)[4],
                                    const ThreadCoord& g) const {
+    const int64_t step = g.grid_y * g.block_y;
+    int64_t h = g.by * g.block_y + g.ty;
+    // A thread past the last head (in the last head group, where q's and k's heads together do not
+    // fill it: 40 heads in blocks of 32) reads no tables, so that its warp issues no loads at all.
+    if (h >= idx.heads) return;
     // This token's table entries for the item's pairs: loaded once, reused for every head.
     opmath_t c1[kPairs], s1[kPairs], c2[kPairs], s2[kPairs];
     const int64_t pair0 = item * kPairs;
     load_tables(pair0, t0, c1, s1, c2, s2);
-    const int64_t step = g.grid_y * g.block_y;
-    int64_t h = g.by * g.block_y + g.ty;
     for (; h < idx.heads0; h += step) rotate_row<0>(h, t0, pair0, c1, s1, c2, s2);
-    if constexpr (kGathered) {
-      for (; h < idx.heads; h += step) rotate_row<1>(h - idx.heads0, t1, pair0, c1, s1, c2, s2);
-    }
+    for (; h < idx.heads; h += step) rotate_row<1>(h - idx.heads0, t1, pair0, c1, s1, c2, s2);
   }
 
   template <int O>
@@ -709,9 +722,7 @@ struct RotaryThread {
     const int64_t step = g.grid_y * g.block_y;
     int64_t h = g.by * g.block_y + g.ty;
     for (; h < idx.heads0; h += step) copy_row<0>(h, t0, item);
-    if constexpr (kGathered) {
-      for (; h < idx.heads; h += step) copy_row<1>(h - idx.heads0, t1, item);
-    }
+    for (; h < idx.heads; h += step) copy_row<1>(h - idx.heads0, t1, item);
   }
 
   template <int O>

@@ -31,7 +31,7 @@ namespace {
 
 using cuda::RotaryLaunch;
 
-// Whether gathered calls may use CompactIndex (as the CUDA launcher does wherever the layout allows);
+// Whether calls may use CompactIndex (as the CUDA launcher does wherever the layout allows);
 // the tests turn it off to run every layout through PlanIndex too.
 bool g_allow_compact = true;
 // Whether launches take vector loads regardless of alignment (where the widths allow): only to show
@@ -159,6 +159,7 @@ class TrafficRecorder {
 
 std::optional<TrafficRecorder> g_traffic;  // recording while set
 int64_t g_checked_accesses = 0;          // accesses whose alignment EmulatedMemory checked
+std::optional<std::vector<RotaryLaunch>> g_launches;  // the emulated launches, while recording them
 
 template <class V>
 void check_aligned(const V* p, int site) {
@@ -196,6 +197,7 @@ void run_emulated(const RotaryCall& c) {
   if (c.out.numel() == 0 && (c.k_out == nullptr || c.k_out->numel() == 0)) return;
   const cuda::CallLaunch cl = plan(c);
   const RotaryLaunch& L = cl.launch;
+  if (g_launches) g_launches->push_back(L);
   cuda::dispatch_thread(c, L, [&]<class Thread>() {
     using Emulated = typename Thread::template WithMemory<EmulatedMemory>;
     const Emulated t = Emulated::make(c, cl);
@@ -222,6 +224,27 @@ std::vector<int64_t> launch_config(const at::Tensor& x, const at::Tensor& cos,
   check_rotary_args("rope_ext_testing.cuda_launch_config", x, cos, sin);
   at::Tensor out = at::empty_like(x);
   return as_list(plan({x, out, cos, sin, nullptr, nullptr, nullptr, interleaved}).launch);
+}
+
+// The launches of rotary_qk(q, k, cos, sin) with shared tables, out of place, 10 values each: one
+// covering q's heads and then k's, or one per tensor where rotary_qk_one_call says so (their head
+// dims differ).
+std::vector<int64_t> qk_launch_config(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                      const at::Tensor& sin, bool interleaved) {
+  const char* op = "rope_ext_testing.cuda_qk_launch_config";
+  check_rotary_args(op, q, cos, sin, {"q", "cos", "sin"});
+  check_rotary_args(op, k, cos, sin, {"k", "cos", "sin"});
+  check_qk_args(op, q, k, cos);
+  at::Tensor q_out = at::empty_like(q);
+  at::Tensor k_out = at::empty_like(k);
+  if (rotary_qk_one_call(q, k, false)) {
+    return as_list(plan({q, q_out, cos, sin, nullptr, &k, &k_out, interleaved}).launch);
+  }
+  std::vector<int64_t> r = as_list(plan({q, q_out, cos, sin, nullptr, nullptr, nullptr, interleaved}).launch);
+  const std::vector<int64_t> second =
+      as_list(plan({k, k_out, cos, sin, nullptr, nullptr, nullptr, interleaved}).launch);
+  r.insert(r.end(), second.begin(), second.end());
+  return r;
 }
 
 // The same for rotary_pos_qk(q, k, ...) (k optional), out of place.
@@ -256,6 +279,27 @@ bool ignore_alignment(bool ignore) {
 }
 
 int64_t checked_accesses() { return g_checked_accesses; }
+
+bool record_launches(bool on) {
+  const bool previous = g_launches.has_value();
+  if (on) {
+    g_launches.emplace();
+  } else {
+    g_launches.reset();
+  }
+  return previous;
+}
+
+std::vector<int64_t> launches() {
+  TORCH_CHECK(g_launches.has_value(), "rope_ext_testing.cuda_launches: not recording; call ",
+              "cuda_record_launches(True) before the emulated ops");
+  std::vector<int64_t> r;
+  for (const RotaryLaunch& L : *g_launches) {
+    const std::vector<int64_t> one = as_list(L);
+    r.insert(r.end(), one.begin(), one.end());
+  }
+  return r;
+}
 
 bool record_traffic(bool on) {
   const bool previous = g_traffic.has_value();
@@ -325,6 +369,7 @@ void register_cuda_emulation(torch::Library& m) {
   m.impl("cuda_emulate_rotary_pos_qk", &Ops::rotary_pos_qk);
   m.impl("cuda_emulate_rotary_pos_", &Ops::rotary_pos_);
   m.impl("cuda_launch_config", &launch_config);
+  m.impl("cuda_qk_launch_config", &qk_launch_config);
   m.impl("cuda_pos_launch_config", &pos_launch_config);
 
 }

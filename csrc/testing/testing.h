@@ -16,7 +16,7 @@ namespace rope_ext::testing {
 // cuda_emulate_rotary, cuda_emulate_rotary_qk, cuda_emulate_rotary_ and cuda_launch_config.
 void register_cuda_emulation(torch::Library& m);
 
-// Whether the emulator's gathered calls may use CompactIndex (as the CUDA launcher does); returns
+// Whether the emulator's calls may use CompactIndex (as the CUDA launcher does); returns
 // the previous setting. Off, they use PlanIndex for every layout.
 bool allow_compact_index(bool allow);
 
@@ -27,6 +27,13 @@ bool ignore_alignment(bool ignore);
 
 // How many loads and stores the emulator has checked for alignment, in this process.
 int64_t checked_accesses();
+
+// The launches the emulated ops make, as the ops choose them (rotary_qk: one launch for q and k
+// where they share tables, else one per tensor). record_launches(true) starts recording afresh,
+// record_launches(false) stops; each returns whether it was recording. launches(): every launch
+// since, in order, each as the 10 values of cuda_launch_config.
+bool record_launches(bool on);
+std::vector<int64_t> launches();
 
 // The traffic model (host_emulation.cpp): record_traffic(true) starts recording the emulated ops'
 // memory accesses afresh, record_traffic(false) stops; each returns whether it was recording.

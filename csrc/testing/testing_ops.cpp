@@ -45,7 +45,7 @@ TORCH_LIBRARY(rope_ext_testing, m) {
   // The CUDA kernels' thread function run on the CPU over the launch grid the CUDA launcher would
   // choose, with the semantics of rope_ext::rotary, rotary_qk and rotary_; and that launch:
   // [grid_x, grid_y, block_x, block_y, vec, pairs_per_item, rot_items, pass_items, table_vec, compact].
-  // cuda_allow_compact_index(False) makes gathered calls use PlanIndex where they would use
+  // cuda_allow_compact_index(False) makes calls use PlanIndex where they would use
   // CompactIndex (rotary_thread.h), in emulation and launch configs; it returns the previous setting.
   m.def("cuda_emulate_rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved=False, bool conjugate=False) -> Tensor");
   m.def(
@@ -62,6 +62,8 @@ TORCH_LIBRARY(rope_ext_testing, m) {
       "cuda_emulate_rotary_pos_(Tensor(a!) q, Tensor(b!)? k, Tensor cos_cache, Tensor sin_cache, "
       "Tensor positions, bool interleaved=False, bool conjugate=False) -> ()");
   m.def("cuda_launch_config(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> int[]");
+  // rotary_qk's launches with shared tables: 10 values each, one launch where q and k share a head dim.
+  m.def("cuda_qk_launch_config(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved=False) -> int[]");
   m.def(
       "cuda_pos_launch_config(Tensor q, Tensor? k, Tensor cos_cache, Tensor sin_cache, Tensor positions, "
       "bool interleaved=False) -> int[]");
@@ -70,6 +72,9 @@ TORCH_LIBRARY(rope_ext_testing, m) {
   // The emulator's alignment check and traffic model (testing.h says what each returns).
   m.def("cuda_ignore_alignment(bool ignore) -> bool", &ignore_alignment);
   m.def("cuda_checked_accesses() -> int", &checked_accesses);
+  // The launches the emulated ops make, 10 values each (testing.h).
+  m.def("cuda_record_launches(bool on) -> bool", &record_launches);
+  m.def("cuda_launches() -> int[]", &launches);
   m.def("cuda_record_traffic(bool on) -> bool", &record_traffic);
   m.def("cuda_traffic() -> int[]", &traffic);
   m.def("cuda_traffic_by_site() -> (str[], int[])", &traffic_by_site);
