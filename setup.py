@@ -36,6 +36,7 @@ import hashlib
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -147,14 +148,11 @@ def cuda_args() -> list[str]:
     return args
 
 
-def unrolled_steps() -> list[str]:
-    """ROPE_EXT_UNROLLED_STEPS (1 to 8; csrc/cpu/rotary_cpu.h): set by tools/sanitize.sh only."""
-    value = os.environ.get("ROPE_EXT_UNROLLED_STEPS", "").strip()
-    if not value:
-        return []
-    if value not in [str(n) for n in range(1, 9)]:
-        raise SystemExit(f"ROPE_EXT_UNROLLED_STEPS must be 1 to 8, got {value!r}")
-    return [f"-DROPE_EXT_UNROLLED_STEPS={value}"]
+def cmake_args() -> list[str]:
+    """CMAKE_ARGS: more CMake arguments, after rope_ext's own (the variable scikit-build-core and
+    conda-forge's compilers read too). tools/sanitize.sh sets its optimization level and
+    ROPE_EXT_UNROLLED_STEPS this way."""
+    return shlex.split(os.environ.get("CMAKE_ARGS", ""))
 
 
 def generator() -> list[str]:
@@ -214,7 +212,7 @@ class CMakeBuild(build_ext):
             "-DCMAKE_INSTALL_LIBDIR=lib",
             f"-DROPE_EXT_UNTESTED_TORCH={'ON' if os.environ.get('ROPE_EXT_UNTESTED_TORCH') == '1' else 'OFF'}",
             "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
-        ] + unrolled_steps() + generator() + (cuda_args() if cuda else [])
+        ] + generator() + (cuda_args() if cuda else []) + cmake_args()
         # One build directory per configuration: the options, the torch, and what CMake reads from the
         # environment only when it first configures (compilers, flags). It lives in the source tree's
         # build/, not in setuptools' build_temp, which an editable install deletes after each build.

@@ -57,13 +57,16 @@ OUT=$ROOT/build/sanitize
 # float-cast-overflow (an out-of-range float -> integer conversion, UB) is not in GCC's "undefined".
 SAN="-fsanitize=address,undefined,float-cast-overflow -fno-sanitize-recover=all -fno-omit-frame-pointer"
 BUILD_FLAGS="-DNDEBUG -g $SAN"
-# The CPU fast path unrolls rows of up to 5 vector steps here, not 8 (csrc/cpu/rotary_cpu.h,
-# kUnrolledSteps): GCC with ASan at -O3 took 16 minutes on each AVX-512 kernel file with the 8 unrolled
-# instantiations per type and pairing, and 5 is the least at which every side of the fast path's
-# switch runs on every ISA: tables held in registers, held and read at each row (rows wider than the
-# held tables: AVX-512 holds 4 steps of gathered caches), and the row loop. tests/test_cpu_fast_path.py,
-# run below, reaches all three.
-UNROLLED=5
+# GCC with ASan took 16 minutes on each AVX-512 kernel file at -O3 with the 8 unrolled row widths of
+# the CPU fast path (csrc/cpu/rotary_cpu.h, kUnrolledSteps), 27 of CI's minutes for the build. So
+# this build differs from the release build in two ways, each set through setup.py's CMAKE_ARGS:
+# - -O1 for -O3 (ASan's documented level for a fast build that still inlines): measured on the
+#   AVX-512 kernel file alone, 6.7 CPU-minutes at -O1 against more than 16 at -O3;
+# - rows of up to 5 vector steps unrolled, not 8 (3.3 CPU-minutes at -O1): 5 is the least at which
+#   every side of the fast path's switch runs on every ISA (tables held in registers; held, and read
+#   at each row for the rest: AVX-512 holds 4 steps of gathered caches; and the row loop), and
+#   tests/test_cpu_fast_path.py, run below, reaches all three.
+SANITIZE_CMAKE_ARGS="-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DROPE_EXT_UNROLLED_STEPS=5"
 
 # ---- 1. build -----------------------------------------------------------------------------------
 t0=$(date +%s)
@@ -75,7 +78,7 @@ if [ "${SANITIZE_REBUILD:-0}" = 1 ]; then
 fi
 rm -rf "$OUT/lib" && mkdir -p "$OUT"
 echo "sanitize: building the CPU library with $SAN (log: build/sanitize/build.log)"
-if ! ROPE_EXT_CUDA=0 ROPE_EXT_TESTING=1 ROPE_EXT_DEBUG_CHECKS=1 ROPE_EXT_UNROLLED_STEPS=$UNROLLED CXX="$CXX" CXXFLAGS="$BUILD_FLAGS" LDFLAGS="$SAN" \
+if ! ROPE_EXT_CUDA=0 ROPE_EXT_TESTING=1 ROPE_EXT_DEBUG_CHECKS=1 CMAKE_ARGS="$SANITIZE_CMAKE_ARGS" CXX="$CXX" CXXFLAGS="$BUILD_FLAGS" LDFLAGS="$SAN" \
     "$PY" setup.py build_ext --build-temp "$OUT/tmp" --build-lib "$OUT/lib" > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"; echo "sanitize: build failed (build/sanitize/build.log)"; exit 1
 fi
@@ -93,6 +96,10 @@ import json, os, sys
 commands, san = json.load(open(sys.argv[1])), sys.argv[2]
 bad = [c["file"] for c in commands if san not in c["command"]]
 assert commands and not bad, f"compiled without {san}: {bad}"
+# -O1 (after the release flags' -O3 is replaced) and 5 unrolled steps: SANITIZE_CMAKE_ARGS reached CMake.
+bad = [c["file"] for c in commands if not (" -O1 " in c["command"] and " -O3 " not in c["command"]
+                                           and "-DROPE_EXT_UNROLLED_STEPS=5" in c["command"])]
+assert not bad, f"compiled without -O1 and ROPE_EXT_UNROLLED_STEPS=5: {bad}"
 for c in commands:  # the object is the command's -o argument (CMake 3.25 writes no "output" field)
     args = c["command"].split()
     obj = os.path.join(c["directory"], args[args.index("-o") + 1])
