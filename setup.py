@@ -149,10 +149,10 @@ def cuda_args() -> list[str]:
 
 
 def cmake_args() -> list[str]:
-    """CMAKE_ARGS: more CMake arguments, after rope_ext's own (the variable scikit-build-core and
-    conda-forge's compilers read too). tools/sanitize.sh sets its optimization level and
-    ROPE_EXT_UNROLLED_STEPS this way."""
-    return shlex.split(os.environ.get("CMAKE_ARGS", ""))
+    """ROPE_EXT_CMAKE_ARGS: more CMake arguments, after rope_ext's own (so they win). Its own name, not
+    the CMAKE_ARGS that conda's compiler packages set for every build. tools/sanitize.sh sets the
+    sanitized build's optimization level and ROPE_EXT_UNROLLED_STEPS this way."""
+    return shlex.split(os.environ.get("ROPE_EXT_CMAKE_ARGS", ""))
 
 
 def generator() -> list[str]:

@@ -1,13 +1,14 @@
 """One small call for every CUDA kernel rope_ext instantiates, checked bit for bit against the CPU
-kernel: what `make gpu-check STEP=sanitize` runs under compute-sanitizer (memcheck, racecheck,
-initcheck), where each kernel must launch at least once.
+kernel: what `make gpu-check` runs under compute-sanitizer (memcheck in the lease, initcheck in
+STEP=rest), where each kernel must launch at least once.
 
 The kernels are RotaryThread<scalar, table, interleaved, vec, gathered, memory, index>: 7 pairs of x
 and table dtypes (16-bit x with its own or float32 tables, float32, float64 with its own or float32
 tables) x both pairings x vector or scalar x full tables or gathered caches x CompactIndex or
-PlanIndex = 112. Which one a call takes is the launcher's run-time choice (rotary_thread.h's
-plan_call); the same choice, made on the host by the testing library for the same strides and
-alignments, tells which ones these cases reach, and a case set that misses one fails.
+PlanIndex = 112, each run on q and a GQA k in one launch. Which one a call takes is the launcher's
+run-time choice (rotary_thread.h's plan_call); the same choice, made on the host by the testing
+library for the same strides and alignments, tells which ones these cases reach, and a case set that
+misses one fails.
 
     python tests/gpu_kernel_cases.py [--device cuda]    # --device cpu: only the coverage, here
 """
@@ -44,39 +45,46 @@ def _apart(t: torch.Tensor) -> torch.Tensor:
 
 
 def cases(gen):
-    """(name, intended kernel, op, args) for every combination; x (2, 3, 4, 64) with r = 64."""
+    """(name, intended kernel, op, tensors, interleaved) for every combination: q (2, 3, 4, 64) and a
+    GQA k (2, 3, 2, 64) in one launch (rotary_qk with shared full tables, rotary_pos_qk), so that each
+    kernel runs its second operand's code too; r = 64, or 32 with interleaved pairs (the pass-through
+    columns copied)."""
     for (dtype, table_dtype), interleaved, vector, gathered, compact in itertools.product(
             DTYPE_PAIRS, (False, True), (True, False), (False, True), (True, False)):
-        x = torch.randn(2, 3, 4, 64, generator=gen, dtype=torch.float64).to(dtype)
+        q = torch.randn(2, 3, 4, 64, generator=gen, dtype=torch.float64).to(dtype)
+        k = torch.randn(2, 3, 2, 64, generator=gen, dtype=torch.float64).to(dtype)
         if not vector:
-            x = _offset(x, 1)  # not 16-byte aligned: the scalar path
+            q, k = _offset(q, 1), _offset(k, 1)  # not 16-byte aligned: the scalar path
+        r = 32 if interleaved else 64
         name = f"{str(dtype)[6:]}/{str(table_dtype)[6:]} {'interleaved' if interleaved else 'halfsplit'} " \
                f"{'vector' if vector else 'scalar'} {'gathered' if gathered else 'full'} " \
-               f"{'CompactIndex' if compact else 'PlanIndex'}"
+               f"{'CompactIndex' if compact else 'PlanIndex'} r={r}"
         intended = (dtype, table_dtype, interleaved, vector, gathered, compact)
         if gathered:
-            cc, sc = random_tables((16, 32), table_dtype, gen)
+            cc, sc = random_tables((16, r // 2), table_dtype, gen)
             if not compact:
                 sc = _apart(sc)  # cos and sin rows of different strides: no CompactIndex
             pos = torch.randint(0, 16, (2, 3, 1), generator=gen)
-            yield name, intended, "rotary_pos", (x, cc, sc, pos, interleaved, False)
+            yield name, intended, "rotary_pos_qk", (q, k, cc, sc, pos), interleaved
         else:
-            cos, sin = random_tables((3, 1, 64), table_dtype, gen)
+            cos, sin = random_tables((3, 1, r), table_dtype, gen)
             if not compact:
                 sin = sin.transpose(0, 1).contiguous().transpose(0, 1)  # (same values, another layout)
                 sin = _apart(sin)
-            yield name, intended, "rotary", (x, cos, sin, interleaved, False)
+            yield name, intended, "rotary_qk", (q, k, cos, sin), interleaved
 
 
-def kernel_of(op, args) -> tuple:
-    """(dtype, table dtype, interleaved, vector, gathered, compact): the template the launcher picks."""
-    if op == "rotary_pos":
-        x, cc, sc, pos, interleaved, _ = args
-        cfg = dict(zip(LAUNCH_FIELDS, TESTING.cuda_pos_launch_config(x, None, cc, sc, pos, interleaved), strict=True))
+def kernel_of(op, tensors, interleaved) -> tuple:
+    """(dtype, table dtype, interleaved, vector, gathered, compact): the template the launcher picks for
+    its one launch (the launch configuration has a second launch's fields if it would make two)."""
+    if op == "rotary_pos_qk":
+        q, k, cc, sc, pos = tensors
+        config = TESTING.cuda_pos_launch_config(q, k, cc, sc, pos, interleaved)
     else:
-        x, cc, sc, interleaved, _ = args
-        cfg = dict(zip(LAUNCH_FIELDS, TESTING.cuda_launch_config(x, cc, sc, interleaved), strict=True))
-    return x.dtype, cc.dtype, interleaved, cfg["vec"] > 1, op == "rotary_pos", bool(cfg["compact"])
+        q, k, cc, sc = tensors
+        config = TESTING.cuda_qk_launch_config(q, k, cc, sc, interleaved)
+    cfg = dict(zip(LAUNCH_FIELDS, config, strict=True))
+    return q.dtype, cc.dtype, interleaved, cfg["vec"] > 1, op == "rotary_pos_qk", bool(cfg["compact"])
 
 
 def main() -> int:
@@ -85,17 +93,18 @@ def main() -> int:
     args = p.parse_args()
     gen = torch.Generator().manual_seed(0)
     reached, failed = set(), []
-    for name, intended, op, call in cases(gen):
-        kernel = kernel_of(op, call)
+    for name, intended, op, tensors, interleaved in cases(gen):
+        kernel = kernel_of(op, tensors, interleaved)
         reached.add(kernel)
         if kernel != intended:
             failed.append(f"{name}: takes {kernel}")
         if args.device != "cpu":
-            twins = _twins(call, args.device)[0]
-            got = getattr(rope_ext, op)(*twins[:-2], interleaved=call[-2], conjugate=call[-1])
-            ref = getattr(rope_ext, op)(*call[:-2], interleaved=call[-2], conjugate=call[-1])
-            if not torch.equal(_twins([got], "cpu")[0][0], ref):
-                failed.append(f"{name}: differs from the CPU kernel")
+            twins = _twins(tensors, args.device)[0]
+            got = getattr(rope_ext, op)(*twins, interleaved=interleaved)
+            ref = getattr(rope_ext, op)(*tensors, interleaved=interleaved)
+            for which, g, want in zip("qk", _twins(got, "cpu")[0], ref, strict=True):
+                if not torch.equal(g, want):
+                    failed.append(f"{name}: {which} differs from the CPU kernel")
     expected = 7 * 2 * 2 * 2 * 2
     print(f"gpu_kernel_cases: {len(reached)} of {expected} kernels reached on {args.device}"
           f"{'' if args.device == 'cpu' else ', each bit-identical to the CPU kernel'}")

@@ -13,7 +13,8 @@
 #     registered. The GPU tests then skip (no device), the benchmark finds no device, and memcheck
 #     must be reported NOT RUN, not failed;
 #  5. what $OUT holds against what comes back (at most 8 files, 16 MiB each, 2 folders deep, plain
-#     names), and the summary's verdict lines, first, one per part in order;
+#     names: here the summary and 5 logs, which the benchmark's 2 tables join on a GPU), and the
+#     summary's verdict lines, first, one per part in order;
 #  6. the command cut off: again with a 30-second budget, a part still running when the budget ends
 #     is reported TIMED OUT or NOT RUN, the summary lists the finished parts, and the exit is non-zero.
 set -euo pipefail
@@ -61,11 +62,12 @@ printf '#!/bin/sh\nexec %s "$@"\n' "$PY" > "$WORK/bin/python3"
 chmod +x "$WORK/bin/"*
 
 # 4.
-lease() {  # lease OUT [VAR=value...]: the command, as the device runs it, in the copied tree
-  local out=$1
-  shift
+lease() {  # lease OUT [BUDGET]: the command, as the device runs it, in the copied tree (BUDGET: in its place)
+  local out=$1 run=$cmd
+  [ -n "${2:-}" ] && run=$(sed -E "s/GPU_CHECK_BUDGET=[0-9]+/GPU_CHECK_BUDGET=$2/" <<< "$cmd")
+  grep -q "GPU_CHECK_BUDGET=${2:-}" <<< "$run" || fail "the lease command sets no GPU_CHECK_BUDGET to replace"
   (cd "$WORK/tree" && env OUT="$out" PATH="$WORK/bin:$PATH" GIT_CEILING_DIRECTORIES="$WORK" PIP_NO_INDEX=1 \
-    ROPE_EXT_GPU_CHECK_REHEARSAL=1 "$@" timeout 570 bash -c "$cmd")
+    ROPE_EXT_GPU_CHECK_REHEARSAL=1 timeout 570 bash -c "$run")
 }
 t0=$SECONDS
 rc=0
@@ -77,7 +79,10 @@ echo "gpu-rehearse: the lease ran in $((SECONDS - t0)) s"
 # 5.
 files=$(cd "$WORK/out" && find . -type f | sort)
 n=$(grep -c . <<< "$files")
-[ "$n" -le 8 ] || fail "\$OUT holds $n files, more than the 8 that come back: $files"
+# Exactly these: with a GPU the benchmark adds its two tables (bench_cuda.csv, bench_cuda.md), 8 in all.
+expected_files=$'./bench.log\n./install.log\n./memcheck.log\n./smoke.log\n./summary.md\n./test.log'
+[ "$files" = "$expected_files" ] || fail "\$OUT holds $(tr '\n' ' ' <<< "$files"), not the 6 files expected"
+[ $((n + 2)) -le 8 ] || fail "\$OUT would hold $((n + 2)) files on a GPU, more than the 8 that come back"
 while read -r f; do
   [ "$(stat -c %s "$WORK/out/$f")" -le $((16 * 1048576)) ] || fail "$f is over 16 MiB"
   [ "$(tr -cd / <<< "${f#./}" | wc -c)" -le 2 ] || fail "$f is more than 2 folders down"
@@ -97,7 +102,7 @@ echo "gpu-rehearse: the summary opens with the five verdicts (install from the c
 
 # 6.
 rc=0
-lease "$WORK/out-cut" GPU_CHECK_BUDGET=30 > "$WORK/lease-cut.log" 2>&1 || rc=$?
+lease "$WORK/out-cut" 30 > "$WORK/lease-cut.log" 2>&1 || rc=$?
 [ "$rc" != 0 ] || fail "the lease cut off at 30 s exited 0"
 grep -q "^- \*\*install\*\*: ok" "$WORK/out-cut/summary.md" && grep -Eq "TIMED OUT|NOT RUN: the command's" "$WORK/out-cut/summary.md" ||
   { cat "$WORK/out-cut/summary.md"; fail "the cut-off lease's summary does not say what was cut"; }

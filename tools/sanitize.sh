@@ -59,7 +59,7 @@ SAN="-fsanitize=address,undefined,float-cast-overflow -fno-sanitize-recover=all 
 BUILD_FLAGS="-DNDEBUG -g $SAN"
 # GCC with ASan took 16 minutes on each AVX-512 kernel file at -O3 with the 8 unrolled row widths of
 # the CPU fast path (csrc/cpu/rotary_cpu.h, kUnrolledSteps), 27 of CI's minutes for the build. So
-# this build differs from the release build in two ways, each set through setup.py's CMAKE_ARGS:
+# this build differs from the release build in two ways, each set through setup.py's ROPE_EXT_CMAKE_ARGS:
 # - -O1 for -O3 (ASan's documented level for a fast build that still inlines): measured on the
 #   AVX-512 kernel file alone, 6.7 CPU-minutes at -O1 against more than 16 at -O3;
 # - rows of up to 5 vector steps unrolled, not 8 (3.3 CPU-minutes at -O1): 5 is the least at which
@@ -78,7 +78,7 @@ if [ "${SANITIZE_REBUILD:-0}" = 1 ]; then
 fi
 rm -rf "$OUT/lib" && mkdir -p "$OUT"
 echo "sanitize: building the CPU library with $SAN (log: build/sanitize/build.log)"
-if ! ROPE_EXT_CUDA=0 ROPE_EXT_TESTING=1 ROPE_EXT_DEBUG_CHECKS=1 CMAKE_ARGS="$SANITIZE_CMAKE_ARGS" CXX="$CXX" CXXFLAGS="$BUILD_FLAGS" LDFLAGS="$SAN" \
+if ! ROPE_EXT_CUDA=0 ROPE_EXT_TESTING=1 ROPE_EXT_DEBUG_CHECKS=1 ROPE_EXT_CMAKE_ARGS="$SANITIZE_CMAKE_ARGS" CXX="$CXX" CXXFLAGS="$BUILD_FLAGS" LDFLAGS="$SAN" \
     "$PY" setup.py build_ext --build-temp "$OUT/tmp" --build-lib "$OUT/lib" > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"; echo "sanitize: build failed (build/sanitize/build.log)"; exit 1
 fi
