@@ -28,8 +28,9 @@ def test_cuda_matches_cpu_bitwise(cuda, layout, interleaved, dtype, gen):
         assert torch.equal(gpu.cpu(), cpu)
     q, k = xd, randn(2, 9, 1, 72, dtype=dtype, gen=gen).to(cuda)
     if layout == "bshd":
-        got = rope_ext.rotary_qk(q, k, cos.to(cuda), sin.to(cuda), interleaved=interleaved)
+        got = rope_ext.rotary_qk(q, k, cos.to(cuda), sin.to(cuda), interleaved=interleaved)  # one launch, MQA k
         assert torch.equal(got[0].cpu(), rope_ext.rotary(x, cos, sin, interleaved=interleaved))
+        assert torch.equal(got[1].cpu(), rope_ext.rotary(k.cpu(), cos, sin, interleaved=interleaved))
         y = q.clone()
         rope_ext.rotary_(y, cos.to(cuda), sin.to(cuda), interleaved=interleaved)
         assert torch.equal(y.cpu(), rope_ext.rotary(x, cos, sin, interleaved=interleaved))
