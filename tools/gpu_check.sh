@@ -112,6 +112,9 @@ part() {
   if [ "$left" -lt 15 ]; then
     VERDICTS+=("- **$name**: NOT RUN: the command's $BUDGET s were spent"); FAILED=1; write_summary; return 0
   fi
+  local own=GPU_CHECK_CAP_${name//-/_}  # GPU_CHECK_CAP_<PART> (upper case): another cap, for the rehearsal
+  own=${own^^}
+  [ -n "${!own:-}" ] && cap=${!own}
   [ "$cap" -gt "$left" ] && cap=$left
   RUNNING=$name
   write_summary

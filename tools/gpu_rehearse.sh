@@ -15,8 +15,9 @@
 #  5. what $OUT holds against what comes back (at most 8 files, 16 MiB each, 2 folders deep, plain
 #     names: here the summary and 5 logs, which the benchmark's 2 tables join on a GPU), and the
 #     summary's verdict lines, first, one per part in order;
-#  6. the command cut off: again with a 30-second budget, a part still running when the budget ends
-#     is reported TIMED OUT or NOT RUN, the summary lists the finished parts, and the exit is non-zero.
+#  6. the command cut short: with a 35-second budget, the parts the budget leaves no time for are
+#     NOT RUN, every part has its line, the exit is non-zero; with smoke capped at 1 second
+#     (GPU_CHECK_CAP_SMOKE), it is TIMED OUT and the parts after it still run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -62,12 +63,13 @@ printf '#!/bin/sh\nexec %s "$@"\n' "$PY" > "$WORK/bin/python3"
 chmod +x "$WORK/bin/"*
 
 # 4.
-lease() {  # lease OUT [BUDGET]: the command, as the device runs it, in the copied tree (BUDGET: in its place)
-  local out=$1 run=$cmd
+lease() {  # lease OUT [BUDGET [VAR=value...]]: the command, as the device runs it, in the copied tree
+  local out=$1 run=$cmd  #                          (BUDGET in place of the command's own; VARs in its environment)
   [ -n "${2:-}" ] && run=$(sed -E "s/GPU_CHECK_BUDGET=[0-9]+/GPU_CHECK_BUDGET=$2/" <<< "$cmd")
   grep -q "GPU_CHECK_BUDGET=${2:-}" <<< "$run" || fail "the lease command sets no GPU_CHECK_BUDGET to replace"
+  shift $(($# < 2 ? $# : 2))
   (cd "$WORK/tree" && env OUT="$out" PATH="$WORK/bin:$PATH" GIT_CEILING_DIRECTORIES="$WORK" PIP_NO_INDEX=1 \
-    ROPE_EXT_GPU_CHECK_REHEARSAL=1 timeout 570 bash -c "$run")
+    ROPE_EXT_GPU_CHECK_REHEARSAL=1 "$@" timeout 570 bash -c "$run")
 }
 t0=$SECONDS
 rc=0
@@ -102,10 +104,18 @@ echo "gpu-rehearse: the summary opens with the five verdicts (install from the c
 
 # 6.
 rc=0
-lease "$WORK/out-cut" 30 > "$WORK/lease-cut.log" 2>&1 || rc=$?
-[ "$rc" != 0 ] || fail "the lease cut off at 30 s exited 0"
-grep -q "^- \*\*install\*\*: ok" "$WORK/out-cut/summary.md" && grep -Eq "TIMED OUT|NOT RUN: the command's" "$WORK/out-cut/summary.md" ||
-  { cat "$WORK/out-cut/summary.md"; fail "the cut-off lease's summary does not say what was cut"; }
-echo "gpu-rehearse: cut off at 30 s, the lease exits $rc and its summary says so:"
-sed -n '3,8p' "$WORK/out-cut/summary.md"
+lease "$WORK/out-cut" 35 > "$WORK/lease-cut.log" 2>&1 || rc=$?
+cut=$WORK/out-cut/summary.md
+[ "$rc" != 0 ] && grep -q "^- \*\*install\*\*: ok" "$cut" && grep -q "NOT RUN: the command's 35 s were spent" "$cut" &&
+  [ "$(sed -n '3,7p' "$cut" | grep -c '^- \*\*')" = 5 ] ||
+  { cat "$cut"; fail "the lease cut off at 35 s (exit $rc) does not say what was cut"; }
+echo "gpu-rehearse: with a 35 s budget, the lease exits $rc and its summary says what did not run:"
+sed -n '3,7p' "$cut"
+rc=0
+lease "$WORK/out-capped" "" GPU_CHECK_CAP_SMOKE=1 > "$WORK/lease-capped.log" 2>&1 || rc=$?
+capped=$WORK/out-capped/summary.md
+[ "$rc" != 0 ] && grep -q "^- \*\*smoke\*\*: TIMED OUT after [0-9]* s (cap 1 s)" "$capped" &&
+  grep -q "^- \*\*test\*\*: ok" "$capped" && grep -q "^- \*\*bench\*\*: ok" "$capped" ||
+  { cat "$capped"; fail "smoke capped at 1 s (exit $rc): not TIMED OUT, or the parts after it did not run"; }
+echo "gpu-rehearse: with smoke capped at 1 s, it is TIMED OUT, the parts after it run, and the lease exits $rc"
 echo "gpu-rehearse: OK"
