@@ -614,6 +614,43 @@ def test_a_position_past_the_cache_is_a_device_assert_that_names_it(cuda, op, ba
         assert "LATER CALL WORKED" not in text, text[-2000:]
 
 
+# --- shapes that crashed other libraries on GPUs first (shared/LESSONS.md) -----------------------
+
+
+def test_mla_strides_one_k_head(cuda, gen):
+    """sglang issue 20559's illegal memory access: MLA's rope parts, q's a 64-column slice of rows of
+    256 (head stride 256) and one k head of 64 (head stride 64), gathered bfloat16, in one launch."""
+    t, h = 37, 16
+    q_full = randn(t, h, 256, dtype=torch.bfloat16, gen=gen)
+    k_pe = randn(t, 1, 64, dtype=torch.bfloat16, gen=gen)
+    cc, sc = _caches(64, torch.float32, rows=128)
+    pos = torch.randint(0, 128, (t, 1), generator=gen)
+    q_pe = q_full[..., 192:]
+    assert q_pe.stride(1) == 256 and k_pe.stride(1) == 64
+    for interleaved in (False, True):
+        got = rope_ext.rotary_pos_qk(*on(cuda, q_pe, k_pe, cc, sc, pos), interleaved=interleaved)
+        want = rope_ext.rotary_pos_qk(q_pe, k_pe, cc, sc, pos, interleaved=interleaved)
+        torch.cuda.synchronize()
+        assert_same_bits(got[0], want[0], f"q, interleaved={interleaved}")
+        assert_same_bits(got[1], want[1], f"k, interleaved={interleaved}")
+
+
+def test_flash_attn_issue_1195_qkv(cuda):
+    """flash-attention issue 1195's illegal memory access: interleaved RoPE of dim 72 on a
+    (7200, 90, 3, 16, 72) float16 qkv, q and k as its strided views in one launch (2.2 G elements):
+    the first and last sequences equal the CPU kernel's on the same rows."""
+    qkv = torch.empty(7200, 90, 3, 16, 72, dtype=torch.float16, device=cuda).uniform_(-1, 1)
+    angles = torch.arange(90, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, 72, 2) / 72)
+    cos = angles.cos().repeat_interleave(2, -1).float()[:, None]  # (S, 1, 72): interleaved pairs' columns
+    sin = angles.sin().repeat_interleave(2, -1).float()[:, None]
+    q, k = qkv[:, :, 0], qkv[:, :, 1]
+    got_q, got_k = rope_ext.rotary_qk(q, k, cos.to(cuda), sin.to(cuda), interleaved=True)
+    torch.cuda.synchronize()
+    for rows in (slice(0, 2), slice(7198, 7200)):
+        want_q, want_k = rope_ext.rotary_qk(q[rows].cpu(), k[rows].cpu(), cos, sin, interleaved=True)
+        assert torch.equal(got_q[rows].cpu(), want_q) and torch.equal(got_k[rows].cpu(), want_k), rows
+
+
 # --- the layouts' device copies keep their storage (H4) ----------------------------------------
 
 
