@@ -295,6 +295,24 @@ def test_rotary_qk_shared_tables_one_launch(interleaved, dtype, dims, gen):
         assert_matches_reference(expected[1][1], k, cos, sin, interleaved, True)
 
 
+@pytest.mark.parametrize("compact", [True, False], ids=["CompactIndex", "PlanIndex"])
+def test_rotary_qk_one_thread_walks_from_q_heads_into_k_heads(compact, gen):
+    """A launch with more heads than its grid covers (1,100 tokens fill the grid's columns, so one head
+    group; 250 + 10 heads against its block_y threads, 128 here): each thread's head loop steps by
+    block_y, and some cross from q's heads into k's (thread 122: q's 122, then k's head 0). Full
+    tables, bfloat16, D = 16; every head bit-identical to the CPU op."""
+    q = torch.randn(1, 1100, 250, 16, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, 1100, 10, 16, generator=gen).to(torch.bfloat16)
+    cos, sin = random_tables((1100, 1, 16), torch.float32, gen)
+    with hook_setting("cuda_allow_compact_index", compact):
+        [cfg] = qk_launches(q, k, cos, sin, False)
+        step = cfg["grid_y"] * cfg["block_y"]
+        assert step < 260 and any(h < 250 <= h + step * n < 260 for h in range(step) for n in (1, 2)), cfg
+        got = TESTING.cuda_emulate_rotary_qk(q, k, cos, sin, False, None, None, False)
+    want = rope_ext.rotary_qk(q, k, cos, sin)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_rotary_qk_launches_as_the_op_makes_them(gen):
     """The emulated rotary_qk makes the launches cuda_qk_launch_config reports: one for q and k with
     shared tables; one per tensor with k's own tables (the kernel has one pair of table pointers) or

@@ -278,6 +278,8 @@ def test_empty_ops_forward_and_backward(dtype, case, view, gen):
             emu_q, emu_k = TESTING.cuda_emulate_rotary_qk(x, k, cos, sin, interleaved, None, None, conjugate)
             _assert_like(emu_q, x)
             _assert_like(emu_k, k)
+            # (heads0: q has no rows and k has some, in the one launch; the kernel must still rotate k's)
+            assert torch.equal(emu_k, rope_ext.rotary(k, cos, sin, **kw)) and torch.equal(emu_k, k_out)
             TESTING.cuda_emulate_rotary_(x.clone(), cos, sin, interleaved, conjugate)
 
             # backward: x, cos and sin gradients, with an (empty) explicit grad_output
