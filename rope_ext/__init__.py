@@ -5,8 +5,11 @@
 computes ``x * cos + rotate(x) * sin`` in one pass, for both pairing conventions, with
 autograd, torch.compile and torch.export support. On top of the ops: ``rotary_qk`` (q and k
 in one call), ``rotary_`` (in place), the ``RotaryEmbedding`` module (positions, offsets,
-packed sequences, HF rope scaling, xPos, M-RoPE), and drop-ins for HF's
-``apply_rotary_pos_emb`` and flash-attn's ``apply_rotary_emb`` (``rope_ext.compat``).
+packed sequences, HF rope scaling, xPos, M-RoPE), and drop-ins (``rope_ext.compat``) for HF's
+``apply_rotary_pos_emb`` (``hf``), flash-attn (``flash_attn``), Meta's complex form (``meta``),
+lucidrains' rotary-embedding-torch (``lucidrains``), MLX's ``fast.rope`` (``mlx``), vLLM's op
+(``vllm``), diffusers (``diffusers``) and timm (``timm``). ``rope_ext.integrations`` switches whole
+transformers, diffusers and timm models onto the ops.
 ``rope_ext.reference`` holds the same math in plain PyTorch.
 
 The ops live in one library, ``rope_ext/lib/librope_ext.so.<major.minor>``, loaded here; C++ programs link the

@@ -49,7 +49,8 @@ class RotaryEmbedding(nn.Module):
         rotary_dim: r, the number of rotated columns (even, <= dim); the rest pass through.
         partial_rotary_factor: alternative to rotary_dim: r = int(dim * factor), as in HF.
         scaling: HF ``rope_scaling`` / ``rope_parameters`` dict (``rope_type`` default, linear,
-            dynamic, yarn, longrope or llama3, with that type's keys); see :mod:`rope_ext.scaling`.
+            dynamic, yarn, longrope, llama3 or proportional, with that type's keys); see
+            :mod:`rope_ext.scaling`.
         max_position_embeddings: the model's context length (used by the scaling types).
         layout: required, keyword. ``"bhsd"``: q, k are (batch, heads, seqlen, D), HF's layout;
             ``"bshd"``: (batch, seqlen, heads, D), flash-attn's. Packed inputs (cu_seqlens) are

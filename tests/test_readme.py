@@ -1,4 +1,5 @@
-"""The README's Python examples run as written and do what they say."""
+"""The README's and docs/'s Python examples run as written and do what they say, and their links
+point at files in the repository."""
 from __future__ import annotations
 
 import re
@@ -9,11 +10,13 @@ import torch
 
 import rope_ext
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def _blocks():
-    return re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+def _blocks(page: Path = README):
+    return re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL)
 
 
 RANK_BLOCK = "# on each rank, after torch.distributed.init_process_group\n"
@@ -33,19 +36,53 @@ q_local, k_local = torch.randn(2, 8, 4, 32), torch.randn(2, 8, 2, 32)
 """
 
 
-# The "Use with timm" example needs timm, which needs torchvision and so torch 2.14.1: it runs in
+# docs/integrations.md's "Use with timm" example needs timm, which needs torchvision and so torch 2.14.1: it runs in
 # tests/test_timm_integration.py (cuda-check's venv).
 TIMM_BLOCK = "from rope_ext.integrations import timm as rope_timm\n"
 
 
-def test_every_example_runs():
-    """The examples run in order in one namespace, as a reader would paste them (the distributed
-    ones apart: test_distributed_examples_run; timm's: tests/test_timm_integration.py)."""
-    blocks = [b for b in _blocks() if not b.startswith(RANK_BLOCK) and TIMM_BLOCK not in b]
-    assert len(blocks) >= 4, "README lost its examples"
+# The pages with Python examples; the others (C++, benchmarks, contributing) have none to run.
+RUNNABLE = ["README.md", "api.md", "distributed.md", "drop-ins.md", "integrations.md"]
+
+
+def test_the_pages_with_examples_are_the_expected_ones():
+    assert sorted(p.name for p in PAGES if _blocks(p)) == sorted(RUNNABLE)
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name in RUNNABLE], ids=lambda p: p.name)
+def test_every_example_runs(page):
+    """Each page's examples run in order in one namespace, as a reader would paste them (the
+    distributed ones apart: test_distributed_examples_run; timm's: tests/test_timm_integration.py)."""
+    blocks = [b for b in _blocks(page) if not b.startswith(RANK_BLOCK) and TIMM_BLOCK not in b]
+    assert blocks or page.name == "distributed.md", f"{page.name} lost its examples"
     scope: dict = {}
     for i, block in enumerate(blocks):
-        exec(compile(block, f"README example {i}", "exec"), scope)
+        exec(compile(block, f"{page.name} example {i}", "exec"), scope)
+
+
+def test_the_readme_answers_on_one_screen():
+    """At most 200 lines, with install, the one-line switch and the speed among its first sections."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 200
+    sections = re.findall(r"^## (.*)$", text, re.M)
+    assert sections[:3] == ["Install", "Use with transformers, diffusers and timm", "Performance"], sections
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_links_point_into_the_repository(page):
+    """Every relative link of a page names a file of this repository (and a heading of it, where it
+    names one); no path leads outside it."""
+    for target in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text()):
+        path, anchor = target
+        if path.startswith(("http://", "https://")):
+            continue
+        resolved = (page.parent / path).resolve() if path else page
+        assert ROOT in resolved.parents and resolved.is_file(), (page.name, path)
+        if anchor:
+            headings = re.findall(r"^#+ (.*)$", resolved.read_text(), re.M)
+            slugs = {re.sub(r"[^a-z0-9 _-]", "", h.lower()).replace(" ", "-") for h in headings}
+            assert anchor in slugs, (page.name, path, anchor)
+    assert "../shared" not in page.read_text(), page.name
 
 
 def test_distributed_examples_run():
@@ -58,8 +95,8 @@ def test_distributed_examples_run():
     from rope_ext.integrations import transformers as rope_hf
 
     pytest.importorskip("transformers")
-    blocks = [b for b in _blocks() if b.startswith(RANK_BLOCK)]
-    assert len(blocks) == 3, "the Distributed section has a DDP, a context-parallel and a tensor-parallel example"
+    blocks = [b for b in _blocks(ROOT / "docs" / "distributed.md") if b.startswith(RANK_BLOCK)]
+    assert len(blocks) == 3, "docs/distributed.md has a DDP, a context-parallel and a tensor-parallel example"
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # no port to race for
     try:
@@ -69,7 +106,7 @@ def test_distributed_examples_run():
             before = set(rope_hf.patched_families())
             try:
                 with RopeOpSpy() as spy:
-                    exec(compile(block, f"README distributed example {i}", "exec"), scope)
+                    exec(compile(block, f"docs/distributed.md example {i}", "exec"), scope)
             finally:  # an example's own patch() stays its own
                 rope_hf.unpatch(sorted(set(rope_hf.patched_families()) - before))
             if "DistributedDataParallel" in block:
@@ -83,9 +120,10 @@ def test_distributed_examples_run():
         dist.destroy_process_group()
 
 
-def test_quick_start_runs_and_matches_reference():
+def test_tables_by_hand_run_and_match_reference():
+    """docs/api.md's first example: tables built by hand, the op, autograd."""
     scope: dict = {}
-    exec(compile(_blocks()[0], "README quick start", "exec"), scope)
+    exec(compile(_blocks(ROOT / "docs" / "api.md")[0], "docs/api.md example 0", "exec"), scope)
     q, q_rot, cos, sin = scope["q"], scope["q_rot"], scope["cos"], scope["sin"]
     assert q_rot.shape == q.shape and q_rot.dtype == q.dtype and q.grad is not None
     expected = rope_ext.reference.rotary_reference(q.detach().double(), cos.double(), sin.double())

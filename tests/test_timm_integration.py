@@ -384,15 +384,15 @@ def test_listing(capsys):
 
 
 def test_readme_example(capsys):
-    """The README's "Use with timm" example (tests/test_readme.py runs the others, where timm may be
-    missing) runs as written, prints what it says, and leaves timm unpatched."""
+    """docs/integrations.md's "Use with timm" example (tests/test_readme.py runs the others, where timm
+    may be missing) runs as written, prints what it says, and leaves timm unpatched."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
               if "from rope_ext.integrations import timm as rope_timm\n" in b]
     assert len(blocks) == 1
-    exec(compile(blocks[0], "README timm example", "exec"), {})
+    exec(compile(blocks[0], "docs/integrations.md timm example", "exec"), {})
     assert capsys.readouterr().out == f"{list(rope_timm.survey())}\n"
     assert rope_timm.patched_names() == []
