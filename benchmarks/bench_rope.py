@@ -1,6 +1,6 @@
 """CPU benchmark suite: rope_ext against the HF formula, its torch.compile, and the physical floor.
 
-    python benchmarks/bench_rope.py            # the full suite (the run behind benchmarks/RESULTS.md)
+    python benchmarks/bench_rope.py            # the full suite (the run behind docs/devlog.md)
     python benchmarks/bench_rope.py --quick    # what `make bench` runs: HF layout, 2 threads
     python benchmarks/bench_rope.py --positions  # issue 18: positions + caches (positions_suite.py)
     python benchmarks/bench_rope.py --cache      # issue 30: against a plain loop (cache_suite.py)
@@ -38,7 +38,7 @@ report, and a CSV plus a PNG plot in --out.
 
 Fresh outputs and glibc: glibc serves every allocation above its mmap threshold (at most
 32 MiB) with a new mmap and returns it on free, so each call's output is new memory whose pages
-fault in on first write, which costs more than the rotation itself (see RESULTS.md).
+fault in on first write, which costs more than the rotation itself (see docs/devlog.md).
 --reuse-memory reruns the suite with GLIBC_TUNABLES raising glibc's mmap and trim thresholds,
 so freed outputs are reused as a caching allocator (jemalloc, tcmalloc, a GPU's) would: that
 run measures the kernels rather than the kernel's page faults.
@@ -417,7 +417,7 @@ def plot(rows: list[Row], path: Path) -> None:
 def targets(rows: list[Row]) -> list[str]:
     """Issue 6's targets, each as a ratio measured in this run. Out of place, the floor is floor_alloc
     (the same bytes copied into a fresh output, which any out-of-place op must fill: a copy into
-    reused memory is a floor no new output can reach; benchmarks/RESULTS.md, section 1). A row whose
+    reused memory is a floor no new output can reach; docs/devlog.md, section 1). A row whose
     spread stayed wider than MAX_SPREAD of its median gives no verdict."""
 
     def pick(kind, mode, provider, **match):

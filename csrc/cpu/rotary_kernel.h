@@ -379,7 +379,7 @@ constexpr int kRegisterSteps =
 // of neg_ out of cache (AVX2, float32, head_dim 128, in place) where a pass per row reaches 0.97.
 // And unrolled: rows wider than the held tables went through rotate_row_contiguous's loop (4
 // iterations a row on AVX2 at head_dim 128), and the probe's AVX2 float32 in cache rose from 0.74
-// to 0.82 of the plain loop when they were unrolled instead (RESULTS.md, issue 30's third pass).
+// to 0.82 of the plain loop when they were unrolled instead (docs/devlog.md, issue 30's third pass).
 template <int kSteps, int kHeld, bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
 inline void rotate_block_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
                               const PairTables<opmath_t>& tables, int64_t half) {
