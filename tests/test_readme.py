@@ -41,7 +41,8 @@ q_local, k_local = torch.randn(2, 8, 4, 32), torch.randn(2, 8, 2, 32)
 TIMM_BLOCK = "from rope_ext.integrations import timm as rope_timm\n"
 
 
-# The pages with Python examples; the others (C++, benchmarks, contributing) have none to run.
+# The pages with Python examples; the others (C++, benchmarks, contributing) have none to run, and the
+# development log's measurement scripts are records of what was run (fenced as `py`, not `python`).
 RUNNABLE = ["README.md", "api.md", "distributed.md", "drop-ins.md", "integrations.md"]
 
 
