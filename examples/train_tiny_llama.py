@@ -1,7 +1,7 @@
 """Train a tiny Llama on synthetic data twice, with transformers' RoPE and with rope_ext's, and
 print the losses, step times and tokens per second side by side, and plot the two loss curves.
 
-    python examples/train_tiny_llama.py [--steps 200] [--seq 256] [--batch 8] [--dtype float32]
+    python examples/train_tiny_llama.py [--steps 200] [--seq 256] [--batch 4] [--dtype float32]
                                         [--plot train_tiny_llama.png]
 
 The model is built from a config (random weights, no download). Both runs start from the same
@@ -57,7 +57,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=4)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--plot", default="train_tiny_llama.png", help="where the loss curves go (PNG); '' for none")
