@@ -222,9 +222,10 @@ def statements(case: Case, mode: str, fns: dict[str, Callable]) -> tuple[dict[st
     return stmts, env
 
 
-# A median is trusted when its interquartile range is at most this fraction of it; a provider whose
-# spread is wider is measured again (up to EXTRA_ROUNDS more rounds, all blocks kept), and a row that
-# stays wider is marked noisy and leaves the targets and the summary.
+# A median is trusted when its interquartile range is at most this fraction of it. Where a provider's
+# spread is wider, the configuration's providers are all measured again, interleaved (up to
+# EXTRA_ROUNDS more rounds, all blocks kept); a row that stays wider is marked noisy, and a ratio with
+# a noisy row on either side gives no verdict and leaves the summary.
 MAX_SPREAD = 0.5
 EXTRA_ROUNDS = 3
 
@@ -248,11 +249,10 @@ def measure(case, mode, stmts, env, rounds, min_run_time, progress) -> dict[str,
         for name in stmts:
             block(name)
             progress.update(1)
-    for _ in range(EXTRA_ROUNDS):  # (interleaved again, so that a noisy moment is not one provider's alone)
-        noisy = [name for name in stmts if spread(times[name]) > MAX_SPREAD]
-        if not noisy:
+    for _ in range(EXTRA_ROUNDS):  # every provider again, interleaved, so that the ratios stay side by side
+        if all(spread(times[name]) <= MAX_SPREAD for name in stmts):
             break
-        for name in noisy:
+        for name in stmts:
             block(name)
     return times
 
@@ -269,16 +269,22 @@ class Row:
     alloc_floor_ratio: float = float("nan")  # floor_alloc time / this time (out of place only)
     vs_hf_eager: float = float("nan")  # hf_eager time / this time
     vs_compiled: float = float("nan")  # hf_compiled time / this time
+    noisy_refs: frozenset = frozenset()  # the references (floor_alloc, hf_eager, ...) whose rows are noisy
 
     @property
     def noisy(self) -> bool:  # a spread wider than MAX_SPREAD even after the extra rounds
         return self.iqr_ms > MAX_SPREAD * self.median_ms
+
+    def trusted(self, *refs: str) -> bool:
+        """Whether this row and the references its ratio is taken against are all within the spread."""
+        return not self.noisy and not self.noisy_refs.intersection(refs)
 
 
 def summarize(case: Case, mode: str, times: dict[str, list[float]]) -> list[Row]:
     elements = case.batch * case.seq * (HQ + HKV) * D
     nbytes = (4 if mode == "fwd+bwd" else 2) * elements * torch.finfo(case.dtype).bits // 8
     med = {name: statistics.median(ts) for name, ts in times.items()}
+    noisy = frozenset(name for name, ts in times.items() if spread(ts) > MAX_SPREAD)
     rows = []
     for name, ts in times.items():
         if name == "floor_inplace":
@@ -291,7 +297,7 @@ def summarize(case: Case, mode: str, times: dict[str, list[float]]) -> list[Row]
             Row(
                 case, mode, name, med[name] * 1e3, (q3 - q1) * 1e3, nbytes / med[name] / 1e9,
                 floor / med[name], alloc_floor / med[name], med["hf_eager"] / med[name],
-                med.get("hf_compiled", float("nan")) / med[name],
+                med.get("hf_compiled", float("nan")) / med[name], noisy,
             )
         )  # fmt: skip
     return rows
@@ -429,52 +435,51 @@ def targets(rows: list[Row]) -> list[str]:
 
     lines = []
 
-    def verdict(ok, *measured):
-        if any(r.noisy for r in measured):
-            return "noisy"
-        return "met" if ok else "MISSED"
+    def verdict(ok, r, *refs):
+        return ("met" if ok else "MISSED") if r.trusted(*refs) else "noisy"
 
     for mode in ("fwd", "bwd"):
         for provider in ("rope_ext_qk", "rope_ext"):
             for r in pick("prefill", mode, provider, threads=2):
                 lines.append(
                     f"out-of-cache {mode:3} floor_alloc/{provider:11} >= 0.85: {r.alloc_floor_ratio:5.2f}  "
-                    f"{verdict(r.alloc_floor_ratio >= 0.85, r):6}  (floor/this {r.floor_ratio:4.2f})  "
+                    f"{verdict(r.alloc_floor_ratio >= 0.85, r, 'floor_alloc'):6}  (floor/this {r.floor_ratio:4.2f})  "
                     f"{r.case.label()}"
                 )
     for r in pick("prefill", "fwd+bwd", "rope_ext_qk"):
         lines.append(
-            f"fwd+bwd vs hf_eager >= 4: {r.vs_hf_eager:5.2f}x {verdict(r.vs_hf_eager >= 4, r):6}  "
-            f"vs hf_compiled >= 1.2: {r.vs_compiled:5.2f}x {verdict(r.vs_compiled >= 1.2, r):6}  {r.case.label()}"
+            f"fwd+bwd vs hf_eager >= 4: {r.vs_hf_eager:5.2f}x {verdict(r.vs_hf_eager >= 4, r, 'hf_eager'):6}  "
+            f"vs hf_compiled >= 1.2: {r.vs_compiled:5.2f}x {verdict(r.vs_compiled >= 1.2, r, 'hf_compiled'):6}  "
+            f"{r.case.label()}"
         )
     for r in pick("decode", "fwd", "rope_ext_qk"):
         ratio = 1 / r.vs_hf_eager
-        lines.append(f"decode rope_ext_qk / hf_eager <= 0.5: {ratio:5.2f}  {verdict(ratio <= 0.5, r):6}  "
+        lines.append(f"decode rope_ext_qk / hf_eager <= 0.5: {ratio:5.2f}  {verdict(ratio <= 0.5, r, 'hf_eager'):6}  "
                      f"{r.case.label()}")
     return lines
 
 
 def summary(rows: list[Row]) -> list[str]:
-    """A few lines for the README: the ranges of the ratios the targets read, over the rows whose
-    spread was within MAX_SPREAD, and how many rows were left out as noisy."""
-    ok = [r for r in rows if not r.noisy]
+    """A few lines for the README: the ranges of the ratios the targets read, each over the rows whose
+    ratio is trusted (both sides within MAX_SPREAD), and how many rows were noisy."""
 
-    def span(values, fmt):
-        values = sorted(v for v in values if v == v)
-        return f"{values[0]:{fmt}} to {values[-1]:{fmt}}" if values else "not measured"
+    def span(rows_, ratio, ref, fmt, unit=""):
+        values = sorted(v for r in rows_ if r.trusted(ref) and (v := ratio(r)) == v)
+        return f"{values[0]:{fmt}}{unit} to {values[-1]:{fmt}}{unit}" if values else "not measured"
 
-    fb = [r for r in ok if r.case.kind == "prefill" and r.mode == "fwd+bwd" and r.provider == "rope_ext_qk"]
-    dec = [r for r in ok if r.case.kind == "decode" and r.provider == "rope_ext_qk"]
-    oop = [r for r in ok if r.case.kind == "prefill" and r.mode == "fwd" and r.provider == "rope_ext_qk"]
-    noisy = len(rows) - len(ok)
+    def of(kind, mode):
+        return [r for r in rows if r.case.kind == kind and r.mode == mode and r.provider == "rope_ext_qk"]
+
+    fb, dec, oop = of("prefill", "fwd+bwd"), of("decode", "fwd"), of("prefill", "fwd")
+    noisy = sum(r.noisy for r in rows)
     return [
-        f"fwd+bwd of q and k: {span((r.vs_hf_eager for r in fb), '.1f')}x faster than HF eager, "
-        f"{span((r.vs_compiled for r in fb), '.1f')}x faster than torch.compile of HF",
-        f"decode of q and k: {span((1 / r.vs_hf_eager for r in dec), '.2f')} of HF eager's time",
-        f"out-of-cache forward: {span((r.alloc_floor_ratio for r in oop), '.2f')}x the speed of a copy into a "
-        f"fresh tensor (floor_alloc)",
-        f"{len(ok)} of {len(rows)} rows within the spread limit (IQR <= {MAX_SPREAD:.0%} of the median)"
-        + (f"; {noisy} noisy, left out" if noisy else ""),
+        f"fwd+bwd of q and k: {span(fb, lambda r: r.vs_hf_eager, 'hf_eager', '.1f', 'x')} faster than HF "
+        f"eager, {span(fb, lambda r: r.vs_compiled, 'hf_compiled', '.1f', 'x')} faster than torch.compile of HF",
+        f"decode of q and k: {span(dec, lambda r: 1 / r.vs_hf_eager, 'hf_eager', '.2f')} of HF eager's time",
+        f"out-of-cache forward: {span(oop, lambda r: r.alloc_floor_ratio, 'floor_alloc', '.2f', 'x')} the speed "
+        f"of a copy into a fresh tensor (floor_alloc)",
+        f"{len(rows) - noisy} of {len(rows)} rows within the spread limit (IQR <= {MAX_SPREAD:.0%} of the median)"
+        + (f"; {noisy} noisy, left out with the ratios taken against them" if noisy else ""),
     ]
 
 
@@ -563,7 +568,8 @@ def main():
     print()
     print("\n".join(memory))
     print()
-    print("targets (issue 6), each a ratio of two medians measured side by side in this run:")
+    print("targets (issue 6's; out of place against floor_alloc since issue 36), each a ratio of two medians "
+          "measured side by side in this run:")
     print("\n".join("  " + line for line in targets(rows)))
     print()
     print("summary:")

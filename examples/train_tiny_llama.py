@@ -86,7 +86,11 @@ def main():
 
 
 def plot(args, hf_losses, re_losses):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib, or --plot '')")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

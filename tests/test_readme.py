@@ -22,7 +22,7 @@ def _blocks(page: Path = README):
 RANK_BLOCK = "# on each rank, after torch.distributed.init_process_group\n"
 
 # What a distributed block takes as given, here for a one-process gloo group (rank 0 of 1): the names
-# the README's Distributed section uses.
+# docs/distributed.md's examples use (its first paragraph lists them).
 RANK_PRELUDE = """
 import torch
 import distributed_workers
@@ -48,6 +48,9 @@ RUNNABLE = ["README.md", "api.md", "distributed.md", "drop-ins.md", "integration
 
 def test_the_pages_with_examples_are_the_expected_ones():
     assert sorted(p.name for p in PAGES if _blocks(p)) == sorted(RUNNABLE)
+    for page in PAGES:  # a Python block fenced otherwise would go untested
+        fences = set(re.findall(r"^```(\S+)$", page.read_text(), re.M))
+        assert not fences & {"py", "python3", "pycon", "ipython"} or page.name == "devlog.md", (page.name, fences)
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if p.name in RUNNABLE], ids=lambda p: p.name)
@@ -79,8 +82,9 @@ def test_links_point_into_the_repository(page):
             continue
         resolved = (page.parent / path).resolve() if path else page
         assert ROOT in resolved.parents and resolved.is_file(), (page.name, path)
-        if anchor:
-            headings = re.findall(r"^#+ (.*)$", resolved.read_text(), re.M)
+        if anchor:  # (the headings outside code blocks, where '#' starts comments)
+            prose = re.sub(r"^```.*?^```", "", resolved.read_text(), flags=re.M | re.S)
+            headings = re.findall(r"^#+ (.*)$", prose, re.M)
             slugs = {re.sub(r"[^a-z0-9 _-]", "", h.lower()).replace(" ", "-") for h in headings}
             assert anchor in slugs, (page.name, path, anchor)
     assert "../shared" not in page.read_text(), page.name
