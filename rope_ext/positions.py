@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from rope_ext._validate import require_float_tensor, require_int64_span
+from rope_ext._validate import _INT64_MAX, require_float_tensor, require_int64_span
 
 __all__ = ["sequence_positions", "packed_positions", "cos_sin_tables", "check_positions", "check_cu_seqlens"]
 
@@ -65,6 +65,9 @@ def xpos_bits(dtype: torch.dtype) -> int:
 
 def extremes(t: torch.Tensor) -> tuple[int, int]:
     """(min, max) of a readable, non-empty integer tensor."""
+    if t.numel() <= 256:  # (a decode step's positions: reading them costs less than two reductions)
+        values = t.flatten().tolist()
+        return min(values), max(values)
     least, most = torch.stack(torch.aminmax(t.flatten())).tolist()
     return least, most
 
@@ -79,12 +82,17 @@ def check_positions(positions: torch.Tensor, name: str = "position_ids") -> None
 def _check_offsets(offset, count: int, span: int, name: str, what: str) -> None:
     """offset: an int, or a (count,) integer tensor (`what` names that shape); each offset plus
     the span - 1 further tokens of its sequence must fit in int64."""
+    if type(offset) is int and 0 <= offset <= _INT64_MAX - span:  # the common case, fast
+        return
     if isinstance(offset, torch.Tensor):
-        check_positions(offset, name)
+        require_int_tensor(offset, name)
+        if _readable(offset) and offset.numel():  # (read once, for both bounds)
+            least, most = extremes(offset)
+            if least < 0:
+                raise ValueError(f"rope_ext: {name} must be >= 0, got a minimum of {least}")
+            require_int64_span(most, span, name)
         if offset.shape != (count,):
             raise ValueError(f"rope_ext: {name} must have shape {what} = ({count},), got {tuple(offset.shape)}")
-        if _readable(offset) and offset.numel():
-            require_int64_span(extremes(offset)[1], span, name)
         return
     if isinstance(offset, bool) or not isinstance(offset, int):
         raise TypeError(f"rope_ext: {name} must be an int or a {what} integer tensor, got {type(offset).__name__}")
