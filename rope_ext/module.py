@@ -3,6 +3,8 @@ giving positions, HF's rope-scaling types, xPos and multimodal M-RoPE."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -36,6 +38,35 @@ DEFAULT_MROPE_MODEL_TYPES = frozenset({
     "qwen2_vl", "qwen2_vl_text", "qwen2_5_vl", "qwen2_5_vl_text", "qwen2_5_omni_text", "qwen2_5_omni_thinker",
     "qwen2_5_omni_talker", "paddleocr_vl", "paddleocr_vl_text",
 })
+
+
+class _Positions(NamedTuple):
+    """One forward call's positions, however they were given (forward's step 2)."""
+
+    #: integer positions: (*streams, S) or (*streams, B or 1, S), packed (*streams, T); M-RoPE's
+    #: streams = (3,), one row per stream. None for a window.
+    tensor: torch.Tensor | None
+    #: (start, S) for an int offset: positions start .. start + S - 1, the same for every row.
+    window: tuple[int, int] | None = None
+    #: where the positions (tensor, or the window's) take the axis of q's heads, to broadcast over
+    #: q.shape[:-1]: -2 in "bhsd" ((B, 1, S)), -1 in "bshd" ((B, S, 1), (S, 1)) and packed ((T, 1));
+    #: None for "bhsd"'s (S,) and (1, S), which broadcast as they are.
+    head_axis: int | None = None
+    #: whether tensor is the caller's position_ids (every layer of a step passes the same: see _reuse)
+    given: bool = False
+    #: (least, most) position, once read (CPU positions only: forward's reading them never waits for a device)
+    extent: tuple[int, int] | None = None
+
+
+class _Source(NamedTuple):
+    """Where one forward call's cos and sin come from (forward's step 3): the cache, with rows set
+    (rotary_pos_qk), or full tables for the call (rotary_qk), with xPos's own for k."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rows: torch.Tensor | None = None
+    cos_k: torch.Tensor | None = None
+    sin_k: torch.Tensor | None = None
 
 
 class RotaryEmbedding(nn.Module):
@@ -424,7 +455,7 @@ class RotaryEmbedding(nn.Module):
                                        position_ids.max() if position_ids.numel() else None)
         return self.inv_freq.to(position_ids.device)
 
-    # -- forward ---------------------------------------------------------------------------
+    # -- forward: 1. check the call, 2. resolve its positions, 3. pick its tables, 4. one op call --
 
     def forward(
         self,
@@ -467,136 +498,173 @@ class RotaryEmbedding(nn.Module):
         over the sequence is rotated by its tokens' global positions. The module's tables and
         positions, the same on every rank, enter the op as replicated DTensors.
         """
+        at = self._positions(q, k, position_ids, offset, cu_seqlens)  # steps 1 and 2
+        source = self._source(q, at)  # step 3
+        try:
+            return self._op(q, k, source)  # step 4
+        except RuntimeError as error:  # (costs nothing unless raised)
+            # The CPU kernel refused a position past the cache (it checks them all before writing
+            # anything): read the positions, then grow the cache for them or build their tables.
+            return self._op(q, k, self._source(q, self._read(at, error)))
+
+    def _positions(self, q, k, position_ids, offset, cu_seqlens) -> _Positions:
+        """Steps 1 and 2 of forward: every argument checked, once, and every way of giving positions
+        (position_ids, an int offset, per-row offsets, packed cu_seqlens, M-RoPE's streams) resolved
+        into one _Positions. Reads no device values (device cu_seqlens are checked on the device)."""
         require_tensor(q, "q")
         require_tensor(k, "k")
+        streams = () if self.mrope_section is None else (3,)
         if position_ids is not None:
             P.require_int_tensor(position_ids, "position_ids")
             if not (isinstance(offset, int) and offset == 0):
                 raise ValueError("rope_ext.RotaryEmbedding: give position_ids or offset, not both")
-        if self._cache_kind is not None:
-            rows = self._cache_positions(q, position_ids, offset, cu_seqlens)
-            if rows is not None:  # one op call; the kernel checks every position against the cache
-                # (read from _buffers: nn.Module.__getattr__ costs about 2 us per buffer, a tenth of a
-                # decode step's op call)
-                cos, sin, positions = self._buffers["cos_cache"], self._buffers["sin_cache"], rows[0]
-                if type(q) is not torch.Tensor and is_dtensor(q):
-                    # Each rank's kernel checks only its share of the positions, so a position past
-                    # the cache would send ranks different ways: given (plain, readable) positions
-                    # are checked here, whole. (An int offset's window is covered already.)
-                    given = rows[1]
-                    if (position_ids is not None or not isinstance(offset, int)) and type(given) is torch.Tensor:
-                        if P._readable(given) and given.numel():
-                            least, most = P.extremes(given)
-                            if least < 0 or most >= self._cached_positions():
-                                return self._past_the_cache(None, q, k, given)
-                    cos, sin, positions = replicated_like(q, cos, sin, positions)
-                try:
-                    return _rotary_pos_qk(q, k, cos, sin, positions, self.interleaved, False)
-                except RuntimeError as e:  # costs nothing unless raised
-                    return self._past_the_cache(e, q, k, rows[1])
-        if position_ids is not None:
-            P.check_positions(position_ids)
-        streams = () if self.mrope_section is None else (3,)
-        if cu_seqlens is not None:
-            position_ids = self._packed_position_ids(q, self._streams(position_ids, 1), offset, cu_seqlens, streams)
-            return self._rotate(q, k, self._streams(position_ids, 1), lambda t: t[:, None, :])
-        if q.dim() != 4:
-            raise ValueError(
-                f"rope_ext.RotaryEmbedding: q must be 4-D ({'B, H, S, D' if self.layout == 'bhsd' else 'B, S, H, D'}"
-                f" for layout {self.layout!r}), got shape {tuple(q.shape)}"
-            )
-        B, S = q.shape[0], q.shape[2] if self.layout == "bhsd" else q.shape[1]
-        given = None if position_ids is None else tuple(position_ids.shape)
-        position_ids = self._streams(position_ids, 2, batch=B)
-        if position_ids is None:
-            position_ids = self._streams(P.sequence_positions(B, S, offset, device=q.device), 2)
-        else:
-            # Checked in eager only: comparing symbolic sizes would add guards while tracing (the op
-            # checks the broadcast there, naming cos/sin).
-            shape = tuple(position_ids.shape)
-            if P._validating() and shape not in ((*streams, S), (*streams, 1, S), (*streams, B, S)):
-                expected = (
-                    f"{(3, B, S)} or {(3, 1, S)} (streams), or {(B, S)} or {(S,)} (text)"
-                    if streams
-                    else f"{(B, S)} or {(S,)}"
-                )
+        if cu_seqlens is not None:  # packed q, k (T, H, D)
+            if q.dim() != 3:
                 raise ValueError(
-                    f"rope_ext.RotaryEmbedding: position_ids must have shape {expected} for q of shape "
-                    f"{tuple(q.shape)}, got {given}"
+                    f"rope_ext.RotaryEmbedding: with cu_seqlens, q and k must be packed (T, H, D), "
+                    f"got q of shape {tuple(q.shape)}"
                 )
-            if len(shape) == len(streams) + 1:  # (S,): shared by the batch
-                position_ids = position_ids.unsqueeze(-2)
-        # tables (B, S, r) -> broadcast over heads
-        to_layout = (lambda t: t[..., None, :, :]) if self.layout == "bhsd" else (lambda t: t[..., None, :])
-        return self._rotate(q, k, position_ids, to_layout)
-
-    @staticmethod
-    def _packed_position_ids(q, position_ids, offset, cu_seqlens, streams):
-        """(*streams, T) positions of packed q (T, H, D): given, or restarting at each cu_seqlens start."""
-        if q.dim() != 3:
-            raise ValueError(
-                f"rope_ext.RotaryEmbedding: with cu_seqlens, q and k must be packed (T, H, D), "
-                f"got q of shape {tuple(q.shape)}"
-            )
-        T = q.shape[0]
-        if position_ids is None:
-            return P.packed_positions(cu_seqlens, T, offset, name="offset")
-        P.check_cu_seqlens(cu_seqlens, T)
-        if P._validating() and tuple(position_ids.shape) != (*streams, T):
-            raise ValueError(
-                f"rope_ext.RotaryEmbedding: position_ids of packed q must have shape {(*streams, T)}, "
-                f"got {tuple(position_ids.shape)}"
-            )
-        return position_ids
-
-    def _cache_positions(self, q, position_ids, offset, cu_seqlens):
-        """(rows, positions) for rotary_pos_qk on the cache: the positions, shaped to broadcast over
-        q's heads, and the cache rows they read (the same but for longrope's long rows); or None when
-        this call must build its own tables (an int offset past max_cache_positions, dynamic NTK past
-        max_position_embeddings or on device positions). Reads no tensor values: bounds, negative
-        and int64-overflowing positions are the kernel's error."""
-        if cu_seqlens is not None:
-            return self._rows(self._packed_position_ids(q, position_ids, offset, cu_seqlens, ()).unsqueeze(1))
+            T = q.shape[0]
+            if position_ids is None:  # restarting at each sequence's start (plus its offset)
+                positions = P.packed_positions(cu_seqlens, T, offset, name="offset")
+                return _Positions(self._streams(positions, 1), head_axis=-1)
+            P.check_cu_seqlens(cu_seqlens, T)
+            positions = self._streams(position_ids, 1)
+            if P._validating() and tuple(positions.shape) != (*streams, T):
+                raise ValueError(
+                    f"rope_ext.RotaryEmbedding: position_ids of packed q must have shape {(*streams, T)}, "
+                    f"got {tuple(positions.shape)}"
+                )
+            return _Positions(positions, head_axis=-1, given=True)
         if q.dim() != 4:
             raise ValueError(
                 f"rope_ext.RotaryEmbedding: q must be 4-D ({'B, H, S, D' if self.layout == 'bhsd' else 'B, S, H, D'}"
                 f" for layout {self.layout!r}), got shape {tuple(q.shape)}"
             )
         bhsd = self.layout == "bhsd"
-        B, S = q.shape[0], q.shape[2] if bhsd else q.shape[1]
+        shape = q.shape
+        B, S = shape[0], shape[2] if bhsd else shape[1]
         if position_ids is None:
-            if isinstance(offset, int) and not isinstance(offset, bool):
-                if offset < 0:
-                    raise ValueError(f"rope_ext: offset must be >= 0, got {offset}")
-                if not self._cache_covers(offset + S):
-                    return None
-                # views of arange: no kernel; longrope's long rows follow its switch_len short ones
-                start = offset + (self.schedule.switch_len if self._long_rows(offset + S) else 0)
-                steps = self._buffers["_steps"]
-                return self._reuse(steps, (start, S), lambda: self._window(steps, start, S, bhsd))
             P._check_offsets(offset, B, S, "offset", "(batch,)")
-            if not self._cache_covers(S):
-                return None
-            steps = self._buffers["_steps"]
-            position_ids = offset.to(device=steps.device, dtype=torch.int64).unsqueeze(1) + steps.narrow(0, 0, S)
-            return self._rows(position_ids.unsqueeze(1 if bhsd else -1))  # (B, 1, S) or (B, S, 1)
-        elif P._validating() and tuple(position_ids.shape) not in ((S,), (1, S), (B, S)):
+            if isinstance(offset, int):  # positions offset .. offset + S - 1, known without a tensor
+                return _Positions(None, (offset, S), None if bhsd else -1)
+            # per-row offsets: (B, S)
+            steps = offset.to(device=q.device, dtype=torch.int64).unsqueeze(1) + self._arange(S, q.device)
+            return _Positions(self._streams(steps, 2), head_axis=-2 if bhsd else -1)
+        positions = self._streams(position_ids, 2, batch=B) if streams else position_ids
+        # Checked in eager only: comparing symbolic sizes would add guards while tracing (the op
+        # checks the broadcast there, naming cos/sin).
+        if P._validating() and positions.shape not in (((S,), (1, S), (B, S)) if not streams else
+                                                       ((*streams, S), (*streams, 1, S), (*streams, B, S))):
+            expected = f"{(3, B, S)} or {(3, 1, S)} (streams), or {(B, S)} or {(S,)} (text)" if streams else \
+                f"{(B, S)} or {(S,)}"
             raise ValueError(
-                f"rope_ext.RotaryEmbedding: position_ids must have shape {(B, S)} or {(S,)} for q of shape "
+                f"rope_ext.RotaryEmbedding: position_ids must have shape {expected} for q of shape "
                 f"{tuple(q.shape)}, got {tuple(position_ids.shape)}"
             )
         if not bhsd:
-            return self._reuse(position_ids, None, lambda: self._rows(position_ids.unsqueeze(-1)), versioned=True)
-        if position_ids.dim() == 1 or position_ids.shape[0] == 1:  # (S,) and (1, S) broadcast as they are
-            if self._cache_kind != "longrope":  # (no view to build: nothing to reuse)
-                return self._rows(position_ids)
-            return self._reuse(position_ids, None, lambda: self._rows(position_ids), versioned=True)
-        return self._reuse(position_ids, None, lambda: self._rows(position_ids.unsqueeze(1)), versioned=True)
+            return _Positions(positions, None, -1, True)
+        batched = positions.dim() - len(streams) == 2 and positions.shape[-2] != 1
+        return _Positions(positions, None, -2 if batched else None, True)
+
+    def _source(self, q, at: _Positions) -> _Source:
+        """Step 3 of forward: where the call's cos and sin come from.
+        - The cache (rotary_pos_qk on cos_cache/sin_cache at the positions' rows), for the cached
+          kinds (see _kind_of_cache), when it covers the positions: known (an int offset's window,
+          positions read) and covered, growing it in eager mode if needed; or not known, and then
+          checked against it by the kernel (for dynamic NTK, only positions it can refuse without a
+          sync: CPU ones; forward reads them when it does).
+        - Otherwise tables built for the call (rotary_qk): M-RoPE, xPos, dynamic NTK past
+          max_position_embeddings or on device positions, positions past max_cache_positions.
+        A DTensor q's positions are read first when they can be: each rank's kernel checks only its
+        share of them, so a position past the cache would send the ranks different ways."""
+        kind = self._cache_kind
+        if kind is None:
+            return self._tables(q, at)
+        buffers = self._buffers  # (read after _cache_covers, which may grow the cache)
+        if at.window is not None:  # an int offset: views of _steps, remembered from the last call
+            start, S = at.window
+            if not self._cache_covers(start + S):
+                return self._tables(q, at)
+            if self._long_rows(start + S):
+                start += self.schedule.switch_len
+            steps = buffers["_steps"]  # (replaced, with the cache, whenever the cache is)
+            return self._reuse(steps, (start, S), lambda: _Source(
+                buffers["cos_cache"], buffers["sin_cache"], self._shaped(steps[start : start + S], at.head_axis)))
+        if at.extent is None and type(q) is not torch.Tensor and is_dtensor(q) and P._readable(at.tensor):
+            at = self._read(at)
+        if at.extent is not None:  # read: the cache covers them, grown if needed, or tables
+            if not self._cache_covers(at.extent[1] + 1):
+                return self._tables(q, at)
+        elif kind == "dynamic" and not P._readable(at.tensor):  # the kernel could not refuse them
+            return self._tables(q, at)
+        cos_cache, sin_cache = buffers["cos_cache"], buffers["sin_cache"]
+        if kind != "longrope":
+            if at.head_axis is None:  # nothing to build
+                return _Source(cos_cache, sin_cache, at.tensor)
+            if not at.given:
+                return _Source(cos_cache, sin_cache, at.tensor.unsqueeze(at.head_axis))
+        elif not at.given:
+            return _Source(cos_cache, sin_cache, self._rows(self._shaped(at.tensor, at.head_axis)))
+        # the caller's position_ids: every layer of a model passes the same in a step (see _reuse)
+        return self._reuse(at.tensor, id(cos_cache), lambda: _Source(  # (the cache may have grown since)
+            cos_cache, sin_cache, self._rows(self._shaped(at.tensor, at.head_axis))), versioned=True)
+
+    def _tables(self, q, at: _Positions) -> _Source:
+        """Full cos/sin tables for the call's positions (rotary_qk), shaped like the positions plus
+        rotary_dim, so that they broadcast over q's heads; xPos's scaled one way for q and the other
+        for k. Positions the call gave on the CPU are read for their sign first."""
+        if at.window is not None:
+            start, S = at.window
+            positions = self._shaped(self._streams(torch.arange(start, start + S, device=q.device), 2), at.head_axis)
+        else:
+            if at.given and at.extent is None and P._readable(at.tensor):
+                self._read(at)  # (negative positions are refused by name)
+            positions = self._shaped(at.tensor, at.head_axis)
+        cos, sin = self._cos_sin(positions)
+        if self.xpos_scale_base is None:
+            return _Source(cos, sin)
+        scale = self._xpos_scale(positions, q.dtype)
+        return _Source(cos * scale, sin * scale, cos_k=cos / scale, sin_k=sin / scale)
+
+    def _op(self, q, k, source: _Source):
+        """Step 4 of forward: the one op call. A DTensor q gets the module's tables and rows as
+        DTensors replicated on its mesh (the same on every rank)."""
+        cos, sin, rows, cos_k, sin_k = source
+        if type(q) is not torch.Tensor:
+            cos, sin, rows, cos_k, sin_k = (None if t is None else replicated_like(q, t)[0] for t in source)
+        if rows is not None:
+            return _rotary_pos_qk(q, k, cos, sin, rows, self.interleaved, False)
+        return rotary_qk(q, k, cos, sin, interleaved=self.interleaved, cos_k=cos_k, sin_k=sin_k)
+
+    def _read(self, at: _Positions, error: RuntimeError | None = None) -> _Positions:
+        """at with its extent read from its positions, which must be readable (on the CPU, in eager
+        mode): reading device positions would wait for the device. error: the kernel's refusal that
+        sent forward here; raised again unless it was a position past the cache, of positions that
+        can be read (on a device, sizing the cache is the caller's part: max_position_embeddings or
+        ensure_positions; a position past it is the kernel's device-side assert)."""
+        if error is not None and ("is outside the cache" not in str(error) or at.tensor is None
+                                  or at.extent is not None or not P._readable(at.tensor) or not at.tensor.numel()):
+            raise error
+        if not at.tensor.numel():
+            return at
+        least, most = P.extremes(at.tensor)
+        if least < 0:
+            raise ValueError(f"rope_ext: position_ids must be >= 0, got a minimum of {least}") from error
+        return at._replace(extent=(least, most))
 
     @staticmethod
-    def _window(steps, start, S, bhsd):
-        rows = steps[start : start + S]  # (a slice costs less than narrow in eager)
-        return (rows, rows) if bhsd else (rows.unsqueeze(1), rows.unsqueeze(1))
+    def _shaped(positions: torch.Tensor, head_axis: int | None) -> torch.Tensor:
+        """positions with the axis of q's heads (see _Positions.head_axis), to broadcast over q.shape[:-1]."""
+        return positions if head_axis is None else positions.unsqueeze(head_axis)
+
+    def _arange(self, n: int, device) -> torch.Tensor:
+        """arange(n) on the device: a view of _steps when it is long enough and there (eager: no
+        kernel), else a new tensor."""
+        steps = self._buffers["_steps"]
+        if not torch.compiler.is_compiling() and steps.shape[0] >= n and steps.device == device:
+            return steps.narrow(0, 0, n)
+        return torch.arange(n, device=device)
 
     def _reuse(self, source, key, make, *, versioned=False):
         """make(), or the previous call's result if it came from the same tensor `source` (by
@@ -626,50 +694,14 @@ class RotaryEmbedding(nn.Module):
         return self._cache_kind == "longrope" and length > self.schedule.switch_len
 
     def _rows(self, positions):
-        """(rows, positions) of a positions tensor, or None (dynamic NTK on positions it cannot read
-        without a sync: the call builds its tables). longrope's rows: the long ones (positions +
-        switch_len) when the largest position reaches switch_len, computed on the device; negative
-        positions are left as they are, for the kernel to refuse."""
-        kind = self._cache_kind
-        if kind == "dynamic" and not P._readable(positions):
-            return None
-        if kind != "longrope" or positions.numel() == 0:
-            return positions, positions
+        """The cache rows of a positions tensor: longrope's long rows (positions + switch_len) when the
+        largest position reaches switch_len, computed on the device; negative positions are left as
+        they are, for the kernel to refuse. The positions themselves for the other kinds."""
+        if self._cache_kind != "longrope" or positions.numel() == 0:
+            return positions
         switch = self.schedule.switch_len
         long = positions.amax() >= switch
-        return torch.where(positions >= 0, positions + long * switch, positions), positions
-
-    def _past_the_cache(self, error: RuntimeError, q, k, positions):
-        """A CPU call whose positions the cache does not cover (the op checks them all before
-        writing anything): negative positions are refused by name, the cache grows up to
-        max_cache_positions, and past that the call builds its own tables. Device positions are
-        never read; there, sizing the cache (max_position_embeddings, ensure_positions) is the
-        caller's part, and a position past it is the kernel's device-side assert. (error None: the
-        positions were read before the op, for a DTensor q.)"""
-        if error is not None and (
-            "is outside the cache" not in str(error) or not P._readable(positions) or not positions.numel()
-        ):
-            raise error
-        least, most = P.extremes(positions)
-        if least < 0:
-            raise ValueError(f"rope_ext: position_ids must be >= 0, got a minimum of {least}") from error
-        if self._cache_covers(most + 1):
-            cos, sin, rows = replicated_like(q, self.cos_cache, self.sin_cache, self._rows(positions)[0])
-            return _rotary_pos_qk(q, k, cos, sin, rows, self.interleaved, False)
-        cos, sin = replicated_like(q, *self._cos_sin(positions))  # positions.shape + (r,): broadcasts like positions
-        return rotary_qk(q, k, cos, sin, interleaved=self.interleaved)
-
-    def _rotate(self, q, k, position_ids, to_layout):
-        """rotary_qk on tables built for this call's position_ids (the non-cached types, and int
-        offsets past max_cache_positions)."""
-        cos, sin = self._cos_sin(position_ids)
-        if self.xpos_scale_base is None:
-            cos, sin = replicated_like(q, to_layout(cos), to_layout(sin))
-            return rotary_qk(q, k, cos, sin, interleaved=self.interleaved)
-        scale = self._xpos_scale(position_ids, q.dtype)
-        tables = (cos * scale, sin * scale, cos / scale, sin / scale)
-        cos_q, sin_q, cos_k, sin_k = replicated_like(q, *(to_layout(t) for t in tables))
-        return rotary_qk(q, k, cos_q, sin_q, interleaved=self.interleaved, cos_k=cos_k, sin_k=sin_k)
+        return torch.where(positions >= 0, positions + long * switch, positions)
 
     def xpos_reach(self, dtype: torch.dtype = torch.float32) -> int:
         """How far from xpos_center a position may be, for q and k of this dtype: the scales

@@ -401,3 +401,60 @@ def test_positions_reused_across_calls_follow_in_place_updates(layout, gen):
         for offset in (5, 6, 70, 70):
             got, want = rope(q, k, offset=offset), table_path(rope, q, k, (offset + torch.arange(S)).expand(B, S), bhsd)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), offset
+
+
+FORWARD_MODULES = {**DEVICE_MODULES, "static": {}}
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("module", FORWARD_MODULES.values(), ids=FORWARD_MODULES.keys())
+def test_forward_is_one_pass(module, layout, gen):
+    """forward's steps each run once per call, whatever the way of giving positions and the table
+    source: _positions (the checks, and the positions resolved into one description), _source (the
+    cache's rows or tables for the call), _op (one rope_ext op); and no second route re-resolves
+    or re-checks them. The calls' results are checked against the table path elsewhere in this file
+    and in test_module.py."""
+    rope = rope_ext.RotaryEmbedding(64, layout=layout, max_position_embeddings=512, **module)
+    B, S = 2, 5
+    shape_q, shape_k = ((B, 8, S, 64), (B, 2, S, 64)) if layout == "bhsd" else ((B, S, 8, 64), (B, S, 2, 64))
+    q, k = randn(*shape_q, gen=gen), randn(*shape_k, gen=gen)
+    pq, pk = randn(9, 8, 64, gen=gen), randn(9, 2, 64, gen=gen)
+    mrope = "mrope_section" in module
+    calls = {
+        "position_ids": lambda: rope(q, k, torch.randint(0, 512, (3, B, S) if mrope else (B, S), generator=gen)),
+        "int_offset": lambda: rope(q, k, offset=100),
+        "row_offsets": lambda: rope(q, k, offset=torch.tensor([3, 9])),
+        "int_offset_past_the_cache": lambda: rope(q, k, offset=600),
+    }
+    if not mrope:
+        calls["cu_seqlens"] = lambda: rope(pq, pk, cu_seqlens=torch.tensor([0, 4, 9]), offset=torch.tensor([3, 7]))
+        calls["position_ids_past_the_cache"] = lambda: rope(q, k, torch.tensor([[4000] * S] * B))  # (past 1024)
+    steps = ("_positions", "_source", "_op", "_streams", "_read")
+    for name, call in calls.items():
+        counts = dict.fromkeys(steps, 0)
+        originals = {step: getattr(rope, step) for step in steps}
+
+        def counted(step, counts=counts, originals=originals):
+            def run(*args, **kwargs):
+                counts[step] += 1
+                return originals[step](*args, **kwargs)
+            return run
+
+        for step in steps:
+            rope.__dict__[step] = counted(step)
+        try:
+            events = _profile(call)
+        finally:
+            for step in steps:
+                del rope.__dict__[step]
+        ops = [e for e in events if e.startswith("rope_ext::") and e != "rope_ext::cos_sin_tables"]
+        # CPU position_ids past the cache: the kernel refuses them before writing anything, forward
+        # reads them, and steps 3 and 4 run again on what was read (the cache grown, or tables)
+        refused = name == "position_ids_past_the_cache" and rope._cache_kind is not None
+        # (the profiler may or may not record the refused call)
+        assert ops[:-1] in ([["rope_ext::rotary_pos_qk"], []] if refused else [[]]), (name, ops)
+        assert counts["_positions"] == 1, (name, counts)
+        assert counts["_source"] == counts["_op"] == 1 + refused, (name, counts)
+        # (read once at most: for the refusal, or for the sign of positions that tables are built for)
+        assert counts["_read"] == 1 if refused else counts["_read"] <= 1, (name, counts)
+        assert counts["_streams"] <= 1, (name, counts)
