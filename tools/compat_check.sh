@@ -53,6 +53,8 @@ torch_is || { log "FAILED: the venv's torch is $("$PY" -c 'import torch; print(t
 DESC=$("$PY" -c "import torch; print(torch.__version__ + (f', CUDA {torch.version.cuda} build' if torch.version.cuda else ', CPU build'))")
 t1=$(date +%s)
 log "venv $VENV: torch $DESC ($((t1 - t0)) s)"
+# COMPAT_VENV_ONLY=1: step 1 alone (CI makes the venv in the background while earlier steps run).
+[ "${COMPAT_VENV_ONLY:-0}" = 1 ] && exit 0
 
 # ---- 2. the CPU-only build ----------------------------------------------------------------------
 mkdir -p "$SRC"

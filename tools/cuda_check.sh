@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make cuda-check`: build rope_ext's CUDA library on a machine without a GPU, and prove it.
-#  1. a venv with a CUDA build of torch (torch==2.14.1, cu130), cuobjdump and ninja, kept in build/;
+#  1. a venv with a CUDA build of torch (torch==2.14.1, cu130), cuobjdump and ninja, and the tests'
+#     packages (step 5), kept in build/ (CUDA_VENV_ONLY=1 stops after it: CI makes it in the background);
 #  2. a copy of the source tree, pip-installed into that venv with ROPE_EXT_CUDA=1 through setup.py's
 #     CMake build (the one build): every .cu file through nvcc for the default arch list (or
 #     TORCH_CUDA_ARCH_LIST), linked against libtorch_cuda, with the test hooks (ROPE_EXT_TESTING=1).
@@ -13,7 +14,7 @@
 #     or fused multiply-add in the SASS (nvdisasm), and on CompactIndex kernels with 256 bytes of
 #     parameters or more;
 #  4. examples/cpp built against that installed package through find_package(rope_ext), as a C++
-#     user of a CUDA build links it, and run;
+#     user of a CUDA build links it, and run (beside step 3: each keeps about one core busy);
 #  5. the core tests (CORE_TESTS) under this torch 2.14.1, the newest on this machine, against the
 #     build of step 2, on the CPU (tests that need a CUDA device skip): with `make test` under
 #     torch 2.13.0, the supported range the README states. Beside them the timm integration's
@@ -34,7 +35,16 @@ assert any(True for r in nvidia.__path__ for _ in pathlib.Path(r).rglob('nvdisas
   python3 -m venv "$VENV"
   "$PY" -m pip install -q torch==2.14.1 setuptools wheel ninja "nvidia-cuda-cuobjdump>=13,<14" "nvidia-cuda-nvdisasm>=13,<14"
 fi
+# Step 5's test dependencies: timm without its optional packages (huggingface_hub, safetensors,
+# pyyaml: for downloads and data loading, which the tests do not do); torchvision pinned to the
+# build for this torch.
+if ! "$PY" -c "import pytest, hypothesis, expecttest, numpy, torchvision, timm" 2>/dev/null; then
+  "$PY" -m pip install -q "pytest>=7" "hypothesis==6.155.2" expecttest numpy torchvision==0.29.1
+  "$PY" -m pip install -q --no-deps timm==1.0.31
+fi
 t1=$(date +%s)
+# CUDA_VENV_ONLY=1: step 1 alone (CI makes the venv in the background while earlier steps run).
+[ "${CUDA_VENV_ONLY:-0}" = 1 ] && { echo "cuda-check: venv $VENV ready ($((t1 - t0)) s)"; exit 0; }
 
 rm -rf "$OUT" && mkdir -p "$OUT/src"
 git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C "$OUT/src"
@@ -44,17 +54,21 @@ SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 t2=$(date +%s)
 COMMANDS=$(ls "$OUT"/src/build/cmake-*/compile_commands.json)
 
-"$PY" tools/cuda_check.py --site "$SITE" --compile-commands "$COMMANDS" --resource-dir "$OUT"
-
 # 4. A C++ program linking this CUDA build through find_package(rope_ext), from the installed
-#    package. torch's CMake package wants libnvrtc, which a compiler-only CUDA install lacks: the
-#    torch wheel's nvidia package has it.
+#    package, built in the background while step 3 reads the SASS (each keeps about one core busy).
+#    torch's CMake package wants libnvrtc, which a compiler-only CUDA install lacks: the torch wheel's
+#    nvidia package has it.
 NVRTC=$("$PY" -c 'import nvidia, pathlib; print(next(p for r in nvidia.__path__ for p in sorted(pathlib.Path(r).rglob("libnvrtc.so*"))))')
 PREFIXES="$(PYTHONSAFEPATH=1 "$PY" -c 'import rope_ext; print(rope_ext.cmake_prefix_path)');$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 { cmake -S "$OUT/src/examples/cpp" -B "$OUT/example" -G Ninja -DCMAKE_MAKE_PROGRAM="$("$PY" -c 'import ninja, os; print(os.path.join(ninja.BIN_DIR, "ninja"))')" \
     -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" -DCUDA_TOOLKIT_ROOT_DIR="$CUDA_HOME" -DCUDA_nvrtc_LIBRARY="$NVRTC" \
-    -DCMAKE_PREFIX_PATH="$PREFIXES" && cmake --build "$OUT/example" && "$OUT/example/rope_example"; } > "$OUT/example.log" 2>&1 ||
-  { tail -40 "$OUT/example.log"; exit 1; }
+    -DCMAKE_PREFIX_PATH="$PREFIXES" && cmake --build "$OUT/example" && "$OUT/example/rope_example"; } > "$OUT/example.log" 2>&1 &
+EXAMPLE=$!
+
+# 3. (step numbers as in the header)
+"$PY" tools/cuda_check.py --site "$SITE" --compile-commands "$COMMANDS" --resource-dir "$OUT" || { kill "$EXAMPLE"; exit 1; }
+
+wait "$EXAMPLE" || { tail -40 "$OUT/example.log"; exit 1; }
 LIB=$(PYTHONSAFEPATH=1 "$PY" -c 'import rope_ext; print(rope_ext._LIBRARY)')
 cmake -DEXE="$OUT/example/rope_example" -DLIB="$LIB" -P tests/cpp/check_linked_library.cmake >> "$OUT/example.log" 2>&1 ||
   { tail -5 "$OUT/example.log"; echo "cuda-check: the example does not link the installed package's $LIB"; exit 1; }
@@ -64,11 +78,6 @@ t3=$(date +%s)
 # PYTHONSAFEPATH: the checkout (the current directory) stays off sys.path, so `import rope_ext` finds
 # the venv's build, not the checkout's own (built against another torch).
 CORE_TESTS=${CORE_TESTS:?"the core test files: run this through make cuda-check"}
-"$PY" -m pip install -q "pytest>=7" "hypothesis==6.155.2" expecttest numpy
-# timm without its optional packages (huggingface_hub, safetensors, pyyaml: for downloads and data
-# loading, which the tests do not do); torchvision pinned to the build for this torch.
-"$PY" -m pip install -q torchvision==0.29.1
-"$PY" -m pip install -q --no-deps timm==1.0.31
 "$PY" -c "import timm.models.eva"  # the timm tests skip where timm does not import: not here
 PYTHONSAFEPATH=1 "$PY" -c "
 import pathlib, rope_ext, torch
