@@ -49,12 +49,16 @@ class _Positions(NamedTuple):
     #: (start, S) for an int offset: positions start .. start + S - 1, the same for every row.
     window: tuple[int, int] | None = None
     #: where the positions (tensor, or the window's) take the axis of q's heads, to broadcast over
-    #: q.shape[:-1]: -2 in "bhsd" ((B, 1, S)), -1 in "bshd" ((B, S, 1), (S, 1)) and packed ((T, 1));
-    #: None for "bhsd"'s (S,) and (1, S), which broadcast as they are.
+    #: q.shape[:-1]: -2 in "bhsd" ((B, 1, S), M-RoPE's (3, B, 1, S)), -1 in "bshd" ((B, S, 1), (S, 1))
+    #: and packed ((T, 1)); None for "bhsd"'s (S,) and (1, S) (M-RoPE's (3, S), (3, 1, S)) and
+    #: windows, which broadcast as they are.
     head_axis: int | None = None
     #: whether tensor is the caller's position_ids (every layer of a step passes the same: see _reuse)
     given: bool = False
-    #: (least, most) position, once read (CPU positions only: forward's reading them never waits for a device)
+    #: how many cache rows the positions need at least, known without reading them: a window's
+    #: start + S, per-row offsets' S. None: unknown.
+    needed: int | None = None
+    #: (least, most) position, once read (CPU positions only: a forward never waits for a device)
     extent: tuple[int, int] | None = None
 
 
@@ -503,9 +507,11 @@ class RotaryEmbedding(nn.Module):
         try:
             return self._op(q, k, source)  # step 4
         except RuntimeError as error:  # (costs nothing unless raised)
+            if not self._refused_past_the_cache(error, at):
+                raise
             # The CPU kernel refused a position past the cache (it checks them all before writing
             # anything): read the positions, then grow the cache for them or build their tables.
-            return self._op(q, k, self._source(q, self._read(at, error)))
+            return self._op(q, k, self._source(q, self._read(at)))
 
     def _positions(self, q, k, position_ids, offset, cu_seqlens) -> _Positions:
         """Steps 1 and 2 of forward: every argument checked, once, and every way of giving positions
@@ -535,6 +541,8 @@ class RotaryEmbedding(nn.Module):
                     f"rope_ext.RotaryEmbedding: position_ids of packed q must have shape {(*streams, T)}, "
                     f"got {tuple(positions.shape)}"
                 )
+            if self._cache_kind is None and P._readable(positions):  # (the cache's kernel checks them itself)
+                P.check_positions(positions)
             return _Positions(positions, head_axis=-1, given=True)
         if q.dim() != 4:
             raise ValueError(
@@ -547,10 +555,12 @@ class RotaryEmbedding(nn.Module):
         if position_ids is None:
             P._check_offsets(offset, B, S, "offset", "(batch,)")
             if isinstance(offset, int):  # positions offset .. offset + S - 1, known without a tensor
-                return _Positions(None, (offset, S), None if bhsd else -1)
-            # per-row offsets: (B, S)
-            steps = offset.to(device=q.device, dtype=torch.int64).unsqueeze(1) + self._arange(S, q.device)
-            return _Positions(self._streams(steps, 2), head_axis=-2 if bhsd else -1)
+                return _Positions(None, window=(offset, S), head_axis=None if bhsd else -1, needed=offset + S)
+            # per-row offsets: (B, S), each row from an offset >= 0 (checked): S rows at least
+            positions = offset.to(device=q.device, dtype=torch.int64).unsqueeze(1) + self._arange(S, q.device)
+            if streams:  # the same positions drive the three streams (B may be 3: no _streams here)
+                positions = positions.unsqueeze(0).expand(3, *positions.shape)
+            return _Positions(positions, head_axis=-2 if bhsd else -1, needed=S)
         positions = self._streams(position_ids, 2, batch=B) if streams else position_ids
         # Checked in eager only: comparing symbolic sizes would add guards while tracing (the op
         # checks the broadcast there, naming cos/sin).
@@ -562,10 +572,12 @@ class RotaryEmbedding(nn.Module):
                 f"rope_ext.RotaryEmbedding: position_ids must have shape {expected} for q of shape "
                 f"{tuple(q.shape)}, got {tuple(position_ids.shape)}"
             )
+        if self._cache_kind is None and P._readable(positions):  # (the cache's kernel checks them itself)
+            P.check_positions(positions)
         if not bhsd:
-            return _Positions(positions, None, -1, True)
+            return _Positions(positions, head_axis=-1, given=True)
         batched = positions.dim() - len(streams) == 2 and positions.shape[-2] != 1
-        return _Positions(positions, None, -2 if batched else None, True)
+        return _Positions(positions, head_axis=-2 if batched else None, given=True)
 
     def _source(self, q, at: _Positions) -> _Source:
         """Step 3 of forward: where the call's cos and sin come from.
@@ -581,17 +593,18 @@ class RotaryEmbedding(nn.Module):
         kind = self._cache_kind
         if kind is None:
             return self._tables(q, at)
+        if at.needed is not None and not self._cache_covers(at.needed):  # (grown if it may be)
+            return self._tables(q, at)
         buffers = self._buffers  # (read after _cache_covers, which may grow the cache)
         if at.window is not None:  # an int offset: views of _steps, remembered from the last call
             start, S = at.window
-            if not self._cache_covers(start + S):
-                return self._tables(q, at)
             if self._long_rows(start + S):
                 start += self.schedule.switch_len
             steps = buffers["_steps"]  # (replaced, with the cache, whenever the cache is)
             return self._reuse(steps, (start, S), lambda: _Source(
                 buffers["cos_cache"], buffers["sin_cache"], self._shaped(steps[start : start + S], at.head_axis)))
-        if at.extent is None and type(q) is not torch.Tensor and is_dtensor(q) and P._readable(at.tensor):
+        if (at.extent is None and type(q) is not torch.Tensor and is_dtensor(q)
+                and type(at.tensor) is torch.Tensor and P._readable(at.tensor) and at.tensor.numel()):
             at = self._read(at)
         if at.extent is not None:  # read: the cache covers them, grown if needed, or tables
             if not self._cache_covers(at.extent[1] + 1):
@@ -599,27 +612,22 @@ class RotaryEmbedding(nn.Module):
         elif kind == "dynamic" and not P._readable(at.tensor):  # the kernel could not refuse them
             return self._tables(q, at)
         cos_cache, sin_cache = buffers["cos_cache"], buffers["sin_cache"]
-        if kind != "longrope":
-            if at.head_axis is None:  # nothing to build
-                return _Source(cos_cache, sin_cache, at.tensor)
-            if not at.given:
-                return _Source(cos_cache, sin_cache, at.tensor.unsqueeze(at.head_axis))
-        elif not at.given:
-            return _Source(cos_cache, sin_cache, self._rows(self._shaped(at.tensor, at.head_axis)))
-        # the caller's position_ids: every layer of a model passes the same in a step (see _reuse)
-        return self._reuse(at.tensor, id(cos_cache), lambda: _Source(  # (the cache may have grown since)
-            cos_cache, sin_cache, self._rows(self._shaped(at.tensor, at.head_axis))), versioned=True)
+        # The caller's position_ids with a view or longrope's rows to make: made once a step, as every
+        # layer of a model passes the same (see _reuse; keyed on the cache too, which may have grown
+        # since, and on the head axis: a 1-D tensor takes none in a 4-D "bhsd" call, -1 packed).
+        if at.given and (at.head_axis is not None or kind == "longrope"):
+            return self._reuse(at.tensor, (id(cos_cache), at.head_axis), lambda: _Source(
+                cos_cache, sin_cache, self._rows(self._shaped(at.tensor, at.head_axis))), versioned=True)
+        return _Source(cos_cache, sin_cache, self._rows(self._shaped(at.tensor, at.head_axis)))
 
     def _tables(self, q, at: _Positions) -> _Source:
         """Full cos/sin tables for the call's positions (rotary_qk), shaped like the positions plus
         rotary_dim, so that they broadcast over q's heads; xPos's scaled one way for q and the other
-        for k. Positions the call gave on the CPU are read for their sign first."""
+        for k."""
         if at.window is not None:
             start, S = at.window
             positions = self._shaped(self._streams(torch.arange(start, start + S, device=q.device), 2), at.head_axis)
         else:
-            if at.given and at.extent is None and P._readable(at.tensor):
-                self._read(at)  # (negative positions are refused by name)
             positions = self._shaped(at.tensor, at.head_axis)
         cos, sin = self._cos_sin(positions)
         if self.xpos_scale_base is None:
@@ -637,20 +645,21 @@ class RotaryEmbedding(nn.Module):
             return _rotary_pos_qk(q, k, cos, sin, rows, self.interleaved, False)
         return rotary_qk(q, k, cos, sin, interleaved=self.interleaved, cos_k=cos_k, sin_k=sin_k)
 
-    def _read(self, at: _Positions, error: RuntimeError | None = None) -> _Positions:
-        """at with its extent read from its positions, which must be readable (on the CPU, in eager
-        mode): reading device positions would wait for the device. error: the kernel's refusal that
-        sent forward here; raised again unless it was a position past the cache, of positions that
-        can be read (on a device, sizing the cache is the caller's part: max_position_embeddings or
-        ensure_positions; a position past it is the kernel's device-side assert)."""
-        if error is not None and ("is outside the cache" not in str(error) or at.tensor is None
-                                  or at.extent is not None or not P._readable(at.tensor) or not at.tensor.numel()):
-            raise error
-        if not at.tensor.numel():
-            return at
+    @staticmethod
+    def _refused_past_the_cache(error: RuntimeError, at: _Positions) -> bool:
+        """Whether the op's error is the CPU kernel's refusal of a position past the cache, for
+        positions forward can read (on the CPU, in eager mode). On a device, sizing the cache is the
+        caller's part (max_position_embeddings, ensure_positions): a position past it is the
+        kernel's device-side assert, and reading device positions would wait for the device."""
+        return ("is outside the cache" in str(error) and at.tensor is not None and at.extent is None
+                and P._readable(at.tensor) and at.tensor.numel() > 0)
+
+    def _read(self, at: _Positions) -> _Positions:
+        """at with its extent read from its positions (readable: see _refused_past_the_cache), and
+        negative positions refused by name."""
         least, most = P.extremes(at.tensor)
         if least < 0:
-            raise ValueError(f"rope_ext: position_ids must be >= 0, got a minimum of {least}") from error
+            raise ValueError(f"rope_ext: position_ids must be >= 0, got a minimum of {least}")
         return at._replace(extent=(least, most))
 
     @staticmethod

@@ -452,9 +452,59 @@ def test_forward_is_one_pass(module, layout, gen):
         # reads them, and steps 3 and 4 run again on what was read (the cache grown, or tables)
         refused = name == "position_ids_past_the_cache" and rope._cache_kind is not None
         # (the profiler may or may not record the refused call)
-        assert ops[:-1] in ([["rope_ext::rotary_pos_qk"], []] if refused else [[]]), (name, ops)
+        assert ops and ops[:-1] in ([["rope_ext::rotary_pos_qk"], []] if refused else [[]]), (name, ops)
         assert counts["_positions"] == 1, (name, counts)
         assert counts["_source"] == counts["_op"] == 1 + refused, (name, counts)
         # (read once at most: for the refusal, or for the sign of positions that tables are built for)
         assert counts["_read"] == 1 if refused else counts["_read"] <= 1, (name, counts)
         assert counts["_streams"] <= 1, (name, counts)
+
+
+def test_row_offsets_make_the_cache_cover_their_length_on_a_device():
+    """Per-row offsets are >= 0, so a call of S tokens needs S cache rows at least: the cache grows
+    to them before the kernel runs (on a GPU, a position past it would be a device-side assert),
+    and past max_cache_positions the call builds its tables. The meta device stands in for a GPU."""
+    dev = torch.device("meta")
+    rope = rope_ext.RotaryEmbedding(64, layout="bhsd", max_position_embeddings=512, device=dev)
+    q, k = torch.empty(2, 4, 700, 64, device=dev), torch.empty(2, 2, 700, 64, device=dev)
+    offsets = torch.zeros(2, dtype=torch.int64, device=dev)
+    events = _profile(lambda: rope(q, k, offset=offsets))
+    assert rope.cos_cache.shape[0] >= 700
+    assert [e for e in events if e.startswith("rope_ext::rotary")] == ["rope_ext::rotary_pos_qk"]
+    rope.max_cache_positions = 0  # (the cache never grows past max_position_embeddings, 512, now)
+    q, k = torch.empty(2, 4, 2000, 64, device=dev), torch.empty(2, 2, 2000, 64, device=dev)
+    events = _profile(lambda: rope(q, k, offset=offsets))
+    assert rope.cos_cache.shape[0] < 2000
+    assert [e for e in events if e.startswith("rope_ext::rotary")] == ["rope_ext::rotary_qk"]
+
+
+@pytest.mark.parametrize("first", ["4-D", "packed"])
+def test_longrope_rows_remembered_per_head_axis(first, gen):
+    """The same 1-D position_ids in a 4-D "bhsd" call (rows (S,)) and in a packed call (rows (T, 1)):
+    longrope's remembered rows of one call are never handed to the other."""
+    rope = rope_ext.RotaryEmbedding(64, layout="bhsd", max_position_embeddings=512, scaling=_longrope(64, 64))
+    T = 7
+    pos = torch.arange(T) + 60  # crosses the switch at 64: the long rows
+    q4, k4 = randn(1, 2, T, 64, gen=gen), randn(1, 2, T, 64, gen=gen)
+    qp, kp = randn(T, T, 64, gen=gen), randn(T, 2, 64, gen=gen)  # as many heads as tokens
+    calls = {"4-D": lambda: rope(q4, k4, pos), "packed": lambda: rope(qp, kp, pos, cu_seqlens=torch.tensor([0, T]))}
+    want = {"4-D": table_path(rope, q4, k4, pos[None]),
+            "packed": table_path(rope, qp.unsqueeze(0), kp.unsqueeze(0), pos[None], bhsd=False)}
+    for name in (first, *(n for n in calls if n != first)):
+        got = calls[name]()
+        for a, b in zip(got, want[name], strict=True):
+            torch.testing.assert_close(a, b.reshape(a.shape), rtol=0, atol=0)
+
+
+def test_mrope_row_offsets_with_a_batch_of_three(gen):
+    """M-RoPE with per-row offsets and B = 3: text positions drive the three streams, as an int
+    offset's do (a (3, S) tensor of them is not taken for three streams)."""
+    rope = rope_ext.RotaryEmbedding(64, layout="bhsd", mrope_section=[8, 12, 12])
+    q, k = randn(3, 4, 5, 64, gen=gen), randn(3, 2, 5, 64, gen=gen)
+    got = rope(q, k, offset=torch.tensor([2, 2, 2]))
+    want = rope(q, k, offset=2)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    pos = torch.arange(2, 7).expand(3, 3, 5)  # the streams as (3, B, S)
+    for a, b in zip(got, rope(q, k, pos), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
