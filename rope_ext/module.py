@@ -62,15 +62,11 @@ class _Positions(NamedTuple):
     extent: tuple[int, int] | None = None
 
 
-class _Source(NamedTuple):
-    """Where one forward call's cos and sin come from (forward's step 3): the cache, with rows set
-    (rotary_pos_qk), or full tables for the call (rotary_qk), with xPos's own for k."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    rows: torch.Tensor | None = None
-    cos_k: torch.Tensor | None = None
-    sin_k: torch.Tensor | None = None
+#: Where one forward call's cos and sin come from (forward's step 3), as the op call takes them:
+#: (cos, sin, rows, cos_k, sin_k). The cache, with rows set (rotary_pos_qk on cos_cache and
+#: sin_cache), or full tables for the call (rotary_qk; rows None), with xPos's own for k. (A plain
+#: tuple: a NamedTuple costs a decode step 0.3 us more.)
+_Source = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
 class RotaryEmbedding(nn.Module):
@@ -555,7 +551,8 @@ class RotaryEmbedding(nn.Module):
         if position_ids is None:
             P._check_offsets(offset, B, S, "offset", "(batch,)")
             if isinstance(offset, int):  # positions offset .. offset + S - 1, known without a tensor
-                return _Positions(None, window=(offset, S), head_axis=None if bhsd else -1, needed=offset + S)
+                # (positional on the decode paths: keywords cost a NamedTuple a tenth of a microsecond more)
+                return _Positions(None, (offset, S), None if bhsd else -1, False, offset + S)
             # per-row offsets: (B, S), each row from an offset >= 0 (checked): S rows at least
             positions = offset.to(device=q.device, dtype=torch.int64).unsqueeze(1) + self._arange(S, q.device)
             if streams:  # the same positions drive the three streams (B may be 3: no _streams here)
@@ -575,9 +572,9 @@ class RotaryEmbedding(nn.Module):
         if self._cache_kind is None and P._readable(positions):  # (the cache's kernel checks them itself)
             P.check_positions(positions)
         if not bhsd:
-            return _Positions(positions, head_axis=-1, given=True)
+            return _Positions(positions, None, -1, True)
         batched = positions.dim() - len(streams) == 2 and positions.shape[-2] != 1
-        return _Positions(positions, head_axis=-2 if batched else None, given=True)
+        return _Positions(positions, None, -2 if batched else None, True)
 
     def _source(self, q, at: _Positions) -> _Source:
         """Step 3 of forward: where the call's cos and sin come from.
@@ -601,8 +598,9 @@ class RotaryEmbedding(nn.Module):
             if self._long_rows(start + S):
                 start += self.schedule.switch_len
             steps = buffers["_steps"]  # (replaced, with the cache, whenever the cache is)
-            return self._reuse(steps, (start, S), lambda: _Source(
-                buffers["cos_cache"], buffers["sin_cache"], self._shaped(steps[start : start + S], at.head_axis)))
+            return self._reuse(steps, (start, S), lambda: (buffers["cos_cache"], buffers["sin_cache"],
+                                                           self._shaped(steps[start : start + S], at.head_axis),
+                                                           None, None))
         if (at.extent is None and type(q) is not torch.Tensor and is_dtensor(q)
                 and type(at.tensor) is torch.Tensor and P._readable(at.tensor) and at.tensor.numel()):
             at = self._read(at)
@@ -616,9 +614,10 @@ class RotaryEmbedding(nn.Module):
         # layer of a model passes the same (see _reuse; keyed on the cache too, which may have grown
         # since, and on the head axis: a 1-D tensor takes none in a 4-D "bhsd" call, -1 packed).
         if at.given and (at.head_axis is not None or kind == "longrope"):
-            return self._reuse(at.tensor, (id(cos_cache), at.head_axis), lambda: _Source(
-                cos_cache, sin_cache, self._rows(self._shaped(at.tensor, at.head_axis))), versioned=True)
-        return _Source(cos_cache, sin_cache, self._rows(self._shaped(at.tensor, at.head_axis)))
+            return self._reuse(at.tensor, (id(cos_cache), at.head_axis), lambda: (
+                cos_cache, sin_cache, self._rows(self._shaped(at.tensor, at.head_axis)), None, None), versioned=True)
+        rows = at.tensor if at.head_axis is None else at.tensor.unsqueeze(at.head_axis)
+        return cos_cache, sin_cache, self._rows(rows) if kind == "longrope" else rows, None, None
 
     def _tables(self, q, at: _Positions) -> _Source:
         """Full cos/sin tables for the call's positions (rotary_qk), shaped like the positions plus
@@ -631,9 +630,9 @@ class RotaryEmbedding(nn.Module):
             positions = self._shaped(at.tensor, at.head_axis)
         cos, sin = self._cos_sin(positions)
         if self.xpos_scale_base is None:
-            return _Source(cos, sin)
+            return cos, sin, None, None, None
         scale = self._xpos_scale(positions, q.dtype)
-        return _Source(cos * scale, sin * scale, cos_k=cos / scale, sin_k=sin / scale)
+        return cos * scale, sin * scale, None, cos / scale, sin / scale
 
     def _op(self, q, k, source: _Source):
         """Step 4 of forward: the one op call. A DTensor q gets the module's tables and rows as
