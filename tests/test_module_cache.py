@@ -508,3 +508,15 @@ def test_mrope_row_offsets_with_a_batch_of_three(gen):
     pos = torch.arange(2, 7).expand(3, 3, 5)  # the streams as (3, B, S)
     for a, b in zip(got, rope(q, k, pos), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("numel", [1, 256, 257, 5000])
+def test_extremes_read_both_ways(numel, gen):
+    """positions.extremes reads a tensor of up to 256 values with tolist, larger ones with aminmax:
+    both give the tensor's min and max, for any shape and either integer dtype."""
+    from rope_ext import positions as P
+
+    for dtype in (torch.int64, torch.int32):
+        t = torch.randint(-1000, 1 << 30, (numel,), generator=gen).to(dtype)
+        t = t.view(numel // 2, 2).t() if numel % 2 == 0 else t  # a non-contiguous view too
+        assert P.extremes(t) == (int(t.min()), int(t.max()))
