@@ -520,6 +520,8 @@ class RotaryEmbedding(nn.Module):
             P.require_int_tensor(position_ids, "position_ids")
             if not (isinstance(offset, int) and offset == 0):
                 raise ValueError("rope_ext.RotaryEmbedding: give position_ids or offset, not both")
+            if self._cache_kind is None and P._readable(position_ids):  # (the cache's kernel checks them)
+                P.check_positions(position_ids)  # their sign, for tables
         if cu_seqlens is not None:  # packed q, k (T, H, D)
             if q.dim() != 3:
                 raise ValueError(
@@ -537,8 +539,6 @@ class RotaryEmbedding(nn.Module):
                     f"rope_ext.RotaryEmbedding: position_ids of packed q must have shape {(*streams, T)}, "
                     f"got {tuple(positions.shape)}"
                 )
-            if self._cache_kind is None and P._readable(positions):  # (the cache's kernel checks them itself)
-                P.check_positions(positions)
             return _Positions(positions, head_axis=-1, given=True)
         if q.dim() != 4:
             raise ValueError(
@@ -569,8 +569,6 @@ class RotaryEmbedding(nn.Module):
                 f"rope_ext.RotaryEmbedding: position_ids must have shape {expected} for q of shape "
                 f"{tuple(q.shape)}, got {tuple(position_ids.shape)}"
             )
-        if self._cache_kind is None and P._readable(positions):  # (the cache's kernel checks them itself)
-            P.check_positions(positions)
         if not bhsd:
             return _Positions(positions, None, -1, True)
         batched = positions.dim() - len(streams) == 2 and positions.shape[-2] != 1
