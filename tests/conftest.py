@@ -39,7 +39,7 @@ def _twins(tensors, device):
             continue
         storage = t.untyped_storage()
         if storage.data_ptr() not in copies:
-            flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+            flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
             copies[storage.data_ptr()] = (storage, flat.to(device, copy=True))
         flat = copies[storage.data_ptr()][1]
         twins.append(torch.empty(0, dtype=t.dtype, device=flat.device).set_(
