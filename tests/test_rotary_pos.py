@@ -330,11 +330,18 @@ def test_cpu_paths_walks_and_streaming(gen):
         dict(tile_tokens=7, min_heads_per_thread=100, grain_elements=64),
         dict(streaming_bytes=0),
     ]
+    # The head split's gate is heads / threads >= min_heads_per_thread: on two threads, 8 heads reach
+    # both sides of it, whatever the machine's core count (16 cores give a token split at 1).
+    threads = torch.get_num_threads()
     for th in settings:
-        with cpu_thresholds(**th):
-            before = path_counts()
-            out = ops.rotary_pos(x_bhsd, cc, sc, pos, False, False)
-            counts = path_counts_since(before)
+        torch.set_num_threads(2)
+        try:
+            with cpu_thresholds(**th):
+                before = path_counts()
+                out = ops.rotary_pos(x_bhsd, cc, sc, pos, False, False)
+                counts = path_counts_since(before)
+        finally:
+            torch.set_num_threads(threads)
         assert torch.equal(out, expected), th
         if "min_heads_per_thread" in th:
             split = "head_split_walks" if th["min_heads_per_thread"] == 1 else "token_split_walks"
