@@ -139,6 +139,9 @@ part() {
   RUNNING=""
   write_summary
   [ "$rc" != 0 ] && tail -20 "$OUT/$name.log"
+  # (the rehearsal only: a pause after each part, so that a short budget is spent after the first
+  # part however fast the parts run without a GPU)
+  [ -n "${ROPE_EXT_GPU_CHECK_REHEARSAL:-}" ] && sleep "${GPU_CHECK_REHEARSAL_PAUSE:-0}"
   return 0
 }
 

@@ -15,8 +15,10 @@
 #  5. what $OUT holds against what comes back (at most 8 files, 16 MiB each, 2 folders deep, plain
 #     names: here the summary and 5 logs, which the benchmark's 2 tables join on a GPU), and the
 #     summary's verdict lines, first, one per part in order;
-#  6. the command cut short: with a 35-second budget, the parts the budget leaves no time for are
-#     NOT RUN, every part has its line, the exit is non-zero; with smoke capped at 1 second
+#  6. the command cut short: with a 35-second budget and a 20-second pause after each part
+#     (GPU_CHECK_REHEARSAL_PAUSE: a part starts only with 15 s left, so install runs and nothing
+#     after it, however fast the parts run here), the parts the budget leaves no time for are NOT RUN,
+#     every part has its line, the exit is non-zero; with smoke capped at 1 second
 #     (GPU_CHECK_CAP_SMOKE), it is TIMED OUT and the parts after it still run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -104,7 +106,7 @@ echo "gpu-rehearse: the summary opens with the five verdicts (install from the c
 
 # 6.
 rc=0
-lease "$WORK/out-cut" 35 > "$WORK/lease-cut.log" 2>&1 || rc=$?
+lease "$WORK/out-cut" 35 GPU_CHECK_REHEARSAL_PAUSE=20 > "$WORK/lease-cut.log" 2>&1 || rc=$?
 cut=$WORK/out-cut/summary.md
 [ "$rc" != 0 ] && grep -q "^- \*\*install\*\*: ok" "$cut" && grep -q "NOT RUN: the command's 35 s were spent" "$cut" &&
   [ "$(sed -n '3,7p' "$cut" | grep -c '^- \*\*')" = 5 ] ||
