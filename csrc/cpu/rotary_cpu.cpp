@@ -3,6 +3,7 @@
 #include "registration.h"
 #include "rotary_ops.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <torch/library.h>
 
@@ -155,6 +156,23 @@ void advise_huge_pages(const at::Tensor& out, int64_t huge_page_bytes) {
 
 namespace {
 
+// torch's thread pool, as the kernel objects take it (rotary_cpu.h's ThreadPool).
+void torch_parallel_for(int64_t begin, int64_t end, int64_t grain, const void* body, ChunkFn chunk) {
+  at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { chunk(body, b, e); });
+}
+int torch_num_threads() { return at::get_num_threads(); }
+constexpr ThreadPool kTorchPool{&torch_parallel_for, &torch_num_threads};
+
+KernelDtype kernel_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return KernelDtype::kFloat;
+    case at::kDouble: return KernelDtype::kDouble;
+    case at::kHalf: return KernelDtype::kHalf;
+    case at::kBFloat16: return KernelDtype::kBFloat16;
+    default: TORCH_CHECK(false, "rope_ext internal error (please report it): no CPU kernel for ", t);
+  }
+}
+
 void run_one(const at::Tensor& x, at::Tensor& out, const RotaryCall& c, const Thresholds& th) {
   if (out.numel() == 0) return;
   const RotaryPlan plan = c.positions ? make_rotary_pos_plan(x, out, c.cos, c.sin, *c.positions)
@@ -166,8 +184,10 @@ void run_one(const at::Tensor& x, at::Tensor& out, const RotaryCall& c, const Th
     path_counts().native_bf16_calls.fetch_add(1, std::memory_order_relaxed);
   }
 #endif
-  fn(plan, x, out, c.cos, c.sin, c.positions ? c.positions->const_data_ptr() : nullptr,
-               c.interleaved, c.conjugate, th);
+  const KernelOperands operands{x.const_data_ptr(), out.mutable_data_ptr(), c.cos.const_data_ptr(),
+                                c.sin.const_data_ptr(), c.positions ? c.positions->const_data_ptr() : nullptr,
+                                kernel_dtype(x.scalar_type()), c.cos.scalar_type() != x.scalar_type(), out.numel()};
+  fn(plan, operands, c.interleaved, c.conjugate, th, kTorchPool);
 }
 
 }  // namespace

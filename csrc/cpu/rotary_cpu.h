@@ -60,11 +60,34 @@ ROPE_EXT_INTERNAL PathCounts& path_counts();
 constexpr int kUnrolledSteps = ROPE_EXT_UNROLLED_STEPS;
 static_assert(1 <= kUnrolledSteps && kUnrolledSteps <= 8, "ROPE_EXT_UNROLLED_STEPS must be 1 to 8");
 
-#define ROPE_EXT_DECLARE_KERNEL(CAP)                                                        \
-  namespace CAP {                                                                           \
-  void rotary_kernel(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,             \
-                     const at::Tensor& cos, const at::Tensor& sin, const void* positions,   \
-                     bool interleaved, bool conjugate, const Thresholds& thresholds);       \
+// What a kernel object is given: raw pointers and the element type, never a torch type, and torch's
+// thread pool as two function pointers. The kernel objects (rotary_kernel_*.cpp) then call no
+// libtorch function: their only undefined symbols are the C++ runtime's and this library's own,
+// which the build checks with nm (cmake/check_kernel_symbols.cmake). That is what lets them
+// be linked unchanged into a library built on torch's stable ABI, which allows no ATen or c10 call
+// (issue 37); at::vec's inline code, compiled into them, is no call.
+enum class KernelDtype : int { kFloat, kDouble, kHalf, kBFloat16 };
+struct KernelOperands {
+  const void* x;
+  void* out;  // x's sizes; may be x itself (in place)
+  const void* cos;
+  const void* sin;
+  const void* positions;  // int32 or int64 (RotaryPlan::positions_int32), or nullptr
+  KernelDtype dtype;      // of x and out
+  bool float_tables;      // cos and sin in float32 rather than in x's dtype
+  int64_t out_numel;
+};
+// body(begin, end) over [begin, end) in chunks of at least `grain`, as at::parallel_for.
+using ChunkFn = void (*)(const void* body, int64_t begin, int64_t end);
+struct ThreadPool {
+  void (*parallel_for)(int64_t begin, int64_t end, int64_t grain, const void* body, ChunkFn chunk);
+  int (*num_threads)();
+};
+
+#define ROPE_EXT_DECLARE_KERNEL(CAP)                                                           \
+  namespace CAP {                                                                              \
+  void rotary_kernel(const RotaryPlan& p, const KernelOperands& o, bool interleaved, bool conjugate, \
+                     const Thresholds& thresholds, const ThreadPool& pool);                       \
   }
 ROPE_EXT_DECLARE_KERNEL(DEFAULT)
 #ifdef ROPE_EXT_HAVE_AVX

@@ -8,13 +8,13 @@
 #error "rotary_kernel.h must be compiled with -DCPU_CAPABILITY=<DEFAULT|AVX2|AVX512>"
 #endif
 
-#include <ATen/Dispatch.h>
+// (Header-only parts of ATen and c10: at::vec's inline code and the Half and BFloat16 types. The
+// kernel calls no libtorch function; see KernelOperands in rotary_cpu.h.)
 #include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <c10/util/SmallVector.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <array>
@@ -22,6 +22,8 @@
 #include <cstring>
 #include <cstdlib>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -50,6 +52,28 @@
 namespace rope_ext::cpu::CPU_CAPABILITY {
 
 using at::vec::Vectorized;
+
+// at::parallel_for's contract, through the caller's pool (rotary_cpu.h's ThreadPool).
+template <typename F>
+void parallel_for(const ThreadPool& pool, int64_t begin, int64_t end, int64_t grain, const F& body) {
+  pool.parallel_for(begin, end, grain, &body,
+                    [](const void* f, int64_t b, int64_t e) { (*static_cast<const F*>(f))(b, e); });
+}
+
+// n value-initialized elements, on the stack when they fit in N (a token's tables, per chunk).
+template <typename T, size_t N>
+class Scratch {
+ public:
+  explicit Scratch(size_t n) : data_(n <= N ? local_.data() : (heap_.resize(n), heap_.data())) {
+    std::fill_n(data_, n, T{});
+  }
+  T* data() { return data_; }
+
+ private:
+  std::array<T, N> local_;
+  std::vector<T> heap_;
+  T* data_;
+};
 
 // The size thresholds at which this kernel changes path (streaming stores, the parallel grain,
 // the head-major tile and thread split) arrive as a Thresholds (rotary_cpu.h), whose defaults
@@ -193,9 +217,11 @@ struct VecIO {
 #ifdef ROPE_EXT_DEBUG_CHECKS
     // A misaligned streaming store faults without a word, and AddressSanitizer does not see
     // intrinsic stores: debug builds (DEBUG=1, make sanitize) check every one.
-    TORCH_CHECK(kStreamStoreBytes > 0 && reinterpret_cast<std::uintptr_t>(p) % kStreamStoreBytes == 0,
-                "rope_ext internal error (please report it): misaligned streaming store: ",
-                static_cast<const void*>(p), " is not ", kStreamStoreBytes, "-byte aligned");
+    if (!(kStreamStoreBytes > 0 && reinterpret_cast<std::uintptr_t>(p) % kStreamStoreBytes == 0)) {
+      throw std::logic_error("rope_ext internal error (please report it): misaligned streaming store: address " +
+                             std::to_string(reinterpret_cast<std::uintptr_t>(p)) + " is not " +
+                             std::to_string(kStreamStoreBytes) + "-byte aligned");
+    }
 #endif
 #if ROPE_EXT_STREAMING_STORES
     if constexpr (std::is_same_v<scalar_t, float>) {
@@ -527,13 +553,13 @@ struct StridedCursor {
 };
 
 template <typename scalar_t, typename table_t, bool kConj, bool kInterleaved, bool kGathered>
-void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
-                  const at::Tensor& cos, const at::Tensor& sin, const void* positions, const Thresholds& th) {
+void rotary_typed(const RotaryPlan& p, const KernelOperands& o, const Thresholds& th, const ThreadPool& pool) {
   using opmath_t = at::opmath_type<scalar_t>;
-  const scalar_t* x_base = x.const_data_ptr<scalar_t>();
-  scalar_t* out_base = out.mutable_data_ptr<scalar_t>();
-  const table_t* cos_base = cos.const_data_ptr<table_t>();
-  const table_t* sin_base = sin.const_data_ptr<table_t>();
+  const scalar_t* x_base = static_cast<const scalar_t*>(o.x);
+  scalar_t* out_base = static_cast<scalar_t*>(o.out);
+  const table_t* cos_base = static_cast<const table_t*>(o.cos);
+  const table_t* sin_base = static_cast<const table_t*>(o.sin);
+  const void* positions = o.positions;
 
   // A token's PairTables, from the tables' offsets `tok` (kCos, kSin) or, gathered, from the row
   // of the caches its position (at offset tok[kCos] of positions) selects. The caller has checked
@@ -583,7 +609,7 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
   // Streaming stores skip the read for ownership of each output line, a third memory stream
   // beside reading x and writing out; in place, the lines were just read anyway.
   const bool stream = IO::kStreams && x_base != out_base &&
-                      out.numel() * static_cast<int64_t>(sizeof(scalar_t)) >= th.streaming_bytes;
+                      o.out_numel * static_cast<int64_t>(sizeof(scalar_t)) >= th.streaming_bytes;
 
   // One row: x at xr, out at outr, rotated with one token's tables. Adds 1 to `streamed` if the
   // row was written with streaming stores.
@@ -618,8 +644,8 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
     // order, each token's tables built once for its adjacent heads. Threads split rows, so
     // a few tokens with many heads (decode) still divide.
     const FastRows<kConj, kInterleaved, kGathered, scalar_t, opmath_t> fast_rows(half);  // used when `fast`
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      c10::SmallVector<opmath_t, 512> buf(4 * half);  // a token's converted tables (token_tables)
+    parallel_for(pool, 0, rows, grain, [&](int64_t begin, int64_t end) {
+      Scratch<opmath_t, 512> buf(4 * half);  // a token's converted tables (token_tables)
       int64_t streamed = 0;
       StridedCursor<2> head{p.heads};
       const int64_t hx = p.heads.ndim ? p.heads.strides[kX][0] : 0;  // the fast path's head strides
@@ -688,15 +714,15 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
     if (stream) finish_streaming(streamed);
   };
   // (nheads / threads >= m is nheads >= m * threads for positive values, without the overflow.)
-  if (nheads / at::get_num_threads() >= th.min_heads_per_thread) {
+  if (nheads / pool.num_threads() >= th.min_heads_per_thread) {
     path_counts().head_split_walks.fetch_add(1, std::memory_order_relaxed);
     const int64_t head_grain = std::max<int64_t>(1, grain / std::max<int64_t>(1, ntokens));
-    at::parallel_for(0, nheads, head_grain, [&](int64_t begin, int64_t end) { walk(0, ntokens, begin, end); });
+    parallel_for(pool, 0, nheads, head_grain, [&](int64_t begin, int64_t end) { walk(0, ntokens, begin, end); });
     path_counts().rows[kGeneralRows].fetch_add(rows, std::memory_order_relaxed);
   } else {
     path_counts().token_split_walks.fetch_add(1, std::memory_order_relaxed);
     const int64_t token_grain = std::max<int64_t>(1, grain / std::max<int64_t>(1, nheads));
-    at::parallel_for(0, ntokens, token_grain, [&](int64_t begin, int64_t end) { walk(begin, end, 0, nheads); });
+    parallel_for(pool, 0, ntokens, token_grain, [&](int64_t begin, int64_t end) { walk(begin, end, 0, nheads); });
     path_counts().rows[kGeneralRows].fetch_add(rows, std::memory_order_relaxed);
   }
 }
@@ -704,16 +730,16 @@ void rotary_typed(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out,
 // The entry point declared in rotary_cpu.h: out = rotary(x, cos, sin), where `out` has
 // been allocated by the caller with x's sizes and `p` describes all four tensors. `out` may
 // be x itself (in place): each pair is read completely before it is written.
-void rotary_kernel(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out, const at::Tensor& cos,
-                   const at::Tensor& sin, const void* positions, bool interleaved, bool conjugate,
-                   const Thresholds& th) {
-  if (out.numel() == 0) return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rope_ext.rotary", [&] {
-    auto run = [&](auto table_tag) {
+void rotary_kernel(const RotaryPlan& p, const KernelOperands& o, bool interleaved, bool conjugate,
+                   const Thresholds& th, const ThreadPool& pool) {
+  if (o.out_numel == 0) return;
+  const auto by_type = [&](auto scalar_tag) {
+    using scalar_t = decltype(scalar_tag);
+    const auto run = [&](auto table_tag) {
       using table_t = decltype(table_tag);
       const auto typed = [&](auto conj, auto inter, auto gathered) {
         rotary_typed<scalar_t, table_t, decltype(conj)::value, decltype(inter)::value, decltype(gathered)::value>(
-            p, x, out, cos, sin, positions, th);
+            p, o, th, pool);
       };
       const auto by_gathered = [&](auto conj, auto inter) {
         p.gathered ? typed(conj, inter, std::true_type{}) : typed(conj, inter, std::false_type{});
@@ -724,12 +750,19 @@ void rotary_kernel(const RotaryPlan& p, const at::Tensor& x, at::Tensor& out, co
       conjugate ? by_inter(std::true_type{}) : by_inter(std::false_type{});
     };
     // check_rotary_args allows tables in x's dtype or in float32.
-    if (cos.scalar_type() == x.scalar_type()) {
-      run(scalar_t{});
-    } else {
+    if (o.float_tables && !std::is_same_v<scalar_t, float>) {
       run(float{});
+    } else {
+      run(scalar_t{});
     }
-  });
+  };
+  switch (o.dtype) {
+    case KernelDtype::kFloat: return by_type(float{});
+    case KernelDtype::kDouble: return by_type(double{});
+    case KernelDtype::kHalf: return by_type(c10::Half{});
+    case KernelDtype::kBFloat16: return by_type(c10::BFloat16{});
+  }
+  throw std::logic_error("rope_ext internal error (please report it): the CPU kernel has no such dtype");
 }
 
 }  // namespace rope_ext::cpu::CPU_CAPABILITY

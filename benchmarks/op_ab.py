@@ -1,0 +1,118 @@
+"""Two builds of rope_ext, A and B, timed against each other in one run: the small calls whose cost is
+the host's (a decode step's raw op and module call) and the CPU kernel on prefill shapes.
+
+    python benchmarks/op_ab.py --a DIR [--b DIR] [--rounds N]
+
+A and B are directories holding an installed ``rope_ext`` (``pip install --target DIR .`` of another
+revision, for instance); B defaults to the ``rope_ext`` this Python imports. One process loads one
+librope_ext, so each round runs one process per build, in alternating order, and each process times
+every case. A case's figure is the median over rounds of each process's median; beside the ratio
+B / A of those, the middle half (interquartile range) and the extremes of the per-round ratios: the
+run-to-run noise the ratio is read against.
+
+Cases: Llama-3-8B heads (32 q, 8 kv, head dim 128), bfloat16, HF's (B, H, S, D) layout.
+- ``decode_op``: ``rotary_pos_qk`` for one token at position 1000, no grad, 1 thread;
+- ``decode_module``: ``RotaryEmbedding``'s forward for the same, with ``position_ids``;
+- ``prefill_fwd_t1`` / ``_t2``: ``rotary_pos_qk`` over 2,048 tokens, 1 and 2 threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HQ, HKV, D = 32, 8, 128
+
+
+def _median_us(fn, calls: int, batches: int = 15) -> float:
+    for _ in range(max(3, calls // 10)):
+        fn()
+    per = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(per)
+
+
+def worker() -> dict:
+    import torch
+
+    import rope_ext
+    from rope_ext.module import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(0)
+    rope = RotaryEmbedding(D, 500000.0, max_position_embeddings=4096, layout="bhsd")
+    angles = torch.outer(torch.arange(4096, dtype=torch.float64),
+                         500000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D))
+    cc, sc = angles.cos().float(), angles.sin().float()  # (4096, D / 2): the op's caches
+    out = {"where": str(Path(rope_ext.__file__).parent), "isa": rope_ext.cpu_kernel_isa()}
+    op = torch.ops.rope_ext.rotary_pos_qk
+    with torch.no_grad():
+        torch.set_num_threads(1)
+        q = torch.randn(1, 1, HQ, D, generator=gen).to(torch.bfloat16).transpose(1, 2)
+        k = torch.randn(1, 1, HKV, D, generator=gen).to(torch.bfloat16).transpose(1, 2)
+        pos = torch.tensor([[[1000]]])
+        ids = torch.tensor([[1000]])
+        out["decode_op"] = _median_us(lambda: op(q, k, cc, sc, pos, False, False), 2000)
+        out["decode_module"] = _median_us(lambda: rope(q, k, position_ids=ids), 2000)
+        S = 2048
+        q = torch.randn(1, S, HQ, D, generator=gen).to(torch.bfloat16).transpose(1, 2)
+        k = torch.randn(1, S, HKV, D, generator=gen).to(torch.bfloat16).transpose(1, 2)
+        pos = torch.arange(S)[None, None, :]
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            out[f"prefill_fwd_t{t}"] = _median_us(lambda: op(q, k, cc, sc, pos, False, False), 20, 9)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--a", required=True, help="directory holding build A's rope_ext")
+    ap.add_argument("--b", default=None, help="directory holding build B's rope_ext (default: the importable one)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker()))
+        return
+
+    def run(site):
+        env = dict(os.environ)
+        if site is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")]))
+        done = subprocess.run([sys.executable, __file__, "--a", "-", "--worker"], env=env, cwd="/",
+                              capture_output=True, text=True, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    sites = {"A": str(Path(args.a).resolve()), "B": str(Path(args.b).resolve()) if args.b else None}
+    runs = {"A": [], "B": []}
+    for r in range(args.rounds):
+        for name in (("A", "B") if r % 2 == 0 else ("B", "A")):
+            runs[name].append(run(sites[name]))
+    for name in ("A", "B"):
+        print(f"{name}: rope_ext from {runs[name][0]['where']} ({runs[name][0]['isa']} kernel)")
+    if runs["A"][0]["where"] == runs["B"][0]["where"]:
+        sys.exit("op_ab: A and B load the same rope_ext")
+    cases = [c for c in runs["A"][0] if c not in ("where", "isa")]
+    print(f"\n{args.rounds} rounds; us per call (median over rounds), B / A, and the per-round B / A\n")
+    print("| case | A us | B us | B / A | per-round middle half | per-round extremes |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for c in cases:
+        a = statistics.median(x[c] for x in runs["A"])
+        b = statistics.median(x[c] for x in runs["B"])
+        ratios = [y[c] / x[c] for x, y in zip(runs["A"], runs["B"], strict=True)]
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        print(f"| {c} | {a:.2f} | {b:.2f} | {b / a:.3f} | {q1:.3f} to {q3:.3f} | {min(ratios):.3f} to "
+              f"{max(ratios):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
