@@ -3,8 +3,10 @@ the host's (a decode step's raw op and module call) and the CPU kernel on prefil
 
     python benchmarks/op_ab.py --a DIR [--b DIR] [--rounds N]
 
-A and B are directories holding an installed ``rope_ext`` (``pip install --target DIR .`` of another
-revision, for instance); B defaults to the ``rope_ext`` this Python imports. One process loads one
+A and B are directories holding an installed ``rope_ext`` (for another revision, from its checkout:
+``pip install --no-build-isolation --no-deps --target DIR .``, so that it is built against, and
+loads, this Python's torch); B defaults to the ``rope_ext`` this Python imports. Both must load the
+same torch. One process loads one
 librope_ext, so each round runs one process per build, in alternating order, and each process times
 every case. A case's figure is the median over rounds of each process's median; beside the ratio
 B / A of those, the middle half (interquartile range) and the extremes of the per-round ratios: the
@@ -53,7 +55,8 @@ def worker() -> dict:
     angles = torch.outer(torch.arange(4096, dtype=torch.float64),
                          500000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D))
     cc, sc = angles.cos().float(), angles.sin().float()  # (4096, D / 2): the op's caches
-    out = {"where": str(Path(rope_ext.__file__).parent), "isa": rope_ext.cpu_kernel_isa()}
+    out = {"where": str(Path(rope_ext.__file__).parent), "isa": rope_ext.cpu_kernel_isa(),
+           "torch": f"{torch.__version__} from {Path(torch.__file__).parent}"}
     op = torch.ops.rope_ext.rotary_pos_qk
     with torch.no_grad():
         torch.set_num_threads(1)
@@ -77,12 +80,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--a", required=True, help="directory holding build A's rope_ext")
     ap.add_argument("--b", default=None, help="directory holding build B's rope_ext (default: the importable one)")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="at least 2")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker()))
         return
+    if args.rounds < 2:
+        ap.error("--rounds must be at least 2 (the per-round ratios' quartiles)")
 
     def run(site):
         env = dict(os.environ)
@@ -97,11 +102,15 @@ def main() -> None:
     for r in range(args.rounds):
         for name in (("A", "B") if r % 2 == 0 else ("B", "A")):
             runs[name].append(run(sites[name]))
-    for name in ("A", "B"):
-        print(f"{name}: rope_ext from {runs[name][0]['where']} ({runs[name][0]['isa']} kernel)")
-    if runs["A"][0]["where"] == runs["B"][0]["where"]:
-        sys.exit("op_ab: A and B load the same rope_ext")
-    cases = [c for c in runs["A"][0] if c not in ("where", "isa")]
+        if r == 0:
+            a, b = runs["A"][0], runs["B"][0]
+            for name, w in (("A", a), ("B", b)):
+                print(f"{name}: rope_ext from {w['where']} ({w['isa']} kernel), torch {w['torch']}")
+            if a["where"] == b["where"]:
+                sys.exit("op_ab: A and B load the same rope_ext")
+            if a["torch"] != b["torch"]:
+                sys.exit("op_ab: A and B load different torches")
+    cases = [c for c in runs["A"][0] if c not in ("where", "isa", "torch")]
     print(f"\n{args.rounds} rounds; us per call (median over rounds), B / A, and the per-round B / A\n")
     print("| case | A us | B us | B / A | per-round middle half | per-round extremes |")
     print("| --- | --- | --- | --- | --- | --- |")

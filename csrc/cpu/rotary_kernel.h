@@ -19,11 +19,11 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <cstdlib>
 #include <limits>
 #include <stdexcept>
-#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -67,6 +67,8 @@ class Scratch {
   explicit Scratch(size_t n) : data_(n <= N ? local_.data() : (heap_.resize(n), heap_.data())) {
     std::fill_n(data_, n, T{});
   }
+  Scratch(const Scratch&) = delete;  // (data_ may point into local_)
+  Scratch& operator=(const Scratch&) = delete;
   T* data() { return data_; }
 
  private:
@@ -218,9 +220,11 @@ struct VecIO {
     // A misaligned streaming store faults without a word, and AddressSanitizer does not see
     // intrinsic stores: debug builds (DEBUG=1, make sanitize) check every one.
     if (!(kStreamStoreBytes > 0 && reinterpret_cast<std::uintptr_t>(p) % kStreamStoreBytes == 0)) {
-      throw std::logic_error("rope_ext internal error (please report it): misaligned streaming store: address " +
-                             std::to_string(reinterpret_cast<std::uintptr_t>(p)) + " is not " +
-                             std::to_string(kStreamStoreBytes) + "-byte aligned");
+      char what[160];
+      std::snprintf(what, sizeof what,
+                    "rope_ext internal error (please report it): misaligned streaming store: %p is not %lld-byte "
+                    "aligned", static_cast<const void*>(p), static_cast<long long>(kStreamStoreBytes));
+      throw std::logic_error(what);
     }
 #endif
 #if ROPE_EXT_STREAMING_STORES
