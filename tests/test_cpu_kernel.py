@@ -113,6 +113,23 @@ def test_bitwise_identical_across_thread_counts_and_runs():
         assert torch.equal(a, b) and torch.equal(b, c)
 
 
+@pytest.mark.parametrize("setting", [None, "default", "avx2", "avx512", "avx1024"])
+def test_variant_is_torchs_cpu_capability(setting):
+    """rope_ext runs the CPU variant torch would run its own kernels on: its rule is torch's
+    (at::get_cpu_capability) rewritten, as a stable-ABI library may not call it. The same answer as
+    torch's under every ATEN_CPU_CAPABILITY, unset and invalid (ignored) included, each in a fresh
+    process, since both are read once."""
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    if setting is not None:
+        env["ATEN_CPU_CAPABILITY"] = setting
+    script = "import torch, rope_ext; print(torch.backends.cpu.get_cpu_capability(), rope_ext.cpu_kernel_isa())"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    torchs, ours = done.stdout.split()
+    assert ours == torchs, (setting, done.stderr)
+    if setting in ("default", "avx2", "avx512"):
+        assert ours == setting.upper()
+
+
 def test_bitwise_identical_to_default_variant(tmp_path):
     """The generic (DEFAULT) kernel, forced with ATEN_CPU_CAPABILITY=default in a fresh
     process, gives bit-for-bit the same results as the SIMD variant running here: with FMA

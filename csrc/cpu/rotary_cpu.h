@@ -98,7 +98,8 @@ ROPE_EXT_DECLARE_KERNEL(AVX512_BF16)
 #undef ROPE_EXT_DECLARE_KERNEL
 
 // The kernel variant this process runs: "AVX512", "AVX2" or "DEFAULT". It follows
-// at::get_cpu_capability(), so ATEN_CPU_CAPABILITY=default|avx2 selects a lower one.
+// torch's choice of its own CPU kernels (rotary_cpu.cpp's cpu_capability(), made as
+// at::get_cpu_capability() makes it), so ATEN_CPU_CAPABILITY=default|avx2 selects a lower one.
 std::string kernel_isa();
 
 // Where kernel_isa() is "AVX512" and cpuid reports AVX512-BF16, calls run the AVX512_BF16 variant
