@@ -1,6 +1,5 @@
 #include "rotary_plan.h"
 
-#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -201,17 +200,19 @@ bool disjoint_by_period(const at::Tensor& a, const at::Tensor& b) {
 
 void check_inplace_args(const char* op, const at::Tensor& x, std::initializer_list<NamedTensor> others,
                         const char* nx) {
-  TORCH_CHECK(at::has_internal_overlap(x) != at::MemOverlap::Yes, op, ": ", nx,
+  // (What ATen's has_internal_overlap calls Yes: a dim of more than one element with stride 0.
+  // Other overlapping strides, which only as_strided makes, are not detected, as ATen's TooHard.)
+  bool repeats = false;
+  for (int64_t d = 0; d < x.dim() && x.numel() > 0; ++d) repeats |= x.size(d) > 1 && x.stride(d) == 0;
+  TORCH_CHECK(!repeats, op, ": ", nx,
               " has elements that share memory (e.g. an expanded view), so it cannot be rotated in place; ",
               "use the out-of-place op");
   for (const auto& [name, t] : others) {
-    // ATen answers TooHard for non-dense views; then two views whose byte ranges intersect are
-    // refused unless disjoint_by_period proves them apart (rows of one buffer split between q and
-    // k): never a missed overlap, and a false alarm only for interleavings of other shapes.
-    const auto status = at::get_overlap_status(x, *t);
-    const bool overlap =
-        status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial ||
-        (status == at::MemOverlapStatus::TooHard && spans_intersect(x, *t) && !disjoint_by_period(x, *t));
+    // Two views whose byte ranges intersect are refused unless disjoint_by_period proves them apart
+    // (rows of one buffer split between q and k): never a missed overlap, and a false alarm only for
+    // interleavings of other shapes. Exact for dense views (their elements fill their range), and it
+    // sees memory shared by two storages (from_numpy or DLPack twice), which ATen's check does not.
+    const bool overlap = x.is_same(*t) || (spans_intersect(x, *t) && !disjoint_by_period(x, *t));
     TORCH_CHECK(!overlap, op, ": ", nx, " shares memory with ", name,
                 "; in-place rotation would overwrite it while reading it");
   }

@@ -292,6 +292,14 @@ def test_inplace_refuses_grad_overlap_and_bumps_versions(gen):
         rope_ext.rotary_pos_(q[:, :1].expand(4, 2, 16), None, cc, sc, pos)
     with torch.no_grad():
         rope_ext.rotary_pos_(q.clone().requires_grad_(), None, cc, sc, pos)
+    # one buffer under two storages (two from_numpy of one array): the same memory, refused
+    array = randn(8, 2, 16, gen=gen).numpy()
+    q2, k2 = torch.from_numpy(array)[:4], torch.from_numpy(array)[2:6]
+    assert q2.untyped_storage().data_ptr() == k2.untyped_storage().data_ptr()
+    assert not q2.untyped_storage()._cdata == k2.untyped_storage()._cdata  # (two storages)
+    with pytest.raises(RuntimeError, match="rope_ext.rotary_pos_: q shares memory with k"):
+        rope_ext.rotary_pos_(q2, k2, cc, sc, pos)
+    rope_ext.rotary_pos_(q2, torch.from_numpy(array)[4:], cc, sc, pos)  # the same array, apart
 
 
 @pytest.mark.parametrize("bad", [MAX_POS, -1, 2**40], ids=["one_past", "negative", "huge"])
