@@ -190,9 +190,15 @@ bool disjoint_by_period(const at::Tensor& a, const at::Tensor& b) {
   };
   const auto pa = period_of(a), pb = period_of(b);
   if (!pa || !pb || pa->stride != pb->stride) return false;
+  // Where each view starts, in elements, from its address rather than its storage offset: two
+  // storages over one buffer (from_numpy or DLPack twice) start at different offsets.
+  const auto size = static_cast<std::uintptr_t>(a.element_size());
+  const auto a_at = reinterpret_cast<std::uintptr_t>(a.const_data_ptr());
+  const auto b_at = reinterpret_cast<std::uintptr_t>(b.const_data_ptr());
+  if (a_at % size != b_at % size) return false;
   const int64_t L = pa->stride;
   const auto mod = [L](int64_t v) { return ((v % L) + L) % L; };
-  const int64_t ra = mod(a.storage_offset()), rb = mod(b.storage_offset());
+  const int64_t ra = mod(static_cast<int64_t>(a_at / size)), rb = mod(static_cast<int64_t>(b_at / size));
   return mod(rb - ra) >= pa->span && mod(ra - rb) >= pb->span;
 }
 

@@ -300,6 +300,14 @@ def test_inplace_refuses_grad_overlap_and_bumps_versions(gen):
     with pytest.raises(RuntimeError, match="rope_ext.rotary_pos_: q shares memory with k"):
         rope_ext.rotary_pos_(q2, k2, cc, sc, pos)
     rope_ext.rotary_pos_(q2, torch.from_numpy(array)[4:], cc, sc, pos)  # the same array, apart
+    # rows of one buffer split between q and k, through two storages: the rows' places are read
+    # from their addresses (storage offsets differ between the storages)
+    rows = randn(4, 32, gen=gen).numpy()
+    whole, half = torch.from_numpy(rows), torch.from_numpy(rows[:, 16:])
+    first, second = whole[:, :16].unflatten(-1, (1, 16)), half.unflatten(-1, (1, 16))
+    with pytest.raises(RuntimeError, match="rope_ext.rotary_pos_: q shares memory with k"):
+        rope_ext.rotary_pos_(whole[:, 16:].unflatten(-1, (1, 16)), second, cc, sc, pos)
+    rope_ext.rotary_pos_(first, second, cc, sc, pos)  # the two halves of each row: apart
 
 
 @pytest.mark.parametrize("bad", [MAX_POS, -1, 2**40], ids=["one_past", "negative", "huge"])
