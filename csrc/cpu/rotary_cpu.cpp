@@ -25,36 +25,30 @@ struct Variant {
   const char* name;
 };
 
+// The variant torch would choose for its own CPU kernels (at::get_cpu_capability(), which a
+// stable-ABI library cannot call), chosen the same way: ATEN_CPU_CAPABILITY=avx512|avx2|default if set
+// to one of those (taken as given, as torch does, even above what the CPU has), otherwise the best
+// this CPU runs: AVX512 with AVX512VL, BW, DQ and FMA, AVX2 with FMA. (GCC's cpuid reading also checks
+// that the OS saves the vector registers.) tests/test_cpu_kernel.py compares it with torch's answer
+// under every setting.
+Variant choose_variant() {
+  const Variant generic{&DEFAULT::rotary_kernel, "DEFAULT"};
 #ifdef ROPE_EXT_HAVE_AVX
-// torch's choice of its own CPU kernels (at::get_cpu_capability(), which a stable-ABI library cannot
-// call), made the same way: ATEN_CPU_CAPABILITY=avx512|avx2|default if set to one of those (taken as
-// given, as torch does, even above what the CPU has), otherwise the best this CPU runs: AVX512 with
-// AVX512VL, BW, DQ and FMA, AVX2 with FMA. (GCC's cpuid reading also checks that the OS saves the
-// vector registers.) tests/test_cpu_kernel.py compares it with torch's answer under every setting.
-const char* cpu_capability() {
+  const Variant avx512{&AVX512::rotary_kernel, "AVX512"}, avx2{&AVX2::rotary_kernel, "AVX2"};
   if (const char* env = std::getenv("ATEN_CPU_CAPABILITY")) {
-    if (std::strcmp(env, "avx512") == 0) return "AVX512";
-    if (std::strcmp(env, "avx2") == 0) return "AVX2";
-    if (std::strcmp(env, "default") == 0) return "DEFAULT";
+    if (std::strcmp(env, "avx512") == 0) return avx512;
+    if (std::strcmp(env, "avx2") == 0) return avx2;
+    if (std::strcmp(env, "default") == 0) return generic;
     // (any other value: torch warns that it ignores it, and so is it ignored here)
   }
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")) {
-    return "AVX512";
+    return avx512;
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "AVX2";
-  return "DEFAULT";
-}
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2;
 #endif
-
-Variant choose_variant() {
-#ifdef ROPE_EXT_HAVE_AVX
-  const std::string cap = cpu_capability();
-  if (cap == "AVX512") return {&AVX512::rotary_kernel, "AVX512"};
-  if (cap == "AVX2") return {&AVX2::rotary_kernel, "AVX2"};
-#endif
-  return {&DEFAULT::rotary_kernel, "DEFAULT"};
+  return generic;
 }
 
 const Variant& variant() {

@@ -98,7 +98,7 @@ ROPE_EXT_DECLARE_KERNEL(AVX512_BF16)
 #undef ROPE_EXT_DECLARE_KERNEL
 
 // The kernel variant this process runs: "AVX512", "AVX2" or "DEFAULT". It follows
-// torch's choice of its own CPU kernels (rotary_cpu.cpp's cpu_capability(), made as
+// torch's choice of its own CPU kernels (rotary_cpu.cpp's choose_variant(), made as
 // at::get_cpu_capability() makes it), so ATEN_CPU_CAPABILITY=default|avx2 selects a lower one.
 std::string kernel_isa();
 
