@@ -13,7 +13,10 @@ B / A of those, the middle half (interquartile range) and the extremes of the pe
 run-to-run noise the ratio is read against.
 
 Cases: Llama-3-8B heads (32 q, 8 kv, head dim 128), bfloat16, HF's (B, H, S, D) layout.
-- ``decode_op``: ``rotary_pos_qk`` for one token at position 1000, no grad, 1 thread;
+- ``decode_op``: ``rope_ext.rotary_pos_qk`` (the public function) for one token at position 1000, no
+  grad, 1 thread;
+- ``decode_dispatcher``: the same through ``torch.ops.rope_ext.rotary_pos_qk``, with the op's
+  autograd kernel (C++ before issue 37, Python after);
 - ``decode_module``: ``RotaryEmbedding``'s forward for the same, with ``position_ids``;
 - ``prefill_fwd_t1`` / ``_t2``: ``rotary_pos_qk`` over 2,048 tokens, 1 and 2 threads.
 """
@@ -64,7 +67,8 @@ def worker() -> dict:
         k = torch.randn(1, 1, HKV, D, generator=gen).to(torch.bfloat16).transpose(1, 2)
         pos = torch.tensor([[[1000]]])
         ids = torch.tensor([[1000]])
-        out["decode_op"] = _median_us(lambda: op(q, k, cc, sc, pos, False, False), 2000)
+        out["decode_op"] = _median_us(lambda: rope_ext.rotary_pos_qk(q, k, cc, sc, pos), 2000)
+        out["decode_dispatcher"] = _median_us(lambda: op(q, k, cc, sc, pos, False, False), 2000)
         out["decode_module"] = _median_us(lambda: rope(q, k, position_ids=ids), 2000)
         S = 2048
         q = torch.randn(1, S, HQ, D, generator=gen).to(torch.bfloat16).transpose(1, 2)

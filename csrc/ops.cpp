@@ -1,7 +1,8 @@
 // The one place where rope_ext's operator schemas are defined and every kernel is registered.
-// Backends provide their kernels through registration.h; fake (meta) kernels are registered from
-// Python in rope_ext/_ops.py. Test hooks live in another library, librope_ext_testing.so
-// (csrc/testing/), under their own namespace.
+// Backends provide their kernels through registration.h. Fake (meta) kernels and the autograd
+// formulas are registered from Python (rope_ext/_ops.py, rope_ext/_autograd.py); C++ programs get
+// autograd from the C++ API's header (rope_ext/autograd.h). Test hooks live in another library,
+// librope_ext_testing.so (csrc/testing/), under their own namespace.
 //
 // Registration happens once per process. rope_ext is one library, librope_ext.so, which the
 // Python package loads and C++ programs link, and the dynamic loader maps a file once however
@@ -20,9 +21,12 @@
 #include <vector>
 
 #include "cpu/rotary_cpu.h"
-#include "frequencies.h"
 #include "registration.h"
 #include "rope_ext/version.h"
+
+// The one symbol of this library that the C++ API's headers call (rope_ext/autograd.h): a program
+// that includes them links the library, even with --as-needed, and so loads the ops.
+extern "C" __attribute__((visibility("default"))) const char* rope_ext_library_version() { return ROPE_EXT_VERSION; }
 
 namespace rope_ext {
 namespace {
@@ -77,21 +81,6 @@ void define_schemas(torch::Library& m) {
 
   // Which CPU kernel variant runs in this process: "AVX512", "AVX2" or "DEFAULT".
   m.def("cpu_kernel_isa() -> str", &rope_ext::cpu::kernel_isa);
-
-  // Frequencies and tables (frequencies.cpp; the C++ API's rope_frequencies and cos_sin_tables).
-  // Composite: under torch.compile they trace into ATen ops.
-  m.def(
-      "_rope_frequencies(str rope_type, float base, int rotary_dim, int max_position_embeddings, "
-      "float? factor=None, int? original_max_position_embeddings=None, float? attention_factor=None, "
-      "float? beta_fast=None, float? beta_slow=None, float? mscale=None, float? mscale_all_dim=None, "
-      "bool truncate=True, float? low_freq_factor=None, float? high_freq_factor=None, "
-      "float[] short_factor=[], float[] long_factor=[], float? partial_rotary_factor=None) "
-      "-> (Tensor, Tensor, float, int, float)",
-      &rope_frequencies_op);
-  m.def(
-      "cos_sin_tables(Tensor positions, Tensor inv_freq, bool interleaved=False, float scale=1.0, "
-      "ScalarType? dtype=None) -> (Tensor, Tensor)",
-      &cos_sin_tables_impl);
 }
 
 // The library that registered the schemas, for a copy that finds them registered. Never throws:
@@ -123,7 +112,6 @@ class Registration {
 #ifdef ROPE_EXT_CUDA
       add(torch::Library::IMPL, c10::DispatchKey::CUDA, &register_cuda_kernels);
 #endif
-      add(torch::Library::IMPL, c10::DispatchKey::Autograd, &register_autograd_kernels);
     } catch (const std::exception& e) {
       TORCH_WARN("rope_ext ", ROPE_EXT_VERSION, ": registering the rope_ext operators failed: ", e.what());
     }

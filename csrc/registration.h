@@ -7,7 +7,6 @@
 namespace rope_ext {
 
 void register_cpu_kernels(torch::Library& m);       // cpu/rotary_cpu.cpp: rotary, rotary_qk, rotary_
-void register_autograd_kernels(torch::Library& m);  // autograd.cpp
 #ifdef ROPE_EXT_CUDA
 void register_cuda_kernels(torch::Library& m);      // cuda/rotary_cuda.cu
 #endif

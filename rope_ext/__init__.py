@@ -66,6 +66,10 @@ def _load_library() -> None:
 _load_library()
 __version__ = torch.ops.rope_ext._version()  # written once, in csrc/include/rope_ext/version.h
 
+from rope_ext import _autograd  # noqa: E402
+
+_autograd.register()  # the ops' autograd formulas (the library has none: torch's stable ABI has no autograd)
+
 from rope_ext import _sharding, compat, reference, scaling  # noqa: E402
 from rope_ext._ops import cpu_kernel_isa, rotary, rotary_, rotary_pos, rotary_pos_, rotary_pos_qk, rotary_qk  # noqa: E402
 from rope_ext.compat.hf import apply_multimodal_rotary_pos_emb, apply_rotary_pos_emb  # noqa: E402

@@ -1,14 +1,18 @@
-"""Python side of the rope_ext ops: public wrappers, fake kernels and autograd formulas.
+"""Python side of the rope_ext ops: public wrappers and fake kernels.
 
-The schemas live in csrc/ops.cpp, the kernels in csrc/<backend>/ and the autograd kernels in
-csrc/autograd.cpp (C++, so that a call costs no Python beyond this wrapper). Here each op gets
+The schemas live in csrc/ops.cpp, the kernels in csrc/<backend>/ and the autograd formulas in
+rope_ext/_autograd.py. Here each op gets
 - a fake kernel (shape/stride propagation for torch.compile, torch.export and FakeTensor),
-- a thin public wrapper with the docstring users read.
+- a thin public wrapper with the docstring users read. Where the call records no graph (no grad
+  mode, or nothing requires grad, and no tracing), the wrapper calls the kernel below autograd:
+  the op's Python autograd kernel would cost more than a decode step's rotation.
 """
 
 from __future__ import annotations
 
 import torch
+
+from rope_ext._autograd import run_inplace
 
 _rotary = torch.ops.rope_ext.rotary.default
 _rotary_qk = torch.ops.rope_ext.rotary_qk.default
@@ -16,6 +20,20 @@ _rotary_inplace = torch.ops.rope_ext.rotary_.default
 _rotary_pos = torch.ops.rope_ext.rotary_pos.default
 _rotary_pos_qk = torch.ops.rope_ext.rotary_pos_qk.default
 _rotary_pos_inplace = torch.ops.rope_ext.rotary_pos_.default
+
+# The fast path of every wrapper: unless it is traced (torch.compile sees the op, and its autograd
+# formula) or records a graph (grad mode on, an input requiring grad), a call goes straight to the
+# device kernel, below autograd, through the op's C++ callable (OpOverload.__call__ is one more
+# Python frame). A decode step's call costs about what the C++ autograd kernels cost before issue 37
+# (benchmarks/op_ab.py); through the op's Python autograd kernel it would cost 3 to 4 us more.
+_compiling = torch.compiler.is_compiling
+_grad_enabled = torch._C.is_grad_enabled
+_any_requires_grad = torch._C._any_requires_grad
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_rotary_kernel = _rotary._op
+_rotary_qk_kernel = _rotary_qk._op
+_rotary_pos_kernel = _rotary_pos._op
+_rotary_pos_qk_kernel = _rotary_pos_qk._op
 
 
 def rotary(
@@ -61,7 +79,10 @@ def rotary(
     Autograd: the gradient for x is ``rotary(grad, cos, sin, conjugate=not conjugate)``;
     cos and sin get gradients too when they require them, summed over broadcast dims.
     """
-    return _rotary(x, cos, sin, interleaved, conjugate)
+    if _compiling() or (_grad_enabled() and _any_requires_grad(x, cos, sin)):
+        return _rotary(x, cos, sin, interleaved, conjugate)
+    with _below_autograd():
+        return _rotary_kernel(x, cos, sin, interleaved, conjugate)
 
 
 def rotary_qk(
@@ -90,7 +111,10 @@ def rotary_qk(
         ``(q_out, k_out)``, new tensors with q's and k's shapes, dtypes and layouts. One autograd
         node covers both; its backward is one ``rotary_qk`` call with conjugate flipped.
     """
-    return _rotary_qk(q, k, cos, sin, interleaved, cos_k, sin_k, conjugate)
+    if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, cos, sin, cos_k, sin_k)):
+        return _rotary_qk(q, k, cos, sin, interleaved, cos_k, sin_k, conjugate)
+    with _below_autograd():
+        return _rotary_qk_kernel(q, k, cos, sin, interleaved, cos_k, sin_k, conjugate)
 
 
 def rotary_(
@@ -103,7 +127,11 @@ def rotary_(
     bumped, so autograd still notices if x was saved for another op's backward. x must store
     each element once (no expanded views) and must not overlap cos or sin.
     """
-    _rotary_inplace(x, cos, sin, interleaved, conjugate)
+    args = (x, cos, sin, interleaved, conjugate)
+    if torch.compiler.is_compiling():
+        _rotary_inplace(*args)
+    else:
+        run_inplace(_rotary_inplace, (("x", x), ("cos", cos), ("sin", sin)), "rope_ext.rotary", args, (x,))
     return x
 
 
@@ -171,7 +199,12 @@ def rotary_pos(
     Autograd: x's gradient is ``rotary_pos(grad, ..., conjugate=not conjugate)``; caches that
     require grad get theirs scattered (added) into the rows the positions name.
     """
-    return _rotary_pos(x, cos_cache, sin_cache, _resolve_positions(positions, x, seq_dim), interleaved, conjugate)
+    if not isinstance(positions, torch.Tensor):
+        positions = _resolve_positions(positions, x, seq_dim)
+    if _compiling() or (_grad_enabled() and _any_requires_grad(x, cos_cache, sin_cache)):
+        return _rotary_pos(x, cos_cache, sin_cache, positions, interleaved, conjugate)
+    with _below_autograd():
+        return _rotary_pos_kernel(x, cos_cache, sin_cache, positions, interleaved, conjugate)
 
 
 def rotary_pos_qk(
@@ -195,8 +228,12 @@ def rotary_pos_qk(
     Returns:
         ``(q_out, k_out)``, new tensors like q and k. One autograd node covers both.
     """
-    pos = _resolve_positions(positions, q, seq_dim)
-    return _rotary_pos_qk(q, k, cos_cache, sin_cache, pos, interleaved, conjugate)
+    if not isinstance(positions, torch.Tensor):
+        positions = _resolve_positions(positions, q, seq_dim)
+    if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, cos_cache, sin_cache)):
+        return _rotary_pos_qk(q, k, cos_cache, sin_cache, positions, interleaved, conjugate)
+    with _below_autograd():
+        return _rotary_pos_qk_kernel(q, k, cos_cache, sin_cache, positions, interleaved, conjugate)
 
 
 def rotary_pos_(
@@ -215,9 +252,22 @@ def rotary_pos_(
     Returns ``q`` or ``(q, k)``. Like :func:`rotary_`, it refuses inputs that need grad and bumps
     the version counters; q and k must not share memory with each other, the caches or positions.
     """
-    pos = _resolve_positions(positions, q, seq_dim)
-    _rotary_pos_inplace(q, k, cos_cache, sin_cache, pos, interleaved, conjugate)
+    args = (q, k, cos_cache, sin_cache, _resolve_positions(positions, q, seq_dim), interleaved, conjugate)
+    if torch.compiler.is_compiling():
+        _rotary_pos_inplace(*args)
+    else:
+        named = (("q", q), ("k", k), ("cos_cache", cos_cache), ("sin_cache", sin_cache))
+        run_inplace(_rotary_pos_inplace, named, "rope_ext.rotary_pos", args, (q, k))
     return q if k is None else (q, k)
+
+
+def rotary_pos_qk_op(q, k, cos_cache, sin_cache, positions, interleaved, conjugate):
+    """(internal) The ``rotary_pos_qk`` op on a positions tensor, below autograd where no graph is
+    recorded: the call ``RotaryEmbedding.forward`` makes at every decode step."""
+    if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, cos_cache, sin_cache)):
+        return _rotary_pos_qk(q, k, cos_cache, sin_cache, positions, interleaved, conjugate)
+    with _below_autograd():
+        return _rotary_pos_qk_kernel(q, k, cos_cache, sin_cache, positions, interleaved, conjugate)
 
 
 def _rotate_each(xs, computes, cos, sin, cos_k=None, sin_k=None, *, interleaved):

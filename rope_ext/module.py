@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from rope_ext import positions as P
-from rope_ext._ops import _rotary_pos_qk, rotary_qk
+from rope_ext._ops import rotary_pos_qk_op, rotary_qk
 from rope_ext._sharding import is_dtensor, replicated_like
 from rope_ext._validate import require_bool, require_int_list, require_number, require_tensor
 from rope_ext.scaling import RopeSchedule
@@ -639,7 +639,7 @@ class RotaryEmbedding(nn.Module):
         if type(q) is not torch.Tensor:
             cos, sin, rows, cos_k, sin_k = (None if t is None else replicated_like(q, t)[0] for t in source)
         if rows is not None:
-            return _rotary_pos_qk(q, k, cos, sin, rows, self.interleaved, False)
+            return rotary_pos_qk_op(q, k, cos, sin, rows, self.interleaved, False)
         return rotary_qk(q, k, cos, sin, interleaved=self.interleaved, cos_k=cos_k, sin_k=sin_k)
 
     @staticmethod

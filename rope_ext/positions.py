@@ -177,8 +177,13 @@ def cos_sin_tables(
 
 
 def _tables(positions, inv_freq, *, interleaved, scale, dtype):
-    """cos_sin_tables without the checks, for callers that have made them. The tables are the C++
-    op's (csrc/frequencies.cpp, shared with the C++ API; composite, so torch.compile traces it);
-    the scale is applied here, in float64, so that torch.compile can keep it symbolic."""
-    cos, sin = torch.ops.rope_ext.cos_sin_tables(positions, inv_freq, interleaved, 1.0, torch.float64)
+    """cos_sin_tables without the checks, for callers that have made them: the float64 operations of
+    the C++ API's cos_sin_tables (rope_ext/frequencies.h; tests/test_module.py compares their bits), with
+    the scale applied in float64 (torch.compile keeps a tensor or float scale symbolic)."""
+    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(positions.device, torch.float64)
+    cos, sin = angles.cos(), angles.sin()
+    if interleaved:
+        cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+    else:
+        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
     return (cos * scale).to(dtype), (sin * scale).to(dtype)

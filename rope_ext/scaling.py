@@ -1,8 +1,9 @@
 """RoPE frequency schedules: the inverse frequencies theta_i and attention factor of each of HF's
 ``rope_type`` values, from a config dict in HF's ``rope_scaling`` / ``rope_parameters`` form.
 
-Everything is computed in float64 from the published formulas, in C++ (csrc/frequencies.cpp, which
-the C++ API shares; HF computes in float32, and ours are within a few float32 ulps of HF's).
+Everything is computed in float64 from the published formulas (HF computes in float32, and ours are
+within a few float32 ulps of HF's), in the same operations as the C++ API's header
+(rope_ext/frequencies.h), whose bits tests/test_scaling.py compares with these.
 A :class:`RopeSchedule` holds the static part; the two position-dependent types, ``dynamic`` and
 ``longrope``, are resolved per call by :meth:`RopeSchedule.inv_freq` from the largest position in
 the batch, as pure tensor math (no Python state, no host sync, nothing for torch.compile to
@@ -153,8 +154,7 @@ class RopeSchedule:
             raise ValueError(
                 f"rope_ext: max_position_embeddings must be a positive int, got {max_position_embeddings!r}"
             )
-        # The checks here name the config's keys; the numbers come from the C++ implementation
-        # (csrc/frequencies.cpp, shared with the C++ API), which fills in transformers' defaults.
+        # The checks here name the config's keys; _frequencies fills in transformers' defaults.
         args = {
             "original_max_position_embeddings": int(
                 _number(cfg, "original_max_position_embeddings", default=max_position_embeddings)
@@ -186,15 +186,13 @@ class RopeSchedule:
             if not 0 <= share <= 1:
                 raise ValueError(f"rope_ext: scaling['partial_rotary_factor'] must be in [0, 1], got {share}")
             args["partial_rotary_factor"] = share
-        inv, long, attention, switch, factor = torch.ops.rope_ext._rope_frequencies(
-            rope_type, float(base), d, max_position_embeddings, **args
-        )
+        inv, long, attention, switch, factor = _frequencies(rope_type, float(base), d, max_position_embeddings, **args)
         return cls(
             rope_type,
             d,
             float(base),
             tuple(inv.tolist()),
-            tuple(long.tolist()) if rope_type == "longrope" else None,
+            None if long is None else tuple(long.tolist()),
             attention,
             switch,
             factor,
@@ -231,6 +229,78 @@ class RopeSchedule:
         length = length.clamp(min=self.switch_len)
         base = self.base * (self.factor * length / self.switch_len - (self.factor - 1)) ** (d / (d - 2))
         return base ** -(torch.arange(0, d, 2, dtype=torch.float64, device=inv.device) / d)
+
+
+def _yarn_mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def _frequencies(rope_type, base, d, max_pos, *, original_max_position_embeddings, truncate=True, factor=None,
+                 attention_factor=None, beta_fast=None, beta_slow=None, mscale=None, mscale_all_dim=None,
+                 low_freq_factor=None, high_freq_factor=None, short_factor=(), long_factor=(),
+                 partial_rotary_factor=None):
+    """The numbers of one configuration, whose values the caller has checked:
+    (inv_freq, inv_freq_long or None, attention_factor, switch_len, factor), the frequencies as float64
+    CPU tensors. transformers' rules and defaults (ROPE_INIT_FUNCTIONS), in the same float64
+    operations, in the same order, as the C++ API's rope_frequencies (rope_ext/frequencies.h):
+    tests/test_scaling.py compares their bits."""
+    original = original_max_position_embeddings
+    cpu64 = {"dtype": torch.float64, "device": "cpu"}  # also under a device context (meta-device init)
+    exponents = -(torch.arange(0, d, 2, **cpu64) / d)
+    inv = torch.pow(base, exponents)
+    inv_long, attention, switch = None, 1.0, max_pos
+    factor_in_effect = 1.0
+    if rope_type == "linear":
+        factor_in_effect = factor
+        inv = inv / factor
+    elif rope_type == "dynamic":
+        factor_in_effect = factor
+    elif rope_type == "yarn":
+        factor_in_effect = factor = factor if factor is not None else max_pos / original
+        if attention_factor is not None:
+            attention = attention_factor
+        else:
+            both = (mscale or 0) != 0 and (mscale_all_dim or 0) != 0  # transformers: 0 is unset
+            attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if both
+                         else _yarn_mscale(factor))
+            if not (math.isfinite(attention) and attention > 0):
+                raise ValueError("rope_ext.rope_frequencies: the attention factor from mscale and mscale_all_dim "
+                                 f"must be a finite positive number, got {attention}")
+
+        def correction_dim(rotations):
+            return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = correction_dim(32.0 if beta_fast is None else beta_fast)
+        high = correction_dim(1.0 if beta_slow is None else beta_slow)
+        if truncate:
+            low, high = float(math.floor(low)), float(math.ceil(high))
+        low, high = max(low, 0.0), min(high, float(d - 1))
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        ramp = ((torch.arange(d // 2, **cpu64) - low) / (high - low)).clamp(0, 1)
+        inv = (inv / factor) * ramp + inv * (1 - ramp)
+    elif rope_type == "longrope":
+        factor_in_effect = factor = factor if factor is not None else max_pos / original
+        fallback = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        attention = fallback if attention_factor is None else attention_factor
+        inv_long = inv / torch.tensor(long_factor, **cpu64)
+        inv = inv / torch.tensor(short_factor, **cpu64)
+        switch = original
+    elif rope_type == "llama3":
+        factor_in_effect = factor
+        low, high, orig = low_freq_factor, high_freq_factor, float(original)
+        wavelen = inv.reciprocal() * (2 * math.pi)
+        scaled = torch.where(wavelen > orig / low, inv / factor, inv)
+        smooth = (wavelen.reciprocal() * orig - low) / (high - low) if high > low else torch.zeros_like(wavelen)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= orig / high) & (wavelen <= orig / low)
+        inv = torch.where(medium, smoothed, scaled)
+    elif rope_type == "proportional":
+        share = 1.0 if partial_rotary_factor is None else partial_rotary_factor
+        factor_in_effect = 1.0 if factor is None else factor
+        inv = inv / factor_in_effect
+        inv[math.floor(share * d / 2):] = 0  # these pairs turn with frequency 0: they pass unrotated
+    return inv, inv_long, attention, switch, factor_in_effect
 
 
 def _factors(cfg, key, d) -> list[float]:

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import torch._dynamo.testing
-from conftest import CONVENTIONS, inv_freq, randn, tolerance
+from conftest import CONVENTIONS, TESTING, inv_freq, randn, tolerance
 
 import rope_ext
 from rope_ext import reference
@@ -412,16 +412,18 @@ def test_packed_bad_cu_seqlens(name):
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half_split", "interleaved"])
-def test_cos_sin_tables_op_passes_opcheck_and_matches_the_formula(interleaved):
-    """The tables op (C++, composite: shared with the C++ API) under torch.library.opcheck (schema,
-    fake tensors, autograd registration, AOT dispatch), and against cos/sin of position * theta
-    computed here in float64."""
+def test_cos_sin_tables_match_the_formula_and_the_cpp_api(interleaved):
+    """rope_ext.positions.cos_sin_tables against cos/sin of position * theta computed here in float64,
+    and bit for bit against the C++ API's cos_sin_tables (rope_ext/frequencies.h, through the test
+    hook rope_ext_testing::cos_sin_tables): the same float64 operations in both."""
     pos = torch.tensor([[0, 3, 7, 100000]])
     inv = inv_freq(16, BASE)
-    op = torch.ops.rope_ext.cos_sin_tables.default
-    torch.library.opcheck(op, (pos, inv, interleaved, 0.5, torch.float32))
-    cos, sin = op(pos, inv, interleaved, 0.5, torch.float64)
+    cos, sin = rope_ext.positions.cos_sin_tables(pos, inv, interleaved=interleaved, scale=0.5, dtype=torch.float64)
     angles = pos.double()[..., None] * inv.double()
     full = angles.repeat_interleave(2, -1) if interleaved else torch.cat([angles, angles], -1)
     torch.testing.assert_close(cos, 0.5 * full.cos(), rtol=0, atol=1e-15)
     torch.testing.assert_close(sin, 0.5 * full.sin(), rtol=0, atol=1e-15)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        ours = rope_ext.positions.cos_sin_tables(pos, inv, interleaved=interleaved, scale=0.5, dtype=dtype)
+        cpp = TESTING.cos_sin_tables(pos, inv, interleaved, 0.5, dtype)
+        assert all(torch.equal(a, b) for a, b in zip(ours, cpp, strict=True))

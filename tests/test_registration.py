@@ -24,7 +24,7 @@ HEADER = Path(__file__).resolve().parents[1] / "csrc" / "include" / "rope_ext" /
 PACKAGE = Path(rope_ext.__file__).resolve().parent
 LIB = Path(rope_ext._LIBRARY)
 PUBLIC_OPS = {"rotary", "rotary_qk", "rotary_", "rotary_pos", "rotary_pos_qk", "rotary_pos_", "cpu_kernel_isa",
-              "cos_sin_tables", "_rope_frequencies", "_version", "_library_path"}
+              "_version", "_library_path"}
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:

@@ -166,6 +166,34 @@ def test_inv_freq_and_attention_factor_match_transformers(name, base, geometry):
     assert rope.attention_factor == pytest.approx(hf_attention, rel=1e-12, abs=0)
 
 
+PROPORTIONAL = {"proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.25},
+                "proportional_factor": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 2.0}}
+
+
+@pytest.mark.parametrize("geometry", [GEOMETRIES["hd128"], GEOMETRIES["hd96_partial0.5"]], ids=["hd128", "hd96_p0.5"])
+@pytest.mark.parametrize("base", [1e4, 5e5], ids=["base1e4", "base5e5"])
+@pytest.mark.parametrize("name", [*SCALINGS, *PROPORTIONAL])
+def test_frequencies_of_python_and_cpp_agree(name, base, geometry, monkeypatch):
+    """The schedules exist twice: in Python (rope_ext.scaling, what the package runs) and in the C++
+    API's header (rope_ext/frequencies.h, called through the test hook rope_ext_testing::rope_frequencies).
+    The same float64 operations in the same order: the same bits, and the same numbers beside them."""
+    head_dim, partial = geometry
+    d = int(head_dim * partial)
+    params = _params(name, base, head_dim, partial) if name in SCALINGS else dict(PROPORTIONAL[name])
+    calls = []
+    real = rope_ext.scaling._frequencies
+    monkeypatch.setattr(rope_ext.scaling, "_frequencies", lambda *a, **kw: calls.append((a, kw)) or real(*a, **kw))
+    s = RopeSchedule.from_config(params, base=base, rotary_dim=d, max_position_embeddings=MAX_POS)
+    (args, kwargs), = calls
+    inv, long, attention, switch, factor = TESTING.rope_frequencies(*args, **kwargs)
+    assert torch.equal(torch.tensor(s.inv_freq_base, dtype=torch.float64), inv)
+    if s.inv_freq_long is None:
+        assert long.numel() == 0
+    else:
+        assert torch.equal(torch.tensor(s.inv_freq_long, dtype=torch.float64), long)
+    assert (s.attention_factor, s.switch_len, s.factor) == (attention, switch, factor)
+
+
 # -- 2. dynamic and longrope: frequencies for the sequence length --------------------------------
 
 # Lengths L = largest position + 1 on both sides of each type's switch: dynamic grows its base
@@ -338,7 +366,7 @@ BAD_SCALINGS = {
                               r"\['low_freq_factor'\].*\['high_freq_factor'\]"),
     "llama3_null_low_freq_factor": ({**_LLAMA3_OK, "low_freq_factor": None}, ValueError, r"\['low_freq_factor'\]"),
     "yarn_mscale_ratio_negative": ({"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": -10.0},
-                                   RuntimeError, r"attention factor from mscale and mscale_all_dim must be a finite "
+                                   ValueError, r"attention factor from mscale and mscale_all_dim must be a finite "
                                    r"positive number"),
     "scaling_is_a_string": ("linear", TypeError, r"scaling must be a dict.*str"),
     "scaling_is_a_list": ([("rope_type", "linear"), ("factor", 2.0)], TypeError, r"scaling must be a dict.*list"),

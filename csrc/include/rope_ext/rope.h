@@ -1,10 +1,11 @@
 // rope_ext's C++ API: fused rotary positional embedding (RoPE) for LibTorch programs.
 //
 // Link with the CMake package (find_package(rope_ext), target rope_ext::rope_ext). The library
-// registers the ops rope_ext::rotary, rotary_qk, rotary_ and rotary_pos* with PyTorch's dispatcher when it is
-// loaded; the functions below call them through the dispatcher, so CPU and CUDA tensors, autograd
-// (torch::autograd::grad, double backward) and torch.compile'd or exported programs all see the
-// same ops as Python's rope_ext.
+// registers the ops rope_ext::rotary, rotary_qk, rotary_ and rotary_pos* with PyTorch's dispatcher
+// when it is loaded; the functions below call them through the dispatcher, so CPU and CUDA tensors
+// and torch.compile'd or exported programs all see the same ops as Python's rope_ext. Header-only:
+// the functions, their autograd (torch::autograd::grad, double backward; rope_ext/autograd.h) and
+// the frequency schedules (rope_ext/frequencies.h) compile against the program's own LibTorch.
 //
 // Conventions, shared by every function here:
 //  - x is (..., head_dim); the rotation acts on its first r = cos.size(-1) columns (the rotary
@@ -34,14 +35,6 @@
 
 #include "rope_ext/version.h"
 
-#if defined(_WIN32) && defined(ROPE_EXT_BUILDING)
-#define ROPE_EXT_API __declspec(dllexport)
-#elif defined(_WIN32)
-#define ROPE_EXT_API __declspec(dllimport)
-#else
-#define ROPE_EXT_API __attribute__((visibility("default")))
-#endif
-
 namespace rope_ext {
 
 /// Rotates x: `x * cos + R(x) * sin` on the first r = cos.size(-1) columns, the rest copied.
@@ -52,7 +45,7 @@ namespace rope_ext {
 /// @param interleaved pair (2i, 2i+1) instead of (i, i + r/2).
 /// @param conjugate   rotate by -angle (the transpose).
 /// @return a new tensor of x's shape, dtype and memory layout.
-ROPE_EXT_API at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+inline at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                bool interleaved = false, bool conjugate = false);
 
 /// Rotates q and k in one call: (rotary(q, cos, sin), rotary(k, cos_k, sin_k)).
@@ -63,7 +56,7 @@ ROPE_EXT_API at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const
 /// @param cos, sin    tables for q (and for k unless cos_k/sin_k are given).
 /// @param cos_k, sin_k  separate tables for k (both or neither), e.g. for xPos.
 /// @return (q_out, k_out), new tensors with q's and k's shapes and layouts.
-ROPE_EXT_API std::tuple<at::Tensor, at::Tensor> rotary_qk(
+inline std::tuple<at::Tensor, at::Tensor> rotary_qk(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
     bool interleaved = false, const std::optional<at::Tensor>& cos_k = std::nullopt,
     const std::optional<at::Tensor>& sin_k = std::nullopt, bool conjugate = false);
@@ -71,7 +64,7 @@ ROPE_EXT_API std::tuple<at::Tensor, at::Tensor> rotary_qk(
 /// In-place rotary for inference: x = rotary(x, cos, sin). Refuses (c10::Error) when grad mode
 /// is on and x, cos or sin requires grad, when x's elements overlap (e.g. expanded views), and
 /// when x shares memory with cos or sin.
-ROPE_EXT_API void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+inline void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                           bool interleaved = false, bool conjugate = false);
 
 /// Rotates x by its tokens' positions, reading their angles from half-width caches inside the
@@ -85,12 +78,12 @@ ROPE_EXT_API void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
 ///                    (B, S, H, D) x, (S) or (B, 1, S) for (B, H, S, D) x. Each in
 ///                    [0, max_positions): c10::Error on the CPU, a device-side assert on CUDA.
 /// @return a new tensor of x's shape, dtype and memory layout.
-ROPE_EXT_API at::Tensor rotary_pos(const at::Tensor& x, const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+inline at::Tensor rotary_pos(const at::Tensor& x, const at::Tensor& cos_cache, const at::Tensor& sin_cache,
                                    const at::Tensor& positions, bool interleaved = false, bool conjugate = false);
 
 /// rotary_pos on q and k in one call (one CUDA launch). k may differ from q only in the head
 /// count (positions broadcast along it) and in strides. Caches that require grad get gradients.
-ROPE_EXT_API std::tuple<at::Tensor, at::Tensor> rotary_pos_qk(const at::Tensor& q, const at::Tensor& k,
+inline std::tuple<at::Tensor, at::Tensor> rotary_pos_qk(const at::Tensor& q, const at::Tensor& k,
                                                               const at::Tensor& cos_cache,
                                                               const at::Tensor& sin_cache,
                                                               const at::Tensor& positions,
@@ -98,7 +91,7 @@ ROPE_EXT_API std::tuple<at::Tensor, at::Tensor> rotary_pos_qk(const at::Tensor& 
 
 /// In-place rotary_pos on q and, when given, k, for inference; refuses what rotary_ refuses, and
 /// q and k sharing memory.
-ROPE_EXT_API void rotary_pos_(at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& cos_cache,
+inline void rotary_pos_(at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& cos_cache,
                               const at::Tensor& sin_cache, const at::Tensor& positions, bool interleaved = false,
                               bool conjugate = false);
 
@@ -159,13 +152,13 @@ struct RopeFrequencies {
 /// @param base       rope_theta; theta_i = base^(-2i / rotary_dim) before scaling.
 /// @param rotary_dim r, even and positive.
 /// @param max_position_embeddings the model's context length.
-ROPE_EXT_API RopeFrequencies rope_frequencies(const RopeScaling& scaling, double base,
+inline RopeFrequencies rope_frequencies(const RopeScaling& scaling, double base,
                                               int64_t rotary_dim, int64_t max_position_embeddings);
 
 /// theta_i for a batch whose largest position is max_position: (rotary_dim / 2,) float64.
 /// Only dynamic and longrope depend on it (through the length max_position + 1); without
 /// max_position, or for the other types, this is freqs.inv_freq.
-ROPE_EXT_API at::Tensor inv_freq_for(const RopeFrequencies& freqs,
+inline at::Tensor inv_freq_for(const RopeFrequencies& freqs,
                                      std::optional<int64_t> max_position = std::nullopt);
 
 /// Full-form (cos, sin) tables for the given positions, as rope_ext.positions.cos_sin_tables.
@@ -179,10 +172,13 @@ ROPE_EXT_API at::Tensor inv_freq_for(const RopeFrequencies& freqs,
 /// @param dtype      dtype of the result; angles are computed in float64.
 /// @return (cos, sin) of shape P + (r,), on positions' device. Add a heads dim (unsqueeze) before
 ///         passing them to rotary with (batch, heads, seqlen, head_dim) x.
-ROPE_EXT_API std::tuple<at::Tensor, at::Tensor> cos_sin_tables(const at::Tensor& positions,
+inline std::tuple<at::Tensor, at::Tensor> cos_sin_tables(const at::Tensor& positions,
                                                               const at::Tensor& inv_freq,
                                                               bool interleaved = false,
                                                               double scale = 1.0,
                                                               at::ScalarType dtype = at::kFloat);
 
 }  // namespace rope_ext
+
+#include "rope_ext/autograd.h"     // the op functions above, with their autograd
+#include "rope_ext/frequencies.h"  // rope_frequencies, inv_freq_for and cos_sin_tables

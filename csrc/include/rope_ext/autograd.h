@@ -1,9 +1,10 @@
-// Autograd-key kernels, written in C++ and device-agnostic: they call the ops below autograd,
-// so the CPU and CUDA kernels behind them are the same ones the forward uses.
+// The C++ API's autograd, included by rope_ext/rope.h (not for direct use). Header-only: it
+// compiles against the program's own LibTorch, so that librope_ext.so can stay on torch's stable
+// ABI, which has no autograd (issue 37). Python registers the same formulas (rope_ext/_autograd.py).
 //
-// They are in C++ rather than registered from Python because a Python autograd kernel runs
-// Python on every call, also under torch.no_grad() (HF's generate): about 30 us per call, more
-// than rotating a decode step's q and k takes. Here a call that needs no graph costs a check.
+// Each op function of rope.h calls its op below autograd when no graph is recorded (no grad mode,
+// or nothing requires grad), and otherwise applies one of the torch::autograd::Functions here,
+// whose forward calls the op below autograd and whose backward is written with ops.
 //
 // The formulas. out = x*c + R(x)*s on the rotary columns (conjugate: out = x*c - R(x*s)), so
 //   dx   = rotary(g, c, s, conjugate=not conjugate)     (the transposed map, same kernel)
@@ -11,47 +12,70 @@
 //   dsin = g * R(x)          (forward)     or     R(g) * x     (conjugate)
 // on the first r columns, summed back to cos/sin's broadcast shape. x is saved only when cos
 // or sin needs a gradient; otherwise the backward keeps nothing but cos and sin. Everything is
-// written with ops (and symbolic sizes), so double backward, torch.compile and torch.export
-// trace through it.
+// written with ops (and symbolic sizes), so double backward and tracing go through it.
+#pragma once
+
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/library.h>
 #include <torch/version.h>
 
+#include <initializer_list>
 #include <optional>
+#include <string>
 #include <tuple>
+#include <utility>
 
-#include "registration.h"
+#include "rope_ext/version.h"
+
+// Defined in librope_ext.so: the one symbol of the library these headers call, so that a program's
+// link keeps the library (even with --as-needed), whose loading registers the ops. Its version.
+extern "C" __attribute__((visibility("default"))) const char* rope_ext_library_version();
 
 namespace rope_ext {
-namespace {
+namespace detail {
+
+// The op `name` (e.g. "rope_ext::rotary"), for a call site's static handle.
+template <class Signature>
+c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
+  const std::string library = rope_ext_library_version();
+  TORCH_CHECK(library == ROPE_EXT_VERSION, "rope_ext: these headers are version ", ROPE_EXT_VERSION,
+              ", the librope_ext loaded is ", library, "; build and run against one release");
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
 
 using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-Tensor call_rotary(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved, bool conjugate) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("rope_ext::rotary", "")
-                             .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, bool, bool)>();
+inline Tensor call_rotary(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved, bool conjugate) {
+  static const auto op = op_handle<Tensor(const Tensor&, const Tensor&, const Tensor&, bool, bool)>("rope_ext::rotary");
   return op.call(x, cos, sin, interleaved, conjugate);
 }
 
-std::tuple<Tensor, Tensor> call_rotary_qk(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin,
+inline std::tuple<Tensor, Tensor> call_rotary_qk(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin,
                                           bool interleaved, const std::optional<Tensor>& cos_k,
                                           const std::optional<Tensor>& sin_k, bool conjugate) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("rope_ext::rotary_qk", "")
-          .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool,
-                                            const std::optional<Tensor>&, const std::optional<Tensor>&, bool)>();
+  static const auto op = op_handle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool,
+                                            const std::optional<Tensor>&, const std::optional<Tensor>&, bool)>("rope_ext::rotary_qk");
   return op.call(q, k, cos, sin, interleaved, cos_k, sin_k, conjugate);
 }
 
-bool any_requires_grad(std::initializer_list<const Tensor*> ts) {
+// The op functions with autograd, defined below: each backward calls them, so that its own
+// graph is recorded when it runs under create_graph (double backward).
+inline Tensor rotary_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved, bool conjugate);
+inline std::tuple<Tensor, Tensor> rotary_qk_autograd(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin,
+                                              bool interleaved, const std::optional<Tensor>& cos_k,
+                                              const std::optional<Tensor>& sin_k, bool conjugate);
+inline Tensor rotary_pos_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                           bool interleaved, bool conjugate);
+inline std::tuple<Tensor, Tensor> rotary_pos_qk_autograd(const Tensor& q, const Tensor& k, const Tensor& cos,
+                                                  const Tensor& sin, const Tensor& positions, bool interleaved,
+                                                  bool conjugate);
+
+inline bool any_requires_grad(std::initializer_list<const Tensor*> ts) {
   for (const Tensor* t : ts) {
     if (t->defined() && t->requires_grad()) return true;
   }
@@ -59,7 +83,7 @@ bool any_requires_grad(std::initializer_list<const Tensor*> ts) {
 }
 
 // R(v) over v's whole last dim (rope_ext/reference.py's rotate).
-Tensor rotate(const Tensor& v, bool interleaved) {
+inline Tensor rotate(const Tensor& v, bool interleaved) {
   if (interleaved) {
     const Tensor x1 = v.slice(-1, 0, c10::nullopt, 2);
     const Tensor x2 = v.slice(-1, 1, c10::nullopt, 2);
@@ -70,7 +94,7 @@ Tensor rotate(const Tensor& v, bool interleaved) {
 }
 
 // (dcos, dsin) of one rotary call at cos's (broadcast) shape and dtype; undefined where not needed.
-std::pair<Tensor, Tensor> table_grads(const Tensor& grad, const Tensor& x, const Tensor& cos, bool interleaved,
+inline std::pair<Tensor, Tensor> table_grads(const Tensor& grad, const Tensor& x, const Tensor& cos, bool interleaved,
                                       bool conjugate, bool need_cos, bool need_sin) {
   const c10::SymInt r = cos.sym_size(-1);
   const auto dtype = at::promote_types(x.scalar_type(), cos.scalar_type());
@@ -85,7 +109,7 @@ std::pair<Tensor, Tensor> table_grads(const Tensor& grad, const Tensor& x, const
   return {dcos, dsin};
 }
 
-Tensor add_defined(const Tensor& a, const Tensor& b) {
+inline Tensor add_defined(const Tensor& a, const Tensor& b) {
   return !a.defined() ? b : !b.defined() ? a : a + b;
 }
 
@@ -107,7 +131,7 @@ struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
     const bool conjugate = ctx->saved_data["conjugate"].toBool();
     const Tensor& g = grads[0];
     Tensor dx, dcos, dsin;
-    if (ctx->needs_input_grad(0)) dx = call_rotary(g, cos, sin, interleaved, !conjugate);
+    if (ctx->needs_input_grad(0)) dx = rotary_autograd(g, cos, sin, interleaved, !conjugate);
     if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
       std::tie(dcos, dsin) =
           table_grads(g, x, cos, interleaved, conjugate, ctx->needs_input_grad(1), ctx->needs_input_grad(2));
@@ -148,7 +172,7 @@ struct RotaryQKFunction : torch::autograd::Function<RotaryQKFunction> {
     Tensor dq, dk, dcos, dsin, dcos_k, dsin_k;
     if (need_q || need_k) {
       const auto ok = [](const Tensor& t) { return std::optional<Tensor>(t.defined() ? t : Tensor()); };
-      std::tie(dq, dk) = call_rotary_qk(gq, gk, cos, sin, interleaved, separate ? ok(cos_k) : std::nullopt,
+      std::tie(dq, dk) = rotary_qk_autograd(gq, gk, cos, sin, interleaved, separate ? ok(cos_k) : std::nullopt,
                                         separate ? ok(sin_k) : std::nullopt, !conjugate);
     }
     if (need_cos || need_sin) {
@@ -166,22 +190,17 @@ struct RotaryQKFunction : torch::autograd::Function<RotaryQKFunction> {
   }
 };
 
-Tensor call_rotary_pos(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+inline Tensor call_rotary_pos(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
                        bool interleaved, bool conjugate) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("rope_ext::rotary_pos", "")
-          .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, bool)>();
+  static const auto op = op_handle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, bool)>("rope_ext::rotary_pos");
   return op.call(x, cos, sin, positions, interleaved, conjugate);
 }
 
-std::tuple<Tensor, Tensor> call_rotary_pos_qk(const Tensor& q, const Tensor& k, const Tensor& cos,
+inline std::tuple<Tensor, Tensor> call_rotary_pos_qk(const Tensor& q, const Tensor& k, const Tensor& cos,
                                               const Tensor& sin, const Tensor& positions, bool interleaved,
                                               bool conjugate) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("rope_ext::rotary_pos_qk", "")
-                             .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                               const Tensor&, const Tensor&, bool, bool)>();
+  static const auto op = op_handle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                               const Tensor&, const Tensor&, bool, bool)>("rope_ext::rotary_pos_qk");
   return op.call(q, k, cos, sin, positions, interleaved, conjugate);
 }
 
@@ -190,7 +209,7 @@ std::tuple<Tensor, Tensor> call_rotary_pos_qk(const Tensor& q, const Tensor& k, 
 //   dc_i = g_a x_a + g_b x_b,   ds_i = g_b x_a - g_a x_b   (negated for the transpose),
 // summed over the heads (the dims positions broadcast over) and scattered into the rows the
 // positions name (accumulating: a position that repeats adds up). Undefined where not needed.
-std::pair<Tensor, Tensor> cache_grads(const Tensor& grad, const Tensor& x, const Tensor& cos, const Tensor& positions,
+inline std::pair<Tensor, Tensor> cache_grads(const Tensor& grad, const Tensor& x, const Tensor& cos, const Tensor& positions,
                                       bool interleaved, bool conjugate, bool need_cos, bool need_sin) {
   const c10::SymInt half = cos.sym_size(1);
   const auto dtype = at::promote_types(x.scalar_type(), cos.scalar_type());
@@ -250,7 +269,7 @@ struct RotaryPosFunction : torch::autograd::Function<RotaryPosFunction> {
     const bool conjugate = ctx->saved_data["conjugate"].toBool();
     const Tensor& g = grads[0];
     Tensor dx, dcos, dsin;
-    if (ctx->needs_input_grad(0)) dx = call_rotary_pos(g, cos, sin, positions, interleaved, !conjugate);
+    if (ctx->needs_input_grad(0)) dx = rotary_pos_autograd(g, cos, sin, positions, interleaved, !conjugate);
     if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
       std::tie(dcos, dsin) = cache_grads(g, x, cos, positions, interleaved, conjugate, ctx->needs_input_grad(1),
                                          ctx->needs_input_grad(2));
@@ -280,7 +299,7 @@ struct RotaryPosQKFunction : torch::autograd::Function<RotaryPosQKFunction> {
     const bool need_cos = ctx->needs_input_grad(2), need_sin = ctx->needs_input_grad(3);
     const Tensor &gq = grads[0], &gk = grads[1];
     Tensor dq, dk, dcos, dsin;
-    if (need_q || need_k) std::tie(dq, dk) = call_rotary_pos_qk(gq, gk, cos, sin, positions, interleaved, !conjugate);
+    if (need_q || need_k) std::tie(dq, dk) = rotary_pos_qk_autograd(gq, gk, cos, sin, positions, interleaved, !conjugate);
     if (need_cos || need_sin) {
       std::tie(dcos, dsin) = cache_grads(gq, q, cos, positions, interleaved, conjugate, need_cos, need_sin);
       auto [kc, ks] = cache_grads(gk, k, cos, positions, interleaved, conjugate, need_cos, need_sin);
@@ -291,7 +310,7 @@ struct RotaryPosQKFunction : torch::autograd::Function<RotaryPosQKFunction> {
   }
 };
 
-Tensor rotary_pos_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+inline Tensor rotary_pos_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
                            bool interleaved, bool conjugate) {
   if (!at::GradMode::is_enabled() || !any_requires_grad({&x, &cos, &sin})) {
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -300,7 +319,7 @@ Tensor rotary_pos_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin
   return RotaryPosFunction::apply(x, cos, sin, positions, interleaved, conjugate);
 }
 
-std::tuple<Tensor, Tensor> rotary_pos_qk_autograd(const Tensor& q, const Tensor& k, const Tensor& cos,
+inline std::tuple<Tensor, Tensor> rotary_pos_qk_autograd(const Tensor& q, const Tensor& k, const Tensor& cos,
                                                   const Tensor& sin, const Tensor& positions, bool interleaved,
                                                   bool conjugate) {
   if (!at::GradMode::is_enabled() || !any_requires_grad({&q, &k, &cos, &sin})) {
@@ -315,7 +334,7 @@ std::tuple<Tensor, Tensor> rotary_pos_qk_autograd(const Tensor& q, const Tensor&
 // inputs that need one, and bump the rotated tensors' version counters so that a tensor saved for
 // someone else's backward and then rotated in place raises autograd's "modified by an inplace
 // operation".
-void refuse_grad(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> inputs,
+inline void refuse_grad(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> inputs,
                  const char* out_of_place) {
   if (!at::GradMode::is_enabled()) return;
   for (const auto& [name, t] : inputs) {
@@ -326,11 +345,11 @@ void refuse_grad(const char* op, std::initializer_list<std::pair<const char*, co
   }
 }
 
-void bump(const Tensor& t) {
+inline void bump(const Tensor& t) {
   if (t.defined() && !t.is_inference()) torch::autograd::impl::bump_version(t);
 }
 
-void rotary_pos_inplace_autograd(at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& cos,
+inline void rotary_pos_inplace_autograd(at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& cos,
                                  const at::Tensor& sin, const at::Tensor& positions, bool interleaved,
                                  bool conjugate) {
   const Tensor kt = k.value_or(Tensor());
@@ -338,11 +357,8 @@ void rotary_pos_inplace_autograd(at::Tensor& q, const std::optional<at::Tensor>&
               "rope_ext.rotary_pos");
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    static const auto op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("rope_ext::rotary_pos_", "")
-            .typed<void(at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, bool, bool)>();
+    static const auto op = op_handle<void(at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, bool, bool)>("rope_ext::rotary_pos_");
     op.call(q, k, cos, sin, positions, interleaved, conjugate);
   }
   bump(q);
@@ -350,7 +366,7 @@ void rotary_pos_inplace_autograd(at::Tensor& q, const std::optional<at::Tensor>&
 }
 
 // Without a graph to record (no grad mode, or nothing requires grad) the op runs directly.
-Tensor rotary_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved, bool conjugate) {
+inline Tensor rotary_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved, bool conjugate) {
   if (!at::GradMode::is_enabled() || !any_requires_grad({&x, &cos, &sin})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     return call_rotary(x, cos, sin, interleaved, conjugate);
@@ -358,7 +374,7 @@ Tensor rotary_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin, bo
   return RotaryFunction::apply(x, cos, sin, interleaved, conjugate);
 }
 
-std::tuple<Tensor, Tensor> rotary_qk_autograd(const Tensor& q, const Tensor& k, const Tensor& cos,
+inline std::tuple<Tensor, Tensor> rotary_qk_autograd(const Tensor& q, const Tensor& k, const Tensor& cos,
                                               const Tensor& sin, bool interleaved,
                                               const std::optional<Tensor>& cos_k,
                                               const std::optional<Tensor>& sin_k, bool conjugate) {
@@ -371,27 +387,54 @@ std::tuple<Tensor, Tensor> rotary_qk_autograd(const Tensor& q, const Tensor& k, 
   return {outs[0], outs[1]};
 }
 
-void rotary_inplace_autograd(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+inline void rotary_inplace_autograd(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                              bool interleaved, bool conjugate) {
   refuse_grad("rope_ext.rotary_", {{"x", &x}, {"cos", &cos}, {"sin", &sin}}, "rope_ext.rotary");
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("rope_ext::rotary_", "")
-                               .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool)>();
+    static const auto op = op_handle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool)>("rope_ext::rotary_");
     op.call(x, cos, sin, interleaved, conjugate);
   }
   bump(x);
 }
 
-}  // namespace
+}  // namespace detail
 }  // namespace rope_ext
 
-void rope_ext::register_autograd_kernels(torch::Library& m) {
-  m.impl("rotary", &rotary_autograd);
-  m.impl("rotary_qk", &rotary_qk_autograd);
-  m.impl("rotary_", &rotary_inplace_autograd);
-  m.impl("rotary_pos", &rotary_pos_autograd);
-  m.impl("rotary_pos_qk", &rotary_pos_qk_autograd);
-  m.impl("rotary_pos_", &rotary_pos_inplace_autograd);
+
+namespace rope_ext {
+
+inline at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
+                         bool conjugate) {
+  return detail::rotary_autograd(x, cos, sin, interleaved, conjugate);
 }
+
+inline std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                                    const at::Tensor& sin, bool interleaved,
+                                                    const std::optional<at::Tensor>& cos_k,
+                                                    const std::optional<at::Tensor>& sin_k, bool conjugate) {
+  return detail::rotary_qk_autograd(q, k, cos, sin, interleaved, cos_k, sin_k, conjugate);
+}
+
+inline void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved, bool conjugate) {
+  detail::rotary_inplace_autograd(x, cos, sin, interleaved, conjugate);
+}
+
+inline at::Tensor rotary_pos(const at::Tensor& x, const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                             const at::Tensor& positions, bool interleaved, bool conjugate) {
+  return detail::rotary_pos_autograd(x, cos_cache, sin_cache, positions, interleaved, conjugate);
+}
+
+inline std::tuple<at::Tensor, at::Tensor> rotary_pos_qk(const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                                                        const at::Tensor& positions, bool interleaved,
+                                                        bool conjugate) {
+  return detail::rotary_pos_qk_autograd(q, k, cos_cache, sin_cache, positions, interleaved, conjugate);
+}
+
+inline void rotary_pos_(at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& cos_cache,
+                        const at::Tensor& sin_cache, const at::Tensor& positions, bool interleaved, bool conjugate) {
+  detail::rotary_pos_inplace_autograd(q, k, cos_cache, sin_cache, positions, interleaved, conjugate);
+}
+
+}  // namespace rope_ext

@@ -1,23 +1,28 @@
-// RoPE frequency schedules (every Hugging Face rope_type) and cos/sin tables, in float64.
-// The one implementation: the C++ API (include/rope_ext/rope.h) calls these functions directly
-// (cos_sin_tables through its op, api.cpp), Python's rope_ext.scaling and rope_ext.positions
-// through the ops _rope_frequencies and cos_sin_tables (csrc/ops.cpp).
+// The C++ API's frequency schedules (every Hugging Face rope_type) and cos/sin tables, in float64,
+// included by rope_ext/rope.h (not for direct use). Header-only: written with ATen ops, compiled
+// against the program's own LibTorch (the library, on torch's stable ABI, has none of them). Python's
+// rope_ext.scaling and rope_ext.positions do the same float64 operations in the same order;
+// tests/test_scaling.py and tests/test_module.py compare their bits through the test hooks.
+#pragma once
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/string_view.h>
 
 #include <cmath>
 #include <limits>
-
-#include "frequencies.h"
-#include "rope_ext/rope.h"
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
 
 namespace rope_ext {
-namespace {
+namespace detail {
 
-constexpr const char* kWhere = "rope_ext.rope_frequencies";
+inline constexpr const char* kWhere = "rope_ext.rope_frequencies";
 
 // value if set, else fallback; must be finite (and > 0 unless positive is false).
-double number(const char* name, std::optional<double> value, std::optional<double> fallback,
+inline double number(const char* name, std::optional<double> value, std::optional<double> fallback,
               bool positive = true) {
   TORCH_CHECK(value.has_value() || fallback.has_value(), kWhere, ": scaling needs ", name);
   const double v = value.has_value() ? *value : *fallback;
@@ -26,7 +31,7 @@ double number(const char* name, std::optional<double> value, std::optional<doubl
   return v;
 }
 
-at::Tensor as_factors(const char* name, const std::vector<double>& values, int64_t half) {
+inline at::Tensor as_factors(const char* name, const std::vector<double>& values, int64_t half) {
   TORCH_CHECK(static_cast<int64_t>(values.size()) == half, kWhere, ": ", name,
               " must have rotary_dim/2 = ", half, " values, got ", values.size());
   for (const double v : values) {
@@ -36,18 +41,18 @@ at::Tensor as_factors(const char* name, const std::vector<double>& values, int64
 }
 
 // The exponents -2i/d, i < d/2, of theta_i = base^(-2i/d).
-at::Tensor exponents(int64_t d, const at::TensorOptions& options) {
+inline at::Tensor exponents(int64_t d, const at::TensorOptions& options) {
   return -(at::arange(0, d, 2, options) / static_cast<double>(d));
 }
 
-double yarn_mscale(double scale, double m = 1.0) {
+inline double yarn_mscale(double scale, double m = 1.0) {
   return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
 }
 
 // YaRN (Peng et al., 2023), as transformers computes it: a linear ramp over the dims between
 // the correction dims of beta_fast and beta_slow rotations, interpolating below it and
 // extrapolating above it.
-at::Tensor yarn(const RopeScaling& s, double base, int64_t d, const at::Tensor& inv,
+inline at::Tensor yarn(const RopeScaling& s, double base, int64_t d, const at::Tensor& inv,
                 double factor, int64_t original, double* attention) {
   if (s.attention_factor.has_value()) {
     *attention = number("attention_factor", s.attention_factor, std::nullopt);
@@ -80,7 +85,7 @@ at::Tensor yarn(const RopeScaling& s, double base, int64_t d, const at::Tensor& 
 // low_freq_factor == high_freq_factor there is no band between (transformers warns and computes
 // the same; vLLM takes the blend weight as 0 there, as here: a wavelength of exactly
 // original / low_freq_factor is divided by factor).
-at::Tensor llama3(const RopeScaling& s, const at::Tensor& inv, double factor, int64_t original) {
+inline at::Tensor llama3(const RopeScaling& s, const at::Tensor& inv, double factor, int64_t original) {
   const double low = number("low_freq_factor", s.low_freq_factor, std::nullopt);
   const double high = number("high_freq_factor", s.high_freq_factor, std::nullopt);
   TORCH_CHECK(low <= high, kWhere, ": low_freq_factor (", low, ") must be <= high_freq_factor (", high, ")");
@@ -94,23 +99,23 @@ at::Tensor llama3(const RopeScaling& s, const at::Tensor& inv, double factor, in
   return at::where(medium, smoothed, scaled);
 }
 
-}  // namespace
+}  // namespace detail
 
-RopeFrequencies rope_frequencies(const RopeScaling& s, double base, int64_t d, int64_t max_pos) {
+inline RopeFrequencies rope_frequencies(const RopeScaling& s, double base, int64_t d, int64_t max_pos) {
   const std::string& type = s.rope_type;
   TORCH_CHECK(type == "default" || type == "linear" || type == "dynamic" || type == "yarn" ||
                   type == "longrope" || type == "llama3" || type == "proportional",
-              kWhere, ": rope_type must be one of default, linear, dynamic, yarn, longrope, llama3, proportional, got '",
+              detail::kWhere, ": rope_type must be one of default, linear, dynamic, yarn, longrope, llama3, proportional, got '",
               type, "'");
-  TORCH_CHECK(std::isfinite(base) && base > 0, kWhere, ": base must be a finite positive number, got ", base);
-  TORCH_CHECK(d > 0 && d % 2 == 0, kWhere, ": rotary_dim must be a positive even int, got ", d);
-  TORCH_CHECK(max_pos > 0, kWhere, ": max_position_embeddings must be a positive int, got ", max_pos);
+  TORCH_CHECK(std::isfinite(base) && base > 0, detail::kWhere, ": base must be a finite positive number, got ", base);
+  TORCH_CHECK(d > 0 && d % 2 == 0, detail::kWhere, ": rotary_dim must be a positive even int, got ", d);
+  TORCH_CHECK(max_pos > 0, detail::kWhere, ": max_position_embeddings must be a positive int, got ", max_pos);
   const int64_t original = s.original_max_position_embeddings.value_or(max_pos);
-  TORCH_CHECK(original > 0, kWhere, ": original_max_position_embeddings must be a positive int, got ", original);
+  TORCH_CHECK(original > 0, detail::kWhere, ": original_max_position_embeddings must be a positive int, got ", original);
 
   // Config-time math, on the CPU in float64.
   const auto f64 = at::TensorOptions().dtype(at::kDouble).device(at::kCPU);
-  at::Tensor inv = at::pow(base, exponents(d, f64));
+  at::Tensor inv = at::pow(base, detail::exponents(d, f64));
 
   RopeFrequencies out;
   out.rope_type = type;
@@ -118,35 +123,35 @@ RopeFrequencies rope_frequencies(const RopeScaling& s, double base, int64_t d, i
   out.base = base;
   out.switch_len = max_pos;
   if (type == "linear" || type == "dynamic" || type == "llama3") {
-    out.factor = number("factor", s.factor, std::nullopt);
-    TORCH_CHECK(out.factor >= 1, kWhere, ": factor must be >= 1 for rope_type '", type, "', got ", out.factor);
+    out.factor = detail::number("factor", s.factor, std::nullopt);
+    TORCH_CHECK(out.factor >= 1, detail::kWhere, ": factor must be >= 1 for rope_type '", type, "', got ", out.factor);
   }
   if (type == "linear") {
     inv = inv / out.factor;
   } else if (type == "dynamic") {
-    TORCH_CHECK(d > 2, kWhere, ": dynamic NTK scaling needs rotary_dim > 2");
+    TORCH_CHECK(d > 2, detail::kWhere, ": dynamic NTK scaling needs rotary_dim > 2");
   } else if (type == "yarn") {
-    out.factor = number("factor", s.factor, static_cast<double>(max_pos) / static_cast<double>(original));
-    inv = yarn(s, base, d, inv, out.factor, original, &out.attention_factor);
+    out.factor = detail::number("factor", s.factor, static_cast<double>(max_pos) / static_cast<double>(original));
+    inv = detail::yarn(s, base, d, inv, out.factor, original, &out.attention_factor);
   } else if (type == "longrope") {
-    const at::Tensor short_f = as_factors("short_factor", s.short_factor, d / 2);
-    const at::Tensor long_f = as_factors("long_factor", s.long_factor, d / 2);
-    out.factor = number("factor", s.factor, static_cast<double>(max_pos) / static_cast<double>(original));
+    const at::Tensor short_f = detail::as_factors("short_factor", s.short_factor, d / 2);
+    const at::Tensor long_f = detail::as_factors("long_factor", s.long_factor, d / 2);
+    out.factor = detail::number("factor", s.factor, static_cast<double>(max_pos) / static_cast<double>(original));
     const double fallback =
         out.factor <= 1 ? 1.0
                         : std::sqrt(1 + std::log(out.factor) / std::log(static_cast<double>(original)));
-    out.attention_factor = number("attention_factor", s.attention_factor, fallback);
+    out.attention_factor = detail::number("attention_factor", s.attention_factor, fallback);
     out.inv_freq_long = inv / long_f;
     inv = inv / short_f;
     out.switch_len = original;
   } else if (type == "llama3") {
-    inv = llama3(s, inv, out.factor, original);
+    inv = detail::llama3(s, inv, out.factor, original);
   } else if (type == "proportional") {
     // transformers' Gemma 4 rule: int(p * head_dim // 2) pairs turn, at head_dim's frequencies.
-    const double p = number("partial_rotary_factor", s.partial_rotary_factor, 1.0, /*positive=*/false);
-    TORCH_CHECK(p >= 0 && p <= 1, kWhere, ": partial_rotary_factor must be in [0, 1] for rope_type 'proportional', got ",
+    const double p = detail::number("partial_rotary_factor", s.partial_rotary_factor, 1.0, /*positive=*/false);
+    TORCH_CHECK(p >= 0 && p <= 1, detail::kWhere, ": partial_rotary_factor must be in [0, 1] for rope_type 'proportional', got ",
                 p);
-    out.factor = number("factor", s.factor, 1.0);
+    out.factor = detail::number("factor", s.factor, 1.0);
     const int64_t turning = static_cast<int64_t>(std::floor(p * static_cast<double>(d) / 2));
     inv = inv / out.factor;
     inv.narrow(0, turning, d / 2 - turning).zero_();
@@ -156,7 +161,8 @@ RopeFrequencies rope_frequencies(const RopeScaling& s, double base, int64_t d, i
 }
 
 // dynamic / longrope theta_i for a batch whose largest position is the 0-dim max_position.
-static at::Tensor inv_freq_for_length(const at::Tensor& inv_freq, const std::optional<at::Tensor>& inv_freq_long,
+namespace detail {
+inline at::Tensor inv_freq_for_length(const at::Tensor& inv_freq, const std::optional<at::Tensor>& inv_freq_long,
                                c10::string_view rope_type, double base, int64_t rotary_dim,
                                int64_t switch_len, double factor, const at::Tensor& max_position) {
   const auto f64 = inv_freq.options().dtype(at::kDouble);
@@ -175,16 +181,20 @@ static at::Tensor inv_freq_for_length(const at::Tensor& inv_freq, const std::opt
   return at::pow(grown, exponents(d, f64));
 }
 
-at::Tensor inv_freq_for(const RopeFrequencies& f, std::optional<int64_t> max_position) {
+}  // namespace detail
+
+inline at::Tensor inv_freq_for(const RopeFrequencies& f, std::optional<int64_t> max_position) {
   if (!max_position.has_value() || (f.rope_type != "dynamic" && f.rope_type != "longrope")) return f.inv_freq;
   TORCH_CHECK(*max_position >= 0, "rope_ext.inv_freq_for: max_position must be >= 0, got ", *max_position);
   const std::optional<at::Tensor> long_f =
       f.inv_freq_long.defined() ? std::optional<at::Tensor>(f.inv_freq_long) : std::nullopt;
-  return inv_freq_for_length(f.inv_freq, long_f, f.rope_type, f.base, f.rotary_dim, f.switch_len, f.factor,
+  return detail::inv_freq_for_length(f.inv_freq, long_f, f.rope_type, f.base, f.rotary_dim, f.switch_len, f.factor,
                              at::scalar_tensor(*max_position, at::TensorOptions().dtype(at::kLong)));
 }
 
-std::tuple<at::Tensor, at::Tensor> cos_sin_tables_impl(const at::Tensor& positions, const at::Tensor& inv_freq,
+namespace detail {
+// cos_sin_tables without the value check on positions.
+inline std::tuple<at::Tensor, at::Tensor> cos_sin_tables_impl(const at::Tensor& positions, const at::Tensor& inv_freq,
                                                        bool interleaved, double scale,
                                                        std::optional<at::ScalarType> dtype) {
   TORCH_CHECK(!at::isFloatingType(positions.scalar_type()) && !at::isComplexType(positions.scalar_type()) &&
@@ -204,28 +214,17 @@ std::tuple<at::Tensor, at::Tensor> cos_sin_tables_impl(const at::Tensor& positio
   const at::ScalarType out = dtype.value_or(at::kFloat);
   return {cos.to(out), sin.to(out)};
 }
+}  // namespace detail
 
-std::tuple<at::Tensor, at::Tensor, double, int64_t, double> rope_frequencies_op(
-    c10::string_view rope_type, double base, int64_t rotary_dim, int64_t max_position_embeddings,
-    std::optional<double> factor, std::optional<int64_t> original_max_position_embeddings,
-    std::optional<double> attention_factor, std::optional<double> beta_fast, std::optional<double> beta_slow,
-    std::optional<double> mscale, std::optional<double> mscale_all_dim, bool truncate,
-    std::optional<double> low_freq_factor, std::optional<double> high_freq_factor,
-    c10::ArrayRef<double> short_factor, c10::ArrayRef<double> long_factor,
-    std::optional<double> partial_rotary_factor) {
-  RopeScaling s;
-  s.rope_type = std::string(rope_type);
-  s.factor = factor;
-  s.original_max_position_embeddings = original_max_position_embeddings;
-  s.attention_factor = attention_factor;
-  s.beta_fast = beta_fast, s.beta_slow = beta_slow, s.mscale = mscale, s.mscale_all_dim = mscale_all_dim;
-  s.truncate = truncate;
-  s.low_freq_factor = low_freq_factor, s.high_freq_factor = high_freq_factor;
-  s.short_factor = short_factor.vec(), s.long_factor = long_factor.vec();
-  s.partial_rotary_factor = partial_rotary_factor;
-  RopeFrequencies f = rope_frequencies(s, base, rotary_dim, max_position_embeddings);
-  const at::Tensor long_f = f.inv_freq_long.defined() ? f.inv_freq_long : at::empty({0}, f.inv_freq.options());
-  return {f.inv_freq, long_f, f.attention_factor, f.switch_len, f.factor};
+inline std::tuple<at::Tensor, at::Tensor> cos_sin_tables(const at::Tensor& positions, const at::Tensor& inv_freq,
+                                                  bool interleaved, double scale, at::ScalarType dtype) {
+  // (The value check reads the data: a device sync.)
+  const at::ScalarType t = positions.scalar_type();
+  if (positions.numel() && at::isIntegralType(t, /*includeBool=*/false)) {
+    const int64_t least = positions.min().item<int64_t>();
+    TORCH_CHECK(least >= 0, "rope_ext.cos_sin_tables: positions must be >= 0, got a minimum of ", least);
+  }
+  return detail::cos_sin_tables_impl(positions, inv_freq, interleaved, scale, dtype);
 }
 
 }  // namespace rope_ext

@@ -1,0 +1,257 @@
+"""Autograd for the rope_ext ops, registered with ``torch.library.register_autograd``.
+
+The library that holds the kernels is built on torch's stable ABI (issue 37), which has no C++
+autograd: the formulas live here, in Python, and apply to every call that records a graph, whether
+it comes through the public functions, ``torch.ops.rope_ext.*``, ``torch.compile`` or
+``torch.export``. (C++ programs get the same formulas from ``rope_ext/autograd.h``.)
+
+The formulas. out = x*c + R(x)*s on the rotary columns (conjugate: out = x*c - R(x*s)), so
+
+    dx   = rotary(g, c, s, conjugate=not conjugate)     (the transposed map, same kernel)
+    dcos = g * x
+    dsin = g * R(x)          (forward)     or     R(g) * x     (conjugate)
+
+on the first r columns, summed back to cos/sin's broadcast shape. For the half-width caches of
+rotary_pos, pair i with members (a, b): dc_i = g_a x_a + g_b x_b, ds_i = g_b x_a - g_a x_b (negated
+for the transpose), summed over the heads and added into the rows the positions name. x is saved
+only when cos or sin needs a gradient. Every formula is written with differentiable ops, so double
+backward, torch.compile and torch.export trace through it.
+
+The in-place ops (rotary_, rotary_pos_) are for inference: their autograd kernel refuses inputs
+that need a gradient, and bumps the rotated tensors' version counters so that a tensor saved for
+someone else's backward and then rotated in place raises autograd's "modified by an inplace
+operation".
+
+A Python autograd kernel costs about 4 us a call even when it records nothing (the dispatcher
+calling into Python); the public wrappers skip it where no graph is recorded (rope_ext/_ops.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_C = torch._C
+_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+
+
+#: Context manager: op calls inside it go straight to the device kernel (no autograd kernel).
+below_autograd = _C._AutoDispatchBelowAutograd
+
+
+def _rotate(v: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """R(v) over v's whole last dim (rope_ext.reference's rotation)."""
+    if interleaved:
+        return torch.stack((-v[..., 1::2], v[..., 0::2]), -1).flatten(-2)
+    a, b = v.chunk(2, -1)
+    return torch.cat((-b, a), -1)
+
+
+def _table_grads(g, x, cos, interleaved, conjugate, need_cos, need_sin):
+    """(dcos, dsin) of one rotary call, at cos's (broadcast) shape and dtype; None where not needed."""
+    r = cos.shape[-1]
+    dtype = torch.promote_types(x.dtype, cos.dtype)
+    g = g.narrow(-1, 0, r).to(dtype)
+    xr = x.narrow(-1, 0, r).to(dtype)
+    dcos = (g * xr).sum_to_size(cos.shape).to(cos.dtype) if need_cos else None
+    dsin = None
+    if need_sin:
+        ds = _rotate(g, interleaved) * xr if conjugate else g * _rotate(xr, interleaved)
+        dsin = ds.sum_to_size(cos.shape).to(cos.dtype)
+    return dcos, dsin
+
+
+def _needs(ctx, n: int) -> tuple[bool, ...]:
+    """ctx.needs_input_grad for the op's n arguments: the dispatcher leaves out trailing arguments
+    equal to their defaults, and needs_input_grad with them."""
+    need = tuple(ctx.needs_input_grad)
+    return need + (False,) * (n - len(need))
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+def _cache_grads(g, x, cos, positions, interleaved, conjugate, need_cos, need_sin):
+    """(dcos_cache, dsin_cache) of one rotary_pos call, (P, r/2) each; None where not needed."""
+    half = cos.shape[1]
+    dtype = torch.promote_types(x.dtype, cos.dtype)
+    g = g.narrow(-1, 0, 2 * half).to(dtype)
+    xr = x.narrow(-1, 0, 2 * half).to(dtype)
+    if interleaved:
+        ga, gb, xa, xb = g[..., 0::2], g[..., 1::2], xr[..., 0::2], xr[..., 1::2]
+    else:
+        ga, gb = g.narrow(-1, 0, half), g.narrow(-1, half, half)
+        xa, xb = xr.narrow(-1, 0, half), xr.narrow(-1, half, half)
+    index = positions.flatten()
+
+    def scatter(d):
+        # One row per element of positions (the sums over the heads), added into the rows they name.
+        rows = d.sum_to_size((*positions.shape, half)).reshape(index.shape[0], half)
+        zeros = rows.new_zeros(cos.shape)  # the same kind of tensor as rows (a DTensor's too)
+        if _TORCH < (2, 12) and _C._dispatch_keys(rows).has(_C.DispatchKey.Python):
+            # Before torch 2.12, DTensor's rule for index_put lets the values keep a shard of the
+            # indexed dim while it replicates the index, so rows sharded over tokens fail with a
+            # shape mismatch; scatter_add's rule shards only other dims. The same sums, but on CUDA
+            # scatter_add adds with atomics (their order varies), so only tensor subclasses take it.
+            idx = index.long().unsqueeze(1).expand(index.shape[0], half)
+            return zeros.scatter_add(0, idx, rows).to(cos.dtype)
+        # index_put with accumulate rather than index_add: the same sums, deterministic on CUDA
+        # (sorted), and from torch 2.12 DTensor has a sharding rule for it.
+        return torch.index_put(zeros, (index,), rows, accumulate=True).to(cos.dtype)
+
+    dcos = scatter(ga * xa + gb * xb) if need_cos else None
+    dsin = None
+    if need_sin:
+        dsin = scatter(ga * xb - gb * xa if conjugate else gb * xa - ga * xb)
+    return dcos, dsin
+
+
+# --- rotary ------------------------------------------------------------------------------------
+
+
+def _rotary_setup(ctx, inputs, output):
+    x, cos, sin, interleaved, conjugate = inputs
+    ctx.flags = (interleaved, conjugate)
+    ctx.save_for_backward(cos, sin, x if cos.requires_grad or sin.requires_grad else None)
+
+
+def _rotary_backward(ctx, g):
+    cos, sin, x = ctx.saved_tensors
+    interleaved, conjugate = ctx.flags
+    need = _needs(ctx, 3)
+    dx = torch.ops.rope_ext.rotary(g, cos, sin, interleaved, not conjugate) if need[0] else None
+    dcos = dsin = None
+    if need[1] or need[2]:
+        dcos, dsin = _table_grads(g, x, cos, interleaved, conjugate, need[1], need[2])
+    return dx, dcos, dsin, None, None
+
+
+# --- rotary_qk ---------------------------------------------------------------------------------
+
+
+def _rotary_qk_setup(ctx, inputs, output):
+    q, k, cos, sin, interleaved, cos_k, sin_k, conjugate = inputs
+    ctx.flags = (interleaved, conjugate)
+    q_tables = cos.requires_grad or sin.requires_grad
+    k_tables = (cos_k.requires_grad or sin_k.requires_grad) if cos_k is not None else q_tables
+    ctx.save_for_backward(cos, sin, cos_k, sin_k, q if q_tables else None, k if k_tables else None)
+
+
+def _rotary_qk_backward(ctx, gq, gk):
+    cos, sin, cos_k, sin_k, q, k = ctx.saved_tensors
+    interleaved, conjugate = ctx.flags
+    need_q, need_k, need_cos, need_sin, _, need_cos_k, need_sin_k, _ = _needs(ctx, 8)
+    separate = cos_k is not None
+    dq = dk = dcos = dsin = dcos_k = dsin_k = None
+    if need_q or need_k:
+        dq, dk = torch.ops.rope_ext.rotary_qk(gq, gk, cos, sin, interleaved, cos_k, sin_k, not conjugate)
+    if need_cos or need_sin:
+        dcos, dsin = _table_grads(gq, q, cos, interleaved, conjugate, need_cos, need_sin)
+        if not separate:  # k shares q's tables: its part adds up
+            kc, ks = _table_grads(gk, k, cos, interleaved, conjugate, need_cos, need_sin)
+            dcos, dsin = _add(dcos, kc), _add(dsin, ks)
+    if separate and (need_cos_k or need_sin_k):
+        dcos_k, dsin_k = _table_grads(gk, k, cos_k, interleaved, conjugate, need_cos_k, need_sin_k)
+    return dq if need_q else None, dk if need_k else None, dcos, dsin, None, dcos_k, dsin_k, None
+
+
+# --- rotary_pos --------------------------------------------------------------------------------
+
+
+def _rotary_pos_setup(ctx, inputs, output):
+    x, cos, sin, positions, interleaved, conjugate = inputs
+    ctx.flags = (interleaved, conjugate)
+    ctx.save_for_backward(cos, sin, positions, x if cos.requires_grad or sin.requires_grad else None)
+
+
+def _rotary_pos_backward(ctx, g):
+    cos, sin, positions, x = ctx.saved_tensors
+    interleaved, conjugate = ctx.flags
+    need = _needs(ctx, 3)
+    dx = torch.ops.rope_ext.rotary_pos(g, cos, sin, positions, interleaved, not conjugate) if need[0] else None
+    dcos = dsin = None
+    if need[1] or need[2]:
+        dcos, dsin = _cache_grads(g, x, cos, positions, interleaved, conjugate, need[1], need[2])
+    return dx, dcos, dsin, None, None, None
+
+
+def _rotary_pos_qk_setup(ctx, inputs, output):
+    q, k, cos, sin, positions, interleaved, conjugate = inputs
+    ctx.flags = (interleaved, conjugate)
+    tables = cos.requires_grad or sin.requires_grad
+    ctx.save_for_backward(cos, sin, positions, q if tables else None, k if tables else None)
+
+
+def _rotary_pos_qk_backward(ctx, gq, gk):
+    cos, sin, positions, q, k = ctx.saved_tensors
+    interleaved, conjugate = ctx.flags
+    need_q, need_k, need_cos, need_sin = _needs(ctx, 7)[:4]
+    dq = dk = dcos = dsin = None
+    if need_q or need_k:
+        dq, dk = torch.ops.rope_ext.rotary_pos_qk(gq, gk, cos, sin, positions, interleaved, not conjugate)
+    if need_cos or need_sin:
+        dcos, dsin = _cache_grads(gq, q, cos, positions, interleaved, conjugate, need_cos, need_sin)
+        kc, ks = _cache_grads(gk, k, cos, positions, interleaved, conjugate, need_cos, need_sin)
+        dcos, dsin = _add(dcos, kc), _add(dsin, ks)
+    return dq if need_q else None, dk if need_k else None, dcos, dsin, None, None, None
+
+
+# --- the in-place ops ----------------------------------------------------------------------------
+
+
+def refuse_grad(op: str, named, out_of_place: str) -> None:
+    """Raise if grad mode is on and one of ``named`` ((name, tensor or None) pairs) requires grad."""
+    if not _C.is_grad_enabled():
+        return
+    for name, t in named:
+        if t is not None and t.requires_grad:
+            raise RuntimeError(
+                f"{op}: {name} requires grad, but the in-place op records no gradient. Use {out_of_place} "
+                "(out of place) for training, or call it under torch.no_grad() or torch.inference_mode() "
+                "(in C++: at::NoGradGuard or c10::InferenceMode)"
+            )
+
+
+def bump(*tensors) -> None:
+    """Bump the version counters of the tensors rotated in place (inference tensors have none)."""
+    _C._increment_version([t for t in tensors if t is not None and not t.is_inference()])
+
+
+def run_inplace(op, named, out_of_place: str, args, rotated, keyset=None) -> None:
+    """An in-place op's call below autograd: refused if one of ``named`` needs a gradient, then run
+    (redispatched with ``keyset``, from its autograd kernel, or called, from a public wrapper), then
+    the version counters of ``rotated`` are bumped."""
+    refuse_grad(f"rope_ext.{op._opname}", named, out_of_place)
+    with below_autograd():
+        if keyset is None:
+            op(*args)
+        else:
+            op.redispatch(keyset & _C._after_autograd_keyset, *args)
+    bump(*rotated)
+
+
+def _rotary_inplace_autograd(keyset, x, cos, sin, interleaved=False, conjugate=False):
+    run_inplace(torch.ops.rope_ext.rotary_.default, (("x", x), ("cos", cos), ("sin", sin)), "rope_ext.rotary",
+                (x, cos, sin, interleaved, conjugate), (x,), keyset)
+
+
+def _rotary_pos_inplace_autograd(keyset, q, k, cos_cache, sin_cache, positions, interleaved=False, conjugate=False):
+    named = (("q", q), ("k", k), ("cos_cache", cos_cache), ("sin_cache", sin_cache))
+    run_inplace(torch.ops.rope_ext.rotary_pos_.default, named, "rope_ext.rotary_pos",
+                (q, k, cos_cache, sin_cache, positions, interleaved, conjugate), (q, k), keyset)
+
+
+_LIB = torch.library.Library("rope_ext", "IMPL")  # noqa: TOR901 (kept alive: the registrations below)
+
+
+def register() -> None:
+    """Register the formulas above (once, when rope_ext is imported)."""
+    for name, backward, setup in (
+        ("rotary", _rotary_backward, _rotary_setup),
+        ("rotary_qk", _rotary_qk_backward, _rotary_qk_setup),
+        ("rotary_pos", _rotary_pos_backward, _rotary_pos_setup),
+        ("rotary_pos_qk", _rotary_pos_qk_backward, _rotary_pos_qk_setup),
+    ):
+        torch.library.register_autograd(f"rope_ext::{name}", backward, setup_context=setup)
+    _LIB.impl("rotary_", _rotary_inplace_autograd, "Autograd", with_keyset=True)
+    _LIB.impl("rotary_pos_", _rotary_pos_inplace_autograd, "Autograd", with_keyset=True)
