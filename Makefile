@@ -7,7 +7,7 @@ PIP := $(PYTHON) -m pip
 SOURCES := setup.py pyproject.toml CMakeLists.txt $(wildcard cmake/*) $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
 STAMP := build/.installed
 
-.PHONY: setup test bench lint dist-check compat-check cuda-check gpu-check gpu-build gpu-rehearse sanitize gtest cpp-test cpp-example clean FORCE
+.PHONY: setup test bench lint abi-audit dist-check compat-check cuda-check gpu-check gpu-build gpu-rehearse sanitize gtest cpp-test cpp-example clean FORCE
 
 setup: $(STAMP)
 
@@ -94,6 +94,11 @@ cpp-example: setup
 	cmake -S examples/cpp -B build/example $(GENERATOR) -DCMAKE_PREFIX_PATH="$(ROPE_CMAKE);$(TORCH_CMAKE)"
 	cmake --build build/example
 	build/example/rope_example
+
+# How far librope_ext.so is from torch's stable ABI (nm, readelf, torch-abi-audit), with a ratchet
+# (tools/abi_budget.txt): issue 37.
+abi-audit: setup
+	PYTHON=$(PYTHON) bash tools/abi_audit.sh
 
 lint:
 	$(PYTHON) -m ruff check rope_ext tests benchmarks tools setup.py

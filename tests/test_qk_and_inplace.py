@@ -202,3 +202,38 @@ def test_compile_fullgraph_with_qk_and_inplace(gen):
     for a, b in zip(compiled(q, k, cos, sin), f(q, k, cos, sin), strict=True):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(compiled(q, k, cos, sin)[2], q, atol=1e-6, rtol=1e-6)
+
+
+def test_inplace_ops_through_the_dispatcher_refuse_grad_and_bump_versions(gen):
+    """torch.ops.rope_ext.rotary_ and rotary_pos_ called directly run their Autograd-key kernels
+    (rope_ext/_autograd.py), not the public wrappers' fast path: the same refusal of inputs that need
+    grad, the same version bumps, none for inference tensors, and the same results."""
+    x = randn(2, 4, 16, gen=gen)
+    cos, sin = rope_tables(torch.arange(2)[:, None], 16, False)
+    expected = rope_ext.rotary(x, cos, sin)
+    version = x._version
+    torch.ops.rope_ext.rotary_(x, cos, sin)
+    assert x._version > version and torch.equal(x, expected)
+    with pytest.raises(RuntimeError, match=r"rope_ext.rotary_: x requires grad, but the in-place op records no grad"):
+        torch.ops.rope_ext.rotary_(x.clone().requires_grad_(), cos, sin)
+    with pytest.raises(RuntimeError, match=r"rope_ext.rotary_: sin requires grad"):
+        torch.ops.rope_ext.rotary_(x, cos, sin.clone().requires_grad_())
+    with torch.no_grad():
+        torch.ops.rope_ext.rotary_(x.clone().requires_grad_(), cos, sin)
+
+    half = torch.arange(8, dtype=torch.float64)[:, None] * torch.rand(4, generator=gen, dtype=torch.float64)
+    cc, sc = half.cos().float(), half.sin().float()
+    pos = torch.arange(2)[:, None]
+    q, k = randn(2, 4, 8, gen=gen), randn(2, 1, 8, gen=gen)
+    eq, ek = rope_ext.rotary_pos_qk(q, k, cc, sc, pos)
+    v_q, v_k = q._version, k._version
+    torch.ops.rope_ext.rotary_pos_(q, k, cc, sc, pos)
+    assert q._version > v_q and k._version > v_k and torch.equal(q, eq) and torch.equal(k, ek)
+    with pytest.raises(RuntimeError, match=r"rope_ext.rotary_pos_: k requires grad, .*Use rope_ext.rotary_pos"):
+        torch.ops.rope_ext.rotary_pos_(q, k.clone().requires_grad_(), cc, sc, pos)
+    with pytest.raises(RuntimeError, match=r"rope_ext.rotary_pos_: cos_cache requires grad"):
+        torch.ops.rope_ext.rotary_pos_(q, None, cc.clone().requires_grad_(), sc, pos)
+    with torch.inference_mode():
+        y = q.clone()
+        torch.ops.rope_ext.rotary_pos_(y, None, cc, sc, pos)  # no version counter to bump
+        assert torch.equal(y, rope_ext.rotary_pos(q, cc, sc, pos))
