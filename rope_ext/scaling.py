@@ -155,10 +155,15 @@ class RopeSchedule:
                 f"rope_ext: max_position_embeddings must be a positive int, got {max_position_embeddings!r}"
             )
         # The checks here name the config's keys; _frequencies fills in transformers' defaults.
+        original = _number(cfg, "original_max_position_embeddings", default=max_position_embeddings)
+        if int(original) < 1:  # (a fraction would truncate to 0: a division by zero, or wrong frequencies)
+            raise ValueError(
+                f"rope_ext: scaling['original_max_position_embeddings'] must be a positive int, got {original!r}"
+            )
+        if rope_type == "yarn" and base == 1:
+            raise ValueError("rope_ext: rope_type 'yarn' needs a base other than 1 (its ramp divides by log(base))")
         args = {
-            "original_max_position_embeddings": int(
-                _number(cfg, "original_max_position_embeddings", default=max_position_embeddings)
-            ),
+            "original_max_position_embeddings": int(original),
             "truncate": bool(cfg.get("truncate", True)),
         }
         for key in ("factor", "attention_factor", "beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor"):
@@ -281,8 +286,15 @@ def _frequencies(rope_type, base, d, max_pos, *, original_max_position_embedding
         inv = (inv / factor) * ramp + inv * (1 - ramp)
     elif rope_type == "longrope":
         factor_in_effect = factor = factor if factor is not None else max_pos / original
-        fallback = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-        attention = fallback if attention_factor is None else attention_factor
+        if attention_factor is not None:
+            attention = attention_factor
+        elif factor <= 1:
+            attention = 1.0
+        elif original == 1:
+            raise ValueError("rope_ext: rope_type 'longrope' with original_max_position_embeddings 1 needs "
+                             "attention_factor (its default divides by log(1))")
+        else:
+            attention = math.sqrt(1 + math.log(factor) / math.log(original))
         inv_long = inv / torch.tensor(long_factor, **cpu64)
         inv = inv / torch.tensor(short_factor, **cpu64)
         switch = original

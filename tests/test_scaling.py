@@ -368,6 +368,11 @@ BAD_SCALINGS = {
     "yarn_mscale_ratio_negative": ({"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": -10.0},
                                    ValueError, r"attention factor from mscale and mscale_all_dim must be a finite "
                                    r"positive number"),
+    "original_max_a_fraction": ({**_LLAMA3_OK, "original_max_position_embeddings": 0.5}, ValueError,
+                                r"\['original_max_position_embeddings'\] must be a positive int, got 0.5"),
+    "yarn_base_one": ({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1.0}, ValueError, r"'yarn' needs a base other"),
+    "longrope_original_one": ({**_LONGROPE_OK, "original_max_position_embeddings": 1, "factor": 16.0}, ValueError,
+                              r"original_max_position_embeddings 1 needs attention_factor"),
     "scaling_is_a_string": ("linear", TypeError, r"scaling must be a dict.*str"),
     "scaling_is_a_list": ([("rope_type", "linear"), ("factor", 2.0)], TypeError, r"scaling must be a dict.*list"),
 }
