@@ -230,12 +230,15 @@ def run_inplace(op, named, out_of_place: str, args, rotated, keyset=None) -> Non
     bump(*rotated)
 
 
-def _rotary_inplace_autograd(keyset, x, cos, sin, interleaved=False, conjugate=False):
+def run_rotary_(x, cos, sin, interleaved=False, conjugate=False, *, keyset=None) -> None:
+    """rotary_ below autograd (run_inplace): its autograd kernel, and the public rope_ext.rotary_'s call."""
     run_inplace(torch.ops.rope_ext.rotary_.default, (("x", x), ("cos", cos), ("sin", sin)), "rope_ext.rotary",
                 (x, cos, sin, interleaved, conjugate), (x,), keyset)
 
 
-def _rotary_pos_inplace_autograd(keyset, q, k, cos_cache, sin_cache, positions, interleaved=False, conjugate=False):
+def run_rotary_pos_(q, k, cos_cache, sin_cache, positions, interleaved=False, conjugate=False, *,
+                       keyset=None) -> None:
+    """rotary_pos_ below autograd (run_inplace): its autograd kernel, and rope_ext.rotary_pos_'s call."""
     named = (("q", q), ("k", k), ("cos_cache", cos_cache), ("sin_cache", sin_cache))
     run_inplace(torch.ops.rope_ext.rotary_pos_.default, named, "rope_ext.rotary_pos",
                 (q, k, cos_cache, sin_cache, positions, interleaved, conjugate), (q, k), keyset)
@@ -253,5 +256,6 @@ def register() -> None:
         ("rotary_pos_qk", _rotary_pos_qk_backward, _rotary_pos_qk_setup),
     ):
         torch.library.register_autograd(f"rope_ext::{name}", backward, setup_context=setup)
-    _LIB.impl("rotary_", _rotary_inplace_autograd, "Autograd", with_keyset=True)
-    _LIB.impl("rotary_pos_", _rotary_pos_inplace_autograd, "Autograd", with_keyset=True)
+    for name, inplace in (("rotary_", run_rotary_), ("rotary_pos_", run_rotary_pos_)):
+        _LIB.impl(name, lambda keyset, *args, inplace=inplace: inplace(*args, keyset=keyset), "Autograd",
+                  with_keyset=True)

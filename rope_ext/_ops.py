@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from rope_ext._autograd import run_inplace
+from rope_ext._autograd import below_autograd as _below_autograd
+from rope_ext._autograd import run_rotary_, run_rotary_pos_
 
 _rotary = torch.ops.rope_ext.rotary.default
 _rotary_qk = torch.ops.rope_ext.rotary_qk.default
@@ -29,7 +30,6 @@ _rotary_pos_inplace = torch.ops.rope_ext.rotary_pos_.default
 _compiling = torch.compiler.is_compiling
 _grad_enabled = torch._C.is_grad_enabled
 _any_requires_grad = torch._C._any_requires_grad
-_below_autograd = torch._C._AutoDispatchBelowAutograd
 _rotary_kernel = _rotary._op
 _rotary_qk_kernel = _rotary_qk._op
 _rotary_pos_kernel = _rotary_pos._op
@@ -127,11 +127,10 @@ def rotary_(
     bumped, so autograd still notices if x was saved for another op's backward. x must store
     each element once (no expanded views) and must not overlap cos or sin.
     """
-    args = (x, cos, sin, interleaved, conjugate)
-    if torch.compiler.is_compiling():
-        _rotary_inplace(*args)
+    if _compiling():
+        _rotary_inplace(x, cos, sin, interleaved, conjugate)
     else:
-        run_inplace(_rotary_inplace, (("x", x), ("cos", cos), ("sin", sin)), "rope_ext.rotary", args, (x,))
+        run_rotary_(x, cos, sin, interleaved, conjugate)
     return x
 
 
@@ -253,17 +252,17 @@ def rotary_pos_(
     the version counters; q and k must not share memory with each other, the caches or positions.
     """
     args = (q, k, cos_cache, sin_cache, _resolve_positions(positions, q, seq_dim), interleaved, conjugate)
-    if torch.compiler.is_compiling():
+    if _compiling():
         _rotary_pos_inplace(*args)
     else:
-        named = (("q", q), ("k", k), ("cos_cache", cos_cache), ("sin_cache", sin_cache))
-        run_inplace(_rotary_pos_inplace, named, "rope_ext.rotary_pos", args, (q, k))
+        run_rotary_pos_(*args)
     return q if k is None else (q, k)
 
 
 def rotary_pos_qk_op(q, k, cos_cache, sin_cache, positions, interleaved, conjugate):
     """(internal) The ``rotary_pos_qk`` op on a positions tensor, below autograd where no graph is
-    recorded: the call ``RotaryEmbedding.forward`` makes at every decode step."""
+    recorded: the call ``RotaryEmbedding.forward`` makes at every decode step. (rotary_pos_qk repeats
+    these lines rather than calling this: one more Python frame is a measurable part of a decode call.)"""
     if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, cos_cache, sin_cache)):
         return _rotary_pos_qk(q, k, cos_cache, sin_cache, positions, interleaved, conjugate)
     with _below_autograd():
