@@ -7,7 +7,7 @@ PIP := $(PYTHON) -m pip
 SOURCES := setup.py pyproject.toml CMakeLists.txt $(wildcard cmake/*) $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
 STAMP := build/.installed
 
-.PHONY: setup test bench lint abi-audit dist-check compat-check cuda-check gpu-check gpu-build gpu-rehearse sanitize gtest cpp-test cpp-example clean FORCE
+.PHONY: setup test bench lint abi-audit dist-check wheel-check cuda-check gpu-check gpu-build gpu-rehearse sanitize gtest cpp-test cpp-example clean FORCE
 
 setup: $(STAMP)
 
@@ -37,15 +37,14 @@ dist-check:
 	PYTHON=$(PYTHON) bash tools/dist_check.sh
 
 # The core tests (CPU): `make test` runs them under torch 2.13.0, cuda-check under 2.14.1, and
-# `make compat-check TORCH=<version>` under any release: a venv with that torch in
-# build/compat/<version> (reused), rope_ext built CPU-only against it, the core tests. See
-# tools/compat_check.sh.
+# `make wheel-check`: the wheel that dist-check built, installed into venvs with torch 2.10, 2.11,
+# 2.13 and 2.15 (build/wheel-check/<version>, reused; TORCHES="..." for others), the core tests in
+# each. See tools/wheel_check.sh.
 CORE_TESTS := tests/test_rotary.py tests/test_autograd.py tests/test_qk_and_inplace.py tests/test_errors.py \
   tests/test_cpu_kernel.py tests/test_cuda_emulation.py tests/test_rotary_pos.py tests/test_compile.py tests/test_export.py \
   tests/test_dtensor.py
-compat-check:
-	@[ -n "$(TORCH)" ] || { echo "make compat-check needs TORCH=<version>, e.g. make compat-check TORCH=2.11.0" >&2; exit 2; }
-	TORCH="$(TORCH)" CORE_TESTS="$(CORE_TESTS)" bash tools/compat_check.sh
+wheel-check: setup
+	CORE_TESTS="$(CORE_TESTS)" bash tools/wheel_check.sh
 
 # Build the CUDA kernels with nvcc and link them against a CUDA build of torch (in a venv
 # under build/, about 5.5 GB); no GPU needed. See tools/cuda_check.sh.
@@ -95,8 +94,7 @@ cpp-example: setup
 	cmake --build build/example
 	build/example/rope_example
 
-# How far librope_ext.so is from torch's stable ABI (nm, readelf, torch-abi-audit), with a ratchet
-# (tools/abi_budget.txt): issue 37.
+# Proof that librope_ext.so is on torch's stable ABI: nm, readelf, torch-abi-audit (issue 37).
 abi-audit: setup
 	PYTHON=$(PYTHON) bash tools/abi_audit.sh
 

@@ -1,14 +1,16 @@
 // What each backend registers with the dispatcher. csrc/ops.cpp, the one registration site,
-// defines the schemas and calls these, each into a torch::Library for its dispatch key.
+// defines the schemas and calls these, each into a library object for its dispatch key.
 #pragma once
 
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 namespace rope_ext {
 
-void register_cpu_kernels(torch::Library& m);       // cpu/rotary_cpu.cpp: rotary, rotary_qk, rotary_
+using Library = torch::stable::detail::StableLibrary;
+
+void register_cpu_kernels(Library& m);   // cpu/rotary_cpu.cpp: the rotary ops' CPU kernels
 #ifdef ROPE_EXT_CUDA
-void register_cuda_kernels(torch::Library& m);      // cuda/rotary_cuda.cu
+void register_cuda_kernels(Library& m);  // cuda/rotary_cuda.cu
 #endif
 
 }  // namespace rope_ext

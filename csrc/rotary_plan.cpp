@@ -1,7 +1,5 @@
 #include "rotary_plan.h"
 
-#include <c10/util/Exception.h>
-
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -10,37 +8,37 @@
 
 namespace rope_ext {
 
-void check_rotary_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
-                       const at::Tensor& sin, const ArgNames& n) {
+void check_rotary_args(const char* op, const TensorArg& x, const TensorArg& cos,
+                       const TensorArg& sin, const ArgNames& n) {
   // The dispatcher turns None into an undefined tensor, even for a non-optional argument.
-  TORCH_CHECK(x.defined(), op, ": ", n.x, " must be a Tensor, got None");
-  TORCH_CHECK(cos.defined(), op, ": ", n.cos, " must be a Tensor, got None");
-  TORCH_CHECK(sin.defined(), op, ": ", n.sin, " must be a Tensor, got None");
-  TORCH_CHECK(x.dim() >= 1, op, ": ", n.x, " must have at least one dimension (..., head_dim), ",
+  ROPE_EXT_CHECK(x.defined(), op, ": ", n.x, " must be a Tensor, got None");
+  ROPE_EXT_CHECK(cos.defined(), op, ": ", n.cos, " must be a Tensor, got None");
+  ROPE_EXT_CHECK(sin.defined(), op, ": ", n.sin, " must be a Tensor, got None");
+  ROPE_EXT_CHECK(x.dim() >= 1, op, ": ", n.x, " must have at least one dimension (..., head_dim), ",
               "got a 0-dim tensor");
   const auto xt = x.scalar_type();
-  TORCH_CHECK(xt == at::kFloat || xt == at::kDouble || xt == at::kHalf || xt == at::kBFloat16,
+  ROPE_EXT_CHECK(xt == ScalarType::Float || xt == ScalarType::Double || xt == ScalarType::Half || xt == ScalarType::BFloat16,
               op, ": ", n.x, " must be float32, float64, float16 or bfloat16, got ", xt);
-  TORCH_CHECK(cos.sizes() == sin.sizes(), op, ": ", n.cos, " and ", n.sin,
+  ROPE_EXT_CHECK(cos.sizes() == sin.sizes(), op, ": ", n.cos, " and ", n.sin,
               " must have the same shape, got ", n.cos, " ", cos.sizes(), " and ", n.sin, " ",
               sin.sizes());
-  TORCH_CHECK(cos.scalar_type() == sin.scalar_type(), op, ": ", n.cos, " and ", n.sin,
+  ROPE_EXT_CHECK(cos.scalar_type() == sin.scalar_type(), op, ": ", n.cos, " and ", n.sin,
               " must have the same dtype, got ", n.cos, " ", cos.scalar_type(), " and ", n.sin, " ",
               sin.scalar_type());
-  TORCH_CHECK(cos.scalar_type() == xt || cos.scalar_type() == at::kFloat, op, ": ", n.cos, " and ",
+  ROPE_EXT_CHECK(cos.scalar_type() == xt || cos.scalar_type() == ScalarType::Float, op, ": ", n.cos, " and ",
               n.sin, " must have ", n.x, "'s dtype (", xt, ") or float32, got ", cos.scalar_type());
-  TORCH_CHECK(cos.device() == x.device() && sin.device() == x.device(), op, ": ", n.x, ", ", n.cos,
+  ROPE_EXT_CHECK(cos.device() == x.device() && sin.device() == x.device(), op, ": ", n.x, ", ", n.cos,
               " and ", n.sin, " must be on the same device, got ", n.x, " on ", x.device(), ", ",
               n.cos, " on ", cos.device(), " and ", n.sin, " on ", sin.device());
-  TORCH_CHECK(cos.dim() >= 1, op, ": ", n.cos, " and ", n.sin, " must have at least one dimension ",
+  ROPE_EXT_CHECK(cos.dim() >= 1, op, ": ", n.cos, " and ", n.sin, " must have at least one dimension ",
               "(..., rotary_dim), got 0-dim tensors");
-  TORCH_CHECK(x.dim() <= kMaxDims, op, ": ", n.x, " may have at most ", kMaxDims, " dims, got ",
+  ROPE_EXT_CHECK(x.dim() <= kMaxDims, op, ": ", n.x, " may have at most ", kMaxDims, " dims, got ",
               x.dim());
 
   const int64_t r = cos.size(-1);
-  TORCH_CHECK(r > 0 && r % 2 == 0, op, ": the rotary dim ", n.cos,
+  ROPE_EXT_CHECK(r > 0 && r % 2 == 0, op, ": the rotary dim ", n.cos,
               ".size(-1) must be a positive even number, got ", r);
-  TORCH_CHECK(r <= x.size(-1), op, ": the rotary dim ", n.cos, ".size(-1) = ", r,
+  ROPE_EXT_CHECK(r <= x.size(-1), op, ": the rotary dim ", n.cos, ".size(-1) = ", r,
               " exceeds the head dim ", n.x, ".size(-1) = ", x.size(-1));
 
   // cos/sin must broadcast against x.shape[:-1] + (r,) without growing it.
@@ -52,83 +50,93 @@ void check_rotary_args(const char* op, const at::Tensor& x, const at::Tensor& co
   if (!broadcasts) {
     std::vector<int64_t> target(x.sizes().begin(), x.sizes().end());
     target.back() = r;
-    TORCH_CHECK(false, op, ": ", n.cos, " and ", n.sin, " of shape ", cos.sizes(),
+    ROPE_EXT_CHECK(false, op, ": ", n.cos, " and ", n.sin, " of shape ", cos.sizes(),
                 " do not broadcast against ", n.x, ".shape[:-1] + (rotary_dim,) = ",
-                at::IntArrayRef(target));
+                Dims{target.data(), static_cast<int64_t>(target.size())});
   }
 }
 
-void check_rotary_pos_args(const char* op, const at::Tensor& x, const at::Tensor& cos_cache,
-                           const at::Tensor& sin_cache, const at::Tensor& positions, const char* nx) {
-  TORCH_CHECK(x.defined(), op, ": ", nx, " must be a Tensor, got None");
-  TORCH_CHECK(cos_cache.defined(), op, ": cos_cache must be a Tensor, got None");
-  TORCH_CHECK(sin_cache.defined(), op, ": sin_cache must be a Tensor, got None");
-  TORCH_CHECK(positions.defined(), op, ": positions must be a Tensor, got None");
-  TORCH_CHECK(x.dim() >= 1, op, ": ", nx, " must have at least one dimension (..., head_dim), got a 0-dim tensor");
-  TORCH_CHECK(x.dim() <= kMaxDims, op, ": ", nx, " may have at most ", kMaxDims, " dims, got ", x.dim());
+void check_rotary_pos_args(const char* op, const TensorArg& x, const TensorArg& cos_cache,
+                           const TensorArg& sin_cache, const TensorArg& positions, const char* nx) {
+  ROPE_EXT_CHECK(x.defined(), op, ": ", nx, " must be a Tensor, got None");
+  ROPE_EXT_CHECK(cos_cache.defined(), op, ": cos_cache must be a Tensor, got None");
+  ROPE_EXT_CHECK(sin_cache.defined(), op, ": sin_cache must be a Tensor, got None");
+  ROPE_EXT_CHECK(positions.defined(), op, ": positions must be a Tensor, got None");
+  ROPE_EXT_CHECK(x.dim() >= 1, op, ": ", nx, " must have at least one dimension (..., head_dim), got a 0-dim tensor");
+  ROPE_EXT_CHECK(x.dim() <= kMaxDims, op, ": ", nx, " may have at most ", kMaxDims, " dims, got ", x.dim());
   const auto xt = x.scalar_type();
-  TORCH_CHECK(xt == at::kFloat || xt == at::kDouble || xt == at::kHalf || xt == at::kBFloat16, op, ": ", nx,
+  ROPE_EXT_CHECK(xt == ScalarType::Float || xt == ScalarType::Double || xt == ScalarType::Half || xt == ScalarType::BFloat16, op, ": ", nx,
               " must be float32, float64, float16 or bfloat16, got ", xt);
-  TORCH_CHECK(cos_cache.dim() == 2, op, ": cos_cache must be 2-D, (max_positions, rotary_dim / 2), got shape ",
+  ROPE_EXT_CHECK(cos_cache.dim() == 2, op, ": cos_cache must be 2-D, (max_positions, rotary_dim / 2), got shape ",
               cos_cache.sizes());
-  TORCH_CHECK(cos_cache.sizes() == sin_cache.sizes(), op,
+  ROPE_EXT_CHECK(cos_cache.sizes() == sin_cache.sizes(), op,
               ": cos_cache and sin_cache must have the same shape, got cos_cache ", cos_cache.sizes(),
               " and sin_cache ", sin_cache.sizes());
-  TORCH_CHECK(cos_cache.scalar_type() == sin_cache.scalar_type(), op,
+  ROPE_EXT_CHECK(cos_cache.scalar_type() == sin_cache.scalar_type(), op,
               ": cos_cache and sin_cache must have the same dtype, got cos_cache ", cos_cache.scalar_type(),
               " and sin_cache ", sin_cache.scalar_type());
-  TORCH_CHECK(cos_cache.scalar_type() == xt || cos_cache.scalar_type() == at::kFloat, op,
+  ROPE_EXT_CHECK(cos_cache.scalar_type() == xt || cos_cache.scalar_type() == ScalarType::Float, op,
               ": cos_cache and sin_cache must have ", nx, "'s dtype (", xt, ") or float32, got ",
               cos_cache.scalar_type());
   const auto pt = positions.scalar_type();
-  TORCH_CHECK(pt == at::kInt || pt == at::kLong, op, ": positions must be int32 or int64, got ", pt);
-  TORCH_CHECK(cos_cache.device() == x.device() && sin_cache.device() == x.device() &&
+  ROPE_EXT_CHECK(pt == ScalarType::Int || pt == ScalarType::Long, op, ": positions must be int32 or int64, got ", pt);
+  ROPE_EXT_CHECK(cos_cache.device() == x.device() && sin_cache.device() == x.device() &&
                   positions.device() == x.device(),
               op, ": ", nx, ", cos_cache, sin_cache and positions must be on the same device, got ", nx, " on ",
               x.device(), ", cos_cache on ", cos_cache.device(), ", sin_cache on ", sin_cache.device(),
               " and positions on ", positions.device());
   const int64_t half = cos_cache.size(1);
-  TORCH_CHECK(half > 0, op, ": cos_cache.size(1) = rotary_dim / 2 must be positive, got 0");
-  TORCH_CHECK(2 * half <= x.size(-1), op, ": the rotary dim 2 * cos_cache.size(1) = ", 2 * half,
+  ROPE_EXT_CHECK(half > 0, op, ": cos_cache.size(1) = rotary_dim / 2 must be positive, got 0");
+  ROPE_EXT_CHECK(2 * half <= x.size(-1), op, ": the rotary dim 2 * cos_cache.size(1) = ", 2 * half,
               " exceeds the head dim ", nx, ".size(-1) = ", x.size(-1));
   bool broadcasts = positions.dim() < x.dim();
   for (int64_t i = 1; broadcasts && i <= positions.dim(); ++i) {
     const int64_t n = positions.size(-i);
     broadcasts = n == 1 || n == x.size(-i - 1);
   }
-  TORCH_CHECK(broadcasts, op, ": positions of shape ", positions.sizes(), " do not broadcast against ", nx,
+  ROPE_EXT_CHECK(broadcasts, op, ": positions of shape ", positions.sizes(), " do not broadcast against ", nx,
               ".shape[:-1] = ", x.sizes().slice(0, x.dim() - 1),
               " (one position per token; unsqueeze the head dim, e.g. (S, 1) for (B, S, H, D) x)");
 }
 
-void check_positions_in_range(const char* op, const at::Tensor& positions, int64_t rows) {
-  TORCH_CHECK(positions.device().is_cpu(), "check_positions_in_range reads a CPU tensor");
-  const at::Tensor p = positions.contiguous();  // positions are small: one per token at most
+void check_positions_in_range(const char* op, const TensorArg& positions, int64_t rows) {
+  ROPE_EXT_CHECK(positions.device().is_cpu(), "check_positions_in_range reads a CPU tensor");
+  // In the order of positions.flatten(), read in place through the strides (no copy: this runs on
+  // every CPU call by positions).
   const auto check = [&](const auto* v) {
-    for (int64_t i = 0; i < p.numel(); ++i) {
-      if (v[i] >= 0 && v[i] < rows) continue;
-      TORCH_CHECK(false, op, ": position ", v[i], " (positions.flatten()[", i, "]) is outside the cache, whose ",
-                  rows, " rows hold positions 0 to ", rows - 1,
-                  "; build the cache for more positions (or check the positions)");
+    const int64_t n = positions.dim();
+    int64_t index[kMaxDims] = {};
+    int64_t offset = 0;
+    for (int64_t i = 0; i < positions.numel(); ++i) {
+      const int64_t p = v[offset];
+      ROPE_EXT_CHECK(p >= 0 && p < rows, op, ": position ", p, " (positions.flatten()[", i,
+                     "]) is outside the cache, whose ", rows, " rows hold positions 0 to ", rows - 1,
+                     "; build the cache for more positions (or check the positions)");
+      for (int64_t d = n - 1; d >= 0; --d) {  // the next index, row-major
+        offset += positions.stride(d);
+        if (++index[d] < positions.size(d)) break;
+        offset -= index[d] * positions.stride(d);
+        index[d] = 0;
+      }
     }
   };
-  if (p.scalar_type() == at::kInt) {
-    check(p.const_data_ptr<int32_t>());
+  if (positions.scalar_type() == ScalarType::Int) {
+    check(positions.const_data_ptr<int32_t>());
   } else {
-    check(p.const_data_ptr<int64_t>());
+    check(positions.const_data_ptr<int64_t>());
   }
 }
 
-void check_qk_args(const char* op, const at::Tensor& q, const at::Tensor& k,
-                   const std::optional<at::Tensor>& shared, const char* name, int64_t trailing) {
-  TORCH_CHECK(q.scalar_type() == k.scalar_type(), op, ": q and k must have the same dtype, got q ",
+void check_qk_args(const char* op, const TensorArg& q, const TensorArg& k,
+                   const std::optional<TensorArg>& shared, const char* name, int64_t trailing) {
+  ROPE_EXT_CHECK(q.scalar_type() == k.scalar_type(), op, ": q and k must have the same dtype, got q ",
               q.scalar_type(), " and k ", k.scalar_type());
   if (!shared.has_value()) return;
-  const at::Tensor& t = *shared;
-  TORCH_CHECK(q.dim() == k.dim(), op, ": q and k must have the same number of dims, got q ", q.sizes(),
+  const TensorArg& t = *shared;
+  ROPE_EXT_CHECK(q.dim() == k.dim(), op, ": q and k must have the same number of dims, got q ", q.sizes(),
               " and k ", k.sizes());
   if (trailing == 0) {  // positions: q and k share one launch, whose items follow the head dim
-    TORCH_CHECK(q.size(-1) == k.size(-1), op, ": q and k must have the same head dim, got q ", q.sizes(),
+    ROPE_EXT_CHECK(q.size(-1) == k.size(-1), op, ": q and k must have the same head dim, got q ", q.sizes(),
                 " and k ", k.sizes());
   }
   int64_t differing = 0;
@@ -137,7 +145,7 @@ void check_qk_args(const char* op, const at::Tensor& q, const at::Tensor& k,
     ++differing;
     const int64_t from_end = q.dim() - 1 - d + trailing;  // the shared tensor's dim aligned with d, if any
     const bool broadcast = t.dim() < from_end || t.size(-from_end) == 1;
-    TORCH_CHECK(differing == 1 && broadcast, op, ": q ", q.sizes(), " and k ", k.sizes(),
+    ROPE_EXT_CHECK(differing == 1 && broadcast, op, ": q ", q.sizes(), " and k ", k.sizes(),
                 " may differ only in the head count (one dim along which ", name, " of shape ", t.sizes(),
                 " broadcast); batch and sequence dims must match");
   }
@@ -146,8 +154,8 @@ void check_qk_args(const char* op, const at::Tensor& q, const at::Tensor& k,
 namespace {
 
 // Whether the bytes two strided views can reach, [lowest, highest], intersect.
-bool spans_intersect(const at::Tensor& a, const at::Tensor& b) {
-  const auto span = [](const at::Tensor& t) {
+bool spans_intersect(const TensorArg& a, const TensorArg& b) {
+  const auto span = [](const TensorArg& t) {
     int64_t lo = 0, hi = 0;
     for (int64_t d = 0; d < t.dim(); ++d) {
       const int64_t reach = (t.size(d) - 1) * t.stride(d);
@@ -168,12 +176,12 @@ bool spans_intersect(const at::Tensor& a, const at::Tensor& b) {
 // elements of that dim's steps (rows of a fused qkv buffer split between q, k and v). Then each view
 // occupies one interval of offsets modulo L, and two views are disjoint when their intervals are.
 // False when the pattern does not apply (the caller then assumes they may intersect).
-bool disjoint_by_period(const at::Tensor& a, const at::Tensor& b) {
+bool disjoint_by_period(const TensorArg& a, const TensorArg& b) {
   if (a.element_size() != b.element_size() || a.dim() == 0 || b.dim() == 0) return false;
   struct Period {
     int64_t stride = 0, span = 1;  // the period L, and the extent within it
   };
-  const auto period_of = [](const at::Tensor& t) -> std::optional<Period> {
+  const auto period_of = [](const TensorArg& t) -> std::optional<Period> {
     int64_t outer = -1;
     for (int64_t d = 0; d < t.dim(); ++d) {
       if (t.size(d) > 1 && t.stride(d) <= 0) return std::nullopt;
@@ -204,13 +212,13 @@ bool disjoint_by_period(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
-void check_inplace_args(const char* op, const at::Tensor& x, std::initializer_list<NamedTensor> others,
+void check_inplace_args(const char* op, const TensorArg& x, std::initializer_list<NamedTensor> others,
                         const char* nx) {
   // (What ATen's has_internal_overlap calls Yes: a dim of more than one element with stride 0.
   // Other overlapping strides, which only as_strided makes, are not detected, as ATen's TooHard.)
   bool repeats = false;
   for (int64_t d = 0; d < x.dim() && x.numel() > 0; ++d) repeats |= x.size(d) > 1 && x.stride(d) == 0;
-  TORCH_CHECK(!repeats, op, ": ", nx,
+  ROPE_EXT_CHECK(!repeats, op, ": ", nx,
               " has elements that share memory (e.g. an expanded view), so it cannot be rotated in place; ",
               "use the out-of-place op");
   for (const auto& [name, t] : others) {
@@ -218,8 +226,8 @@ void check_inplace_args(const char* op, const at::Tensor& x, std::initializer_li
     // (rows of one buffer split between q and k): never a missed overlap, and a false alarm only for
     // interleavings of other shapes. Exact for dense views (their elements fill their range), and it
     // sees memory shared by two storages (from_numpy or DLPack twice), which ATen's check does not.
-    const bool overlap = x.is_same(*t) || (spans_intersect(x, *t) && !disjoint_by_period(x, *t));
-    TORCH_CHECK(!overlap, op, ": ", nx, " shares memory with ", name,
+    const bool overlap = spans_intersect(x, *t) && !disjoint_by_period(x, *t);
+    ROPE_EXT_CHECK(!overlap, op, ": ", nx, " shares memory with ", name,
                 "; in-place rotation would overwrite it while reading it");
   }
 }
@@ -230,7 +238,7 @@ namespace {
 // aligned with shape's, as expand() would give them, without making the view): 0 along the dims it
 // lacks or has size 1. The callers have checked that it broadcasts.
 using DimStrides = std::array<int64_t, kMaxDims>;
-DimStrides broadcast_strides(at::IntArrayRef sizes, at::IntArrayRef strides, int64_t ndim) {
+DimStrides broadcast_strides(Dims sizes, Dims strides, int64_t ndim) {
   DimStrides out{};
   const int64_t lead = ndim - static_cast<int64_t>(sizes.size());
   for (int64_t d = std::max<int64_t>(lead, 0); d < ndim; ++d) {
@@ -241,7 +249,7 @@ DimStrides broadcast_strides(at::IntArrayRef sizes, at::IntArrayRef strides, int
 
 // Splits x's leading dims into the plan's token and head dims. c and s are the tables' strides
 // over x.shape[:-1] (broadcast_strides): a dim along which either varies is a token dim.
-void split_dims(RotaryPlan& p, const at::Tensor& x, const at::Tensor& out, const DimStrides& c,
+void split_dims(RotaryPlan& p, const TensorArg& x, const TensorArg& out, const DimStrides& c,
                 const DimStrides& s) {
   for (int64_t d = 0; d + 1 < x.dim(); ++d) {
     const int64_t n = x.size(d);
@@ -272,8 +280,8 @@ void split_dims(RotaryPlan& p, const at::Tensor& x, const at::Tensor& out, const
 
 // The plans read strides only: the broadcasts are computed, not made as views (each view cost
 // about 1000 instructions of the dispatcher's, a third of a small call's own time).
-RotaryPlan make_rotary_plan(const at::Tensor& x, const at::Tensor& out, const at::Tensor& cos,
-                            const at::Tensor& sin) {
+RotaryPlan make_rotary_plan(const TensorArg& x, const TensorArg& out, const TensorArg& cos,
+                            const TensorArg& sin) {
   RotaryPlan p;
   p.head_dim = x.size(-1);
   p.rotary_dim = cos.size(-1);
@@ -286,8 +294,8 @@ RotaryPlan make_rotary_plan(const at::Tensor& x, const at::Tensor& out, const at
   return p;
 }
 
-RotaryPlan make_rotary_pos_plan(const at::Tensor& x, const at::Tensor& out, const at::Tensor& cos_cache,
-                                const at::Tensor& sin_cache, const at::Tensor& positions) {
+RotaryPlan make_rotary_pos_plan(const TensorArg& x, const TensorArg& out, const TensorArg& cos_cache,
+                                const TensorArg& sin_cache, const TensorArg& positions) {
   RotaryPlan p;
   p.head_dim = x.size(-1);
   p.rotary_dim = 2 * cos_cache.size(1);
@@ -295,7 +303,7 @@ RotaryPlan make_rotary_pos_plan(const at::Tensor& x, const at::Tensor& out, cons
   DimStrides pos = broadcast_strides(positions.sizes(), positions.strides(), x.dim() - 1);
   split_dims(p, x, out, pos, pos);
   p.gathered = true;
-  p.positions_int32 = positions.scalar_type() == at::kInt;
+  p.positions_int32 = positions.scalar_type() == ScalarType::Int;
   p.cos_col = cos_cache.stride(1);
   p.sin_col = sin_cache.stride(1);
   p.cos_row = cos_cache.stride(0);

@@ -1,14 +1,14 @@
-// Device-agnostic ATen glue shared by the CPU and CUDA implementations of the rotary ops:
+// Device-agnostic glue shared by the CPU and CUDA implementations of the rotary ops:
 // argument checks with messages that name the argument, and the "plan" that turns
 // (x, out, tables) into the pointer/size/stride description the kernels consume.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <initializer_list>
+#include <optional>
 
 #include "internal_api.h"
 #include "rotary_math.h"
+#include "tensor_arg.h"
 
 namespace rope_ext {
 
@@ -50,48 +50,83 @@ struct ArgNames {
 };
 
 // Checks (x, cos, sin) against rotary's contract; `op` prefixes every message.
-ROPE_EXT_INTERNAL void check_rotary_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
-                       const at::Tensor& sin, const ArgNames& names = {});
+ROPE_EXT_INTERNAL void check_rotary_args(const char* op, const TensorArg& x, const TensorArg& cos,
+                       const TensorArg& sin, const ArgNames& names = {});
 
 // Checks q and k once each passed its single-tensor checks: they share a dtype. When they share
 // tables or positions (`shared`), they also share a rank and differ in at most one leading dim (the
 // head count, GQA/MQA), along which `shared` broadcasts. `shared` aligns with q.shape[:-1] from the
 // right after its last `trailing` dims: 1 for tables (their last dim is the rotary dim), 0 for
 // positions. Without it (rotary_qk with separate k tables) their shapes are independent.
-ROPE_EXT_INTERNAL void check_qk_args(const char* op, const at::Tensor& q, const at::Tensor& k,
-                                     const std::optional<at::Tensor>& shared, const char* name = "cos/sin",
+ROPE_EXT_INTERNAL void check_qk_args(const char* op, const TensorArg& q, const TensorArg& k,
+                                     const std::optional<TensorArg>& shared, const char* name = "cos/sin",
                                      int64_t trailing = 1);
 
 // Checks (x, cos_cache, sin_cache, positions) against rotary_pos's contract: caches
 // (max_positions, r/2) of one shape and dtype (x's or float32), 2 * r/2 <= head_dim; positions
 // int32 or int64, broadcasting against x.shape[:-1]; all on x's device. Values are not read.
-ROPE_EXT_INTERNAL void check_rotary_pos_args(const char* op, const at::Tensor& x, const at::Tensor& cos_cache,
-                                             const at::Tensor& sin_cache, const at::Tensor& positions,
+ROPE_EXT_INTERNAL void check_rotary_pos_args(const char* op, const TensorArg& x, const TensorArg& cos_cache,
+                                             const TensorArg& sin_cache, const TensorArg& positions,
                                              const char* x_name = "x");
 
 // Checks that every position of a CPU tensor is a row of a cache with `rows` rows; the error
 // names the first one that is not. (On CUDA the kernel asserts it on the device instead.)
-ROPE_EXT_INTERNAL void check_positions_in_range(const char* op, const at::Tensor& positions, int64_t rows);
+ROPE_EXT_INTERNAL void check_positions_in_range(const char* op, const TensorArg& positions, int64_t rows);
 
 // A tensor and the name error messages give it.
 struct NamedTensor {
   const char* name;
-  const at::Tensor* tensor;
+  const TensorArg* tensor;
 };
 
 // Checks that x (called `x_name`) can be rotated in place: no element stored twice, and no memory
 // shared with any of `others` (the tables, positions, the other of q and k).
-ROPE_EXT_INTERNAL void check_inplace_args(const char* op, const at::Tensor& x,
+ROPE_EXT_INTERNAL void check_inplace_args(const char* op, const TensorArg& x,
                                           std::initializer_list<NamedTensor> others, const char* x_name = "x");
 
 // Builds the plan for out = rotary(x, cos, sin); the arguments must have passed
 // check_rotary_args and `out` must have x's sizes. No tensor data is touched or copied.
-ROPE_EXT_INTERNAL RotaryPlan make_rotary_plan(const at::Tensor& x, const at::Tensor& out, const at::Tensor& cos,
-                            const at::Tensor& sin);
+ROPE_EXT_INTERNAL RotaryPlan make_rotary_plan(const TensorArg& x, const TensorArg& out, const TensorArg& cos,
+                            const TensorArg& sin);
 
 // The plan for out = rotary_pos(x, cos_cache, sin_cache, positions), for checked arguments.
-ROPE_EXT_INTERNAL RotaryPlan make_rotary_pos_plan(const at::Tensor& x, const at::Tensor& out,
-                                                  const at::Tensor& cos_cache, const at::Tensor& sin_cache,
-                                                  const at::Tensor& positions);
+ROPE_EXT_INTERNAL RotaryPlan make_rotary_pos_plan(const TensorArg& x, const TensorArg& out,
+                                                  const TensorArg& cos_cache, const TensorArg& sin_cache,
+                                                  const TensorArg& positions);
+
+// The stride of t along dim d of a rank-`ndim` shape it broadcasts against (trailing dims aligned,
+// as expand() would give it where that dim has more than one element): 0 where t lacks the dim or
+// has size 1 there.
+inline int64_t broadcast_stride(const TensorArg& t, int64_t d, int64_t ndim) {
+  const int64_t i = d - (ndim - t.dim());
+  return i < 0 || t.size(i) == 1 ? 0 : t.stride(i);
+}
+
+// One backend call: out = rotary(x, tables) and, when k is set, k_out = rotary(k, the same
+// tables) (rotary_pos_qk, and rotary_qk where q and k share tables: one CUDA launch covers both,
+// reading each token's table entries once for q's heads and k's). out may be x and k_out may be k
+// (in place).
+struct RotaryCall {
+  const TensorArg& x;
+  const TensorArg& out;
+  const TensorArg& cos;  // full-form tables (..., r), or half-width caches (P, r/2) with positions
+  const TensorArg& sin;
+  const TensorArg* positions = nullptr;  // set: cos/sin are caches gathered at these positions
+  const TensorArg* k = nullptr;
+  const TensorArg* k_out = nullptr;
+  bool interleaved = false;
+  bool conjugate = false;
+  const char* op = "rope_ext";  // for error messages raised while running
+};
+
+using RunFn = void (*)(const RotaryCall& call);
+
+// Whether rotary_qk rotates q and k in one backend call (one CUDA launch). Not with k's own tables
+// (cos_k/sin_k): the kernel holds one pair of table pointers and reads a token's entries once for
+// every head it covers. Nor where q and k differ in head dim (shared full tables allow it): a
+// launch's items cover one row width. Each of those cases makes one call per tensor.
+inline bool rotary_qk_one_call(const TensorArg& q, const TensorArg& k, bool own_k_tables) {
+  return !own_k_tables && q.size(-1) == k.size(-1);
+}
 
 }  // namespace rope_ext

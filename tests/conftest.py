@@ -23,6 +23,17 @@ torch.ops.load_library(str(TESTING_LIBRARY))
 TESTING = torch.ops.rope_ext_testing
 
 
+def cpp_api():
+    """torch.ops.rope_ext_testing_cpp_api: hooks into the header-only C++ API (rope_ext/frequencies.h),
+    from librope_ext_testing_cpp_api.so. That library is LibTorch code, built against the torch of
+    `make setup`, so it is loaded only by the tests that call it (the core tests run under other
+    torches by make wheel-check never do)."""
+    library = TESTING_LIBRARY.with_name("librope_ext_testing_cpp_api.so")
+    if not hasattr(torch.ops.rope_ext_testing_cpp_api, "cos_sin_tables"):
+        torch.ops.load_library(str(library))
+    return torch.ops.rope_ext_testing_cpp_api
+
+
 # --- the emulated CUDA kernels, run on a real device instead (make gpu-check) -----------------
 
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import torch._dynamo.testing
-from conftest import CONVENTIONS, TESTING, inv_freq, randn, tolerance
+from conftest import CONVENTIONS, cpp_api, inv_freq, randn, tolerance
 
 import rope_ext
 from rope_ext import reference
@@ -425,5 +425,5 @@ def test_cos_sin_tables_match_the_formula_and_the_cpp_api(interleaved):
     torch.testing.assert_close(sin, 0.5 * full.sin(), rtol=0, atol=1e-15)
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
         ours = rope_ext.positions.cos_sin_tables(pos, inv, interleaved=interleaved, scale=0.5, dtype=dtype)
-        cpp = TESTING.cos_sin_tables(pos, inv, interleaved, 0.5, dtype)
+        cpp = cpp_api().cos_sin_tables(pos, inv, interleaved, 0.5, dtype)
         assert all(torch.equal(a, b) for a, b in zip(ours, cpp, strict=True))

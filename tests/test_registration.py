@@ -152,14 +152,12 @@ print("kernels:", [key for key in ("CPU", "Autograd") if has_kernel("rope_ext::r
 """
 
 
-@pytest.mark.parametrize(
-    "broken, warned",
-    [(False, "(a rope_ext without rope_ext::_library_path)"), (True, "(unknown: rope_ext::_library_path failed: ")],
-    ids=["without_library_path", "broken_library_path"],
-)
-def test_another_rope_ext_that_cannot_say_which_it_is_is_refused(broken, warned):
+@pytest.mark.parametrize("broken", [False, True], ids=["without_library_path", "broken_library_path"])
+def test_another_rope_ext_that_cannot_say_which_it_is_is_refused(broken):
     """A first copy that cannot name its library is not this package's: the library adds none of its
-    kernels under that copy's schemas and warns, and `import rope_ext` raises ImportError."""
+    kernels under that copy's schemas and warns, and `import rope_ext` raises ImportError. (The stable
+    ABI's dispatcher call reports failure without its reason, so the warning is one for both cases.)"""
+    warned = "(a rope_ext whose rope_ext::_library_path is missing or failed)"
     run = run_python(DEFINED_FROM_PYTHON_FIRST.format(broken=broken))
     assert run.returncode == 0, run.stderr
     assert ("ImportError: rope_ext: the rope_ext operators in this process were registered by a rope_ext without a "

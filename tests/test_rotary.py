@@ -70,6 +70,37 @@ def test_matches_reference(interleaved, dtype, layout, rotary, table_kind, gen):
         assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
 
 
+OUTPUT_LAYOUTS = {
+    "contiguous": lambda t: t,
+    "permuted": lambda t: t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3),
+    "odd_stride_on_a_size_1_dim": lambda t: t[:1].as_strided((1,) + t.shape[1:], (7,) + t.stride()[1:]),
+    "sliced_cols": lambda t: t[..., :8],
+    "sliced_and_permuted": lambda t: t.transpose(1, 2)[:, 1:],
+    "expanded": lambda t: t[:, :1].expand(t.shape),
+}
+
+
+def test_outputs_are_laid_out_as_empty_like():
+    """A new output has torch.empty_like(x)'s strides: x's own where x is non-overlapping and dense
+    (allocated directly), and empty_like's choice otherwise (made by empty_like itself). Both sides
+    of that switch are among the layouts."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+    x0 = torch.randn(3, 5, 4, 16)
+    dense = set()
+    for name, make in OUTPUT_LAYOUTS.items():
+        x = make(x0)
+        r = x.shape[-1]
+        cos, sin = torch.randn(r), torch.randn(r)
+        dense.add(is_non_overlapping_and_dense(x))
+        out = rope_ext.rotary(x, cos, sin)
+        assert out.stride() == torch.empty_like(x).stride(), name
+        torch.testing.assert_close(out, rope_ext.reference.rotary_reference(x, cos, sin), rtol=1e-6, atol=1e-6)
+        k = make(x0 + 1)
+        q_out, k_out = torch.ops.rope_ext.rotary_qk(x, k, cos, sin)
+        assert (q_out.stride(), k_out.stride()) == (torch.empty_like(x).stride(), torch.empty_like(k).stride()), name
+    assert dense == {True, False}
+
+
 @pytest.mark.parametrize("rotary", ROTARY_DIMS.values(), ids=ROTARY_DIMS.keys())
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("interleaved", CONVENTIONS.values(), ids=CONVENTIONS.keys())

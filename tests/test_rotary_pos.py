@@ -332,6 +332,43 @@ def test_positions_outside_the_cache_raise_and_never_read(bad, gen):
             ops.rotary_pos(x, cc, sc, pos.int(), False, False)
 
 
+def _strided_positions(form: str, bad: int | None = None) -> torch.Tensor:
+    """(2, 4) positions in a strided form, with `bad` planted in one place if given."""
+    if form == "transposed":
+        base = torch.arange(8).reshape(4, 2)
+        if bad is not None:
+            base[3, 0] = bad
+        return base.t()
+    if form == "expanded":
+        row = torch.arange(4)
+        if bad is not None:
+            row[2] = bad
+        return row[None].expand(2, 4)
+    wide = torch.arange(16).reshape(2, 8)
+    if bad is not None:
+        wide[1, 4] = bad
+    return wide[:, ::2]
+
+
+@pytest.mark.parametrize("form", ["transposed", "expanded", "sliced"])
+def test_positions_are_checked_in_place_through_their_strides(form, gen):
+    """The CPU reads positions through their strides, without a copy, in positions.flatten()'s order:
+    a strided tensor of valid positions gives the result of its contiguous copy, and the first bad
+    position is named by its index in the flattened tensor."""
+    cc, sc = caches(16)
+    x = randn(2, 4, 2, 16, gen=gen)
+    pos = _strided_positions(form)
+    assert not pos.is_contiguous()
+    assert torch.equal(ops.rotary_pos(x, cc, sc, pos[..., None], False, False),
+                       ops.rotary_pos(x, cc, sc, pos.contiguous()[..., None], False, False))
+    bad = _strided_positions(form, MAX_POS)
+    first = int((bad.flatten() >= MAX_POS).nonzero()[0])
+    assert first == {"transposed": 3, "expanded": 2, "sliced": 6}[form]
+    msg = rf"position {MAX_POS} \(positions.flatten\(\)\[{first}\]\) is outside the cache"
+    with pytest.raises(RuntimeError, match=msg):
+        ops.rotary_pos(x, cc, sc, bad[..., None], False, False)
+
+
 def test_cpu_paths_walks_and_streaming(gen):
     """Both walks (token-major, head-major with head and token splits), the parallel grain and
     streaming stores, reached on small tensors by lowering the thresholds."""

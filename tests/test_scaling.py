@@ -12,7 +12,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # set before transformers loads: these tests
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from conftest import TESTING, randn  # noqa: E402
+from conftest import cpp_api, randn  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding  # noqa: E402
@@ -185,7 +185,7 @@ def test_frequencies_of_python_and_cpp_agree(name, base, geometry, monkeypatch):
     monkeypatch.setattr(rope_ext.scaling, "_frequencies", lambda *a, **kw: calls.append((a, kw)) or real(*a, **kw))
     s = RopeSchedule.from_config(params, base=base, rotary_dim=d, max_position_embeddings=MAX_POS)
     (args, kwargs), = calls
-    inv, long, attention, switch, factor = TESTING.rope_frequencies(*args, **kwargs)
+    inv, long, attention, switch, factor = cpp_api().rope_frequencies(*args, **kwargs)
     assert torch.equal(torch.tensor(s.inv_freq_base, dtype=torch.float64), inv)
     if s.inv_freq_long is None:
         assert long.numel() == 0
@@ -240,7 +240,7 @@ def test_length_dependent_inv_freq_of_python_and_cpp_agree(name, seq_len):
     s = RopeSchedule.from_config(params, base=LENGTH_BASE, rotary_dim=head_dim, max_position_embeddings=MAX_POS)
     max_position = torch.tensor(seq_len - 1)
     long = None if s.inv_freq_long is None else torch.tensor(s.inv_freq_long, dtype=torch.float64)
-    cpp = TESTING.inv_freq_for(
+    cpp = cpp_api().inv_freq_for(
         torch.tensor(s.inv_freq_base, dtype=torch.float64), long, s.rope_type, s.base, s.rotary_dim, s.switch_len,
         s.factor, seq_len - 1,
     )

@@ -1,10 +1,9 @@
-// ATen glue for the CPU: checks, allocation, choice of kernel variant, registration.
+// The CPU glue, on torch's stable ABI: choice of kernel variant, the call into it, registration.
 #include "cpu/rotary_cpu.h"
 #include "registration.h"
 #include "rotary_ops.h"
 
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <atomic>
 #include <cstdint>
@@ -135,14 +134,14 @@ Thresholds thresholds() {
 
 void set_thresholds(const Thresholds& t) {
   const char* op = "rope_ext_testing.set_cpu_thresholds";
-  TORCH_CHECK(t.streaming_bytes >= 0, op, ": streaming_bytes must be >= 0, got ", t.streaming_bytes);
-  TORCH_CHECK(t.huge_page_bytes >= 0, op, ": huge_page_bytes must be >= 0, got ", t.huge_page_bytes);
-  TORCH_CHECK(t.grain_elements >= 1, op, ": grain_elements must be >= 1, got ", t.grain_elements);
+  ROPE_EXT_CHECK(t.streaming_bytes >= 0, op, ": streaming_bytes must be >= 0, got ", t.streaming_bytes);
+  ROPE_EXT_CHECK(t.huge_page_bytes >= 0, op, ": huge_page_bytes must be >= 0, got ", t.huge_page_bytes);
+  ROPE_EXT_CHECK(t.grain_elements >= 1, op, ": grain_elements must be >= 1, got ", t.grain_elements);
   // Each thread allocates its tile's tables, 4 * tile_tokens * half values: no tile needs more
   // tokens than this to amortize them.
-  TORCH_CHECK(t.tile_tokens >= 1 && t.tile_tokens <= 4096, op, ": tile_tokens must be in [1, 4096], got ",
+  ROPE_EXT_CHECK(t.tile_tokens >= 1 && t.tile_tokens <= 4096, op, ": tile_tokens must be in [1, 4096], got ",
               t.tile_tokens);
-  TORCH_CHECK(t.min_heads_per_thread >= 1, op, ": min_heads_per_thread must be >= 1, got ", t.min_heads_per_thread);
+  ROPE_EXT_CHECK(t.min_heads_per_thread >= 1, op, ": min_heads_per_thread must be >= 1, got ", t.min_heads_per_thread);
   g_thresholds.streaming_bytes.store(t.streaming_bytes, std::memory_order_relaxed);
   g_thresholds.huge_page_bytes.store(t.huge_page_bytes, std::memory_order_relaxed);
   g_thresholds.grain_elements.store(t.grain_elements, std::memory_order_relaxed);
@@ -156,13 +155,15 @@ PathCounts& path_counts() {
 }
 
 // Asks Linux for transparent huge pages for a new output of at least huge_page_bytes.
-void advise_huge_pages(const at::Tensor& out, int64_t huge_page_bytes) {
+// `out` is a new output (new_like), dense: its storage starts at its first element and holds numel
+// elements.
+void advise_huge_pages(const TensorArg& out, int64_t huge_page_bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  const int64_t nbytes = static_cast<int64_t>(out.storage().nbytes());
+  const int64_t nbytes = out.numel() * out.element_size();
   if (nbytes < huge_page_bytes) return;
   path_counts().huge_page_outputs.fetch_add(1, std::memory_order_relaxed);
   constexpr std::uintptr_t kHuge = std::uintptr_t{2} << 20;
-  const auto begin = reinterpret_cast<std::uintptr_t>(out.storage().data());
+  const auto begin = reinterpret_cast<std::uintptr_t>(out.const_data_ptr());
   const std::uintptr_t lo = (begin + kHuge - 1) & ~(kHuge - 1);
   const std::uintptr_t hi = (begin + static_cast<std::uintptr_t>(nbytes)) & ~(kHuge - 1);
   // Advice only: an error (THP compiled out, say) leaves ordinary pages, which are correct.
@@ -176,29 +177,36 @@ namespace {
 
 // torch's thread pool, as the kernel objects take it (rotary_cpu.h's ThreadPool).
 void torch_parallel_for(int64_t begin, int64_t end, int64_t grain, const void* body, ChunkFn chunk) {
-  at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { chunk(body, b, e); });
+  torch::stable::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { chunk(body, b, e); });
 }
-int torch_num_threads() { return at::get_num_threads(); }
+int torch_num_threads() { return static_cast<int>(torch::stable::get_num_threads()); }
 constexpr ThreadPool kTorchPool{&torch_parallel_for, &torch_num_threads};
 
-KernelDtype kernel_dtype(at::ScalarType t) {
+}  // namespace
+
+const ThreadPool& torch_pool() { return kTorchPool; }
+
+namespace {
+
+KernelDtype kernel_dtype(ScalarType t) {
   switch (t) {
-    case at::kFloat: return KernelDtype::kFloat;
-    case at::kDouble: return KernelDtype::kDouble;
-    case at::kHalf: return KernelDtype::kHalf;
-    case at::kBFloat16: return KernelDtype::kBFloat16;
-    default: TORCH_CHECK(false, "rope_ext internal error (please report it): no CPU kernel for ", t);
+    case ScalarType::Float: return KernelDtype::kFloat;
+    case ScalarType::Double: return KernelDtype::kDouble;
+    case ScalarType::Half: return KernelDtype::kHalf;
+    case ScalarType::BFloat16: return KernelDtype::kBFloat16;
+    default: ROPE_EXT_CHECK(false, "rope_ext internal error (please report it): no CPU kernel for ", t);
   }
+  return KernelDtype::kFloat;
 }
 
-void run_one(const at::Tensor& x, at::Tensor& out, const RotaryCall& c, const Thresholds& th) {
+void run_one(const TensorArg& x, const TensorArg& out, const RotaryCall& c, const Thresholds& th) {
   if (out.numel() == 0) return;
   const RotaryPlan plan = c.positions ? make_rotary_pos_plan(x, out, c.cos, c.sin, *c.positions)
                                       : make_rotary_plan(x, out, c.cos, c.sin);
-  if (!out.is_same(x)) advise_huge_pages(out, th.huge_page_bytes);  // a new output
+  if (out.const_data_ptr() != x.const_data_ptr()) advise_huge_pages(out, th.huge_page_bytes);  // a new output
   const KernelFn fn = kernel_for_call();
 #ifdef ROPE_EXT_HAVE_AVX
-  if (fn == &AVX512_BF16::rotary_kernel && x.scalar_type() == at::kBFloat16) {
+  if (fn == &AVX512_BF16::rotary_kernel && x.scalar_type() == ScalarType::BFloat16) {
     path_counts().native_bf16_calls.fetch_add(1, std::memory_order_relaxed);
   }
 #endif
@@ -223,12 +231,4 @@ void run(const RotaryCall& c) {
 
 }  // namespace rope_ext::cpu
 
-void rope_ext::register_cpu_kernels(torch::Library& m) {
-  using Ops = RotaryOps<&cpu::run>;
-  m.impl("rotary", &Ops::rotary);
-  m.impl("rotary_qk", &Ops::rotary_qk);
-  m.impl("rotary_", &Ops::rotary_);
-  m.impl("rotary_pos", &Ops::rotary_pos);
-  m.impl("rotary_pos_qk", &Ops::rotary_pos_qk);
-  m.impl("rotary_pos_", &Ops::rotary_pos_);
-}
+void rope_ext::register_cpu_kernels(Library& m) { register_rotary_ops<&cpu::run>(m); }

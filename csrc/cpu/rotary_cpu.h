@@ -2,13 +2,11 @@
 // rotary_kernel.h); rotary_cpu.cpp chooses between them at run time.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <atomic>
+#include <cstdint>
 #include <string>
 
 #include "internal_api.h"
-#include "rotary_ops.h"
 #include "rotary_plan.h"
 
 namespace rope_ext::cpu {
@@ -83,6 +81,8 @@ struct ThreadPool {
   void (*parallel_for)(int64_t begin, int64_t end, int64_t grain, const void* body, ChunkFn chunk);
   int (*num_threads)();
 };
+// torch's pool, through the stable ABI (torch::stable::parallel_for): the one the kernels are given.
+ROPE_EXT_INTERNAL const ThreadPool& torch_pool();
 
 #define ROPE_EXT_DECLARE_KERNEL(CAP)                                                           \
   namespace CAP {                                                                              \

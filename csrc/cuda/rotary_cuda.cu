@@ -1,12 +1,9 @@
-// CUDA implementation of the rotary ops: the launcher around rotary_thread.h's thread function.
-// Built only when torch is a CUDA build and nvcc is found (setup.py).
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-// c10's stream header rather than ATen/cuda/CUDAContext.h: the kernels need only the current
-// stream (at::cuda::getCurrentCUDAStream is this same function), and CUDAContext.h pulls in
-// cuBLAS/cuSPARSE headers that a compiler-only CUDA install does not have.
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+// CUDA implementation of the rotary ops: the launcher around rotary_thread.h's thread function,
+// on torch's stable ABI (the device guard and the current stream from its C interface). Built only
+// when torch is a CUDA build and nvcc is found (setup.py).
+#include <cuda_runtime.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
 
 #include "cuda/rotary_thread.h"
 #include "registration.h"
@@ -28,27 +25,23 @@ __global__ void __launch_bounds__(kMaxThreads, 2) rotary_kernel(const __grid_con
 
 void run_cuda(const RotaryCall& c) {
   if (c.out.numel() == 0 && (c.k_out == nullptr || c.k_out->numel() == 0)) return;
-  const c10::cuda::CUDAGuard guard(c.x.device());
+  const torch::stable::accelerator::DeviceGuard guard(c.x.device().index);
   const CallLaunch cl = plan_call(c);
   const RotaryLaunch& L = cl.launch;
   const dim3 grid(static_cast<unsigned>(L.grid_x), static_cast<unsigned>(L.grid_y));
   const dim3 block(static_cast<unsigned>(L.block_x), static_cast<unsigned>(L.block_y));
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  void* stream = nullptr;
+  detail::shim_check(aoti_torch_get_current_cuda_stream(c.x.device().index, &stream),
+                     "aoti_torch_get_current_cuda_stream");
   dispatch_thread(c, L, [&]<class Thread>() {
-    rotary_kernel<Thread><<<grid, block, 0, stream>>>(Thread::make(c, cl));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    rotary_kernel<Thread><<<grid, block, 0, static_cast<cudaStream_t>(stream)>>>(Thread::make(c, cl));
+    // (as C10_CUDA_KERNEL_LAUNCH_CHECK: a launch error, reported by the op that launched)
+    const cudaError_t err = cudaGetLastError();
+    ROPE_EXT_CHECK(err == cudaSuccess, c.op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
   });
 }
 
 }  // namespace
 }  // namespace rope_ext::cuda
 
-void rope_ext::register_cuda_kernels(torch::Library& m) {
-  using Ops = RotaryOps<&cuda::run_cuda>;
-  m.impl("rotary", &Ops::rotary);
-  m.impl("rotary_qk", &Ops::rotary_qk);
-  m.impl("rotary_", &Ops::rotary_);
-  m.impl("rotary_pos", &Ops::rotary_pos);
-  m.impl("rotary_pos_qk", &Ops::rotary_pos_qk);
-  m.impl("rotary_pos_", &Ops::rotary_pos_);
-}
+void rope_ext::register_cuda_kernels(Library& m) { register_rotary_ops<&cuda::run_cuda>(m); }

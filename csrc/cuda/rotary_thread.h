@@ -5,11 +5,8 @@
 // choice and tails are thereby tested on a machine without a GPU.
 #pragma once
 
-#include <ATen/Dispatch.h>
-#include <ATen/core/Tensor.h>
-#include <c10/macros/Macros.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -20,8 +17,13 @@
 #include <vector>
 
 #include "rotary_math.h"
-#include "rotary_ops.h"
 #include "rotary_plan.h"
+
+#if defined(__CUDACC__)
+#define ROPE_EXT_HOST_DEVICE __host__ __device__
+#else
+#define ROPE_EXT_HOST_DEVICE
+#endif
 
 namespace rope_ext::cuda {
 
@@ -171,7 +173,7 @@ struct DeviceMemory {
 // nvcc's 64-bit '/' is a call to a subroutine, around which it saved a live register to the stack
 // in some kernels on sm_80 (a local store and load per thread, which cuda-check refuses). Only
 // launches of 2^32 tokens or more take it, where 64 steps per token are nothing against the data.
-C10_HOST_DEVICE inline uint64_t divide_u64(uint64_t n, uint64_t d) {
+ROPE_EXT_HOST_DEVICE inline uint64_t divide_u64(uint64_t n, uint64_t d) {
   uint64_t q = 0, r = 0;
 #if defined(__CUDA_ARCH__)
 #pragma unroll 1
@@ -192,29 +194,29 @@ struct PlanIndex {
   RotaryPlan p[2];
   int64_t heads0 = 0, heads = 0;  // operand 0's heads, and both operands'
 
-  C10_HOST_DEVICE int64_t tokens() const { return p[0].tokens.numel(); }
+  ROPE_EXT_HOST_DEVICE int64_t tokens() const { return p[0].tokens.numel(); }
   template <int O>
-  C10_HOST_DEVICE void token(int64_t t, int64_t (&off)[4]) const {
+  ROPE_EXT_HOST_DEVICE void token(int64_t t, int64_t (&off)[4]) const {
     p[O].tokens.offsets(t, off);
   }
   template <int O>
-  C10_HOST_DEVICE void head(int64_t h, int64_t (&off)[2]) const {
+  ROPE_EXT_HOST_DEVICE void head(int64_t h, int64_t (&off)[2]) const {
     p[O].heads.offsets(h, off);
   }
   template <int O>
-  C10_HOST_DEVICE int64_t x_col() const {
+  ROPE_EXT_HOST_DEVICE int64_t x_col() const {
     return p[O].x_col;
   }
   template <int O>
-  C10_HOST_DEVICE int64_t out_col() const {
+  ROPE_EXT_HOST_DEVICE int64_t out_col() const {
     return p[O].out_col;
   }
-  C10_HOST_DEVICE int64_t rotary_dim() const { return p[0].rotary_dim; }
-  C10_HOST_DEVICE int64_t cos_col() const { return p[0].cos_col; }
-  C10_HOST_DEVICE int64_t sin_col() const { return p[0].sin_col; }
-  C10_HOST_DEVICE int64_t cos_row() const { return p[0].cos_row; }
-  C10_HOST_DEVICE int64_t sin_row() const { return p[0].sin_row; }
-  C10_HOST_DEVICE int64_t cache_rows() const { return p[0].cache_rows; }
+  ROPE_EXT_HOST_DEVICE int64_t rotary_dim() const { return p[0].rotary_dim; }
+  ROPE_EXT_HOST_DEVICE int64_t cos_col() const { return p[0].cos_col; }
+  ROPE_EXT_HOST_DEVICE int64_t sin_col() const { return p[0].sin_col; }
+  ROPE_EXT_HOST_DEVICE int64_t cos_row() const { return p[0].cos_row; }
+  ROPE_EXT_HOST_DEVICE int64_t sin_row() const { return p[0].sin_row; }
+  ROPE_EXT_HOST_DEVICE int64_t cache_rows() const { return p[0].cache_rows; }
 };
 
 // A call's rows in 168 bytes, so that its kernel's parameters stay under 256 bytes: at most two token
@@ -234,9 +236,9 @@ struct CompactIndex {
   int64_t heads0 = 0, heads = 0;
   int64_t half = 0;           // rotary_dim / 2
 
-  C10_HOST_DEVICE int64_t tokens() const { return num_tokens; }
+  ROPE_EXT_HOST_DEVICE int64_t tokens() const { return num_tokens; }
   template <int O>
-  C10_HOST_DEVICE void token(int64_t t, int64_t (&off)[4]) const {
+  ROPE_EXT_HOST_DEVICE void token(int64_t t, int64_t (&off)[4]) const {
     // A 32-bit division where the values allow (almost always): 64-bit division is a long
     // instruction sequence on a GPU.
     const int64_t o = ((t | inner) >> 32) == 0 ? int64_t{static_cast<uint32_t>(t) / static_cast<uint32_t>(inner)}
@@ -247,24 +249,24 @@ struct CompactIndex {
     off[kCos] = off[kSin] = o * pos[0] + i * pos[1];
   }
   template <int O>
-  C10_HOST_DEVICE void head(int64_t h, int64_t (&off)[2]) const {
+  ROPE_EXT_HOST_DEVICE void head(int64_t h, int64_t (&off)[2]) const {
     off[kX] = h * hd[O][0];
     off[kOut] = h * hd[O][1];
   }
   template <int O>
-  C10_HOST_DEVICE int64_t x_col() const {
+  ROPE_EXT_HOST_DEVICE int64_t x_col() const {
     return 1;
   }
   template <int O>
-  C10_HOST_DEVICE int64_t out_col() const {
+  ROPE_EXT_HOST_DEVICE int64_t out_col() const {
     return 1;
   }
-  C10_HOST_DEVICE int64_t rotary_dim() const { return 2 * half; }
-  C10_HOST_DEVICE int64_t cos_col() const { return 1; }
-  C10_HOST_DEVICE int64_t sin_col() const { return 1; }
-  C10_HOST_DEVICE int64_t cos_row() const { return row; }
-  C10_HOST_DEVICE int64_t sin_row() const { return row; }
-  C10_HOST_DEVICE int64_t cache_rows() const { return rows; }
+  ROPE_EXT_HOST_DEVICE int64_t rotary_dim() const { return 2 * half; }
+  ROPE_EXT_HOST_DEVICE int64_t cos_col() const { return 1; }
+  ROPE_EXT_HOST_DEVICE int64_t sin_col() const { return 1; }
+  ROPE_EXT_HOST_DEVICE int64_t cos_row() const { return row; }
+  ROPE_EXT_HOST_DEVICE int64_t sin_row() const { return row; }
+  ROPE_EXT_HOST_DEVICE int64_t cache_rows() const { return rows; }
 };
 
 // The CompactIndex of a call, or nullopt where its layout needs PlanIndex. Dims of x (q) along which
@@ -275,27 +277,27 @@ struct CompactIndex {
 // is the head dim, and the rest become token dims with position stride 0.
 inline std::optional<CompactIndex> compact_index(const RotaryCall& c) {
   constexpr int kOps = 4;  // q, q_out, k, k_out
-  const at::Tensor* t[kOps] = {&c.x, &c.out, c.k ? c.k : &c.x, c.k ? c.k_out : &c.out};
-  const at::Tensor& cc = c.cos;
-  const at::Tensor& sc = c.sin;
-  const auto unit = [](const at::Tensor& a, int64_t d) { return a.size(d) <= 1 || a.stride(d) == 1; };
-  for (const at::Tensor* a : t) {
+  const TensorArg* t[kOps] = {&c.x, &c.out, c.k ? c.k : &c.x, c.k ? c.k_out : &c.out};
+  const TensorArg& cc = c.cos;
+  const TensorArg& sc = c.sin;
+  const auto unit = [](const TensorArg& a, int64_t d) { return a.size(d) <= 1 || a.stride(d) == 1; };
+  for (const TensorArg* a : t) {
     if (!unit(*a, -1)) return std::nullopt;
   }
-  // What varies along the token dims, as a view over x's dims: the positions, or the tables.
-  std::vector<int64_t> view(c.x.sizes().begin(), c.x.sizes().end());
-  at::Tensor pos;
+  // What varies along the token dims: the positions, or the tables. Its stride along x's dim d, as
+  // broadcast over x.shape[:-1] (read only where x.size(d) > 1).
+  const int64_t lead = c.x.dim() - 1;
+  const auto varying_stride = [&](int64_t d) {
+    return c.positions != nullptr ? broadcast_stride(*c.positions, d, lead) : broadcast_stride(cc, d, lead + 1);
+  };
   if (c.positions != nullptr) {
     if (!unit(cc, 1) || !unit(sc, 1) || cc.stride(0) != sc.stride(0)) return std::nullopt;
-    view.back() = 1;
-    pos = c.positions->unsqueeze(-1).expand(view);
   } else {
-    view.back() = cc.size(-1);
-    pos = cc.expand(view);
-    const at::Tensor sin_view = sc.expand(view);
-    if (!unit(pos, -1) || !unit(sin_view, -1)) return std::nullopt;
-    for (int64_t d = 0; d + 1 < c.x.dim(); ++d) {
-      if (c.x.size(d) > 1 && pos.stride(d) != sin_view.stride(d)) return std::nullopt;  // one offset for both
+    if (!unit(cc, -1) || !unit(sc, -1)) return std::nullopt;
+    for (int64_t d = 0; d < lead; ++d) {
+      if (c.x.size(d) > 1 && broadcast_stride(cc, d, lead + 1) != broadcast_stride(sc, d, lead + 1)) {
+        return std::nullopt;  // one offset for both
+      }
     }
   }
   struct Dim {
@@ -312,8 +314,7 @@ inline std::optional<CompactIndex> compact_index(const RotaryCall& c) {
       trivial = trivial && m.size[j] == 1;
     }
     if (trivial) continue;
-    // (expand keeps the stride of a size-1 dim: where q has size 1, positions are not varying)
-    m.stride[kOps] = m.size[0] == 1 ? 0 : pos.stride(d);
+    m.stride[kOps] = m.size[0] == 1 ? 0 : varying_stride(d);
     if (m.stride[kOps] != 0 && (m.size[1] != m.size[0] || m.size[2] != m.size[0] || m.size[3] != m.size[0])) {
       return std::nullopt;  // a token dim that the operands do not share (refused by the checks)
     }
@@ -406,15 +407,15 @@ struct OpMath<double> {
 // on the CPU and must report, not abort, it is an exception saying the same.
 #if defined(__CUDA_ARCH__)
 #define ROPE_EXT_POSITION_CHECK(pos, rows)                                                                  \
-  if (C10_UNLIKELY(!((pos) >= 0 && (pos) < (rows)))) {                                                      \
+  if (__builtin_expect(!((pos) >= 0 && (pos) < (rows)), 0)) {                                               \
     printf("rope_ext: position %lld is outside the cache of %lld rows (size it for the positions you "      \
            "pass: RotaryEmbedding(max_position_embeddings=...) or .ensure_positions(n))\n",               \
            static_cast<long long>(pos), static_cast<long long>(rows));                                      \
-    CUDA_KERNEL_ASSERT((pos) >= 0 && (pos) < (rows));                                                       \
+    __assert_fail("position in [0, rows)", __FILE__, __LINE__, __func__); /* as CUDA_KERNEL_ASSERT */       \
   }
 #else
 #define ROPE_EXT_POSITION_CHECK(pos, rows)                                                                  \
-  TORCH_CHECK((pos) >= 0 && (pos) < (rows), "rope_ext: position ", pos, " is outside the cache, whose ", rows, \
+  ROPE_EXT_CHECK((pos) >= 0 && (pos) < (rows), "rope_ext: position ", pos, " is outside the cache, whose ", rows, \
               " rows hold positions 0 to ", (rows) - 1)
 #endif
 
@@ -429,7 +430,7 @@ struct CallLaunch {
 // (`ignore_alignment`: see choose_launch.)
 inline CallLaunch plan_call(const RotaryCall& c, bool allow_compact = true, bool ignore_alignment = false) {
   CallLaunch r;
-  const auto make = [&](const at::Tensor& x, const at::Tensor& out) {
+  const auto make = [&](const TensorArg& x, const TensorArg& out) {
     return c.positions ? make_rotary_pos_plan(x, out, c.cos, c.sin, *c.positions)
                        : make_rotary_plan(x, out, c.cos, c.sin);
   };
@@ -439,7 +440,7 @@ inline CallLaunch plan_call(const RotaryCall& c, bool allow_compact = true, bool
     // One launch walks both operands' tokens with one index and their rows with q's items (the
     // callers' checks ensure both: the tables or positions broadcast over q and k alike, and
     // rotary_qk_one_call / check_qk_args give them one head dim).
-    TORCH_CHECK(r.k_plan.tokens.numel() == r.plan.tokens.numel() && r.k_plan.head_dim == r.plan.head_dim, c.op,
+    ROPE_EXT_CHECK(r.k_plan.tokens.numel() == r.plan.tokens.numel() && r.k_plan.head_dim == r.plan.head_dim, c.op,
                 ": internal error: q and k in one launch must share their tokens and head dim, got ",
                 r.plan.tokens.numel(), " and ", r.k_plan.tokens.numel(), " tokens, head dims ", r.plan.head_dim,
                 " and ", r.k_plan.head_dim);
@@ -497,7 +498,7 @@ struct RotaryThread {
     t.positions = c.positions ? c.positions->const_data_ptr() : nullptr;
     t.rot_items = cl.launch.rot_items;
     t.pass_items = cl.launch.pass_items;
-    t.positions_int32 = c.positions && c.positions->scalar_type() == at::kInt;
+    t.positions_int32 = c.positions && c.positions->scalar_type() == ScalarType::Int;
     t.table_vec = cl.launch.table_vec;
     t.conjugate = c.conjugate;
     return t;
@@ -518,7 +519,7 @@ struct RotaryThread {
   bool table_vec;                 // the launch's
   bool conjugate;                 // the transpose (see above)
 
-  C10_HOST_DEVICE void operator()(const ThreadCoord& g) const {
+  ROPE_EXT_HOST_DEVICE void operator()(const ThreadCoord& g) const {
     const int64_t tokens = idx.tokens();
     // A second operand (k): rotary_pos_qk, and rotary_qk where q and k share tables. k's token
     // offsets only where it has heads; its table entries are q's (the same token of the same tables).
@@ -644,7 +645,7 @@ struct RotaryThread {
   }
 
   // The item's pairs of every head this thread covers: q's heads, then k's (heads h - heads0).
-  C10_HOST_DEVICE void rotate_item(int64_t item, const int64_t (&t0)[4], const int64_t (&t1)[4],
+  ROPE_EXT_HOST_DEVICE void rotate_item(int64_t item, const int64_t (&t0)[4], const int64_t (&t1)[4],
                                    const ThreadCoord& g) const {
     const int64_t step = g.grid_y * g.block_y;
     int64_t h = g.by * g.block_y + g.ty;
@@ -660,7 +661,7 @@ struct RotaryThread {
   }
 
   template <int O>
-  C10_HOST_DEVICE void rotate_row(int64_t h, const int64_t (&tok)[4], int64_t pair0, const opmath_t (&c1)[kPairs],
+  ROPE_EXT_HOST_DEVICE void rotate_row(int64_t h, const int64_t (&tok)[4], int64_t pair0, const opmath_t (&c1)[kPairs],
                                   const opmath_t (&s1)[kPairs], const opmath_t (&c2)[kPairs],
                                   const opmath_t (&s2)[kPairs]) const {
     const int64_t half = idx.rotary_dim() / 2;
@@ -717,7 +718,7 @@ struct RotaryThread {
   }
 
   // Pass-through columns [r + item*kVec, r + (item+1)*kVec) of every head: copied, unless in place.
-  C10_HOST_DEVICE void copy_item(int64_t item, const int64_t (&t0)[4], const int64_t (&t1)[4],
+  ROPE_EXT_HOST_DEVICE void copy_item(int64_t item, const int64_t (&t0)[4], const int64_t (&t1)[4],
                                  const ThreadCoord& g) const {
     const int64_t step = g.grid_y * g.block_y;
     int64_t h = g.by * g.block_y + g.ty;
@@ -726,7 +727,7 @@ struct RotaryThread {
   }
 
   template <int O>
-  C10_HOST_DEVICE void copy_row(int64_t h, const int64_t (&tok)[4], int64_t item) const {
+  ROPE_EXT_HOST_DEVICE void copy_row(int64_t h, const int64_t (&tok)[4], int64_t item) const {
     int64_t hd[2];
     idx.template head<O>(h, hd);
     const scalar_t* xr = x[O] + tok[kX] + hd[kX];
@@ -785,14 +786,21 @@ void dispatch_variant(const RotaryCall& c, const RotaryLaunch& L, F&& f) {
 
 template <typename F>
 void dispatch_thread(const RotaryCall& c, const RotaryLaunch& L, F&& f) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, c.x.scalar_type(), "rope_ext.rotary_thread", [&] {
-    // The checks allow tables in x's dtype or in float32.
+  // The checks allow tables in x's dtype or in float32.
+  const auto with = [&]<typename scalar_t>(std::type_identity<scalar_t>) {
     if (c.cos.scalar_type() == c.x.scalar_type()) {
       dispatch_variant<scalar_t, scalar_t>(c, L, f);
     } else {
       dispatch_variant<scalar_t, float>(c, L, f);
     }
-  });
+  };
+  switch (c.x.scalar_type()) {
+    case ScalarType::Float: return with(std::type_identity<float>{});
+    case ScalarType::Double: return with(std::type_identity<double>{});
+    case ScalarType::Half: return with(std::type_identity<c10::Half>{});
+    case ScalarType::BFloat16: return with(std::type_identity<c10::BFloat16>{});
+    default: ROPE_EXT_CHECK(false, c.op, ": internal error: no CUDA kernel for dtype ", c.x.scalar_type());
+  }
 }
 
 }  // namespace rope_ext::cuda

@@ -13,6 +13,8 @@
 //    32-byte sectors it touches.
 #include "testing/testing.h"
 
+#include <torch/csrc/stable/library.h>
+
 #include <algorithm>
 #include <array>
 #include <cinttypes>
@@ -168,7 +170,7 @@ void check_aligned(const V* p, int site) {
   if (a % sizeof(V) == 0) return;
   char address[32];
   std::snprintf(address, sizeof(address), "0x%" PRIxPTR, a);
-  TORCH_CHECK(false, "rope_ext CUDA emulation: misaligned ", sizeof(V), "-byte ", is_store(site) ? "store" : "load",
+  ROPE_EXT_CHECK(false, "rope_ext CUDA emulation: misaligned ", sizeof(V), "-byte ", is_store(site) ? "store" : "load",
               " at ", address, " (", a % sizeof(V), " bytes past a ", sizeof(V), "-byte boundary), access site ",
               site_name(site), ": a GPU faults on it (cudaErrorMisalignedAddress); the launch chose a vector ",
               "width its pointers or strides do not allow");
@@ -219,24 +221,28 @@ std::vector<int64_t> as_list(const RotaryLaunch& L) {
 }
 
 // [grid_x, grid_y, block_x, block_y, vec, pairs_per_item, rot_items, pass_items, table_vec, compact]
-std::vector<int64_t> launch_config(const at::Tensor& x, const at::Tensor& cos,
-                                   const at::Tensor& sin, bool interleaved) {
+// (Each allocates the outputs the op would, whose addresses the launch's vector widths depend on.)
+std::vector<int64_t> launch_config(const StableTensor& x_, const StableTensor& cos_, const StableTensor& sin_,
+                                   bool interleaved) {
+  const TensorArg x = read_arg(x_), cos = read_arg(cos_), sin = read_arg(sin_);
   check_rotary_args("rope_ext_testing.cuda_launch_config", x, cos, sin);
-  at::Tensor out = at::empty_like(x);
+  const StableTensor out_ = new_like(x_, x);
+  const TensorArg out = read_arg(out_, true);
   return as_list(plan({x, out, cos, sin, nullptr, nullptr, nullptr, interleaved}).launch);
 }
 
 // The launches of rotary_qk(q, k, cos, sin) with shared tables, out of place, 10 values each: one
 // covering q's heads and then k's, or one per tensor where rotary_qk_one_call says so (their head
 // dims differ).
-std::vector<int64_t> qk_launch_config(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
-                                      const at::Tensor& sin, bool interleaved) {
+std::vector<int64_t> qk_launch_config(const StableTensor& q_, const StableTensor& k_, const StableTensor& cos_,
+                                      const StableTensor& sin_, bool interleaved) {
   const char* op = "rope_ext_testing.cuda_qk_launch_config";
+  const TensorArg q = read_arg(q_), k = read_arg(k_), cos = read_arg(cos_), sin = read_arg(sin_);
   check_rotary_args(op, q, cos, sin, {"q", "cos", "sin"});
   check_rotary_args(op, k, cos, sin, {"k", "cos", "sin"});
   check_qk_args(op, q, k, cos);
-  at::Tensor q_out = at::empty_like(q);
-  at::Tensor k_out = at::empty_like(k);
+  const StableTensor q_out_ = new_like(q_, q), k_out_ = new_like(k_, k);
+  const TensorArg q_out = read_arg(q_out_, true), k_out = read_arg(k_out_, true);
   if (rotary_qk_one_call(q, k, false)) {
     return as_list(plan({q, q_out, cos, sin, nullptr, &k, &k_out, interleaved}).launch);
   }
@@ -248,20 +254,24 @@ std::vector<int64_t> qk_launch_config(const at::Tensor& q, const at::Tensor& k, 
 }
 
 // The same for rotary_pos_qk(q, k, ...) (k optional), out of place.
-std::vector<int64_t> pos_launch_config(const at::Tensor& q, const std::optional<at::Tensor>& k,
-                                       const at::Tensor& cos_cache, const at::Tensor& sin_cache,
-                                       const at::Tensor& positions, bool interleaved) {
+std::vector<int64_t> pos_launch_config(const StableTensor& q_, const std::optional<StableTensor>& k_,
+                                       const StableTensor& cos_cache_, const StableTensor& sin_cache_,
+                                       const StableTensor& positions_, bool interleaved) {
   const char* op = "rope_ext_testing.cuda_pos_launch_config";
+  const TensorArg q = read_arg(q_), cos_cache = read_arg(cos_cache_), sin_cache = read_arg(sin_cache_);
+  const TensorArg positions = read_arg(positions_);
   check_rotary_pos_args(op, q, cos_cache, sin_cache, positions, "q");
-  at::Tensor q_out = at::empty_like(q);
-  if (!k.has_value()) {
+  const StableTensor q_out_ = new_like(q_, q);
+  const TensorArg q_out = read_arg(q_out_, true);
+  if (!k_.has_value()) {
     return as_list(plan({q, q_out, cos_cache, sin_cache, &positions, nullptr, nullptr, interleaved}).launch);
   }
-  check_rotary_pos_args(op, *k, cos_cache, sin_cache, positions, "k");
-  check_qk_args(op, q, *k, positions, "positions", 0);
-  at::Tensor k_out = at::empty_like(*k);
-  return as_list(
-      plan({q, q_out, cos_cache, sin_cache, &positions, &*k, &k_out, interleaved}).launch);
+  const TensorArg k = read_arg(*k_);
+  check_rotary_pos_args(op, k, cos_cache, sin_cache, positions, "k");
+  check_qk_args(op, q, k, positions, "positions", 0);
+  const StableTensor k_out_ = new_like(*k_, k);
+  const TensorArg k_out = read_arg(k_out_, true);
+  return as_list(plan({q, q_out, cos_cache, sin_cache, &positions, &k, &k_out, interleaved}).launch);
 }
 
 }  // namespace
@@ -291,7 +301,7 @@ bool record_launches(bool on) {
 }
 
 std::vector<int64_t> launches() {
-  TORCH_CHECK(g_launches.has_value(), "rope_ext_testing.cuda_launches: not recording; call ",
+  ROPE_EXT_CHECK(g_launches.has_value(), "rope_ext_testing.cuda_launches: not recording; call ",
               "cuda_record_launches(True) before the emulated ops");
   std::vector<int64_t> r;
   for (const RotaryLaunch& L : *g_launches) {
@@ -312,7 +322,7 @@ bool record_traffic(bool on) {
 }
 
 std::vector<int64_t> traffic() {
-  TORCH_CHECK(g_traffic.has_value(), "rope_ext_testing.cuda_traffic: not recording; call cuda_record_traffic(True) ",
+  ROPE_EXT_CHECK(g_traffic.has_value(), "rope_ext_testing.cuda_traffic: not recording; call cuda_record_traffic(True) ",
               "before the emulated ops");
   std::vector<int64_t> r(10, 0);
   for (int s = 0; s < kSites; ++s) {
@@ -329,7 +339,7 @@ std::vector<int64_t> traffic() {
 }
 
 std::tuple<std::vector<std::string>, std::vector<int64_t>> traffic_by_site() {
-  TORCH_CHECK(g_traffic.has_value(), "rope_ext_testing.cuda_traffic_by_site: not recording; call ",
+  ROPE_EXT_CHECK(g_traffic.has_value(), "rope_ext_testing.cuda_traffic_by_site: not recording; call ",
               "cuda_record_traffic(True) before the emulated ops");
   std::vector<std::string> names;
   std::vector<int64_t> totals;
@@ -343,9 +353,9 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>> traffic_by_site() {
 }
 
 std::vector<int64_t> compact_token_offsets(int64_t t, int64_t inner, const std::vector<int64_t>& strides) {
-  TORCH_CHECK(strides.size() == 6, "rope_ext_testing.cuda_compact_token_offsets: strides must hold 6 values ",
+  ROPE_EXT_CHECK(strides.size() == 6, "rope_ext_testing.cuda_compact_token_offsets: strides must hold 6 values ",
               "(x outer, x inner, out outer, out inner, positions outer, positions inner), got ", strides.size());
-  TORCH_CHECK(t >= 0 && inner > 0, "rope_ext_testing.cuda_compact_token_offsets: needs t >= 0 and inner > 0, got t ",
+  ROPE_EXT_CHECK(t >= 0 && inner > 0, "rope_ext_testing.cuda_compact_token_offsets: needs t >= 0 and inner > 0, got t ",
               t, " and inner ", inner);
   cuda::CompactIndex ix;
   ix.inner = inner;
@@ -360,18 +370,13 @@ std::vector<int64_t> compact_token_offsets(int64_t t, int64_t inner, const std::
   return {off[kX], off[kOut], off[kCos], off[kSin]};
 }
 
-void register_cuda_emulation(torch::Library& m) {
-  using Ops = RotaryOps<&run_emulated>;
-  m.impl("cuda_emulate_rotary", &Ops::rotary);
-  m.impl("cuda_emulate_rotary_qk", &Ops::rotary_qk);
-  m.impl("cuda_emulate_rotary_", &Ops::rotary_);
-  m.impl("cuda_emulate_rotary_pos", &Ops::rotary_pos);
-  m.impl("cuda_emulate_rotary_pos_qk", &Ops::rotary_pos_qk);
-  m.impl("cuda_emulate_rotary_pos_", &Ops::rotary_pos_);
-  m.impl("cuda_launch_config", &launch_config);
-  m.impl("cuda_qk_launch_config", &qk_launch_config);
-  m.impl("cuda_pos_launch_config", &pos_launch_config);
-
-}
-
 }  // namespace rope_ext::testing
+
+// The emulated ops and the launch configurations, as CPU kernels of librope_ext_testing.so's
+// schemas (testing_ops.cpp defines them).
+STABLE_TORCH_LIBRARY_IMPL(rope_ext_testing, CPU, m) {
+  rope_ext::register_rotary_ops<&rope_ext::testing::run_emulated>(m, "cuda_emulate_");
+  m.impl("cuda_launch_config", TORCH_BOX(&rope_ext::testing::launch_config));
+  m.impl("cuda_qk_launch_config", TORCH_BOX(&rope_ext::testing::qk_launch_config));
+  m.impl("cuda_pos_launch_config", TORCH_BOX(&rope_ext::testing::pos_launch_config));
+}

@@ -3,8 +3,6 @@
 // product. Built with ROPE_EXT_TESTING=ON (`make setup` builds it; wheels leave it out).
 #pragma once
 
-#include <torch/library.h>
-
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -12,9 +10,8 @@
 
 namespace rope_ext::testing {
 
-// host_emulation.cpp: the CUDA kernel's thread function run on the CPU, as CPU kernels of
-// cuda_emulate_rotary, cuda_emulate_rotary_qk, cuda_emulate_rotary_ and cuda_launch_config.
-void register_cuda_emulation(torch::Library& m);
+// host_emulation.cpp registers the CUDA kernel's thread function run on the CPU as the CPU kernels
+// of cuda_emulate_* and cuda_*launch_config, on the stable ABI as the product's kernels are.
 
 // Whether the emulator's calls may use CompactIndex (as the CUDA launcher does); returns
 // the previous setting. Off, they use PlanIndex for every layout.

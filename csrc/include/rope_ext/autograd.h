@@ -24,6 +24,7 @@
 
 #include <initializer_list>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -46,13 +47,25 @@ c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
+// op.call(args...), with the library's errors given to C++ callers as LibTorch's own, c10::Error
+// (the message unchanged): the library is built on torch's stable ABI, whose kernels raise
+// std::runtime_error. (Python sees RuntimeError either way.)
+template <class Signature, class... Args>
+decltype(auto) call(const c10::TypedOperatorHandle<Signature>& op, Args&&... args) {
+  try {
+    return op.call(std::forward<Args>(args)...);
+  } catch (const std::runtime_error& e) {
+    throw c10::Error(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, e.what());
+  }
+}
+
 using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 inline Tensor call_rotary(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved, bool conjugate) {
   static const auto op = op_handle<Tensor(const Tensor&, const Tensor&, const Tensor&, bool, bool)>("rope_ext::rotary");
-  return op.call(x, cos, sin, interleaved, conjugate);
+  return detail::call(op, x, cos, sin, interleaved, conjugate);
 }
 
 inline std::tuple<Tensor, Tensor> call_rotary_qk(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin,
@@ -60,7 +73,7 @@ inline std::tuple<Tensor, Tensor> call_rotary_qk(const Tensor& q, const Tensor& 
                                           const std::optional<Tensor>& sin_k, bool conjugate) {
   static const auto op = op_handle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool,
                                             const std::optional<Tensor>&, const std::optional<Tensor>&, bool)>("rope_ext::rotary_qk");
-  return op.call(q, k, cos, sin, interleaved, cos_k, sin_k, conjugate);
+  return detail::call(op, q, k, cos, sin, interleaved, cos_k, sin_k, conjugate);
 }
 
 // The op functions with autograd, defined below: each backward calls them, so that its own
@@ -193,7 +206,7 @@ struct RotaryQKFunction : torch::autograd::Function<RotaryQKFunction> {
 inline Tensor call_rotary_pos(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
                        bool interleaved, bool conjugate) {
   static const auto op = op_handle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, bool)>("rope_ext::rotary_pos");
-  return op.call(x, cos, sin, positions, interleaved, conjugate);
+  return detail::call(op, x, cos, sin, positions, interleaved, conjugate);
 }
 
 inline std::tuple<Tensor, Tensor> call_rotary_pos_qk(const Tensor& q, const Tensor& k, const Tensor& cos,
@@ -201,7 +214,7 @@ inline std::tuple<Tensor, Tensor> call_rotary_pos_qk(const Tensor& q, const Tens
                                               bool conjugate) {
   static const auto op = op_handle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
                                                                const Tensor&, const Tensor&, bool, bool)>("rope_ext::rotary_pos_qk");
-  return op.call(q, k, cos, sin, positions, interleaved, conjugate);
+  return detail::call(op, q, k, cos, sin, positions, interleaved, conjugate);
 }
 
 // The gradients of the half-width caches (P, r/2) of one rotary_pos call. Per pair i with members
@@ -359,7 +372,7 @@ inline void rotary_pos_inplace_autograd(at::Tensor& q, const std::optional<at::T
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto op = op_handle<void(at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, bool, bool)>("rope_ext::rotary_pos_");
-    op.call(q, k, cos, sin, positions, interleaved, conjugate);
+    detail::call(op, q, k, cos, sin, positions, interleaved, conjugate);
   }
   bump(q);
   bump(kt);
@@ -393,7 +406,7 @@ inline void rotary_inplace_autograd(at::Tensor& x, const at::Tensor& cos, const 
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto op = op_handle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool)>("rope_ext::rotary_");
-    op.call(x, cos, sin, interleaved, conjugate);
+    detail::call(op, x, cos, sin, interleaved, conjugate);
   }
   bump(x);
 }

@@ -1,0 +1,115 @@
+// The boundary between torch's stable ABI and rope_ext's own code: a torch::stable::Tensor read
+// into a TensorArg (tensor_arg.h), and outputs allocated as at::empty_like allocates them. Only
+// translation units built with TORCH_TARGET_VERSION include this (CMakeLists.txt).
+//
+// Each accessor of torch::stable::Tensor is a call into libtorch, and its scalar_type() and device()
+// translate codes through further calls, so a tensor is read here once, with one call per field, and
+// dtype and device codes are translated by tables read once per process.
+#pragma once
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/c/shim.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <cstdint>
+
+#include "tensor_arg.h"
+
+namespace rope_ext {
+
+using StableTensor = torch::stable::Tensor;
+
+namespace detail {
+
+// A libtorch call's error code as an exception (an internal error: the arguments were checked).
+inline void shim_check(AOTITorchError err, const char* call) {
+  if (err != AOTI_TORCH_SUCCESS) throw std::runtime_error(str("rope_ext internal error: ", call, " failed"));
+}
+
+// The shim's dtype and device codes of the types rope_ext reads, asked once. (They are the enums'
+// values in every torch to date; asking keeps that an assumption of torch's, not ours.)
+struct Codes {
+  struct Entry {
+    int32_t code;
+    ScalarType type;
+  };
+  Entry dtypes[6] = {{aoti_torch_dtype_float32(), ScalarType::Float},   {aoti_torch_dtype_bfloat16(), ScalarType::BFloat16},
+                     {aoti_torch_dtype_float16(), ScalarType::Half},    {aoti_torch_dtype_float64(), ScalarType::Double},
+                     {aoti_torch_dtype_int64(), ScalarType::Long},      {aoti_torch_dtype_int32(), ScalarType::Int}};
+  int32_t cpu = aoti_torch_device_type_cpu();
+  int32_t cuda = aoti_torch_device_type_cuda();
+};
+inline const Codes& codes() {
+  static const Codes c;
+  return c;
+}
+
+inline ScalarType dtype_of_code(int32_t code) {
+  for (const auto& e : codes().dtypes) {
+    if (e.code == code) return e.type;
+  }
+  return torch::stable::detail::to<ScalarType>(torch::stable::detail::from(code));  // any other dtype
+}
+
+inline int32_t code_of_dtype(ScalarType t) {
+  for (const auto& e : codes().dtypes) {
+    if (e.type == t) return e.code;
+  }
+  throw std::runtime_error(str("rope_ext internal error: no output of dtype ", t));
+}
+
+inline DeviceType device_type_of_code(int32_t code) {
+  if (code == codes().cpu) return DeviceType::CPU;
+  if (code == codes().cuda) return DeviceType::CUDA;
+  return torch::stable::detail::to<DeviceType>(torch::stable::detail::from(code));
+}
+
+}  // namespace detail
+
+// What rope_ext's checks and kernels read of t; `writes`: its data will be written (in place, or a
+// new output). An undefined tensor (None where the schema wants a Tensor) reads as undefined.
+inline TensorArg read_arg(const StableTensor& t, bool writes = false) {
+  using detail::shim_check;
+  TensorArg a;
+  AtenTensorHandle h = t.get();
+  shim_check(aoti_torch_is_defined(h, &a.defined_), "aoti_torch_is_defined");
+  if (!a.defined_) return a;
+  int64_t* sizes = nullptr;
+  int64_t* strides = nullptr;
+  int32_t dtype = 0, device_type = 0, device_index = 0;
+  shim_check(aoti_torch_get_dim(h, &a.dim_), "aoti_torch_get_dim");
+  shim_check(aoti_torch_get_sizes(h, &sizes), "aoti_torch_get_sizes");
+  shim_check(aoti_torch_get_strides(h, &strides), "aoti_torch_get_strides");
+  shim_check(aoti_torch_get_dtype(h, &dtype), "aoti_torch_get_dtype");
+  shim_check(aoti_torch_get_device_type(h, &device_type), "aoti_torch_get_device_type");
+  shim_check(aoti_torch_get_device_index(h, &device_index), "aoti_torch_get_device_index");
+  a.sizes_ = sizes;
+  a.strides_ = strides;
+  a.numel_ = product(sizes, a.dim_);
+  a.dtype_ = detail::dtype_of_code(dtype);
+  a.device_ = {detail::device_type_of_code(device_type), device_index};
+  if (writes) {
+    shim_check(torch_get_mutable_data_ptr(h, &a.data_), "torch_get_mutable_data_ptr");
+  } else {
+    const void* data = nullptr;
+    shim_check(torch_get_const_data_ptr(h, &data), "torch_get_const_data_ptr");
+    a.data_ = const_cast<void*>(data);  // (read only: TensorArg holds one pointer for both uses)
+  }
+  return a;
+}
+
+// A new tensor laid out as at::empty_like(t) lays it out: with t's strides where t is
+// non-overlapping and dense (every layout a model passes), otherwise by empty_like itself through
+// the dispatcher (a microsecond more, for the rare expanded or overlapping input).
+inline StableTensor new_like(const StableTensor& t, const TensorArg& a) {
+  if (!non_overlapping_and_dense(a)) return torch::stable::empty_like(t);
+  AtenTensorHandle out = nullptr;
+  const int32_t device_type = a.device().is_cpu() ? detail::codes().cpu : detail::codes().cuda;
+  detail::shim_check(aoti_torch_empty_strided(a.dim(), a.sizes_, a.strides_, detail::code_of_dtype(a.scalar_type()),
+                                              device_type, a.device().index, &out),
+                     "aoti_torch_empty_strided");
+  return StableTensor(out);
+}
+
+}  // namespace rope_ext
