@@ -6,8 +6,11 @@ rope_ext/lib/cmake/rope_ext/. `import rope_ext` loads that library (torch.ops.lo
 programs link the same file through find_package(rope_ext) with
 CMAKE_PREFIX_PATH=$(python -c 'import rope_ext; print(rope_ext.cmake_prefix_path)').
 
-The library does not use Python's C API, so the wheel is tagged py3-none-<platform>: one wheel per
-platform and torch major.minor, for every Python version torch supports.
+The library does not use Python's C API, and it uses only torch's stable ABI (the C functions of
+torch/csrc/stable, whose signatures every later torch keeps), with TORCH_TARGET_VERSION 2.10: the
+wheel is tagged py3-none-<platform> and requires torch>=2.10, one wheel for every Python version and
+every torch release from 2.10 on. (`make wheel-check` builds one and runs the core tests in it under
+torch 2.10, 2.11, 2.13 and 2.15.) Building needs torch 2.10 or newer installed, for its headers.
 
 CUDA: the library also gets the CUDA kernels (csrc/cuda/*.cu) when torch is a CUDA build and nvcc
 is found (CUDA_HOME); otherwise it is CPU-only. The architectures default to sm_80, sm_86, sm_89 and
@@ -18,7 +21,6 @@ Platforms: Linux on x86-64, the one that is built and tested; others are refused
 compiles (ROPE_EXT_UNTESTED_PLATFORM=1 tries anyway, for someone porting rope_ext).
 
 Environment:
-  ROPE_EXT_UNTESTED_TORCH=1  build against a torch outside the tested 2.9 to 2.15 (refused otherwise).
   MAX_JOBS=N          parallel compile jobs (default: the number of CPUs); nvcc also compiles that
                       many architectures at once (--threads).
   ROPE_EXT_CUDA=1|0   force the CUDA build on (an error if it cannot be done) or off.
@@ -210,7 +212,6 @@ class CMakeBuild(build_ext):
             # (a C++ program linking it); in Python, torch is always imported first.
             "-DCMAKE_INSTALL_RPATH=$ORIGIN/../../torch/lib",
             "-DCMAKE_INSTALL_LIBDIR=lib",
-            f"-DROPE_EXT_UNTESTED_TORCH={'ON' if os.environ.get('ROPE_EXT_UNTESTED_TORCH') == '1' else 'OFF'}",
             "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
         ] + generator() + (cuda_args() if cuda else []) + cmake_args()
         # One build directory per configuration: the options, the torch, and what CMake reads from the
@@ -255,22 +256,19 @@ class Wheel(bdist_wheel):
         return ("py3", "none", super().get_tag()[2])
 
 
-# The binary uses torch's C++ ABI, which changes between minor releases: the package requires the
-# major.minor it was compiled against, so pip refuses (rather than breaks) it beside another torch.
-TORCH_MAJOR_MINOR = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-# The releases rope_ext is built and tested against (README, "Tested torch versions"; make
-# compat-check TORCH=<version>); CMakeLists.txt checks the same range.
-TORCH_TESTED = ((2, 9), (2, 15))
-_torch_release = tuple(int(n) for n in TORCH_MAJOR_MINOR.split("."))
-if not TORCH_TESTED[0] <= _torch_release <= TORCH_TESTED[1] and os.environ.get("ROPE_EXT_UNTESTED_TORCH") != "1":
+# The oldest torch whose stable ABI has what the library uses (TORCH_TARGET_VERSION in CMakeLists.txt):
+# strings through the dispatcher and torch::stable::parallel_for came in 2.10. Building needs its
+# headers; the wheel then loads into it and every later torch.
+TORCH_MIN = (2, 10)
+_torch_release = tuple(int(n) for n in torch.__version__.split("+")[0].split(".")[:2])
+if _torch_release < TORCH_MIN:
     raise SystemExit(
-        f"rope_ext is built and tested against torch {'.'.join(map(str, TORCH_TESTED[0]))} to "
-        f"{'.'.join(map(str, TORCH_TESTED[1]))}; this environment has torch {torch.__version__}. Install a torch in "
-        "that range, or set ROPE_EXT_UNTESTED_TORCH=1 to try the build anyway.")
+        f"rope_ext needs torch {'.'.join(map(str, TORCH_MIN))} or newer, whose stable ABI it is built on; this "
+        f"environment has torch {torch.__version__}. Install a newer torch first.")
 
 setup(
     version=VERSION,
-    install_requires=[f"torch=={TORCH_MAJOR_MINOR}.*"],
+    install_requires=[f"torch>={'.'.join(map(str, TORCH_MIN))}"],
     ext_modules=[CMakeExtension()],
     cmdclass={"build_ext": CMakeBuild, "bdist_wheel": Wheel},
 )

@@ -66,18 +66,17 @@ def test_an_old_setuptools_says_what_to_install():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("version", ["2.8.0", "2.16.0"])
-def test_a_torch_outside_the_tested_range_is_refused(version):
-    """The README's tested range, 2.9 to 2.15 (make compat-check), is the one setup.py builds
-    against; ROPE_EXT_UNTESTED_TORCH=1 goes on."""
-    prelude = f"import torch; torch.__version__ = {version!r}"
-    proc = _run_setup(prelude)
-    assert proc.returncode != 0
-    assert f"rope_ext is built and tested against torch 2.9 to 2.15; this environment has torch {version}" \
-        in proc.stderr, proc.stderr[-2000:]
-    assert "ROPE_EXT_UNTESTED_TORCH=1" in proc.stderr
-    proc = _run_setup(prelude, {"ROPE_EXT_UNTESTED_TORCH": "1"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
+@pytest.mark.parametrize("version, accepted", [("2.9.1", False), ("2.10.0", True), ("2.16.0", True), ("3.0.0", True)])
+def test_torch_older_than_the_stable_abi_floor_is_refused(version, accepted):
+    """setup.py builds against any torch from 2.10 on (the stable ABI's TORCH_TARGET_VERSION), and
+    refuses an older one, saying why."""
+    proc = _run_setup(f"import torch; torch.__version__ = {version!r}")
+    if accepted:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    else:
+        assert proc.returncode != 0
+        assert f"rope_ext needs torch 2.10 or newer, whose stable ABI it is built on; this environment has torch " \
+               f"{version}" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_the_cmake_package_refuses_another_torch_release(tmp_path):

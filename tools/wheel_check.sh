@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# `make wheel-check`: one wheel, built once, under many torches (issue 37). The wheel is the product
+# wheel that `make dist-check` built from the sdist (build/dist-check/dist), against torch 2.13; the
+# library is on torch's stable ABI, so the same file must load and pass under every torch from 2.10.
+# For each release in TORCHES (default 2.10.0 2.11.0 2.13.0 2.15.0: the oldest the stable ABI
+# allows, the GPU machines', this machine's, the newest):
+#  1. a venv in build/wheel-check/<version> (reused) with that torch, as pip gives it (on Linux the
+#     CUDA build, except 2.13.0, this machine's CPU build), and the tests' dependencies;
+#  2. the wheel installed into it with --no-deps (its requirement torch>=2.10 must not move torch),
+#     and beside its library the test hooks' library built by `make setup` (also stable-ABI code:
+#     csrc/testing/), which the wheel leaves out;
+#  3. the core tests, run from outside the checkout against the venv's rope_ext, whose library is
+#     checked to be the wheel's very file.
+# WHEEL_VENV_ONLY=1 only makes the venvs (CI makes them in the background while other steps run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+TORCHES=${TORCHES:-2.10.0 2.11.0 2.13.0 2.15.0}
+CORE_TESTS=${CORE_TESTS:?"the core test files: run this through make wheel-check"}
+OUT=$ROOT/build/wheel-check
+log() { echo "wheel-check: $*"; }
+fail() { echo "wheel-check: FAILED: $*" >&2; exit 1; }
+mkdir -p "$OUT"
+
+make_venv() {  # make_venv <torch version>: build/wheel-check/<version>/venv with that torch and the tests' tools
+  local version=$1 here=$OUT/$1
+  local py=$here/venv/bin/python
+  mkdir -p "$here"
+  torch_is() { "$py" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null; }
+  if ! torch_is; then
+    rm -rf "$here/venv"
+    python3 -m venv "$here/venv"
+    # (this machine's pip configuration caps torch at 2.14.1: PIP_CONSTRAINT=/dev/null lifts it here)
+    PIP_CONSTRAINT=/dev/null "$py" -m pip install "torch==$version" > "$here/pip-torch.log" 2>&1 || { tail -20 "$here/pip-torch.log"; fail "torch==$version"; }
+  fi
+  if ! "$py" -c "import pytest, hypothesis, expecttest, numpy" 2>/dev/null; then
+    # torch pinned to the installed one, so that pip cannot replace it
+    PIP_CONSTRAINT=/dev/null "$py" -m pip install "torch==$("$py" -c 'from importlib.metadata import version; print(version("torch"))')" \
+      "pytest>=7" "hypothesis==6.155.2" expecttest numpy > "$here/pip-tools.log" 2>&1 ||
+      { tail -20 "$here/pip-tools.log"; fail "the test tools for torch $version"; }
+  fi
+  torch_is || fail "the venv for $version has torch $("$py" -c 'import torch; print(torch.__version__)')"
+}
+
+t0=$(date +%s)
+for version in $TORCHES; do make_venv "$version"; done
+log "venvs for torch $TORCHES ready ($(($(date +%s) - t0)) s)"
+[ "${WHEEL_VENV_ONLY:-0}" = 1 ] && exit 0
+
+WHEEL=${WHEEL:-$(ls "$ROOT"/build/dist-check/dist/rope_ext-*.whl 2>/dev/null || true)}
+[ -f "$WHEEL" ] || fail "no wheel: run make dist-check first (it leaves one in build/dist-check/dist), or set WHEEL"
+HOOKS=$(python3 -c "import rope_ext, pathlib; print(pathlib.Path(rope_ext._LIBRARY).with_name('librope_ext_testing.so'))")
+[ -f "$HOOKS" ] || fail "no test hooks library at $HOOKS: run make setup"
+LIBRARY=$(python3 - "$WHEEL" <<'PYEOF'
+import hashlib, re, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    name = next(n for n in z.namelist() if re.fullmatch(r"rope_ext/lib/librope_ext\.so\.[0-9.]+", n))
+    print(name, hashlib.sha256(z.read(name)).hexdigest())
+PYEOF
+)
+log "$(basename "$WHEEL") (its ${LIBRARY%% *} sha256 ${LIBRARY##* }), hooks from $HOOKS"
+
+status=0
+summary=()
+for version in $TORCHES; do
+  here=$OUT/$version
+  py=$here/venv/bin/python
+  t1=$(date +%s)
+  "$py" -m pip install --no-deps --force-reinstall "$WHEEL" > "$here/pip-wheel.log" 2>&1 ||
+    { tail -20 "$here/pip-wheel.log"; fail "installing the wheel beside torch $version"; }
+  site_lib=$(cd "$OUT" && "$py" -c 'import rope_ext; print(rope_ext._LIBRARY)')
+  cp "$HOOKS" "$(dirname "$site_lib")/"
+  (cd "$OUT" && "$py" - "$site_lib" "${LIBRARY##* }" "$ROOT" <<'PYEOF'
+import hashlib, pathlib, sys
+import rope_ext, torch
+lib, digest, root = pathlib.Path(sys.argv[1]), sys.argv[2], pathlib.Path(sys.argv[3])
+assert hashlib.sha256(lib.read_bytes()).hexdigest() == digest, f"{lib} is not the wheel's library"
+assert root not in pathlib.Path(rope_ext.__file__).resolve().parents, f"rope_ext from the checkout: {rope_ext.__file__}"
+print(f"wheel-check: torch {torch.__version__}: rope_ext {rope_ext.__version__} from {rope_ext.__file__}")
+PYEOF
+  ) || fail "the wheel's rope_ext under torch $version"
+  set +e
+  (cd "$OUT" && PYTHONSAFEPATH=1 "$py" -m pytest -q -p no:cacheprovider --rootdir="$ROOT" -c "$ROOT/pyproject.toml" \
+    $(for t in $CORE_TESTS; do echo "$ROOT/$t"; done)) > "$here/tests.log" 2>&1
+  rc=$?
+  set -e
+  counts=$(tail -1 "$here/tests.log" | sed 's/^=* *//; s/ *=*$//')
+  [ "$rc" = 0 ] || { tail -40 "$here/tests.log"; status=1; }
+  summary+=("torch $("$py" -c 'import torch; print(torch.__version__)'): $counts ($(($(date +%s) - t1)) s)")
+done
+for line in "${summary[@]}"; do log "$line"; done
+log "one wheel under ${#summary[@]} torches in $(($(date +%s) - t0)) s"
+exit "$status"
