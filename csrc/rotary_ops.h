@@ -17,19 +17,18 @@ namespace rope_ext {
 
 template <RunFn run>
 struct RotaryOps {
-  using T = StableTensor;
-  using OptT = std::optional<StableTensor>;
+  using T = TensorRef;
+  using OptT = std::optional<TensorRef>;
 
-  static T rotary(const T& x_, const T& cos_, const T& sin_, bool interleaved, bool conjugate) {
+  static OwnedTensor rotary(const T& x_, const T& cos_, const T& sin_, bool interleaved, bool conjugate) {
     const TensorArg x = read_arg(x_), cos = read_arg(cos_), sin = read_arg(sin_);
     check_rotary_args("rope_ext.rotary", x, cos, sin);
-    T out_ = new_like(x_, x);  // x's memory layout, new storage
-    const TensorArg out = read_arg(out_, true);
-    run({x, out, cos, sin, nullptr, nullptr, nullptr, interleaved, conjugate});
-    return out_;
+    Output out = new_like(x_.handle, x);  // x's memory layout, new storage
+    run({x, out.arg, cos, sin, nullptr, nullptr, nullptr, interleaved, conjugate});
+    return std::move(out.tensor);
   }
 
-  static std::tuple<T, T> rotary_qk(const T& q_, const T& k_, const T& cos_, const T& sin_, bool interleaved,
+  static std::tuple<OwnedTensor, OwnedTensor> rotary_qk(const T& q_, const T& k_, const T& cos_, const T& sin_, bool interleaved,
                                     const OptT& cos_k_, const OptT& sin_k_, bool conjugate) {
     const char* op = "rope_ext.rotary_qk";
     ROPE_EXT_CHECK(cos_k_.has_value() == sin_k_.has_value(), op, ": cos_k and sin_k must be given together, got only ",
@@ -40,15 +39,14 @@ struct RotaryOps {
     check_rotary_args(op, q, cos, sin, {"q", "cos", "sin"});
     check_rotary_args(op, k, ck, sk, own_k ? ArgNames{"k", "cos_k", "sin_k"} : ArgNames{"k", "cos", "sin"});
     check_qk_args(op, q, k, own_k ? std::nullopt : std::optional(cos));
-    T q_out_ = new_like(q_, q), k_out_ = new_like(k_, k);
-    const TensorArg q_out = read_arg(q_out_, true), k_out = read_arg(k_out_, true);
+    Output q_out = new_like(q_.handle, q), k_out = new_like(k_.handle, k);
     if (rotary_qk_one_call(q, k, own_k)) {
-      run({q, q_out, cos, sin, nullptr, &k, &k_out, interleaved, conjugate, op});
+      run({q, q_out.arg, cos, sin, nullptr, &k, &k_out.arg, interleaved, conjugate, op});
     } else {
-      run({q, q_out, cos, sin, nullptr, nullptr, nullptr, interleaved, conjugate, op});
-      run({k, k_out, ck, sk, nullptr, nullptr, nullptr, interleaved, conjugate, op});
+      run({q, q_out.arg, cos, sin, nullptr, nullptr, nullptr, interleaved, conjugate, op});
+      run({k, k_out.arg, ck, sk, nullptr, nullptr, nullptr, interleaved, conjugate, op});
     }
-    return {q_out_, k_out_};
+    return {std::move(q_out.tensor), std::move(k_out.tensor)};
   }
 
   static void rotary_(const T& x_, const T& cos_, const T& sin_, bool interleaved, bool conjugate) {
@@ -58,19 +56,18 @@ struct RotaryOps {
     run({x, x, cos, sin, nullptr, nullptr, nullptr, interleaved, conjugate});
   }
 
-  static T rotary_pos(const T& x_, const T& cos_cache_, const T& sin_cache_, const T& positions_, bool interleaved,
+  static OwnedTensor rotary_pos(const T& x_, const T& cos_cache_, const T& sin_cache_, const T& positions_, bool interleaved,
                       bool conjugate) {
     const char* op = "rope_ext.rotary_pos";
     const TensorArg x = read_arg(x_), cc = read_arg(cos_cache_), sc = read_arg(sin_cache_);
     const TensorArg positions = read_arg(positions_);
     check_rotary_pos_args(op, x, cc, sc, positions);
-    T out_ = new_like(x_, x);
-    const TensorArg out = read_arg(out_, true);
-    run({x, out, cc, sc, &positions, nullptr, nullptr, interleaved, conjugate, op});
-    return out_;
+    Output out = new_like(x_.handle, x);
+    run({x, out.arg, cc, sc, &positions, nullptr, nullptr, interleaved, conjugate, op});
+    return std::move(out.tensor);
   }
 
-  static std::tuple<T, T> rotary_pos_qk(const T& q_, const T& k_, const T& cos_cache_, const T& sin_cache_,
+  static std::tuple<OwnedTensor, OwnedTensor> rotary_pos_qk(const T& q_, const T& k_, const T& cos_cache_, const T& sin_cache_,
                                         const T& positions_, bool interleaved, bool conjugate) {
     const char* op = "rope_ext.rotary_pos_qk";
     const TensorArg q = read_arg(q_), k = read_arg(k_), cc = read_arg(cos_cache_), sc = read_arg(sin_cache_);
@@ -78,10 +75,9 @@ struct RotaryOps {
     check_rotary_pos_args(op, q, cc, sc, positions, "q");
     check_rotary_pos_args(op, k, cc, sc, positions, "k");
     check_qk_args(op, q, k, positions, "positions", 0);
-    T q_out_ = new_like(q_, q), k_out_ = new_like(k_, k);
-    const TensorArg q_out = read_arg(q_out_, true), k_out = read_arg(k_out_, true);
-    run({q, q_out, cc, sc, &positions, &k, &k_out, interleaved, conjugate, op});
-    return {q_out_, k_out_};
+    Output q_out = new_like(q_.handle, q), k_out = new_like(k_.handle, k);
+    run({q, q_out.arg, cc, sc, &positions, &k, &k_out.arg, interleaved, conjugate, op});
+    return {std::move(q_out.tensor), std::move(k_out.tensor)};
   }
 
   static void rotary_pos_(const T& q_, const OptT& k_, const T& cos_cache_, const T& sin_cache_,
@@ -111,12 +107,12 @@ struct RotaryOps {
 template <RunFn run>
 void register_rotary_ops(torch::stable::detail::StableLibrary& m, const std::string& prefix = "") {
   using Ops = RotaryOps<run>;
-  m.impl((prefix + "rotary").c_str(), TORCH_BOX(&Ops::rotary));
-  m.impl((prefix + "rotary_qk").c_str(), TORCH_BOX(&Ops::rotary_qk));
-  m.impl((prefix + "rotary_").c_str(), TORCH_BOX(&Ops::rotary_));
-  m.impl((prefix + "rotary_pos").c_str(), TORCH_BOX(&Ops::rotary_pos));
-  m.impl((prefix + "rotary_pos_qk").c_str(), TORCH_BOX(&Ops::rotary_pos_qk));
-  m.impl((prefix + "rotary_pos_").c_str(), TORCH_BOX(&Ops::rotary_pos_));
+  m.impl((prefix + "rotary").c_str(), &boxed<&Ops::rotary>);
+  m.impl((prefix + "rotary_qk").c_str(), &boxed<&Ops::rotary_qk>);
+  m.impl((prefix + "rotary_").c_str(), &boxed<&Ops::rotary_>);
+  m.impl((prefix + "rotary_pos").c_str(), &boxed<&Ops::rotary_pos>);
+  m.impl((prefix + "rotary_pos_qk").c_str(), &boxed<&Ops::rotary_pos_qk>);
+  m.impl((prefix + "rotary_pos_").c_str(), &boxed<&Ops::rotary_pos_>);
 }
 
 }  // namespace rope_ext

@@ -13,7 +13,9 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include <cstdint>
+#include <utility>
 
+#include "stable_boxing.h"
 #include "tensor_arg.h"
 
 namespace rope_ext {
@@ -69,10 +71,9 @@ inline DeviceType device_type_of_code(int32_t code) {
 
 // What rope_ext's checks and kernels read of t; `writes`: its data will be written (in place, or a
 // new output). An undefined tensor (None where the schema wants a Tensor) reads as undefined.
-inline TensorArg read_arg(const StableTensor& t, bool writes = false) {
+inline TensorArg read_arg(AtenTensorHandle h, bool writes = false) {
   using detail::shim_check;
   TensorArg a;
-  AtenTensorHandle h = t.get();
   shim_check(aoti_torch_is_defined(h, &a.defined_), "aoti_torch_is_defined");
   if (!a.defined_) return a;
   int64_t* sizes = nullptr;
@@ -99,17 +100,37 @@ inline TensorArg read_arg(const StableTensor& t, bool writes = false) {
   return a;
 }
 
+inline TensorArg read_arg(TensorRef t, bool writes = false) { return read_arg(t.handle, writes); }
+inline TensorArg read_arg(const StableTensor& t, bool writes = false) { return read_arg(t.get(), writes); }
+
+// A new output and what the kernels read of it.
+struct Output {
+  OwnedTensor tensor;
+  TensorArg arg;  // writable
+};
+
 // A new tensor laid out as at::empty_like(t) lays it out: with t's strides where t is
 // non-overlapping and dense (every layout a model passes), otherwise by empty_like itself through
-// the dispatcher (a microsecond more, for the rare expanded or overlapping input).
-inline StableTensor new_like(const StableTensor& t, const TensorArg& a) {
-  if (!non_overlapping_and_dense(a)) return torch::stable::empty_like(t);
-  AtenTensorHandle out = nullptr;
+// the dispatcher (a microsecond more, for the rare expanded or overlapping input). `a` is t, read.
+inline Output new_like(AtenTensorHandle t, const TensorArg& a) {
+  using detail::shim_check;
+  if (!non_overlapping_and_dense(a)) {
+    AtenTensorHandle copy = nullptr, out = nullptr;  // (torch::stable::Tensor frees its handle: give it its own)
+    shim_check(aoti_torch_new_tensor_handle(t, &copy), "aoti_torch_new_tensor_handle");
+    const StableTensor result = torch::stable::empty_like(StableTensor(copy));
+    shim_check(aoti_torch_new_tensor_handle(result.get(), &out), "aoti_torch_new_tensor_handle");
+    Output o{OwnedTensor(out), {}};
+    o.arg = read_arg(out, true);
+    return o;
+  }
+  AtenTensorHandle handle = nullptr;
   const int32_t device_type = a.device().is_cpu() ? detail::codes().cpu : detail::codes().cuda;
   detail::shim_check(aoti_torch_empty_strided(a.dim(), a.sizes_, a.strides_, detail::code_of_dtype(a.scalar_type()),
-                                              device_type, a.device().index, &out),
+                                              device_type, a.device().index, &handle),
                      "aoti_torch_empty_strided");
-  return StableTensor(out);
+  Output out{OwnedTensor(handle), a};  // t's sizes and strides (read from t, which outlives the call)
+  detail::shim_check(torch_get_mutable_data_ptr(handle, &out.arg.data_), "torch_get_mutable_data_ptr");
+  return out;
 }
 
 }  // namespace rope_ext

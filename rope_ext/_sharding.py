@@ -19,9 +19,9 @@ and a placement that the op cannot keep raises an error that names the argument.
 
 Registration goes through torch's public ``register_sharding`` and happens on import of
 ``torch.distributed.tensor``, whichever comes first: importing rope_ext never imports DTensor (about
-0.9 s), and a process that never uses DTensor pays nothing (see ``install``). Under torch 2.9, whose
-DTensor cannot dispatch an op that returns nothing and hides a rule's error message, two
-accommodations keep the in-place ops working as under later torch (``register``, ``_refusal``).
+0.9 s), and a process that never uses DTensor pays nothing (see ``install``). Where DTensor cannot
+dispatch an op that returns nothing (torch 2.9 could not; rope_ext needs 2.10 now), ``register``
+teaches it, found by asking rather than by version.
 """
 
 from __future__ import annotations
@@ -61,13 +61,9 @@ def _followers(op: str, args: dict) -> list[tuple[str, tuple[str, ...], bool]]:
 
 
 def _refusal(message: str) -> RuntimeError:
-    """The error with which a rule refuses a call. torch 2.9's DTensor dispatcher replaces anything
-    a rule raises with "Sharding propagation failed for <the op's specs>", keeping the rule's message
-    only as the new error's cause (2.11 and later put the message first; 2.10 is unchecked); a
-    NotImplementedError, which is a RuntimeError, it lets through as it is. So on torch before 2.10
-    a refusal is a NotImplementedError: the same message, caught by the same ``except RuntimeError``."""
-    release = tuple(int(n) for n in torch.__version__.split("+")[0].split(".")[:2])
-    return (NotImplementedError if release < (2, 10) else RuntimeError)(message)
+    """The error with which a rule refuses a call: torch's DTensor dispatcher (2.10 to 2.15, make
+    wheel-check) puts its message first."""
+    return RuntimeError(message)
 
 
 def _describe(placements) -> str:

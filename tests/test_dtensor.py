@@ -68,7 +68,7 @@ def test_inplace_refuses_what_it_cannot_keep(sharded, name):
     _, words = cases.REFUSED[name]
     got = sharded[name]
     assert isinstance(got, str), "an in-place call whose written input would move must be refused"
-    # rope_ext's message first, on every torch (2.9's dispatcher would hide a RuntimeError's)
+    # rope_ext's message first, on every torch
     assert got.split(": ", 1)[1].startswith(words[0]), got
     for word in words:
         assert word in got, (word, got)

@@ -70,12 +70,13 @@ for version in $TORCHES; do
     { tail -20 "$here/pip-wheel.log"; fail "installing the wheel beside torch $version"; }
   site_lib=$(cd "$OUT" && "$py" -c 'import rope_ext; print(rope_ext._LIBRARY)')
   cp "$HOOKS" "$(dirname "$site_lib")/"
-  (cd "$OUT" && "$py" - "$site_lib" "${LIBRARY##* }" "$ROOT" <<'PYEOF'
-import hashlib, pathlib, sys
+  (cd "$OUT" && "$py" - "$site_lib" "${LIBRARY##* }" <<'PYEOF'
+import hashlib, pathlib, sys, sysconfig
 import rope_ext, torch
-lib, digest, root = pathlib.Path(sys.argv[1]), sys.argv[2], pathlib.Path(sys.argv[3])
+lib, digest = pathlib.Path(sys.argv[1]), sys.argv[2]
 assert hashlib.sha256(lib.read_bytes()).hexdigest() == digest, f"{lib} is not the wheel's library"
-assert root not in pathlib.Path(rope_ext.__file__).resolve().parents, f"rope_ext from the checkout: {rope_ext.__file__}"
+site = pathlib.Path(sysconfig.get_paths()["purelib"]).resolve()
+assert site in pathlib.Path(rope_ext.__file__).resolve().parents, f"rope_ext not from the venv: {rope_ext.__file__}"
 print(f"wheel-check: torch {torch.__version__}: rope_ext {rope_ext.__version__} from {rope_ext.__file__}")
 PYEOF
   ) || fail "the wheel's rope_ext under torch $version"

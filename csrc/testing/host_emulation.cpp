@@ -226,9 +226,8 @@ std::vector<int64_t> launch_config(const StableTensor& x_, const StableTensor& c
                                    bool interleaved) {
   const TensorArg x = read_arg(x_), cos = read_arg(cos_), sin = read_arg(sin_);
   check_rotary_args("rope_ext_testing.cuda_launch_config", x, cos, sin);
-  const StableTensor out_ = new_like(x_, x);
-  const TensorArg out = read_arg(out_, true);
-  return as_list(plan({x, out, cos, sin, nullptr, nullptr, nullptr, interleaved}).launch);
+  const Output out = new_like(x_.get(), x);
+  return as_list(plan({x, out.arg, cos, sin, nullptr, nullptr, nullptr, interleaved}).launch);
 }
 
 // The launches of rotary_qk(q, k, cos, sin) with shared tables, out of place, 10 values each: one
@@ -241,14 +240,13 @@ std::vector<int64_t> qk_launch_config(const StableTensor& q_, const StableTensor
   check_rotary_args(op, q, cos, sin, {"q", "cos", "sin"});
   check_rotary_args(op, k, cos, sin, {"k", "cos", "sin"});
   check_qk_args(op, q, k, cos);
-  const StableTensor q_out_ = new_like(q_, q), k_out_ = new_like(k_, k);
-  const TensorArg q_out = read_arg(q_out_, true), k_out = read_arg(k_out_, true);
+  const Output q_out = new_like(q_.get(), q), k_out = new_like(k_.get(), k);
   if (rotary_qk_one_call(q, k, false)) {
-    return as_list(plan({q, q_out, cos, sin, nullptr, &k, &k_out, interleaved}).launch);
+    return as_list(plan({q, q_out.arg, cos, sin, nullptr, &k, &k_out.arg, interleaved}).launch);
   }
-  std::vector<int64_t> r = as_list(plan({q, q_out, cos, sin, nullptr, nullptr, nullptr, interleaved}).launch);
+  std::vector<int64_t> r = as_list(plan({q, q_out.arg, cos, sin, nullptr, nullptr, nullptr, interleaved}).launch);
   const std::vector<int64_t> second =
-      as_list(plan({k, k_out, cos, sin, nullptr, nullptr, nullptr, interleaved}).launch);
+      as_list(plan({k, k_out.arg, cos, sin, nullptr, nullptr, nullptr, interleaved}).launch);
   r.insert(r.end(), second.begin(), second.end());
   return r;
 }
@@ -261,17 +259,15 @@ std::vector<int64_t> pos_launch_config(const StableTensor& q_, const std::option
   const TensorArg q = read_arg(q_), cos_cache = read_arg(cos_cache_), sin_cache = read_arg(sin_cache_);
   const TensorArg positions = read_arg(positions_);
   check_rotary_pos_args(op, q, cos_cache, sin_cache, positions, "q");
-  const StableTensor q_out_ = new_like(q_, q);
-  const TensorArg q_out = read_arg(q_out_, true);
+  const Output q_out = new_like(q_.get(), q);
   if (!k_.has_value()) {
-    return as_list(plan({q, q_out, cos_cache, sin_cache, &positions, nullptr, nullptr, interleaved}).launch);
+    return as_list(plan({q, q_out.arg, cos_cache, sin_cache, &positions, nullptr, nullptr, interleaved}).launch);
   }
   const TensorArg k = read_arg(*k_);
   check_rotary_pos_args(op, k, cos_cache, sin_cache, positions, "k");
   check_qk_args(op, q, k, positions, "positions", 0);
-  const StableTensor k_out_ = new_like(*k_, k);
-  const TensorArg k_out = read_arg(k_out_, true);
-  return as_list(plan({q, q_out, cos_cache, sin_cache, &positions, &k, &k_out, interleaved}).launch);
+  const Output k_out = new_like(k_->get(), k);
+  return as_list(plan({q, q_out.arg, cos_cache, sin_cache, &positions, &k, &k_out.arg, interleaved}).launch);
 }
 
 }  // namespace
