@@ -259,16 +259,6 @@ def rotary_pos_(
     return q if k is None else (q, k)
 
 
-def rotary_pos_qk_op(q, k, cos_cache, sin_cache, positions, interleaved, conjugate):
-    """(internal) The ``rotary_pos_qk`` op on a positions tensor, below autograd where no graph is
-    recorded: the call ``RotaryEmbedding.forward`` makes at every decode step. (rotary_pos_qk repeats
-    these lines rather than calling this: one more Python frame is a measurable part of a decode call.)"""
-    if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, cos_cache, sin_cache)):
-        return _rotary_pos_qk(q, k, cos_cache, sin_cache, positions, interleaved, conjugate)
-    with _below_autograd():
-        return _rotary_pos_qk_kernel(q, k, cos_cache, sin_cache, positions, interleaved, conjugate)
-
-
 def _rotate_each(xs, computes, cos, sin, cos_k=None, sin_k=None, *, interleaved):
     """(internal, for the drop-ins) Rotate each tensor in ``xs`` -- x alone, or q and k, k by
     ``cos_k``/``sin_k`` when given -- with the tables cast to ``computes[i]``, the dtype its op call

@@ -9,7 +9,15 @@ import torch
 from torch import nn
 
 from rope_ext import positions as P
-from rope_ext._ops import rotary_pos_qk_op, rotary_qk
+from rope_ext._autograd import below_autograd
+from rope_ext._ops import (
+    _any_requires_grad,
+    _compiling,
+    _grad_enabled,
+    _rotary_pos_qk,
+    _rotary_pos_qk_kernel,
+    rotary_qk,
+)
 from rope_ext._sharding import is_dtensor, replicated_like
 from rope_ext._validate import require_bool, require_int_list, require_number, require_tensor
 from rope_ext.scaling import RopeSchedule
@@ -638,8 +646,11 @@ class RotaryEmbedding(nn.Module):
         cos, sin, rows, cos_k, sin_k = source
         if type(q) is not torch.Tensor:
             cos, sin, rows, cos_k, sin_k = (None if t is None else replicated_like(q, t)[0] for t in source)
-        if rows is not None:
-            return rotary_pos_qk_op(q, k, cos, sin, rows, self.interleaved, False)
+        if rows is not None:  # (rope_ext.rotary_pos_qk's lines, inline: a Python frame less per decode step)
+            if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, cos, sin)):
+                return _rotary_pos_qk(q, k, cos, sin, rows, self.interleaved, False)
+            with below_autograd():
+                return _rotary_pos_qk_kernel(q, k, cos, sin, rows, self.interleaved, False)
         return rotary_qk(q, k, cos, sin, interleaved=self.interleaved, cos_k=cos_k, sin_k=sin_k)
 
     @staticmethod

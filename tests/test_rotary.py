@@ -86,7 +86,8 @@ def test_outputs_are_laid_out_as_empty_like():
     of that switch are among the layouts."""
     def is_non_overlapping_and_dense(t):  # c10's rule: the dims of size > 1, by stride, are contiguous
         expected = 1
-        for size, stride in sorted(((sz, st) for sz, st in zip(t.shape, t.stride()) if sz > 1), key=lambda d: d[1]):
+        dims = [(size, stride) for size, stride in zip(t.shape, t.stride(), strict=True) if size > 1]
+        for size, stride in sorted(dims, key=lambda d: d[1]):
             if stride != expected:
                 return False
             expected *= size
