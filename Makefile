@@ -37,18 +37,18 @@ dist-check:
 	PYTHON=$(PYTHON) bash tools/dist_check.sh
 
 # The core tests (CPU): `make test` runs them under torch 2.13.0, cuda-check under 2.14.1, and
-# `make wheel-check`: the wheel that dist-check built, installed into venvs with torch 2.10, 2.11,
-# 2.13 and 2.15 (build/wheel-check/<version>, reused; TORCHES="..." for others), the core tests in
-# each. See tools/wheel_check.sh.
+# `make wheel-check`: one wheel (WHEEL; default dist-check's, CI gives cuda-check's) installed into
+# venvs with torch 2.10, 2.11, 2.13 and 2.15 (build/wheel-check/<version>, reused; TORCHES="..." for
+# others), the core tests in each. See tools/wheel_check.sh.
 CORE_TESTS := tests/test_rotary.py tests/test_autograd.py tests/test_qk_and_inplace.py tests/test_errors.py \
   tests/test_cpu_kernel.py tests/test_cuda_emulation.py tests/test_rotary_pos.py tests/test_compile.py tests/test_export.py \
   tests/test_dtensor.py
 wheel-check: setup
-	CORE_TESTS="$(CORE_TESTS)" bash tools/wheel_check.sh
+	PYTHON=$(PYTHON) CORE_TESTS="$(CORE_TESTS)" bash tools/wheel_check.sh
 
 # Build the CUDA kernels with nvcc and link them against a CUDA build of torch (in a venv
 # under build/, about 5.5 GB); no GPU needed. See tools/cuda_check.sh.
-cuda-check:
+cuda-check: setup
 	CORE_TESTS="$(CORE_TESTS)" bash tools/cuda_check.sh
 
 # rope_ext proven on a CUDA GPU, on a machine that has one (tools/gpu_check.sh; tools/GPU_LEASE.md for

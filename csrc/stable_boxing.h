@@ -101,12 +101,13 @@ struct Boxer<R (*)(Args...)> {
   template <R (*fn)(Args...), size_t... I>
   static void call(StableIValue* stack, uint64_t num_args, uint64_t num_outputs, std::index_sequence<I...>) {
     constexpr uint64_t kOutputs = std::is_void_v<R> ? 0 : std::is_same_v<R, OwnedTensor> ? 1 : 2;
-    ROPE_EXT_CHECK(num_args == sizeof...(Args) && num_outputs == kOutputs, "rope_ext internal error: a schema of ",
-                   num_args, " arguments and ", num_outputs, " outputs for a kernel of ", sizeof...(Args), " and ",
-                   kOutputs);
+    static_assert(sizeof...(Args) <= sizeof(Borrowed::handles) / sizeof(AtenTensorHandle), "more tensors than Borrowed holds");
     Borrowed borrowed;
     // (a braced list: the arguments are read in order, and each read handle is kept before the next)
     std::tuple<std::decay_t<Args>...> args{Arg<std::decay_t<Args>>::read(stack[I], borrowed)...};
+    ROPE_EXT_CHECK(num_args == sizeof...(Args) && num_outputs == kOutputs, "rope_ext internal error: a schema of ",
+                   num_args, " arguments and ", num_outputs, " outputs for a kernel of ", sizeof...(Args), " and ",
+                   kOutputs);
     if constexpr (std::is_void_v<R>) {
       std::apply(fn, args);
     } else {

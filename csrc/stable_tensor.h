@@ -51,7 +51,9 @@ inline ScalarType dtype_of_code(int32_t code) {
   for (const auto& e : codes().dtypes) {
     if (e.code == code) return e.type;
   }
-  return torch::stable::detail::to<ScalarType>(torch::stable::detail::from(code));  // any other dtype
+  // any other: the shim's codes are c10's enum values (torch::stable's own translation refuses the
+  // dtypes it does not list, before rope_ext's check could name the argument)
+  return static_cast<ScalarType>(code);
 }
 
 inline int32_t code_of_dtype(ScalarType t) {

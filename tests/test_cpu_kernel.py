@@ -84,6 +84,20 @@ def test_parallel_for_is_really_parallel():
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_exception_in_a_parallel_chunk_reaches_the_caller_intact(threads):
+    """A chunk's exception crosses torch's stable parallel_for, which reports only an error code, with
+    its message and type: std::invalid_argument is Python's ValueError (the generic failure would be a
+    RuntimeError without the message)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with pytest.raises(ValueError, match=r"^rope_ext_testing.parallel_for_raise: the chunk at item 0 raised$"):
+            TESTING.parallel_for_raise(256)
+    finally:
+        torch.set_num_threads(before)
+
+
 def _cases():
     """Inputs over the grain size (so 2 threads split them), every dtype and path."""
     gen = torch.Generator().manual_seed(7)

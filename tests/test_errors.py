@@ -81,3 +81,17 @@ def test_bad_calls_leave_no_partial_state():
             rope_ext.rotary(x, cos, sin)
     c, s = torch.ones(5, 1, 16), torch.zeros(5, 1, 16)
     assert torch.equal(rope_ext.rotary(X, c, s), X)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e8m0fnu, torch.uint16, torch.complex64])
+def test_the_kernel_names_any_dtype_it_refuses(dtype):
+    """Every dtype reaches rope_ext's own check, by its c10 name, also those torch's stable ABI of 2.10
+    cannot translate (float8_e8m0fnu): the library reads dtype codes itself."""
+    name = {torch.float8_e8m0fnu: "Float8_e8m0fnu", torch.uint16: "UInt16", torch.complex64: "ComplexFloat"}[dtype]
+    x = torch.zeros(2, 8).to(dtype)
+    c = torch.ones(8)
+    with pytest.raises(RuntimeError, match=rf"^rope_ext.rotary: x must be float32, float64, float16 or bfloat16, got {name}$"):
+        torch.ops.rope_ext.rotary(x, c, c)
+    pos = torch.zeros(2, dtype=torch.int64).to(dtype) if dtype != torch.float8_e8m0fnu else torch.zeros(2).to(dtype)
+    with pytest.raises(RuntimeError, match=rf"positions must be int32 or int64, got {name}$"):
+        torch.ops.rope_ext.rotary_pos(torch.zeros(2, 8), torch.ones(4, 4), torch.ones(4, 4), pos)

@@ -17,10 +17,11 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 LIB=${LIB:-$($PYTHON -c "import rope_ext; print(rope_ext._LIBRARY)")}
 # What a stable-ABI library may need: the C and C++ runtimes, and libtorch's libraries only for the
-# shim's C functions (aoti_torch_*, torch_*), which are defined in libtorch_cpu.so (and, for the CUDA
-# stream, libtorch_cuda.so), with the CUDA runtime for a CUDA build.
+# shim's C functions (aoti_torch_*, torch_*), which are defined in libtorch_cpu.so. A CUDA build links
+# the CUDA runtime statically (glibc's libdl, librt and libpthread for it) and no CUDA library of
+# torch's: it loads beside any torch, CPU-only or CUDA of either major.
 ALLOWED_NEEDED="libc.so.6 libm.so.6 libstdc++.so.6 libgcc_s.so.1 ld-linux-x86-64.so.2 libtorch_cpu.so"
-ALLOWED_NEEDED="$ALLOWED_NEEDED libtorch_cuda.so libcudart.so.12 libcudart.so.13"
+ALLOWED_NEEDED="$ALLOWED_NEEDED libdl.so.2 librt.so.1 libpthread.so.0"
 
 echo "abi-audit: $LIB"
 unstable=$(nm -uD -C "$LIB" | grep -E 'at::|c10::|torch::|caffe2::|GOMP_|omp_|__kmpc_' || true)

@@ -2,11 +2,13 @@
 # `make cuda-check`: build rope_ext's CUDA library on a machine without a GPU, and prove it.
 #  1. a venv with a CUDA build of torch (torch==2.14.1, cu130), cuobjdump and ninja, and the tests'
 #     packages (step 5), kept in build/ (CUDA_VENV_ONLY=1 stops after it: CI makes it in the background);
-#  2. a copy of the source tree, pip-installed into that venv with ROPE_EXT_CUDA=1 through setup.py's
-#     CMake build (the one build): every .cu file through nvcc for the default arch list (or
-#     TORCH_CUDA_ARCH_LIST), linked against libtorch_cuda, with the test hooks (ROPE_EXT_TESTING=1).
-#     Installed as a user's is, beside torch in site-packages, where the library's RUNPATH
-#     ($ORIGIN/../../torch/lib) finds libtorch_cuda for a C++ program (step 4);
+#  2. a copy of the source tree built into a wheel with ROPE_EXT_CUDA=1 through setup.py's CMake build
+#     (the one build): every .cu file through nvcc for the default arch list (or
+#     TORCH_CUDA_ARCH_LIST), the CUDA runtime linked statically and no CUDA library of torch's, so
+#     that the wheel, build/cuda-check/dist/*.whl, is the one wheel for every torch from 2.10, CPU or
+#     CUDA (make wheel-check runs it under four). Installed into the venv as a user's is, beside
+#     torch in site-packages, with the test hooks' library of `make setup` beside its library (they
+#     are stable-ABI code too; the wheel leaves them out);
 #  3. tools/cuda_check.py: loads the library under the CUDA torch (every symbol resolves), checks
 #     the CUDA kernels are registered and the fatbin holds SASS for every requested arch, and for
 #     every arch prints the kernels' registers, stack, local memory and parameter bytes (cuobjdump),
@@ -48,9 +50,13 @@ t1=$(date +%s)
 
 rm -rf "$OUT" && mkdir -p "$OUT/src"
 git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C "$OUT/src"
-( cd "$OUT/src" && ROPE_EXT_CUDA=1 ROPE_EXT_TESTING=1 "$PY" -m pip install -v --no-build-isolation --no-deps \
-    --force-reinstall . > "$OUT/build.log" 2>&1 ) || { tail -40 "$OUT/build.log"; exit 1; }
+HOOKS=$(python3 -c "import rope_ext, pathlib; print(pathlib.Path(rope_ext._LIBRARY).with_name('librope_ext_testing.so'))")
+[ -f "$HOOKS" ] || { echo "cuda-check: no test hooks library at $HOOKS: run make setup"; exit 1; }
+( cd "$OUT/src" && ROPE_EXT_CUDA=1 "$PY" -m pip wheel -v --no-build-isolation --no-deps -w "$OUT/dist" . \
+    > "$OUT/build.log" 2>&1 && "$PY" -m pip install --no-deps --force-reinstall "$OUT"/dist/rope_ext-*.whl \
+    >> "$OUT/build.log" 2>&1 ) || { tail -40 "$OUT/build.log"; exit 1; }
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+cp "$HOOKS" "$SITE/rope_ext/lib/"
 t2=$(date +%s)
 COMMANDS=$(ls "$OUT"/src/build/cmake-*/compile_commands.json)
 
@@ -73,6 +79,9 @@ LIB=$(PYTHONSAFEPATH=1 "$PY" -c 'import rope_ext; print(rope_ext._LIBRARY)')
 cmake -DEXE="$OUT/example/rope_example" -DLIB="$LIB" -P tests/cpp/check_linked_library.cmake >> "$OUT/example.log" 2>&1 ||
   { tail -5 "$OUT/example.log"; echo "cuda-check: the example does not link the installed package's $LIB"; exit 1; }
 echo "cuda-check: examples/cpp built against the installed CUDA package (find_package(rope_ext)) and ran: $(tail -1 "$OUT/example.log")"
+# The CUDA library on torch's stable ABI too (the audit's tools are this machine's Python's)
+LIB="$LIB" bash tools/abi_audit.sh > "$OUT/abi-audit.log" 2>&1 || { cat "$OUT/abi-audit.log"; echo "cuda-check: the CUDA library fails the stable-ABI audit"; exit 1; }
+echo "cuda-check: the CUDA library passes the stable-ABI audit: $(grep 'NEEDED:' "$OUT/abi-audit.log" | sed 's/^abi-audit: //')"
 t3=$(date +%s)
 
 # PYTHONSAFEPATH: the checkout (the current directory) stays off sys.path, so `import rope_ext` finds

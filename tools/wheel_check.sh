@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# `make wheel-check`: one wheel, built once, under many torches (issue 37). The wheel is the product
-# wheel that `make dist-check` built from the sdist (build/dist-check/dist), against torch 2.13; the
-# library is on torch's stable ABI, so the same file must load and pass under every torch from 2.10.
+# `make wheel-check`: one wheel, built once, under many torches (issue 37). The wheel is WHEEL: CI
+# gives the one `make cuda-check` built (build/cuda-check/dist: CPU and CUDA kernels, against torch
+# 2.14.1); by default it is the CPU-only one `make dist-check` built from the sdist against torch
+# 2.13. The library is on torch's stable ABI, so the same file must load and pass under every torch
+# from 2.10, a CPU-only torch and CUDA torches of CUDA 12 and 13 alike.
 # For each release in TORCHES (default 2.10.0 2.11.0 2.13.0 2.15.0: the oldest the stable ABI
 # allows, the GPU machines', this machine's, the newest):
 #  1. a venv in build/wheel-check/<version> (reused) with that torch, as pip gives it (on Linux the
@@ -13,8 +15,10 @@
 #     checked to be the wheel's very file.
 # WHEEL_VENV_ONLY=1 only makes the venvs (CI makes them in the background while other steps run).
 set -euo pipefail
+[ -z "${WHEEL:-}" ] || WHEEL=$(realpath -m "$WHEEL")  # (relative to the caller's directory)
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
+PYTHON=${PYTHON:-python3}  # the checkout's Python, whose `make setup` built the test hooks
 TORCHES=${TORCHES:-2.10.0 2.11.0 2.13.0 2.15.0}
 CORE_TESTS=${CORE_TESTS:?"the core test files: run this through make wheel-check"}
 OUT=$ROOT/build/wheel-check
@@ -47,11 +51,15 @@ for version in $TORCHES; do make_venv "$version"; done
 log "venvs for torch $TORCHES ready ($(($(date +%s) - t0)) s)"
 [ "${WHEEL_VENV_ONLY:-0}" = 1 ] && exit 0
 
-WHEEL=${WHEEL:-$(ls "$ROOT"/build/dist-check/dist/rope_ext-*.whl 2>/dev/null || true)}
-[ -f "$WHEEL" ] || fail "no wheel: run make dist-check first (it leaves one in build/dist-check/dist), or set WHEEL"
-HOOKS=$(python3 -c "import rope_ext, pathlib; print(pathlib.Path(rope_ext._LIBRARY).with_name('librope_ext_testing.so'))")
+if [ -z "${WHEEL:-}" ]; then
+  wheels=("$ROOT"/build/dist-check/dist/rope_ext-*.whl)
+  [ "${#wheels[@]}" = 1 ] || fail "expected one wheel in build/dist-check/dist, found: ${wheels[*]}"
+  WHEEL=${wheels[0]}
+fi
+[ -f "$WHEEL" ] || fail "no wheel at $WHEEL: run make dist-check first (it leaves one in build/dist-check/dist), or set WHEEL"
+HOOKS=$("$PYTHON" -c "import rope_ext, pathlib; print(pathlib.Path(rope_ext._LIBRARY).with_name('librope_ext_testing.so'))")
 [ -f "$HOOKS" ] || fail "no test hooks library at $HOOKS: run make setup"
-LIBRARY=$(python3 - "$WHEEL" <<'PYEOF'
+LIBRARY=$("$PYTHON" - "$WHEEL" <<'PYEOF'
 import hashlib, re, sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as z:
     name = next(n for n in z.namelist() if re.fullmatch(r"rope_ext/lib/librope_ext\.so\.[0-9.]+", n))

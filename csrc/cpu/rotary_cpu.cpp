@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 
 #ifdef __linux__
 #include <sys/mman.h>
@@ -176,8 +177,20 @@ void advise_huge_pages(const TensorArg& out, int64_t huge_page_bytes) {
 namespace {
 
 // torch's thread pool, as the kernel objects take it (rotary_cpu.h's ThreadPool).
+// torch's parallel_for reports a chunk's exception through the stable C interface as an error code
+// alone ("API call failed"): the first one is kept here and rethrown as it was, message and type
+// (the kernels' debug checks, an allocation failure), as at::parallel_for rethrew it.
 void torch_parallel_for(int64_t begin, int64_t end, int64_t grain, const void* body, ChunkFn chunk) {
-  torch::stable::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { chunk(body, b, e); });
+  std::exception_ptr first;
+  std::atomic_flag failed = ATOMIC_FLAG_INIT;
+  torch::stable::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
+    try {
+      chunk(body, b, e);
+    } catch (...) {
+      if (!failed.test_and_set()) first = std::current_exception();
+    }
+  });
+  if (first) std::rethrow_exception(first);
 }
 int torch_num_threads() { return static_cast<int>(torch::stable::get_num_threads()); }
 constexpr ThreadPool kTorchPool{&torch_parallel_for, &torch_num_threads};

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <mutex>
 #include <set>
+#include <stdexcept>
 #include <thread>
 #include <cstdint>
 #include <optional>
@@ -36,6 +37,20 @@ int64_t parallel_threads_used(int64_t n) {
     (*static_cast<const Body*>(f))(b, e);
   });
   return static_cast<int64_t>(seen.size());
+}
+
+// The CPU kernels' thread pool running n items with grain 1, where the chunk holding item 0 throws: its
+// message must reach the caller intact (rotary_cpu.cpp's torch_parallel_for), not as the stable
+// interface's bare error code.
+void parallel_for_raise(int64_t n) {
+  ROPE_EXT_CHECK(n >= 1, "rope_ext_testing.parallel_for_raise: n must be >= 1, got ", n);
+  const auto body = [](int64_t b, int64_t) {
+    if (b == 0) throw std::invalid_argument("rope_ext_testing.parallel_for_raise: the chunk at item 0 raised");
+  };
+  using Body = decltype(body);
+  cpu::torch_pool().parallel_for(0, n, 1, &body, [](const void* f, int64_t b, int64_t e) {
+    (*static_cast<const Body*>(f))(b, e);
+  });
 }
 
 std::vector<int64_t> cpu_thresholds() {
@@ -95,6 +110,7 @@ STABLE_TORCH_LIBRARY(rope_ext_testing, m) {
   m.def("cuda_traffic_by_site() -> (str[], int[])");
 
   m.def("parallel_threads_used(int n) -> int");
+  m.def("parallel_for_raise(int n) -> ()");
   // The sizes at which librope_ext.so's CPU kernel changes path (cpu::Thresholds, whose defaults
   // rotary_cpu.cpp gives), in this order, and their replacement for every caller in the process
   // (checked: an error names the value out of range). Tests lower them so that small tensors take
@@ -127,6 +143,7 @@ STABLE_TORCH_LIBRARY_IMPL(rope_ext_testing, CompositeExplicitAutograd, m) {
   m.impl("cuda_traffic", TORCH_BOX(&traffic));
   m.impl("cuda_traffic_by_site", TORCH_BOX(&traffic_by_site));
   m.impl("parallel_threads_used", TORCH_BOX(&parallel_threads_used));
+  m.impl("parallel_for_raise", TORCH_BOX(&parallel_for_raise));
   m.impl("cpu_allow_native_bf16", TORCH_BOX(&cpu::allow_native_bf16));
   m.impl("cpu_native_bf16_available", TORCH_BOX(&cpu::native_bf16_available));
   m.impl("cpu_thresholds", TORCH_BOX(&cpu_thresholds));
