@@ -45,7 +45,7 @@ int64_t parallel_threads_used(int64_t n) {
 void parallel_for_raise(int64_t n) {
   ROPE_EXT_CHECK(n >= 1, "rope_ext_testing.parallel_for_raise: n must be >= 1, got ", n);
   const auto body = [](int64_t b, int64_t) {
-    if (b == 0) throw std::invalid_argument("rope_ext_testing.parallel_for_raise: the chunk at item 0 raised");
+    if (b == 0) throw std::runtime_error("rope_ext_testing.parallel_for_raise: the chunk at item 0 raised");
   };
   using Body = decltype(body);
   cpu::torch_pool().parallel_for(0, n, 1, &body, [](const void* f, int64_t b, int64_t e) {
