@@ -54,8 +54,9 @@ cuda-check: setup
 # rope_ext proven on a CUDA GPU, on a machine that has one (tools/gpu_check.sh; tools/GPU_LEASE.md for
 # the lent machines): STEP=lease (the default: one command of at most 9 minutes), rest, all, or a list
 # of parts; GPU_CHECK_OUT=dir for the summary and logs (default build/gpu-check). Without a GPU it says
-# so and exits 0 at once. gpu-build makes what the lease carries (build/gpu-carry: the sm_90 library
-# against the device's torch, and wheels); gpu-rehearse runs the lease here against a fake GPU.
+# so and exits 0 at once. gpu-build makes what the lease carries (build/gpu-carry: cuda-check's wheel,
+# the one CI tests under four torches, the test hooks and other wheels); gpu-rehearse runs the lease
+# here against a fake GPU.
 STEP ?= lease
 GPU_CHECK_OUT ?= build/gpu-check
 gpu-check:

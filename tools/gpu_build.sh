@@ -1,73 +1,94 @@
 #!/usr/bin/env bash
-# `make gpu-build`: everything a lent GPU machine needs, built here where the time is free, into
+# `make gpu-build`: everything a lent GPU machine needs, made here where the time is free, into
 # build/gpu-carry/, the one folder the device call carries (tools/GPU_LEASE.md):
-#   lib/        librope_ext.so.<ver> with the CUDA kernels for sm_90 (the H100 and H200), and the test
-#               hooks' librope_ext_testing.so, built against the device's torch (2.11.0, CUDA 13) from
-#               the package index, in build/gpu-venv. The library is no Python extension module, so
-#               this Python 3.11 build loads into the device's Python 3.12 beside the same torch.
+#   dist/       the rope_ext wheel itself: the one `make cuda-check` builds and CI tests under four
+#               torches (CPU and CUDA kernels for every architecture, against torch 2.14.1, on the
+#               stable ABI), so the GPU proves the file a user installs. Made by `make cuda-check`
+#               first when build/cuda-check holds none of these sources.
+#   lib/        the test hooks' librope_ext_testing.so from `make setup` (stable-ABI code too; the
+#               wheel leaves it out), put beside the wheel's library on the device.
 #   wheels/     the packages the device lacks or has at another version: transformers at the release
 #               the integration's fingerprints were taken from (the device has 5.17), Liger-Kernel (the
 #               benchmark's peer), expecttest (opcheck's import).
-#   BUILD_INFO  the commit, torch, CUDA, arch, and the hash of the sources the library was built from:
+#   BUILD_INFO  the commit, the hash of the sources the wheel was built from (tools/source_hash.sh:
 #               the copied tree on the device has no .git, and `gpu_check.sh STEP=lease` builds there
-#               instead if the carried library does not match the checkout it arrives with.
-# Then, as far as a machine without a GPU allows: the build is installed into that venv as a user's is,
-# tools/cuda_check.py reads its SASS (registers, stack, no local memory or FFMA, parameter bytes) and
-# checks the CUDA kernels are registered, tools/smoke_test.py runs its CPU ops, and the carry's size
-# is checked against what a device call may send (64 MiB with the working tree).
-# About 1.5 minutes for the venv (a 2.6 GB download) the first time, 3 to 5 for the build on 2 cores.
+#               instead if the carried wheel does not match the checkout it arrives with), the wheel's
+#               library's sha256, the torch it was built against.
+# Then, as far as a machine without a GPU allows: the wheel installed into build/gpu-venv (the
+# device's torch, 2.11.0 with CUDA 13) as a user's is, its CUDA kernels found registered, and
+# tools/smoke_test.py run on its CPU ops; the carry's size checked against what a device call may
+# send (64 MiB with the working tree).
+# About 1.5 minutes for the venv (a 2.6 GB download) the first time; cuda-check's 8 when it runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 DEVICE_TORCH=2.11.0  # the lent machines' torch: 2.11.0+cu130 (the device tool's KINDS.md)
-ARCH=9.0             # H100 and H200
 VENV=$ROOT/build/gpu-venv
 WORK=$ROOT/build/gpu-build
 CARRY=$ROOT/build/gpu-carry
+BUILT=$ROOT/build/cuda-check  # cuda-check's wheel (dist/) and the tree it was built from (src/)
 PY=$VENV/bin/python
 WHEELS=(transformers==5.23.0 liger-kernel==0.8.5 expecttest==0.3.0)
-if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
+fail() { echo "gpu-build: FAILED: $*"; exit 1; }
 
 t0=$(date +%s)
-if ! "$PY" -c "import pathlib, torch, ninja, nvidia
-assert torch.__version__.split('+')[0] == '$DEVICE_TORCH' and (torch.version.cuda or '').startswith('13.')
-assert any(True for r in nvidia.__path__ for _ in pathlib.Path(r).rglob('nvdisasm'))" 2> /dev/null; then
+here=$(bash tools/source_hash.sh)
+wheel_sources() { [ -d "$BUILT/src" ] && bash tools/source_hash.sh "$BUILT/src" || echo none; }
+if [ "$(wheel_sources)" != "$here" ] || ! ls "$BUILT"/dist/rope_ext-*.whl > /dev/null 2>&1; then
+  echo "gpu-build: build/cuda-check holds no wheel of these sources ($here): make cuda-check"
+  make -C "$ROOT" cuda-check > "$ROOT/build/gpu-build-cuda-check.log" 2>&1 ||
+    { tail -40 "$ROOT/build/gpu-build-cuda-check.log"; fail "make cuda-check (build/gpu-build-cuda-check.log)"; }
+  [ "$(wheel_sources)" = "$here" ] || fail "the sources changed while cuda-check built them"
+fi
+wheels=("$BUILT"/dist/rope_ext-*.whl)
+[ "${#wheels[@]}" = 1 ] || fail "expected one wheel in build/cuda-check/dist, found: ${wheels[*]}"
+WHEEL=${wheels[0]}
+HOOKS=$(python3 -c "import rope_ext, pathlib; print(pathlib.Path(rope_ext._LIBRARY).with_name('librope_ext_testing.so'))")
+[ -f "$HOOKS" ] || fail "no test hooks library at $HOOKS: run make setup"
+t1=$(date +%s)
+
+if ! "$PY" -c "import torch
+assert torch.__version__.split('+')[0] == '$DEVICE_TORCH' and (torch.version.cuda or '').startswith('13.')" 2> /dev/null; then
   rm -rf "$VENV"
   python3 -m venv "$VENV"
-  "$PY" -m pip install -q "torch==$DEVICE_TORCH" "setuptools>=77" wheel ninja "nvidia-cuda-cuobjdump>=13,<14" \
-    "nvidia-cuda-nvdisasm>=13,<14"
+  "$PY" -m pip install -q "torch==$DEVICE_TORCH" "setuptools>=77" wheel
   "$PY" -c "import torch, sys; sys.exit(0 if (torch.version.cuda or '').startswith('13.') else
     f'gpu-build: torch $DEVICE_TORCH from the package index is built for CUDA {torch.version.cuda}, the device\'s for 13.0')"
 fi
-t1=$(date +%s)
-
-# The build, installed into the venv's site-packages (in place: CMake's build directory is
-# build/cmake-<configuration>, kept between runs, so a rebuild compiles only what changed).
-mkdir -p "$WORK"
-if ! ROPE_EXT_CUDA=1 ROPE_EXT_TESTING=1 TORCH_CUDA_ARCH_LIST=$ARCH "$PY" -m pip install -v --no-build-isolation \
-    --no-deps --force-reinstall . > "$WORK/build.log" 2>&1; then
-  tail -40 "$WORK/build.log"; echo "gpu-build: the build failed (build/gpu-build/build.log)"; exit 1
-fi
-SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-CMAKE_DIR=$(sed -n 's/^ *rope_ext: CMake build directory //p' "$WORK/build.log" | tail -1)
 t2=$(date +%s)
 
-# What cuda-check checks of its build, for this one; then the installed package's CPU smoke test,
-# from outside the checkout.
-PYTHONSAFEPATH=1 "$PY" tools/cuda_check.py --site "$SITE" --compile-commands "$CMAKE_DIR/compile_commands.json" \
-  --resource-dir "$WORK" | sed 's/^cuda-check:/gpu-build:/'
-(cd "$WORK" && "$PY" "$ROOT/tools/smoke_test.py") | sed 's/^/gpu-build: smoke: /'
+# The wheel under the device's torch, as a user installs it (--no-deps: torch stays), from outside the
+# checkout: its CUDA kernels registered, its CPU ops through the smoke test.
+mkdir -p "$WORK"
+"$PY" -m pip install -q --no-deps --force-reinstall "$WHEEL"
+(cd "$WORK" && PYTHONSAFEPATH=1 "$PY" - "$WHEEL" <<'PYEOF'
+import sys, torch, rope_ext
+assert torch._C._dispatch_has_kernel_for_dispatch_key("rope_ext::rotary", "CUDA"), "no CUDA kernel registered"
+print(f"gpu-build: {sys.argv[1].rsplit('/', 1)[-1]} under torch {torch.__version__}: CUDA kernels registered")
+PYEOF
+)
+(cd "$WORK" && PYTHONSAFEPATH=1 "$PY" "$ROOT/tools/smoke_test.py") | sed 's/^/gpu-build: smoke: /'
+"$PY" -m pip uninstall -q -y rope_ext  # (the venv stands for the device, which has no rope_ext: gpu-rehearse)
 
-rm -rf "$CARRY" && mkdir -p "$CARRY/lib" "$CARRY/wheels"
-cp "$SITE"/rope_ext/lib/librope_ext.so.* "$SITE/rope_ext/lib/librope_ext_testing.so" "$CARRY/lib/"
+rm -rf "$CARRY" && mkdir -p "$CARRY/dist" "$CARRY/lib" "$CARRY/wheels"
+cp "$WHEEL" "$CARRY/dist/"
+cp "$HOOKS" "$CARRY/lib/"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform any -d "$CARRY/wheels" "${WHEELS[@]}"
+library=$(python3 - "$WHEEL" <<'PYEOF'
+import hashlib, re, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    name = next(n for n in z.namelist() if re.fullmatch(r"rope_ext/lib/librope_ext\.so\.[0-9.]+", n))
+    print(hashlib.sha256(z.read(name)).hexdigest())
+PYEOF
+)
 {
   echo "commit=$(git rev-parse HEAD 2> /dev/null || echo unknown)$(git diff --quiet HEAD -- 2> /dev/null || echo -dirty)"
-  echo "sources=$(bash tools/source_hash.sh)"
-  echo "torch=$("$PY" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')"
-  echo "arch=sm_${ARCH/./}"
-  echo "built=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "sources=$here"
+  echo "wheel=$(basename "$WHEEL")"
+  echo "library_sha256=$library"
+  echo "built_against=torch $("$ROOT/build/venv-cuda/bin/python" -c 'import torch; print(torch.__version__)' 2> /dev/null || echo '?') (make cuda-check)"
+  echo "built=$(date -u -r "$WHEEL" +%Y-%m-%dT%H:%M:%SZ)"
 } > "$CARRY/BUILD_INFO"
 t3=$(date +%s)
 
@@ -79,6 +100,6 @@ total=$((tree + carry))
 files=$(find "$CARRY" -type f | wc -l)
 echo "gpu-build: build/gpu-carry $((carry / 1024)) KiB ($files files) + the working tree $((tree / 1024)) KiB" \
      "= $((total / 1048576)) MiB of the device call's 64"
-[ "$total" -lt $((60 * 1048576)) ] || { echo "gpu-build: over 60 MiB: the device call would refuse it"; exit 1; }
-cat "$CARRY/BUILD_INFO" | sed 's/^/gpu-build: /'
-echo "gpu-build: venv $((t1 - t0)) s, CUDA build $((t2 - t1)) s, checks and carry $((t3 - t2)) s"
+[ "$total" -lt $((60 * 1048576)) ] || fail "over 60 MiB: the device call would refuse it"
+sed 's/^/gpu-build: /' "$CARRY/BUILD_INFO"
+echo "gpu-build: cuda-check's wheel $((t1 - t0)) s, venv $((t2 - t1)) s, checks and carry $((t3 - t2)) s"

@@ -7,10 +7,11 @@
 # command cut off still returns what was done; the summary's first lines are the parts' verdicts.
 #
 # STEP=lease (the default; one command of at most 9 minutes, most important first):
-#   install   the library `make gpu-build` built here and carried (build/gpu-carry: sm_90, against the
-#             device's torch) put in place in seconds, its wheels installed beside the device's
-#             packages; built on the device only if the carried one is missing, built from other
-#             sources (tools/source_hash.sh) or registers no CUDA kernel (2 to 3 minutes on 16 cores).
+#   install   the rope_ext wheel `make gpu-build` carried (build/gpu-carry: cuda-check's, the one wheel
+#             CI tests under four torches) installed in seconds, with the test hooks beside its
+#             library and the other carried wheels beside the device's packages; built on the device
+#             only if the carried wheel is missing, built from other sources (tools/source_hash.sh)
+#             or registers no CUDA kernel (2 to 3 minutes on 16 cores).
 #   smoke     every op forward and backward, bit for bit against the CPU kernel, on the bshd layout and
 #             HF's view, in every dtype and pairing: whether the kernels run at all, in a minute.
 #   test      tests/test_gpu.py and tests/test_cuda.py but the smoke's cases and the 2^31-element
@@ -75,10 +76,11 @@ DEADLINE=$BUDGET  # (SECONDS counts from the script's start: the checks above ar
 FAILED=0
 VERDICTS=()
 RUNNING=""
-# `import rope_ext` finds the checkout's package (and the library put into rope_ext/lib) from any
-# script, and the carried wheels come before the machine's own packages.
+# `import rope_ext` finds the carried wheel's package (or, built here, the checkout's) from any script
+# and test, and the carried wheels come before the machine's own packages. PYTHONSAFEPATH: no
+# script's folder or current directory ahead of them (the tests find conftest through pytest).
 WHEEL_SITE=${TMPDIR:-/tmp}/rope_ext_gpu_check_site
-export PYTHONPATH="$ROOT:$WHEEL_SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$WHEEL_SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
 
 commit() {  # the checkout's commit: from git, else from the carried build's record (a copied tree has no .git)
   if [ "$(git rev-parse --show-toplevel 2> /dev/null)" = "$ROOT" ]; then git rev-parse --short HEAD; return; fi
@@ -149,10 +151,11 @@ built() {
   "$PY" -c "import torch, rope_ext, sys; sys.exit(not torch._C._dispatch_has_kernel_for_dispatch_key('rope_ext::rotary', 'CUDA'))" 2> /dev/null
 }
 
-# The carried library in place (or a build here), the carried wheels installed; exits non-zero when
+# The carried wheel installed (or a build here), the carried wheels installed; exits non-zero when
 # rope_ext has no CUDA kernels afterwards.
 install_build() {
   set -e
+  rm -rf "$WHEEL_SITE"/rope_ext "$WHEEL_SITE"/rope_ext-*.dist-info
   if [ -d "$CARRY/wheels" ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$WHEEL_SITE" "$CARRY"/wheels/*.whl
     echo "gpu-check: installed $(ls "$CARRY/wheels" | tr '\n' ' ')into $WHEEL_SITE"
@@ -160,13 +163,21 @@ install_build() {
   local here carried
   here=$(bash tools/source_hash.sh)
   carried=$(sed -n 's/^sources=//p' "$CARRY/BUILD_INFO" 2> /dev/null || true)
-  if [ "$carried" = "$here" ] && ls "$CARRY"/lib/librope_ext.so.* > /dev/null 2>&1; then
-    rm -rf rope_ext/lib && mkdir -p rope_ext/lib && cp "$CARRY"/lib/* rope_ext/lib/
-    echo "gpu-check: the carried build is in place: $(tr '\n' ' ' < "$CARRY/BUILD_INFO")"
-    if built; then echo "gpu-check: carried build, CUDA kernels registered"; return 0; fi
-    echo "gpu-check: the carried library registers no CUDA kernel under this torch: building here"
+  if [ "$carried" = "$here" ] && ls "$CARRY"/dist/rope_ext-*.whl > /dev/null 2>&1; then
+    # The wheel as a user installs it (--no-deps: the device's torch stays), ahead of the checkout on
+    # PYTHONPATH; the test hooks beside its library. Its library must be the very file CI tested.
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$WHEEL_SITE" "$CARRY"/dist/rope_ext-*.whl
+    local lib
+    lib=$("$PY" -c "import rope_ext; print(rope_ext._LIBRARY)")
+    cp "$CARRY/lib/librope_ext_testing.so" "$(dirname "$lib")/"
+    [ "$(sha256sum "$lib" | cut -c1-64)" = "$(sed -n 's/^library_sha256=//p' "$CARRY/BUILD_INFO")" ] ||
+      { echo "gpu-check: $lib is not the carried wheel's library"; return 1; }
+    echo "gpu-check: the carried wheel is installed, rope_ext from $lib: $(tr '\n' ' ' < "$CARRY/BUILD_INFO")"
+    if built; then echo "gpu-check: carried wheel, CUDA kernels registered"; return 0; fi
+    echo "gpu-check: the carried wheel registers no CUDA kernel under this torch: building here"
+    rm -rf "$WHEEL_SITE"/rope_ext "$WHEEL_SITE"/rope_ext-*.dist-info
   else
-    echo "gpu-check: no carried build of these sources (carried '${carried:-none}', these $here): building here"
+    echo "gpu-check: no carried wheel of these sources (carried '${carried:-none}', these $here): building here"
   fi
   "$PY" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" ||
     { echo "gpu-check: the build needs setuptools 77 or newer; carry its wheel"; return 1; }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make gpu-rehearse`: the lease (tools/GPU_LEASE.md) end to end on this machine, against a fake GPU,
 # so that a lent GPU's minutes go to the kernels and not to the harness:
-#  1. the carried build is current (`make gpu-build` otherwise) and the command written in
+#  1. the carried wheel is of these sources (`make gpu-build` otherwise) and the command written in
 #     GPU_LEASE.md is under the device call's 2,000 characters;
 #  2. the tree as the device call sends it (tracked and untracked files git does not ignore, and the
 #     carried folder; no .git), in build/gpu-rehearse/tree, under the call's 64 MiB;
@@ -9,8 +9,8 @@
 #     not supported"); python3 is build/gpu-venv's, which holds the device's torch (2.11.0, CUDA 13)
 #     and the packages the device has that the tests import; pip cannot reach an index;
 #  4. the command itself, with $OUT = build/gpu-rehearse/out. The install part runs for real: the
-#     carried wheels installed, the carried library put in place and its CUDA kernels found
-#     registered. The GPU tests then skip (no device), the benchmark finds no device, and memcheck
+#     carried wheels installed, the rope_ext wheel among them, its library checked to be the
+#     wheel's and its CUDA kernels found registered under the device's torch. The GPU tests then skip (no device), the benchmark finds no device, and memcheck
 #     must be reported NOT RUN, not failed;
 #  5. what $OUT holds against what comes back (at most 8 files, 16 MiB each, 2 folders deep, plain
 #     names: here the summary and 5 logs, which the benchmark's 2 tables join on a GPU), and the
@@ -29,7 +29,7 @@ fail() { echo "gpu-rehearse: FAILED: $*"; exit 1; }
 
 # 1.
 if [ "$(sed -n 's/^sources=//p' build/gpu-carry/BUILD_INFO 2> /dev/null)" != "$(bash tools/source_hash.sh)" ]; then
-  echo "gpu-rehearse: build/gpu-carry is missing or was built from other sources: make gpu-build"
+  echo "gpu-rehearse: build/gpu-carry is missing or its wheel was built from other sources: make gpu-build"
   bash tools/gpu_build.sh
 fi
 cmd=$(awk '/<!-- lease-command -->/ {f = 1; next} f && /^```/ {if (n++) exit; next} f' tools/GPU_LEASE.md)
@@ -97,11 +97,13 @@ summary=$WORK/out/summary.md
 verdicts=$(sed -n '3,7p' "$summary" | sed 's/^- \*\*\([a-z-]*\)\*\*: \([A-Z]*[a-z]*\).*/\1 \2/')
 expected=$'install ok\nsmoke ok\ntest ok\nmemcheck NOT\nbench ok'
 [ "$verdicts" = "$expected" ] || { cat "$summary"; fail "the summary's first lines are not the five verdicts expected"; }
-grep -q "^- \*\*install\*\*: ok .*carried build, CUDA kernels registered" "$summary" ||
-  fail "the install part did not use the carried build"
+grep -q "^- \*\*install\*\*: ok .*carried wheel, CUDA kernels registered" "$summary" ||
+  fail "the install part did not use the carried wheel"
+grep -q "rope_ext from .*rope_ext_gpu_check_site/rope_ext/lib/librope_ext.so" "$WORK/out/install.log" ||
+  fail "the tests' rope_ext is not the carried wheel's"
 grep -q "Device not supported" "$summary" || fail "memcheck's refusal is not named in the summary"
 grep -q "from build/gpu-carry/BUILD_INFO" "$summary" || fail "the summary has no commit for a tree without .git"
-echo "gpu-rehearse: the summary opens with the five verdicts (install from the carried build; memcheck NOT RUN," \
+echo "gpu-rehearse: the summary opens with the five verdicts (install from the carried wheel; memcheck NOT RUN," \
      "named as the sanitizer's refusal); the commit comes from BUILD_INFO"
 
 # 6.
