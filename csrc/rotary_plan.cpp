@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <utility>
@@ -309,6 +310,67 @@ RotaryPlan make_rotary_pos_plan(const TensorArg& x, const TensorArg& out, const 
   p.cos_row = cos_cache.stride(0);
   p.sin_row = sin_cache.stride(0);
   p.cache_rows = cos_cache.size(0);
+  return p;
+}
+
+void check_qk_norm_args(const char* op, const TensorArg& x, const TensorArg* weight, const TensorArg& cos,
+                        const TensorArg& sin, double eps, double weight_offset, bool across_heads, const char* nx,
+                        const char* nw) {
+  ROPE_EXT_CHECK(x.defined(), op, ": ", nx, " must be a Tensor, got None");
+  check_rotary_args(op, x, cos, sin, {nx, "cos", "sin"});
+  ROPE_EXT_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be a finite number >= 0, got ", eps);
+  ROPE_EXT_CHECK(std::isfinite(weight_offset), op, ": weight_offset must be finite, got ", weight_offset);
+  if (across_heads) {
+    ROPE_EXT_CHECK(x.dim() >= 2, op, ": ", nx, " must have at least two dims (..., heads, head_dim) to be ",
+                   "normalized across heads, got shape ", x.sizes());
+  }
+  if (weight == nullptr || !weight->defined()) return;
+  const TensorArg& w = *weight;
+  const int64_t n = across_heads ? x.size(-2) * x.size(-1) : x.size(-1);
+  ROPE_EXT_CHECK(w.dim() == 1 && w.size(0) == n, op, ": ", nw, " must have shape (", n, ",) (",
+                 across_heads ? str(nx, ".size(-2) * ", nx, ".size(-1), normalized across heads")
+                              : str(nx, ".size(-1)"),
+                 "), got ", w.sizes());
+  const auto xt = x.scalar_type();
+  ROPE_EXT_CHECK(w.scalar_type() == xt || w.scalar_type() == ScalarType::Float, op, ": ", nw, " must have ", nx,
+                 "'s dtype (", xt, ") or float32, got ", w.scalar_type());
+  ROPE_EXT_CHECK(w.device() == x.device(), op, ": ", nx, " and ", nw, " must be on the same device, got ", nx,
+                 " on ", x.device(), " and ", nw, " on ", w.device());
+}
+
+std::vector<int64_t> norm_stat_shape(const TensorArg& x, bool across_heads) {
+  return std::vector<int64_t>(x.sizes().begin(), x.sizes().end() - (across_heads ? 2 : 1));
+}
+
+NormPlan make_norm_plan(const TensorArg& x, const TensorArg& out, const TensorArg* weight, const TensorArg& cos,
+                        const TensorArg& sin, const TensorArg* grad, bool across_heads) {
+  NormPlan p;
+  p.head_dim = x.size(-1);
+  p.rotary_dim = cos.size(-1);
+  p.group = across_heads ? x.size(-2) : 1;
+  const DimStrides c = broadcast_strides(cos.sizes(), cos.strides(), x.dim());
+  const DimStrides s = broadcast_strides(sin.sizes(), sin.strides(), x.dim());
+  auto& r = p.rows;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) {
+    if (x.size(d) == 1) continue;
+    r.sizes[r.ndim] = x.size(d);
+    r.strides[kNormX][r.ndim] = x.stride(d);
+    r.strides[kNormOut][r.ndim] = out.stride(d);
+    r.strides[kNormCos][r.ndim] = c[d];
+    r.strides[kNormSin][r.ndim] = s[d];
+    r.strides[kNormGrad][r.ndim] = grad != nullptr ? grad->stride(d) : 0;
+    ++r.ndim;
+  }
+  r.collapse();
+  p.x_col = x.stride(-1);
+  p.out_col = out.stride(-1);
+  p.cos_col = cos.stride(-1);
+  p.sin_col = sin.stride(-1);
+  p.grad_col = grad != nullptr ? grad->stride(-1) : 1;
+  if (weight != nullptr && weight->defined()) {
+    p.weight_len = weight->size(0);
+    p.weight_stride = weight->stride(0);
+  }
   return p;
 }
 

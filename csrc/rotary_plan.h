@@ -5,6 +5,7 @@
 
 #include <initializer_list>
 #include <optional>
+#include <vector>
 
 #include "internal_api.h"
 #include "rotary_math.h"
@@ -102,6 +103,43 @@ inline int64_t broadcast_stride(const TensorArg& t, int64_t d, int64_t ndim) {
   return i < 0 || t.size(i) == 1 ? 0 : t.stride(i);
 }
 
+// QK-norm + RoPE (qk_norm_rotary): out = rotary(g * x * rstd, cos, sin) per row, rstd = 1/sqrt(mean(x^2)
+// + eps) over a row of one head (x.size(-1) columns) or, across heads, over all of a token's heads
+// (dim -2 of x: x.size(-2) * x.size(-1) columns); g = weight + weight_offset, or 1 without a weight.
+// Operand slots in NormPlan::rows; kGrad is the backward's incoming gradient (out is then dx).
+enum NormOperand { kNormX = 0, kNormOut = 1, kNormCos = 2, kNormSin = 3, kNormGrad = 4 };
+
+// How a qk_norm_rotary call walks memory: the rows of x (all dims but the last, size-1 dims dropped
+// and adjacent ones merged, in row-major order), `group` consecutive rows normalized together (1, or
+// x.size(-2) across heads). Group n's statistic is rstd[n] of a contiguous (numel / row / group)
+// tensor in the compute dtype (float32; float64 for float64 x).
+struct NormPlan {
+  StridedDims<5> rows;  // strides of x, out, cos, sin, grad (elements; the tables' broadcast)
+  int64_t group = 1;
+  int64_t head_dim = 0, rotary_dim = 0;
+  int64_t x_col = 1, out_col = 1, cos_col = 1, sin_col = 1, grad_col = 1;
+  int64_t weight_len = 0, weight_stride = 1;  // 0: no weight (g = 1)
+
+  int64_t num_rows() const { return rows.numel(); }
+  int64_t num_groups() const { return group == 0 ? 0 : num_rows() / group; }
+};
+
+// Checks one of q and k (named `x_name`, its weight `weight_name`) against qk_norm_rotary's contract:
+// the tables as rotary's (check_rotary_args), the weight 1-D of x.size(-1) elements, or x.size(-2) *
+// x.size(-1) across heads, in x's dtype or float32, on x's device; eps and weight_offset finite, eps
+// >= 0. Returns nothing; throws with a message naming the argument.
+ROPE_EXT_INTERNAL void check_qk_norm_args(const char* op, const TensorArg& x, const TensorArg* weight,
+                                          const TensorArg& cos, const TensorArg& sin, double eps, double weight_offset,
+                                          bool across_heads, const char* x_name, const char* weight_name);
+
+// The shape of the per-group statistic of checked x: x.shape[:-1], or x.shape[:-2] across heads.
+ROPE_EXT_INTERNAL std::vector<int64_t> norm_stat_shape(const TensorArg& x, bool across_heads);
+
+// The plan for a checked call; `grad` (the backward) has x's sizes and is walked with its own strides.
+ROPE_EXT_INTERNAL NormPlan make_norm_plan(const TensorArg& x, const TensorArg& out, const TensorArg* weight,
+                                          const TensorArg& cos, const TensorArg& sin, const TensorArg* grad,
+                                          bool across_heads);
+
 // One backend call: out = rotary(x, tables) and, when k is set, k_out = rotary(k, the same
 // tables) (rotary_pos_qk, and rotary_qk where q and k share tables: one CUDA launch covers both,
 // reading each token's table entries once for q's heads and k's). out may be x and k_out may be k
@@ -120,6 +158,25 @@ struct RotaryCall {
 };
 
 using RunFn = void (*)(const RotaryCall& call);
+
+// One backend call of qk_norm_rotary on one tensor. Forward (grad unset): out = rotary(g * x * rstd),
+// rstd written. Backward: out = dx from grad (dy) and the saved rstd, and, when dweight is set, the
+// weight's gradient (weight_len values, the compute dtype) written there.
+struct NormCall {
+  const TensorArg& x;
+  const TensorArg& out;
+  const TensorArg* weight;  // nullptr or undefined: g = 1
+  const TensorArg& cos;
+  const TensorArg& sin;
+  const TensorArg& rstd;  // contiguous, norm_stat_shape(x), the compute dtype
+  const TensorArg* grad = nullptr;
+  const TensorArg* dweight = nullptr;
+  double eps = 0, weight_offset = 0;
+  bool across_heads = false, interleaved = false;
+  const char* op = "rope_ext";
+};
+
+using NormRunFn = void (*)(const NormCall& call);
 
 // Whether rotary_qk rotates q and k in one backend call (one CUDA launch). Not with k's own tables
 // (cos_k/sin_k): the kernel holds one pair of table pointers and reads a token's entries once for

@@ -5,7 +5,7 @@
 // as a second handle (another): 11 allocations and frees on a decode call of rotary_pos_qk, about
 // 0.2 us. boxed<fn> borrows the stack's handles for the call and frees them after, and puts the
 // outputs' own handles on the stack. Its kernels take TensorRef (and std::optional<TensorRef>,
-// bool) and return OwnedTensor, a tuple of two, or nothing.
+// bool, double) and return OwnedTensor, a tuple of them, or nothing.
 #pragma once
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
@@ -82,14 +82,31 @@ template <>
 struct Arg<bool> {
   static bool read(StableIValue v, Borrowed&) { return torch::stable::detail::to<bool>(v); }
 };
+template <>
+struct Arg<double> {
+  static double read(StableIValue v, Borrowed&) { return torch::stable::detail::to<double>(v); }
+};
+
+template <class R>
+struct Outputs {
+  static constexpr uint64_t kCount = std::is_void_v<R> ? 0 : 1;
+};
+template <class... T>
+struct Outputs<std::tuple<T...>> {
+  static constexpr uint64_t kCount = sizeof...(T);
+};
+template <class T>
+constexpr int kTensorArgs = std::is_same_v<T, TensorRef> || std::is_same_v<T, std::optional<TensorRef>> ? 1 : 0;
 
 template <class R>
 void put(StableIValue* stack, R&& r) {
   if constexpr (std::is_same_v<std::decay_t<R>, OwnedTensor>) {
     stack[0] = torch::stable::detail::from(r.release());
   } else {
-    stack[0] = torch::stable::detail::from(std::get<0>(r).release());
-    stack[1] = torch::stable::detail::from(std::get<1>(r).release());
+    std::apply([stack](auto&... t) {
+      int i = 0;
+      ((stack[i++] = torch::stable::detail::from(t.release())), ...);
+    }, r);
   }
 }
 
@@ -100,8 +117,9 @@ struct Boxer<R (*)(Args...)> {
   static constexpr size_t kArgs = sizeof...(Args);
   template <R (*fn)(Args...), size_t... I>
   static void call(StableIValue* stack, uint64_t num_args, uint64_t num_outputs, std::index_sequence<I...>) {
-    constexpr uint64_t kOutputs = std::is_void_v<R> ? 0 : std::is_same_v<R, OwnedTensor> ? 1 : 2;
-    static_assert(sizeof...(Args) <= sizeof(Borrowed::handles) / sizeof(AtenTensorHandle), "more tensors than Borrowed holds");
+    constexpr uint64_t kOutputs = Outputs<R>::kCount;
+    static_assert((0 + ... + kTensorArgs<std::decay_t<Args>>) <= sizeof(Borrowed::handles) / sizeof(AtenTensorHandle),
+                  "more tensors than Borrowed holds");
     Borrowed borrowed;
     // (a braced list: the arguments are read in order, and each read handle is kept before the next)
     std::tuple<std::decay_t<Args>...> args{Arg<std::decay_t<Args>>::read(stack[I], borrowed)...};

@@ -13,7 +13,9 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "stable_boxing.h"
 #include "tensor_arg.h"
@@ -132,6 +134,25 @@ inline Output new_like(AtenTensorHandle t, const TensorArg& a) {
                      "aoti_torch_empty_strided");
   Output out{OwnedTensor(handle), a};  // t's sizes and strides (read from t, which outlives the call)
   detail::shim_check(torch_get_mutable_data_ptr(handle, &out.arg.data_), "torch_get_mutable_data_ptr");
+  return out;
+}
+
+// A new contiguous tensor of `sizes` and `dtype` on `device` (the norm's per-row statistics, the
+// weights' gradients).
+inline Output new_contiguous(Dims sizes, ScalarType dtype, Device device) {
+  std::vector<int64_t> strides(sizes.size());
+  int64_t step = 1;
+  for (int64_t d = static_cast<int64_t>(sizes.size()) - 1; d >= 0; --d) {
+    strides[d] = step;
+    step *= std::max<int64_t>(sizes[d], 1);
+  }
+  AtenTensorHandle handle = nullptr;
+  const int32_t device_type = device.is_cpu() ? detail::codes().cpu : detail::codes().cuda;
+  detail::shim_check(aoti_torch_empty_strided(sizes.size(), sizes.data, strides.data(),
+                                              detail::code_of_dtype(dtype), device_type, device.index, &handle),
+                     "aoti_torch_empty_strided");
+  Output out{OwnedTensor(handle), {}};
+  out.arg = read_arg(handle, true);
   return out;
 }
 

@@ -71,7 +71,16 @@ from rope_ext import _autograd  # noqa: E402
 _autograd.register()  # the ops' autograd formulas (the library has none: torch's stable ABI has no autograd)
 
 from rope_ext import _sharding, compat, reference, scaling  # noqa: E402
-from rope_ext._ops import cpu_kernel_isa, rotary, rotary_, rotary_pos, rotary_pos_, rotary_pos_qk, rotary_qk  # noqa: E402
+from rope_ext._ops import (  # noqa: E402
+    cpu_kernel_isa,
+    qk_norm_rotary,
+    rotary,
+    rotary_,
+    rotary_pos,
+    rotary_pos_,
+    rotary_pos_qk,
+    rotary_qk,
+)
 from rope_ext.compat.hf import apply_multimodal_rotary_pos_emb, apply_rotary_pos_emb  # noqa: E402
 from rope_ext.module import RotaryEmbedding  # noqa: E402
 
@@ -84,6 +93,7 @@ __all__ = [
     "rotary_pos",
     "rotary_pos_qk",
     "rotary_pos_",
+    "qk_norm_rotary",
     "RotaryEmbedding",
     "apply_rotary_pos_emb",
     "apply_multimodal_rotary_pos_emb",

@@ -196,6 +196,76 @@ def _rotary_pos_qk_backward(ctx, gq, gk):
     return dq if need_q else None, dk if need_k else None, dcos, dsin, None, None, None
 
 
+# --- qk_norm_rotary ------------------------------------------------------------------------------
+#
+# y = rotary(g * x_hat), x_hat = x * rstd. The kernel's backward (qk_norm_rotary_backward) gives dx
+# and the weight's gradient from the saved x and rstd; cos and sin, when they need gradients, get
+# rotary's table formulas applied to the normalized input g * x_hat, recomputed here. With
+# create_graph the whole backward is the composite reference's, so that it can be differentiated.
+
+
+def _normalized(x, weight, rstd, weight_offset, across_heads):
+    """g * x * rstd in the compute dtype: what the rotation of qk_norm_rotary rotates."""
+    v = x.to(rstd.dtype)
+    v = (v.flatten(-2) * rstd.unsqueeze(-1)) if across_heads else v * rstd.unsqueeze(-1)
+    if weight is not None:
+        v = v * (weight.to(rstd.dtype) + weight_offset)
+    return v.unflatten(-1, x.shape[-2:]) if across_heads else v
+
+
+def _qk_norm_rotary_setup(ctx, inputs, output):
+    q, k, q_weight, k_weight, cos, sin, eps, weight_offset, across_heads, interleaved = inputs
+    ctx.flags = (eps, weight_offset, across_heads, interleaved)
+    ctx.mark_non_differentiable(output[2], output[3])
+    ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin, output[2], output[3])
+
+
+def _qk_norm_rotary_backward(ctx, gq, gk, _gq_rstd, _gk_rstd):
+    q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd = ctx.saved_tensors
+    eps, weight_offset, across_heads, interleaved = ctx.flags
+    need_q, need_k, need_qw, need_kw, need_cos, need_sin = _needs(ctx, 10)[:6]
+    if _C.is_grad_enabled():  # create_graph=True: the composite, differentiable again
+        return _qk_norm_rotary_composite_backward(ctx, gq, gk)
+    dq = dk = dqw = dkw = dcos = dsin = None
+    for x, w, rstd, g, need_x, need_w, slot in (
+        (q, q_weight, q_rstd, gq, need_q, need_qw, 0),
+        (k, k_weight, k_rstd, gk, need_k, need_kw, 1),
+    ):
+        if need_x or need_w:
+            dx, dw = torch.ops.rope_ext.qk_norm_rotary_backward(
+                g, x, w, rstd, cos, sin, weight_offset, across_heads, interleaved, need_w
+            )
+            if slot == 0:
+                dq, dqw = (dx if need_x else None), (dw.to(w.dtype) if need_w else None)
+            else:
+                dk, dkw = (dx if need_x else None), (dw.to(w.dtype) if need_w else None)
+        if need_cos or need_sin:
+            a = _normalized(x, w, rstd, weight_offset, across_heads)
+            c, s = _table_grads(g, a, cos, interleaved, False, need_cos, need_sin)
+            dcos, dsin = _add(dcos, c), _add(dsin, s)
+    return dq, dk, dqw, dkw, dcos, dsin, None, None, None, None
+
+
+def _qk_norm_rotary_composite_backward(ctx, gq, gk):
+    """The backward as the gradient of rope_ext.reference's composite, with a graph of its own."""
+    from rope_ext.reference import rms_norm_rotary_reference
+
+    q, k, q_weight, k_weight, cos, sin, _, _ = ctx.saved_tensors
+    eps, weight_offset, across_heads, interleaved = ctx.flags
+    need = _needs(ctx, 10)[:6]
+    inputs = (q, k, q_weight, k_weight, cos, sin)
+    wanted = [t for t, n in zip(inputs, need) if n]
+    norm_over = "heads" if across_heads else "head"
+    with torch.enable_grad():
+        outs = [
+            rms_norm_rotary_reference(x, w, cos, sin, eps=eps, weight_offset=weight_offset, norm_over=norm_over,
+                                      interleaved=interleaved)
+            for x, w in ((q, q_weight), (k, k_weight))
+        ]
+        grads = iter(torch.autograd.grad(outs, wanted, (gq, gk), create_graph=True, allow_unused=True))
+    return (*(next(grads) if n else None for n in need), None, None, None, None)
+
+
 # --- the in-place ops ----------------------------------------------------------------------------
 
 
@@ -254,6 +324,7 @@ def register() -> None:
         ("rotary_qk", _rotary_qk_backward, _rotary_qk_setup),
         ("rotary_pos", _rotary_pos_backward, _rotary_pos_setup),
         ("rotary_pos_qk", _rotary_pos_qk_backward, _rotary_pos_qk_setup),
+        ("qk_norm_rotary", _qk_norm_rotary_backward, _qk_norm_rotary_setup),
     ):
         torch.library.register_autograd(f"rope_ext::{name}", backward, setup_context=setup)
     for name, inplace in (("rotary_", run_rotary_), ("rotary_pos_", run_rotary_pos_)):

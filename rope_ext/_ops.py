@@ -10,6 +10,8 @@ rope_ext/_autograd.py. Here each op gets
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rope_ext._autograd import below_autograd as _below_autograd
@@ -21,6 +23,7 @@ _rotary_inplace = torch.ops.rope_ext.rotary_.default
 _rotary_pos = torch.ops.rope_ext.rotary_pos.default
 _rotary_pos_qk = torch.ops.rope_ext.rotary_pos_qk.default
 _rotary_pos_inplace = torch.ops.rope_ext.rotary_pos_.default
+_qk_norm_rotary = torch.ops.rope_ext.qk_norm_rotary.default
 
 # The fast path of every wrapper: unless it is traced (torch.compile sees the op, and its autograd
 # formula) or records a graph (grad mode on, an input requiring grad), a call goes straight to the
@@ -34,6 +37,7 @@ _rotary_kernel = _rotary._op
 _rotary_qk_kernel = _rotary_qk._op
 _rotary_pos_kernel = _rotary_pos._op
 _rotary_pos_qk_kernel = _rotary_pos_qk._op
+_qk_norm_rotary_kernel = _qk_norm_rotary._op
 
 
 def rotary(
@@ -259,6 +263,66 @@ def rotary_pos_(
     return q if k is None else (q, k)
 
 
+_NORM_OVER = {"head": False, "heads": True}
+
+
+def qk_norm_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    eps: float,
+    weight_offset: float = 0.0,
+    norm_over: str = "head",
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMS-normalize queries and keys, then rotate them: QK-norm and RoPE in one op call.
+
+    For each of ``(x, weight)`` in ``(q, q_weight)`` and ``(k, k_weight)``::
+
+        out = rotary(g * x / sqrt(mean(x^2) + eps), cos, sin),    g = weight + weight_offset
+
+    (``g = 1`` when the weight is None), the mean taken over a row, and the rotation as
+    :func:`rotary`'s: both pairings, partial rotary (columns past ``cos.shape[-1]`` are normalized and
+    passed through). This is what Qwen3, Gemma 3, OLMo 2, Flux, Wan and most models since 2025 do
+    before attention.
+
+    Args:
+        q: ``(..., heads_q, head_dim)``, any layout and strides (``(B, S, H, D)``, HF's
+            ``(B, H, S, D)`` view, packed ``(T, H, D)``, slices of a fused qkv buffer). float32,
+            float64, float16 or bfloat16.
+        k: same rank and dtype as q; it may have another head count (GQA) and other strides.
+        q_weight, k_weight: the norms' weights, or None: ``(head_dim,)`` for ``norm_over="head"``,
+            ``(heads * head_dim,)`` for ``"heads"``, in x's dtype or float32.
+        cos, sin: tables as :func:`rotary` takes them, ``(..., r)``, broadcasting against q's and
+            k's ``shape[:-1] + (r,)`` (per-head tables too); shared by q and k.
+        eps: added to the mean square (the model's ``variance_epsilon`` / ``eps``).
+        weight_offset: added to the weight: ``1.0`` for Gemma's and Qwen3-Next's ``(1 + w)``.
+        norm_over: ``"head"``: each head's ``head_dim`` values (Qwen3, Gemma 3, Flux). ``"heads"``:
+            all of a token's heads, dim -2, ``heads * head_dim`` values (OLMo 2, Wan, LTX).
+        interleaved: the pairing, as :func:`rotary`'s.
+
+    Returns:
+        ``(q_out, k_out)``: new tensors with q's and k's shapes, dtypes and layouts. The math runs in
+        float32 (float64 for float64 inputs) and rounds once.
+
+    Autograd: gradients to q, k, both weights (summed in float32, in an order that does not depend
+    on the thread count) and, when they require grad, cos and sin. The backward saves x and one
+    float32 statistic per row and recomputes the rest. Double backward runs through a composite of
+    differentiable ops.
+    """
+    if norm_over not in _NORM_OVER:
+        raise ValueError(f"rope_ext.qk_norm_rotary: norm_over must be 'head' or 'heads', got {norm_over!r}")
+    args = (q, k, q_weight, k_weight, cos, sin, eps, weight_offset, _NORM_OVER[norm_over], interleaved)
+    if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos, sin)):
+        return _qk_norm_rotary(*args)[:2]
+    with _below_autograd():
+        return _qk_norm_rotary_kernel(*args)[:2]
+
+
 def _rotate_each(xs, computes, cos, sin, cos_k=None, sin_k=None, *, interleaved):
     """(internal, for the drop-ins) Rotate each tensor in ``xs`` -- x alone, or q and k, k by
     ``cos_k``/``sin_k`` when given -- with the tables cast to ``computes[i]``, the dtype its op call
@@ -472,3 +536,67 @@ def _rotary_pos_inplace_fake(q, k, cos_cache, sin_cache, positions, interleaved=
     if k is not None:
         _check_rotary_pos_args(op, k, cos_cache, sin_cache, positions, "k")
         _check_qk_args(op, q, k, positions, "positions", trailing=0)
+
+
+def _check_qk_norm_args(op, x, weight, cos, sin, eps, weight_offset, across_heads, nx, nw):
+    _check_rotary_args(op, x, cos, sin, (nx, "cos", "sin"))
+    torch._check(math.isfinite(eps) and eps >= 0, lambda: f"{op}: eps must be a finite number >= 0, got {eps}")
+    torch._check(math.isfinite(weight_offset), lambda: f"{op}: weight_offset must be finite, got {weight_offset}")
+    if across_heads:
+        torch._check(
+            x.dim() >= 2,
+            lambda: f"{op}: {nx} must have at least two dims (..., heads, head_dim) to be normalized across heads, "
+            f"got shape {list(x.shape)}",
+        )
+    if weight is None:
+        return
+    n = x.shape[-2] * x.shape[-1] if across_heads else x.shape[-1]
+    what = f"{nx}.size(-2) * {nx}.size(-1), normalized across heads" if across_heads else f"{nx}.size(-1)"
+    torch._check(
+        weight.dim() == 1 and weight.shape[0] == n,
+        lambda: f"{op}: {nw} must have shape ({n},) ({what}), got {list(weight.shape)}",
+    )
+    torch._check(
+        weight.dtype in (x.dtype, torch.float32),
+        lambda: f"{op}: {nw} must have {nx}'s dtype ({x.dtype}) or float32, got {weight.dtype}",
+    )
+    torch._check(
+        weight.device == x.device,
+        lambda: f"{op}: {nx} and {nw} must be on the same device, got {nx} on {x.device} and {nw} on {weight.device}",
+    )
+
+
+def _norm_stat(x, across_heads):
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return x.new_empty(x.shape[: -2 if across_heads else -1], dtype=dtype)
+
+
+@torch.library.register_fake("rope_ext::qk_norm_rotary")
+def _qk_norm_rotary_fake(q, k, q_weight, k_weight, cos, sin, eps, weight_offset=0.0, across_heads=False,
+                         interleaved=False):
+    op = "rope_ext.qk_norm_rotary"
+    _check_qk_norm_args(op, q, q_weight, cos, sin, eps, weight_offset, across_heads, "q", "q_weight")
+    _check_qk_norm_args(op, k, k_weight, cos, sin, eps, weight_offset, across_heads, "k", "k_weight")
+    _check_qk_args(op, q, k, cos)
+    return torch.empty_like(q), torch.empty_like(k), _norm_stat(q, across_heads), _norm_stat(k, across_heads)
+
+
+@torch.library.register_fake("rope_ext::qk_norm_rotary_backward")
+def _qk_norm_rotary_backward_fake(grad, x, weight, rstd, cos, sin, weight_offset, across_heads, interleaved,
+                                  weight_grad):
+    op = "rope_ext.qk_norm_rotary_backward"
+    _check_qk_norm_args(op, x, weight, cos, sin, 0.0, weight_offset, across_heads, "x", "weight")
+    stat = _norm_stat(x, across_heads)
+    torch._check(
+        grad.shape == x.shape and grad.dtype == x.dtype and grad.device == x.device,
+        lambda: f"{op}: grad must have x's shape {list(x.shape)}, dtype {x.dtype} and device {x.device}, "
+        f"got {list(grad.shape)} {grad.dtype} on {grad.device}",
+    )
+    torch._check(
+        rstd.shape == stat.shape and rstd.dtype == stat.dtype and rstd.device == x.device and rstd.is_contiguous(),
+        lambda: f"{op}: rstd must be the forward's: contiguous, of shape {list(stat.shape)}, "
+        f"{stat.dtype} on {x.device}",
+    )
+    torch._check(not weight_grad or weight is not None, lambda: f"{op}: weight_grad=True needs a weight")
+    n = weight.shape[0] if weight_grad else 0
+    return torch.empty_like(x), x.new_empty((n,), dtype=stat.dtype)

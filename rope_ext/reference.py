@@ -16,6 +16,9 @@ Four independent formulations:
 - :func:`rotary_complex`: Meta's complex-number form (``view_as_complex(x) * e^{i theta}``);
 - :func:`rotary_pairs_loop`: a naive loop over the pairs, applying each 2x2 matrix;
 - ``conjugate=True`` applies the transpose of the per-pair matrix in every form.
+
+:func:`rms_norm_rotary_reference` is QK-norm (RMSNorm) followed by RoPE, the reference of
+:func:`rope_ext.qk_norm_rotary`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ __all__ = [
     "rotary_complex",
     "rotary_pairs_loop",
     "angles_to_cos_sin",
+    "rms_norm_rotary_reference",
 ]
 
 
@@ -122,3 +126,37 @@ def angles_to_cos_sin(angles: torch.Tensor, interleaved: bool = False):
     """
     full = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), dim=-1)
     return full.cos(), full.sin()
+
+
+def rms_norm_rotary_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    eps: float,
+    weight_offset: float = 0.0,
+    norm_over: str = "head",
+    interleaved: bool = False,
+) -> torch.Tensor:
+    """QK-norm then RoPE, from the formulas: ``rotary(g * x / sqrt(mean(x^2) + eps), cos, sin)``.
+
+    The mean runs over each head's row (``norm_over="head"``, ``weight`` of shape ``(D,)``) or over
+    all of a token's heads, dim -2 of ``x`` (``"heads"``, ``weight`` of shape ``(H * D,)``).
+    ``g = weight + weight_offset``, or 1 when ``weight`` is None. Computed in float32, or float64
+    when x, the weight or the tables are float64, then cast to x's dtype: one rounding, as
+    :func:`rope_ext.qk_norm_rotary` rounds. Differentiable and decomposable.
+    """
+    dtype = torch.promote_types(torch.promote_types(x.dtype, cos.dtype), torch.float32)
+    if weight is not None:
+        dtype = torch.promote_types(dtype, weight.dtype)
+    v = x.to(dtype)
+    if norm_over == "heads":
+        v = v.flatten(-2)
+    elif norm_over != "head":
+        raise ValueError(f"norm_over must be 'head' or 'heads', got {norm_over!r}")
+    v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        v = v * (weight.to(dtype) + weight_offset)
+    v = v.unflatten(-1, x.shape[-2:]) if norm_over == "heads" else v
+    return rotary_reference(v, cos.to(dtype), sin.to(dtype), interleaved).to(x.dtype)

@@ -1,6 +1,7 @@
 // The CPU glue, on torch's stable ABI: choice of kernel variant, the call into it, registration.
 #include "cpu/rotary_cpu.h"
 #include "registration.h"
+#include "qk_norm_ops.h"
 #include "rotary_ops.h"
 
 #include <torch/csrc/stable/ops.h>
@@ -19,9 +20,12 @@ namespace rope_ext::cpu {
 namespace {
 
 using KernelFn = decltype(&DEFAULT::rotary_kernel);
+using NormKernelFn = decltype(&DEFAULT::qk_norm_kernel);
 
+// One capability's kernels.
 struct Variant {
   KernelFn fn;
+  NormKernelFn norm;
   const char* name;
 };
 
@@ -32,9 +36,10 @@ struct Variant {
 // that the OS saves the vector registers.) tests/test_cpu_kernel.py compares it with torch's answer
 // under every setting.
 Variant choose_variant() {
-  const Variant generic{&DEFAULT::rotary_kernel, "DEFAULT"};
+  const Variant generic{&DEFAULT::rotary_kernel, &DEFAULT::qk_norm_kernel, "DEFAULT"};
 #ifdef ROPE_EXT_HAVE_AVX
-  const Variant avx512{&AVX512::rotary_kernel, "AVX512"}, avx2{&AVX2::rotary_kernel, "AVX2"};
+  const Variant avx512{&AVX512::rotary_kernel, &AVX512::qk_norm_kernel, "AVX512"};
+  const Variant avx2{&AVX2::rotary_kernel, &AVX2::qk_norm_kernel, "AVX2"};
   if (const char* env = std::getenv("ATEN_CPU_CAPABILITY")) {
     if (std::strcmp(env, "avx512") == 0) return avx512;
     if (std::strcmp(env, "avx2") == 0) return avx2;
@@ -68,14 +73,13 @@ bool detect_native_bf16() {
 const bool g_native_bf16_available = detect_native_bf16();
 std::atomic<bool> g_native_bf16_allowed{true};
 
-// The variant for one call: the AVX512_BF16 kernel where it may run, else the process's variant.
-KernelFn kernel_for_call() {
+// The variant for one call: the AVX512_BF16 kernels where they may run, else the process's variant.
+const Variant& variant_for_call() {
 #ifdef ROPE_EXT_HAVE_AVX
-  if (g_native_bf16_available && g_native_bf16_allowed.load(std::memory_order_relaxed)) {
-    return &AVX512_BF16::rotary_kernel;
-  }
+  static const Variant native_bf16{&AVX512_BF16::rotary_kernel, &AVX512_BF16::qk_norm_kernel, "AVX512_BF16"};
+  if (g_native_bf16_available && g_native_bf16_allowed.load(std::memory_order_relaxed)) return native_bf16;
 #endif
-  return variant().fn;
+  return variant();
 }
 
 }  // namespace
@@ -217,7 +221,7 @@ void run_one(const TensorArg& x, const TensorArg& out, const RotaryCall& c, cons
   const RotaryPlan plan = c.positions ? make_rotary_pos_plan(x, out, c.cos, c.sin, *c.positions)
                                       : make_rotary_plan(x, out, c.cos, c.sin);
   if (out.const_data_ptr() != x.const_data_ptr()) advise_huge_pages(out, th.huge_page_bytes);  // a new output
-  const KernelFn fn = kernel_for_call();
+  const KernelFn fn = variant_for_call().fn;
 #ifdef ROPE_EXT_HAVE_AVX
   if (fn == &AVX512_BF16::rotary_kernel && x.scalar_type() == ScalarType::BFloat16) {
     path_counts().native_bf16_calls.fetch_add(1, std::memory_order_relaxed);
@@ -242,6 +246,28 @@ void run(const RotaryCall& c) {
   if (c.k != nullptr) run_one(*c.k, *c.k_out, c, th);
 }
 
+void run_norm(const NormCall& c) {
+  const NormPlan plan = make_norm_plan(c.x, c.out, c.weight, c.cos, c.sin, c.grad, c.across_heads);
+  const bool weighted = c.weight != nullptr && c.weight->defined();
+  const NormOperands operands{c.x.const_data_ptr(),
+                              c.out.mutable_data_ptr(),
+                              c.cos.const_data_ptr(),
+                              c.sin.const_data_ptr(),
+                              weighted ? c.weight->const_data_ptr() : nullptr,
+                              weighted && c.weight->scalar_type() != c.x.scalar_type(),
+                              c.weight_offset,
+                              c.eps,
+                              const_cast<void*>(c.rstd.const_data_ptr()),  // (written only by the forward)
+                              c.grad != nullptr ? c.grad->const_data_ptr() : nullptr,
+                              c.dweight != nullptr ? c.dweight->mutable_data_ptr() : nullptr,
+                              kernel_dtype(c.x.scalar_type()),
+                              c.cos.scalar_type() != c.x.scalar_type()};
+  variant_for_call().norm(plan, operands, c.interleaved, c.grad != nullptr, thresholds(), kTorchPool);
+}
+
 }  // namespace rope_ext::cpu
 
-void rope_ext::register_cpu_kernels(Library& m) { register_rotary_ops<&cpu::run>(m); }
+void rope_ext::register_cpu_kernels(Library& m) {
+  register_rotary_ops<&cpu::run>(m);
+  register_qk_norm_ops<&cpu::run_norm>(m);
+}

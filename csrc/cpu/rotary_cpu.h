@@ -84,10 +84,29 @@ struct ThreadPool {
 // torch's pool, through the stable ABI (torch::stable::parallel_for): the one the kernels are given.
 ROPE_EXT_INTERNAL const ThreadPool& torch_pool();
 
+// What the QK-norm kernel (qk_norm_kernel.h) is given, beside its NormPlan.
+struct NormOperands {
+  const void* x;
+  void* out;  // the forward's output, or the backward's dx
+  const void* cos;
+  const void* sin;
+  const void* weight;  // nullptr: no weight
+  bool float_weight;   // weight in float32 rather than in x's dtype
+  double weight_offset;
+  double eps;
+  void* rstd;          // the compute dtype: written by the forward, read by the backward
+  const void* grad;    // the backward's dy, or nullptr (the forward)
+  void* dweight;       // the backward's weight gradient (the compute dtype), or nullptr
+  KernelDtype dtype;   // of x, out, grad
+  bool float_tables;
+};
+
 #define ROPE_EXT_DECLARE_KERNEL(CAP)                                                           \
   namespace CAP {                                                                              \
   void rotary_kernel(const RotaryPlan& p, const KernelOperands& o, bool interleaved, bool conjugate, \
                      const Thresholds& thresholds, const ThreadPool& pool);                       \
+  void qk_norm_kernel(const NormPlan& p, const NormOperands& o, bool interleaved, bool backward,  \
+                      const Thresholds& thresholds, const ThreadPool& pool);                      \
   }
 ROPE_EXT_DECLARE_KERNEL(DEFAULT)
 #ifdef ROPE_EXT_HAVE_AVX
@@ -112,5 +131,7 @@ ROPE_EXT_INTERNAL bool allow_native_bf16(bool allow);
 // What `call` describes, on the CPU, for checked arguments; the ops are RotaryOps<&run>
 // (rotary_ops.h). With positions, every one is checked against the cache before anything runs.
 void run(const RotaryCall& call);
+// What `call` describes (qk_norm_rotary's forward or backward), on the CPU, for checked arguments.
+void run_norm(const NormCall& call);
 
 }  // namespace rope_ext::cpu

@@ -3,3 +3,4 @@
 // only where cpuid reports AVX512-BF16.
 #define ROPE_EXT_NATIVE_BF16 1
 #include "cpu/rotary_kernel.h"
+#include "cpu/qk_norm_kernel.h"

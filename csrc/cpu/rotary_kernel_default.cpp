@@ -1,2 +1,3 @@
 // The CPU kernel, compiled with setup.py's CAPABILITY_FLAGS["_default.cpp"].
 #include "cpu/rotary_kernel.h"
+#include "cpu/qk_norm_kernel.h"

@@ -1,0 +1,293 @@
+// The CPU kernel of QK-norm + RoPE (qk_norm_rotary), forward and backward. Like rotary_kernel.h,
+// whose VecIO, parallel_for and rotate_pair it uses, it is compiled once per CPU capability: each
+// rotary_kernel_<capability>.cpp includes it after rotary_kernel.h. Not a normal header.
+//
+// Per group of `group` rows (one head, or all of a token's heads), in the compute type T (float;
+// double for double x), with g = weight + weight_offset (or 1):
+//   forward   rstd = 1 / sqrt(mean(x^2) + eps);  out = rotary(g * (x * rstd), cos, sin)
+//   backward  u = rotary^T(dy);  dg += u * x_hat  (x_hat = x * rstd);  d = u * g;
+//             dx = rstd * (d - x_hat * mean(d * x_hat))
+// The row is read once into a T buffer; every value is rounded once, when stored. The backward
+// recomputes x_hat from x and the saved rstd (never from out: a weight near 0 would lose it).
+// The weights' gradient is summed in T per block of groups whose size depends on the shape only,
+// and the blocks' sums are added in block order: the same bits whatever the thread count.
+
+#ifndef CPU_CAPABILITY
+#error "qk_norm_kernel.h must be compiled with -DCPU_CAPABILITY=<DEFAULT|AVX2|AVX512>"
+#endif
+
+#include <cmath>
+
+namespace rope_ext::cpu::CPU_CAPABILITY {
+
+template <typename T>
+struct NormMath {
+  using Vec = Vectorized<T>;
+  static constexpr int64_t kLanes = Vec::size();
+
+  // sum(a[j] * b[j]): two vector accumulators, lanes added in order, then the tail.
+  static T dot(const T* a, const T* b, int64_t n) {
+    Vec acc0(T(0)), acc1(T(0));
+    int64_t j = 0;
+    for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
+      acc0 = acc0 + Vec::loadu(a + j) * Vec::loadu(b + j);
+      acc1 = acc1 + Vec::loadu(a + j + kLanes) * Vec::loadu(b + j + kLanes);
+    }
+    T lanes[kLanes];
+    (acc0 + acc1).store(lanes);
+    T s = 0;
+    for (int64_t k = 0; k < kLanes; ++k) s += lanes[k];
+    for (; j < n; ++j) s += a[j] * b[j];
+    return s;
+  }
+
+  // y[j] = a[j] * s * g[j], or a[j] * s without g; y may be a.
+  static void scale(const T* a, T s, const T* g, T* y, int64_t n) {
+    const Vec vs(s);
+    int64_t j = 0;
+    if (g != nullptr) {
+      for (; j + kLanes <= n; j += kLanes) (Vec::loadu(a + j) * vs * Vec::loadu(g + j)).store(y + j);
+      for (; j < n; ++j) y[j] = a[j] * s * g[j];
+    } else {
+      for (; j + kLanes <= n; j += kLanes) (Vec::loadu(a + j) * vs).store(y + j);
+      for (; j < n; ++j) y[j] = a[j] * s;
+    }
+  }
+
+  // acc[j] += a[j] * b[j]
+  static void add_products(const T* a, const T* b, T* acc, int64_t n) {
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) (Vec::loadu(acc + j) + Vec::loadu(a + j) * Vec::loadu(b + j)).store(acc + j);
+    for (; j < n; ++j) acc[j] += a[j] * b[j];
+  }
+
+  // y[j] = s * (d[j] - h[j] * m)
+  static void norm_grad(const T* d, const T* h, T m, T s, T* y, int64_t n) {
+    const Vec vm(m), vs(s);
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) (vs * (Vec::loadu(d + j) - Vec::loadu(h + j) * vm)).store(y + j);
+    for (; j < n; ++j) y[j] = s * (d[j] - h[j] * m);
+  }
+};
+
+// A row of scalar_t (column stride `col`) into a buffer of its compute type and back: whole vector
+// steps where the columns are contiguous, one element at a time otherwise and for the tail.
+template <typename scalar_t>
+struct NormRowIO {
+  using IO = VecIO<scalar_t>;
+  using T = typename IO::opmath_t;
+  using Vec = Vectorized<T>;
+  static void load(const scalar_t* p, int64_t col, int64_t n, T* dst) {
+    int64_t j = 0;
+    if (col == 1) {
+      for (; j + IO::kStep <= n; j += IO::kStep) {
+        Vec a, b;
+        IO::load(p + j, a, b);
+        a.store(dst + j);
+        b.store(dst + j + Vec::size());
+      }
+    }
+    for (; j < n; ++j) dst[j] = static_cast<T>(p[j * col]);
+  }
+  static void store(scalar_t* p, int64_t col, int64_t n, const T* src) {
+    int64_t j = 0;
+    if (col == 1) {
+      for (; j + IO::kStep <= n; j += IO::kStep) IO::store(p + j, Vec::loadu(src + j), Vec::loadu(src + j + Vec::size()));
+    }
+    for (; j < n; ++j) p[j * col] = static_cast<scalar_t>(src[j]);
+  }
+};
+
+// y = rotary(a) (kConj: its transpose) on the first r of d columns of a buffer, the rest copied,
+// with full-form table rows c and s; rotary_math.h's rotate_pair on vectors of pairs, then the tail.
+template <typename T, bool kInterleaved, bool kConj>
+void rotate_buffer(const T* a, const T* c, const T* s, T* y, int64_t r, int64_t d) {
+  using IO = VecIO<T>;
+  using Vec = Vectorized<T>;
+  const int64_t half = r / 2;
+  int64_t i = 0;
+  for (; i + IO::kStep <= half; i += IO::kStep) {
+    Vec x1[2], x2[2], c1[2], c2[2], s1[2], s2[2], o1[2], o2[2];
+    IO::template load_pairs<kInterleaved>(a, i, half, x1, x2);
+    IO::template load_pairs<kInterleaved>(c, i, half, c1, c2);
+    IO::template load_pairs<kInterleaved>(s, i, half, s1, s2);
+    for (int k = 0; k < 2; ++k) rotate_pair<kConj>(x1[k], x2[k], c1[k], s1[k], c2[k], s2[k], o1[k], o2[k]);
+    IO::template store_pairs<kInterleaved>(y, i, half, o1, o2);
+  }
+  for (; i < half; ++i) {
+    const int64_t f = pair_first(i, half, kInterleaved), t = pair_second(i, half, kInterleaved);
+    rotate_pair<kConj>(a[f], a[t], c[f], s[f], c[t], s[t], y[f], y[t]);
+  }
+  for (int64_t j = r; j < d; ++j) y[j] = a[j];
+}
+
+// What one thread reads and keeps: the call's g, and the table rows of the row it is on, reloaded
+// only when the row's table offsets change (heads that share a token's tables reuse them).
+template <typename scalar_t>
+struct NormContext {
+  using T = at::opmath_type<scalar_t>;
+  const NormPlan& p;
+  const NormOperands& o;
+  std::vector<T> g;  // weight + weight_offset; empty without a weight
+
+  NormContext(const NormPlan& plan, const NormOperands& ops) : p(plan), o(ops) {
+    if (o.weight == nullptr) return;
+    g.resize(p.weight_len);
+    for (int64_t j = 0; j < p.weight_len; ++j) {
+      const int64_t at = j * p.weight_stride;
+      const T w = o.float_weight ? static_cast<T>(static_cast<const float*>(o.weight)[at])
+                                 : static_cast<T>(static_cast<const scalar_t*>(o.weight)[at]);
+      g[j] = w + static_cast<T>(o.weight_offset);
+    }
+  }
+  // g for head h of a group: a per-head weight serves every head, an across-heads one has a slice each.
+  const T* g_for(int64_t h) const {
+    return g.empty() ? nullptr : g.data() + (p.weight_len > p.head_dim ? h * p.head_dim : 0);
+  }
+};
+
+template <typename scalar_t>
+struct TableRows {
+  using T = at::opmath_type<scalar_t>;
+  T* c;
+  T* s;
+  bool loaded = false;
+  int64_t cos_at = 0, sin_at = 0;
+
+  void load(const NormPlan& p, const NormOperands& o, int64_t cos_at_, int64_t sin_at_) {
+    if (loaded && cos_at_ == cos_at && sin_at_ == sin_at) return;
+    loaded = true, cos_at = cos_at_, sin_at = sin_at_;
+    const auto read = [&](const void* base, int64_t at, int64_t col, T* dst) {
+      if (o.float_tables && !std::is_same_v<scalar_t, float>) {
+        const float* t = static_cast<const float*>(base) + at;
+        for (int64_t j = 0; j < p.rotary_dim; ++j) dst[j] = static_cast<T>(t[j * col]);
+      } else {
+        const scalar_t* t = static_cast<const scalar_t*>(base) + at;
+        for (int64_t j = 0; j < p.rotary_dim; ++j) dst[j] = static_cast<T>(t[j * col]);
+      }
+    };
+    read(o.cos, cos_at, p.cos_col, c);
+    read(o.sin, sin_at, p.sin_col, s);
+  }
+};
+
+template <typename scalar_t, bool kInterleaved>
+void norm_forward(const NormPlan& p, const NormOperands& o, const Thresholds& th, const ThreadPool& pool) {
+  using T = at::opmath_type<scalar_t>;
+  using Row = NormRowIO<scalar_t>;
+  const NormContext<scalar_t> ctx(p, o);
+  const int64_t D = p.head_dim, G = p.group, R = p.rotary_dim, N = G * D;
+  const auto* x = static_cast<const scalar_t*>(o.x);
+  auto* out = static_cast<scalar_t*>(o.out);
+  T* rstd = static_cast<T*>(o.rstd);
+  const int64_t grain = std::max<int64_t>(1, th.grain_elements / N);
+  parallel_for(pool, 0, p.num_groups(), grain, [&](int64_t begin, int64_t end) {
+    std::vector<T> buf(N + D + 2 * R);
+    T* const xf = buf.data();
+    T* const y = xf + N;
+    TableRows<scalar_t> tables{y + D, y + D + R};
+    int64_t off[5];
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t h = 0; h < G; ++h) {
+        p.rows.offsets(n * G + h, off);
+        Row::load(x + off[kNormX], p.x_col, D, xf + h * D);
+      }
+      const T inv = T(1) / std::sqrt(NormMath<T>::dot(xf, xf, N) / static_cast<T>(N) + static_cast<T>(o.eps));
+      rstd[n] = inv;
+      for (int64_t h = 0; h < G; ++h) {
+        p.rows.offsets(n * G + h, off);
+        T* const a = xf + h * D;
+        NormMath<T>::scale(a, inv, ctx.g_for(h), a, D);
+        tables.load(p, o, off[kNormCos], off[kNormSin]);
+        rotate_buffer<T, kInterleaved, false>(a, tables.c, tables.s, y, R, D);
+        Row::store(out + off[kNormOut], p.out_col, D, y);
+      }
+    }
+  });
+}
+
+// Groups per block of the weights' gradient: blocks of about 16K elements, from the shape alone.
+inline int64_t norm_block_groups(int64_t group_elements) {
+  return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(group_elements, 1));
+}
+
+template <typename scalar_t, bool kInterleaved>
+void norm_backward(const NormPlan& p, const NormOperands& o, const Thresholds& th, const ThreadPool& pool) {
+  using T = at::opmath_type<scalar_t>;
+  using Row = NormRowIO<scalar_t>;
+  const NormContext<scalar_t> ctx(p, o);
+  const int64_t D = p.head_dim, G = p.group, R = p.rotary_dim, N = G * D, W = p.weight_len;
+  const auto* x = static_cast<const scalar_t*>(o.x);
+  const auto* dy = static_cast<const scalar_t*>(o.grad);
+  auto* dx = static_cast<scalar_t*>(o.out);
+  const T* rstd = static_cast<const T*>(o.rstd);
+  T* dweight = static_cast<T*>(o.dweight);
+  const int64_t groups = p.num_groups(), block = norm_block_groups(N);
+  const int64_t blocks = (groups + block - 1) / block;
+  std::vector<T> partial(dweight != nullptr ? blocks * W : 0, T(0));
+  const int64_t grain = std::max<int64_t>(1, th.grain_elements / (block * N));
+  parallel_for(pool, 0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    std::vector<T> buf(2 * N + 2 * D + 2 * R);
+    T* const xh = buf.data();  // x_hat, the group's rows
+    T* const d = xh + N;       // the gradient of x_hat
+    T* const gy = d + N;       // one row of dy, then of dx
+    T* const u = gy + D;
+    TableRows<scalar_t> tables{u + D, u + D + R};
+    int64_t off[5];
+    for (int64_t b = b0; b < b1; ++b) {
+      T* const part = dweight != nullptr ? partial.data() + b * W : nullptr;
+      for (int64_t n = b * block; n < std::min(groups, (b + 1) * block); ++n) {
+        const T inv = rstd[n];
+        for (int64_t h = 0; h < G; ++h) {
+          p.rows.offsets(n * G + h, off);
+          T* const xr = xh + h * D;
+          Row::load(x + off[kNormX], p.x_col, D, xr);
+          NormMath<T>::scale(xr, inv, nullptr, xr, D);
+          Row::load(dy + off[kNormGrad], p.grad_col, D, gy);
+          tables.load(p, o, off[kNormCos], off[kNormSin]);
+          rotate_buffer<T, kInterleaved, true>(gy, tables.c, tables.s, u, R, D);
+          if (part != nullptr) NormMath<T>::add_products(u, xr, part + (W > D ? h * D : 0), D);
+          NormMath<T>::scale(u, T(1), ctx.g_for(h), d + h * D, D);
+        }
+        const T mean = NormMath<T>::dot(d, xh, N) / static_cast<T>(N);
+        for (int64_t h = 0; h < G; ++h) {
+          p.rows.offsets(n * G + h, off);
+          NormMath<T>::norm_grad(d + h * D, xh + h * D, mean, inv, gy, D);
+          Row::store(dx + off[kNormOut], p.out_col, D, gy);
+        }
+      }
+    }
+  });
+  if (dweight == nullptr) return;
+  std::fill_n(dweight, W, T(0));
+  for (int64_t b = 0; b < blocks; ++b) {  // in block order, whatever the threads did
+    const T* part = partial.data() + b * W;
+    for (int64_t j = 0; j < W; ++j) dweight[j] += part[j];
+  }
+}
+
+void qk_norm_kernel(const NormPlan& p, const NormOperands& o, bool interleaved, bool backward, const Thresholds& th,
+                    const ThreadPool& pool) {
+  const auto by_type = [&](auto scalar_tag) {
+    using scalar_t = decltype(scalar_tag);
+    using T = at::opmath_type<scalar_t>;
+    if (p.num_groups() == 0) {
+      if (backward && o.dweight != nullptr) std::fill_n(static_cast<T*>(o.dweight), p.weight_len, T(0));
+      return;
+    }
+    const auto by_inter = [&](auto inter) {
+      constexpr bool kInter = decltype(inter)::value;
+      backward ? norm_backward<scalar_t, kInter>(p, o, th, pool) : norm_forward<scalar_t, kInter>(p, o, th, pool);
+    };
+    interleaved ? by_inter(std::true_type{}) : by_inter(std::false_type{});
+  };
+  switch (o.dtype) {
+    case KernelDtype::kFloat: return by_type(float{});
+    case KernelDtype::kDouble: return by_type(double{});
+    case KernelDtype::kHalf: return by_type(c10::Half{});
+    case KernelDtype::kBFloat16: return by_type(c10::BFloat16{});
+  }
+  throw std::logic_error("rope_ext internal error (please report it): the CPU kernel has no such dtype");
+}
+
+}  // namespace rope_ext::cpu::CPU_CAPABILITY

@@ -1,0 +1,99 @@
+// The QK-norm + RoPE ops (qk_norm_rotary and its backward), written once for every backend as
+// rotary_ops.h writes the rotation's: argument checks, output allocation, and calls into a backend's
+// `run`, which computes what a NormCall describes for checked arguments.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "rotary_plan.h"
+#include "stable_tensor.h"
+
+#include <torch/csrc/stable/library.h>
+
+namespace rope_ext {
+
+template <NormRunFn run>
+struct QkNormOps {
+  using T = TensorRef;
+  using OptT = std::optional<TensorRef>;
+  using Four = std::tuple<OwnedTensor, OwnedTensor, OwnedTensor, OwnedTensor>;
+
+  static TensorArg read_optional(const OptT& t) { return t.has_value() ? read_arg(*t) : TensorArg{}; }
+
+  // The compute dtype, which rstd and the weights' gradients are kept in.
+  static ScalarType stat_dtype(const TensorArg& x) {
+    return x.scalar_type() == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
+  }
+
+  // Row-major with no gaps (dims of one element aside): the kernels index rstd by group number.
+  static bool contiguous(const TensorArg& t) {
+    int64_t expected = 1;
+    for (int64_t d = t.dim() - 1; d >= 0; --d) {
+      if (t.size(d) == 1) continue;
+      if (t.stride(d) != expected) return false;
+      expected *= t.size(d);
+    }
+    return true;
+  }
+
+  static Output new_stat(const TensorArg& x, bool across_heads) {
+    const std::vector<int64_t> shape = norm_stat_shape(x, across_heads);
+    return new_contiguous(Dims{shape.data(), static_cast<int64_t>(shape.size())}, stat_dtype(x), x.device());
+  }
+
+  // (q_out, k_out, q_rstd, k_rstd)
+  static Four qk_norm_rotary(const T& q_, const T& k_, const OptT& q_weight_, const OptT& k_weight_, const T& cos_,
+                             const T& sin_, double eps, double weight_offset, bool across_heads, bool interleaved) {
+    const char* op = "rope_ext.qk_norm_rotary";
+    const TensorArg q = read_arg(q_), k = read_arg(k_), cos = read_arg(cos_), sin = read_arg(sin_);
+    const TensorArg qw = read_optional(q_weight_), kw = read_optional(k_weight_);
+    check_qk_norm_args(op, q, &qw, cos, sin, eps, weight_offset, across_heads, "q", "q_weight");
+    check_qk_norm_args(op, k, &kw, cos, sin, eps, weight_offset, across_heads, "k", "k_weight");
+    check_qk_args(op, q, k, cos);
+    Output q_out = new_like(q_.handle, q), k_out = new_like(k_.handle, k);
+    Output q_rstd = new_stat(q, across_heads), k_rstd = new_stat(k, across_heads);
+    run({q, q_out.arg, &qw, cos, sin, q_rstd.arg, nullptr, nullptr, eps, weight_offset, across_heads, interleaved, op});
+    run({k, k_out.arg, &kw, cos, sin, k_rstd.arg, nullptr, nullptr, eps, weight_offset, across_heads, interleaved, op});
+    return {std::move(q_out.tensor), std::move(k_out.tensor), std::move(q_rstd.tensor), std::move(k_rstd.tensor)};
+  }
+
+  // (dx, dweight): dweight in the compute dtype, of the weight's shape, when weight_grad; else empty.
+  static std::tuple<OwnedTensor, OwnedTensor> qk_norm_rotary_backward(const T& grad_, const T& x_, const OptT& weight_,
+                                                                      const T& rstd_, const T& cos_, const T& sin_,
+                                                                      double weight_offset, bool across_heads,
+                                                                      bool interleaved, bool weight_grad) {
+    const char* op = "rope_ext.qk_norm_rotary_backward";
+    const TensorArg grad = read_arg(grad_), x = read_arg(x_), rstd = read_arg(rstd_);
+    const TensorArg cos = read_arg(cos_), sin = read_arg(sin_), w = read_optional(weight_);
+    check_qk_norm_args(op, x, &w, cos, sin, 0.0, weight_offset, across_heads, "x", "weight");
+    ROPE_EXT_CHECK(grad.defined() && grad.sizes() == x.sizes() && grad.scalar_type() == x.scalar_type() &&
+                       grad.device() == x.device(),
+                   op, ": grad must have x's shape ", x.sizes(), ", dtype ", x.scalar_type(), " and device ",
+                   x.device(), ", got ", grad.defined() ? str(grad.sizes(), " ", grad.scalar_type(), " on ",
+                                                              grad.device()) : std::string("None"));
+    const std::vector<int64_t> shape = norm_stat_shape(x, across_heads);
+    const Dims stat{shape.data(), static_cast<int64_t>(shape.size())};
+    ROPE_EXT_CHECK(rstd.defined() && rstd.sizes() == stat && rstd.scalar_type() == stat_dtype(x) &&
+                       rstd.device() == x.device() && contiguous(rstd),
+                   op, ": rstd must be the forward's: contiguous, of shape ", stat, ", ", stat_dtype(x), " on ",
+                   x.device());
+    ROPE_EXT_CHECK(!weight_grad || w.defined(), op, ": weight_grad=True needs a weight");
+    Output dx = new_like(x_.handle, x);
+    const int64_t n = weight_grad ? w.size(0) : 0;
+    Output dweight = new_contiguous(Dims{&n, 1}, stat_dtype(x), x.device());
+    run({x, dx.arg, &w, cos, sin, rstd, &grad, weight_grad ? &dweight.arg : nullptr, 0.0, weight_offset,
+         across_heads, interleaved, op});
+    return {std::move(dx.tensor), std::move(dweight.tensor)};
+  }
+};
+
+template <NormRunFn run>
+void register_qk_norm_ops(torch::stable::detail::StableLibrary& m, const std::string& prefix = "") {
+  using Ops = QkNormOps<run>;
+  m.impl((prefix + "qk_norm_rotary").c_str(), &boxed<&Ops::qk_norm_rotary>);
+  m.impl((prefix + "qk_norm_rotary_backward").c_str(), &boxed<&Ops::qk_norm_rotary_backward>);
+}
+
+}  // namespace rope_ext

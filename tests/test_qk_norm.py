@@ -1,0 +1,423 @@
+"""rope_ext.qk_norm_rotary: QK-norm (RMSNorm) and RoPE in one op, forward and backward, on the CPU.
+
+References, none derived from the kernel:
+- rope_ext.reference.rms_norm_rotary_reference in float64, on the same (already rounded) inputs: the
+  truth;
+- the eager composite models run (HF's Qwen3RMSNorm then apply_rotary_pos_emb, written out here:
+  upcast, mean of squares, rsqrt, cast back, weight, rotation in the input dtype), whose error
+  against the truth bounds ours from above;
+- autograd of the float64 reference, for every gradient, and gradcheck / gradgradcheck.
+
+Tolerances. The kernel computes in float32 (float64 for float64 inputs) and rounds once. Against the
+float64 truth the error of an output is at most
+  - the mean of N = row-length squares, summed in float32: relative error <= N * u_math; its rsqrt
+    halves it, and the scaling by rstd and g and the rotation's 3 roundings add about 6 u_math:
+    relative to the row's largest output, (N / 2 + 6) * u_math;                          -> atol
+  - the one rounding to the output dtype, half an ulp: u_out * |out|.                       -> rtol
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CONVENTIONS, DTYPES, TESTING, _UNIT_ROUNDOFF, hook_setting, random_tables, randn
+from torch.testing._internal.optests import opcheck
+
+import rope_ext
+from rope_ext.reference import rms_norm_rotary_reference, rotate
+
+WEIGHTS = ("none", "own", "float32_offset")
+
+
+def norm_tolerance(dtype, n, out):
+    u_math = _UNIT_ROUNDOFF[torch.float64 if dtype == torch.float64 else torch.float32]
+    return {"atol": (n / 2 + 6) * u_math * float(out.abs().max()), "rtol": _UNIT_ROUNDOFF[dtype]}
+
+
+def make_weight(kind, n, dtype, gen):
+    if kind == "none":
+        return None, 0.0
+    if kind == "own":
+        return (torch.rand(n, generator=gen, dtype=torch.float64) * 2).to(dtype), 0.0
+    return (torch.rand(n, generator=gen, dtype=torch.float64) - 0.5).float(), 1.0  # Gemma's (1 + w)
+
+
+def truth(x, w, cos, sin, **kw):
+    """The float64 reference on the same values."""
+    return rms_norm_rotary_reference(x.double(), None if w is None else w.double(), cos.double(), sin.double(), **kw)
+
+
+def eager(x, w, cos, sin, *, eps, weight_offset=0.0, norm_over="head", interleaved=False):
+    """What eager transformers computes (Qwen3RMSNorm, then apply_rotary_pos_emb), in x's dtype."""
+    v = x.flatten(-2) if norm_over == "heads" else x
+    h = v.float()
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if w is not None:
+        h = ((w.float() + weight_offset) * h.float()).to(x.dtype) if weight_offset else w.to(x.dtype) * h
+    h = h.unflatten(-1, x.shape[-2:]) if norm_over == "heads" else h
+    r = cos.shape[-1]
+    c, s = cos.to(x.dtype), sin.to(x.dtype)
+    rot = h[..., :r] * c + rotate(h[..., :r], interleaved) * s
+    return torch.cat((rot, h[..., r:]), -1)
+
+
+def check_against_truth(out, x, w, cos, sin, **kw):
+    expected = truth(x, w, cos, sin, **kw)
+    n = x.shape[-1] * (x.shape[-2] if kw.get("norm_over") == "heads" else 1)
+    assert out.dtype == x.dtype and out.shape == x.shape and out.stride() == torch.empty_like(x).stride()
+    torch.testing.assert_close(out.double(), expected, **norm_tolerance(x.dtype, n, expected))
+    # no worse than the composite models run today (the largest error, over the whole tensor)
+    ours = (out.double() - expected).abs().max()
+    theirs = (eager(x, w, cos, sin, **kw).double() - expected).abs().max()
+    assert ours <= theirs or ours <= 4 * _UNIT_ROUNDOFF[x.dtype] * expected.abs().max(), (ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("convention", CONVENTIONS)
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+@pytest.mark.parametrize("weight", WEIGHTS)
+@pytest.mark.parametrize("D,r", [(128, 128), (128, 64), (24, 12)], ids=["full", "partial", "tail"])
+def test_matches_float64_truth(dtype, convention, norm_over, weight, D, r, gen):
+    """Every norm form, pairing, weight form and dtype, full and partial rotary, head dims with whole
+    vector steps and with tails only, float32 and own-dtype tables."""
+    interleaved = CONVENTIONS[convention]
+    B, S, Hq, Hk = 2, 5, 4, 2
+    q, k = randn(B, S, Hq, D, dtype=dtype, gen=gen), randn(B, S, Hk, D, dtype=dtype, gen=gen)
+    table_dtype = torch.float32 if weight != "own" else dtype
+    cos, sin = random_tables((B, S, 1, r), dtype=table_dtype, gen=gen)
+    wq, offset = make_weight(weight, D * (Hq if norm_over == "heads" else 1), dtype, gen)
+    wk, _ = make_weight(weight, D * (Hk if norm_over == "heads" else 1), dtype, gen)
+    kw = dict(eps=1e-6, weight_offset=offset, norm_over=norm_over, interleaved=interleaved)
+    q_out, k_out = rope_ext.qk_norm_rotary(q, k, wq, wk, cos, sin, **kw)
+    check_against_truth(q_out, q, wq, cos, sin, **kw)
+    check_against_truth(k_out, k, wk, cos, sin, **kw)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "hf_view", "qkv_slice", "strided_cols", "thd", "padded"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_layouts_and_per_head_tables(layout, dtype, gen):
+    """Any strides: HF's transposed view, a slice of a fused qkv buffer, strided columns (the element
+    path), packed tokens, padded rows; per-head tables (LTX) and per-token ones."""
+    B, S, H, D = 2, 6, 3, 64
+    src = randn(B, S, H, D, dtype=dtype, gen=gen)
+    w = torch.rand(D, generator=gen, dtype=torch.float64).to(dtype)
+    for per_head in (False, True):
+        cos, sin = random_tables((B, S, H if per_head else 1, D), gen=gen)
+        if layout == "bshd":
+            x, c, s = src.clone(), cos, sin
+        elif layout == "hf_view":
+            x, c, s = src.clone().transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2)
+        elif layout == "qkv_slice":
+            qkv = torch.zeros(B, S, 3, H, D, dtype=dtype)
+            qkv[:, :, 1] = src
+            x, c, s = qkv[:, :, 1], cos, sin
+        elif layout == "strided_cols":
+            buf = torch.zeros(B, S, H, 2 * D, dtype=dtype)
+            buf[..., ::2] = src
+            x, c, s = buf[..., ::2], cos, sin
+        elif layout == "padded":
+            buf = torch.full((B, S, H, D + 8), float("nan"), dtype=dtype)
+            buf[..., :D] = src
+            x, c, s = buf[..., :D], cos, sin
+        else:
+            x, c, s = src.reshape(B * S, H, D).clone(), cos.reshape(B * S, -1, D), sin.reshape(B * S, -1, D)
+        q_out, k_out = rope_ext.qk_norm_rotary(x, x, w, w, c, s, eps=1e-5)
+        check_against_truth(q_out, x, w, c, s, eps=1e-5)
+        assert torch.equal(q_out, k_out)
+        if layout not in ("hf_view",):  # across heads: the heads are dim -2 of this layout
+            q_out, _ = rope_ext.qk_norm_rotary(x, x, None, None, c, s, eps=1e-5, norm_over="heads")
+            check_against_truth(q_out, x, None, c, s, eps=1e-5, norm_over="heads")
+
+
+def test_wan_sized_rows_across_heads(gen):
+    """A row of 40 heads x 128 (Wan 14B's 5,120 elements) normalized across heads, in bfloat16."""
+    x = randn(1, 3, 40, 128, dtype=torch.bfloat16, gen=gen)
+    w = torch.rand(40 * 128, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+    cos, sin = random_tables((1, 3, 1, 128), gen=gen)
+    out, _ = rope_ext.qk_norm_rotary(x, x, w, w, cos, sin, eps=1e-6, norm_over="heads")
+    check_against_truth(out, x, w, cos, sin, eps=1e-6, norm_over="heads")
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["aten_rounding", "native_bf16"])
+def test_bfloat16_under_both_roundings(native, gen):
+    """bfloat16 outputs rounded by ATen's sequence and, where the CPU has AVX512-BF16, by its
+    instructions (the AVX512_BF16 variant): the same bits."""
+    x = randn(3, 7, 4, 128, dtype=torch.bfloat16, gen=gen)
+    w = torch.rand(128, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+    cos, sin = random_tables((3, 7, 1, 128), gen=gen)
+    with hook_setting("cpu_allow_native_bf16", native):
+        out, _ = rope_ext.qk_norm_rotary(x, x, w, w, cos, sin, eps=1e-6)
+    with hook_setting("cpu_allow_native_bf16", not native):
+        other, _ = rope_ext.qk_norm_rotary(x, x, w, w, cos, sin, eps=1e-6)
+    check_against_truth(out, x, w, cos, sin, eps=1e-6)
+    assert torch.equal(out, other)
+
+
+def test_empty_and_one_token(gen):
+    cos, sin = random_tables((1, 1, 1, 8), gen=gen)
+    x = randn(0, 1, 2, 8, gen=gen)
+    q, k = rope_ext.qk_norm_rotary(x, x, None, None, cos, sin, eps=1e-6)
+    assert q.shape == x.shape and k.shape == x.shape
+    x = randn(1, 1, 2, 8, gen=gen)
+    q, _ = rope_ext.qk_norm_rotary(x, x, None, None, cos, sin, eps=1e-6, norm_over="heads")
+    check_against_truth(q, x, None, cos, sin, eps=1e-6, norm_over="heads")
+
+
+def test_a_zero_row_with_eps_zero_is_nan_like_the_formula():
+    """eps=0 on a row of zeros divides by zero, as the formula (and torch's rms_norm) does: no
+    silently different number."""
+    x = torch.zeros(1, 1, 1, 8)
+    cos, sin = torch.ones(1, 1, 1, 8), torch.zeros(1, 1, 1, 8)
+    out, _ = rope_ext.qk_norm_rotary(x, x, None, None, cos, sin, eps=0.0)
+    assert torch.isnan(out).all()
+    out, _ = rope_ext.qk_norm_rotary(x, x, None, None, cos, sin, eps=1e-6)
+    assert torch.equal(out, x)
+
+
+# --- gradients ------------------------------------------------------------------------------------
+
+
+def _grad_case(dtype, norm_over, interleaved, weight_kind, gen, tables_grad=True, D=16, r=12):
+    B, S, Hq, Hk = 2, 3, 4, 2
+    q = randn(B, S, Hq, D, dtype=dtype, gen=gen).requires_grad_()
+    k = randn(B, S, Hk, D, dtype=dtype, gen=gen).requires_grad_()
+    wq, offset = make_weight(weight_kind, D * (Hq if norm_over == "heads" else 1), dtype, gen)
+    wk, _ = make_weight(weight_kind, D * (Hk if norm_over == "heads" else 1), dtype, gen)
+    wq = None if wq is None else wq.requires_grad_()
+    wk = None if wk is None else wk.requires_grad_()
+    cos, sin = random_tables((1, S, 1, r), dtype=torch.float32 if dtype != torch.float64 else dtype, gen=gen)
+    cos.requires_grad_(tables_grad)
+    sin.requires_grad_(tables_grad)
+    kw = dict(eps=1e-6, weight_offset=offset, norm_over=norm_over, interleaved=interleaved)
+    return (q, k, wq, wk, cos, sin), kw
+
+
+def _reference_pair(q, k, wq, wk, cos, sin, **kw):
+    return rms_norm_rotary_reference(q, wq, cos, sin, **kw), rms_norm_rotary_reference(k, wk, cos, sin, **kw)
+
+
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+@pytest.mark.parametrize("convention", CONVENTIONS)
+@pytest.mark.parametrize("weight", WEIGHTS)
+def test_gradients_match_float64_autograd(norm_over, convention, weight, gen):
+    """In float64, every gradient (q, k, both weights, cos, sin) equals autograd's of the reference
+    composite to float64 rounding."""
+    inputs, kw = _grad_case(torch.float64, norm_over, CONVENTIONS[convention], weight, gen)
+    gq, gk = randn(*inputs[0].shape, dtype=torch.float64, gen=gen), randn(*inputs[1].shape, dtype=torch.float64, gen=gen)
+    wanted = [t for t in inputs if t is not None]
+    ours = torch.autograd.grad(rope_ext.qk_norm_rotary(*inputs, **kw), wanted, (gq, gk))
+    theirs = torch.autograd.grad(_reference_pair(*inputs, **kw), wanted, (gq, gk))
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+def test_low_precision_gradients_match_float64(dtype, norm_over, gen):
+    """float32/16-bit gradients against the float64 truth: dx rounds once (rtol: half an ulp of the
+    dtype) after float32 math over a row (atol: the row's length in float32 roundings, relative to
+    the largest gradient); the weights' gradients are float32 sums over every row, rounded once to
+    the weight's dtype."""
+    inputs, kw = _grad_case(dtype, norm_over, False, "own", gen, tables_grad=True, D=32, r=32)
+    gq, gk = randn(*inputs[0].shape, dtype=dtype, gen=gen), randn(*inputs[1].shape, dtype=dtype, gen=gen)
+    ours = torch.autograd.grad(rope_ext.qk_norm_rotary(*inputs, **kw), inputs, (gq, gk))
+    wide = [t.detach().double().requires_grad_() for t in inputs]
+    theirs = torch.autograd.grad(_reference_pair(*wide, **kw), wide, (gq.double(), gk.double()))
+    rows = inputs[0].shape[-1] * (inputs[0].shape[-2] if norm_over == "heads" else 1)
+    for name, a, b in zip(("q", "k", "q_weight", "k_weight", "cos", "sin"), ours, theirs, strict=True):
+        assert a.dtype == inputs[("q", "k", "q_weight", "k_weight", "cos", "sin").index(name)].dtype
+        terms = rows if name in ("q", "k") else inputs[0].numel()  # the sums each gradient holds
+        tol = {"atol": (terms + 8) * 2.0**-24 * float(b.abs().max()) * 2, "rtol": _UNIT_ROUNDOFF[a.dtype]}
+        torch.testing.assert_close(a.double(), b, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+def test_gradcheck_and_gradgradcheck(norm_over, gen):
+    inputs, kw = _grad_case(torch.float64, norm_over, True, "own", gen, D=8, r=6)
+
+    def f(*args):
+        return rope_ext.qk_norm_rotary(*args, **kw)
+
+    assert torch.autograd.gradcheck(f, inputs)
+    assert torch.autograd.gradgradcheck(f, inputs)
+
+
+def test_weight_gradients_are_bitwise_reproducible_across_thread_counts(gen):
+    """The weights' gradients summed in a fixed order: the same bits for 1 and 2 threads and for
+    another parallel grain (enough rows for many blocks of the reduction)."""
+    from conftest import cpu_thresholds
+
+    q = randn(4, 256, 8, 64, gen=gen).requires_grad_()
+    wq = torch.rand(64, generator=gen).requires_grad_()
+    cos, sin = random_tables((4, 256, 1, 64), gen=gen)
+    g = randn(*q.shape, gen=gen)
+
+    def grads():
+        out, _ = rope_ext.qk_norm_rotary(q, q, wq, wq, cos, sin, eps=1e-6)
+        return torch.autograd.grad(out, (q, wq), g)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = grads()
+        torch.set_num_threads(2)
+        two = grads()
+        with cpu_thresholds(grain_elements=1):
+            fine = grads()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b, c in zip(one, two, fine, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_tables_get_no_gradient_unless_they_need_one(gen):
+    inputs, kw = _grad_case(torch.float32, "head", False, "own", gen, tables_grad=False)
+    q_out, k_out = rope_ext.qk_norm_rotary(*inputs, **kw)
+    (q_out.sum() + k_out.sum()).backward()
+    assert inputs[4].grad is None and inputs[0].grad is not None and inputs[2].grad is not None
+
+
+# --- the op's contract ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+def test_opcheck(norm_over, gen):
+    inputs, kw = _grad_case(torch.float32, norm_over, False, "own", gen)
+    across = norm_over == "heads"
+    args = (*inputs, kw["eps"], kw["weight_offset"], across, kw["interleaved"])
+    opcheck(torch.ops.rope_ext.qk_norm_rotary.default, args)
+    q, _, wq, _, cos, sin = (t.detach() for t in inputs)
+    _, _, rstd, _ = torch.ops.rope_ext.qk_norm_rotary(q, q, wq, wq, cos, sin, 1e-6, 0.0, across, False)
+    opcheck(torch.ops.rope_ext.qk_norm_rotary_backward.default,
+            (torch.randn_like(q), q, wq, rstd, cos, sin, 0.0, across, False, True),
+            test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compile_fullgraph_forward_and_backward(gen):
+    inputs, kw = _grad_case(torch.float32, "heads", True, "own", gen)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(*args):
+        q, k = rope_ext.qk_norm_rotary(*args, **kw)
+        return (q * 2).sum() + k.sum()
+
+    f(*inputs).backward()
+    compiled = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+    q, k = rope_ext.qk_norm_rotary(*inputs, **kw)
+    ((q * 2).sum() + k.sum()).backward()
+    for a, t in zip(compiled, inputs, strict=True):
+        torch.testing.assert_close(a, t.grad)
+
+
+def test_export(gen):
+    class M(torch.nn.Module):
+        def forward(self, q, k, w, cos, sin):
+            return rope_ext.qk_norm_rotary(q, k, w, w, cos, sin, eps=1e-6)
+
+    q, k = randn(1, 4, 2, 16, gen=gen), randn(1, 4, 1, 16, gen=gen)
+    w = torch.rand(16, generator=gen)
+    cos, sin = random_tables((1, 4, 1, 16), gen=gen)
+    ep = torch.export.export(M(), (q, k, w, cos, sin))
+    assert any(n.target == torch.ops.rope_ext.qk_norm_rotary.default for n in ep.graph.nodes)
+    for a, b in zip(ep.module()(q, k, w, cos, sin), M()(q, k, w, cos, sin), strict=True):
+        assert torch.equal(a, b)
+
+
+def _bad(**changes):
+    q, k = torch.randn(1, 3, 4, 8), torch.randn(1, 3, 2, 8)
+    args = dict(q=q, k=k, q_weight=torch.ones(8), k_weight=torch.ones(8), cos=torch.ones(1, 3, 1, 8),
+                sin=torch.zeros(1, 3, 1, 8), eps=1e-6)
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(q_weight=torch.ones(7)), r"q_weight must have shape \(8,\) \(q.size\(-1\)\), got \[7\]"),
+        (dict(q_weight=torch.ones(32), k_weight=torch.ones(8), norm_over="heads"), r"k_weight must have shape \(16,\) \(k.size\(-2\) \* k.size\(-1\), normalized across heads\), got \[8\]"),
+        (dict(q_weight=torch.ones(8, dtype=torch.float64)), r"q_weight must have q's dtype \(Float\) or float32, got Double"),
+        (dict(eps=-1.0), r"eps must be a finite number >= 0, got -1"),
+        (dict(eps=float("nan")), r"eps must be a finite number >= 0, got nan"),
+        (dict(weight_offset=float("inf")), r"weight_offset must be finite, got inf"),
+        (dict(q=torch.randn(8), k=torch.randn(8), cos=torch.ones(8), sin=torch.ones(8), q_weight=None, k_weight=None,
+              norm_over="heads"), r"q must have at least two dims \(\.\.\., heads, head_dim\) to be normalized across heads"),
+        (dict(k=torch.randn(1, 3, 2, 8, dtype=torch.float64)), r"q and k must have the same dtype"),
+        (dict(cos=torch.ones(1, 3, 1, 9), sin=torch.ones(1, 3, 1, 9)), r"the rotary dim cos.size\(-1\) must be a positive even number, got 9"),
+        (dict(k=torch.randn(2, 3, 2, 8)), r"q \[1, 3, 4, 8\] and k \[2, 3, 2, 8\] may differ only in the head count"),
+    ],
+)
+def test_bad_input_is_refused_by_name(changes, message):
+    args = _bad(**changes)
+    with pytest.raises(RuntimeError, match="rope_ext.qk_norm_rotary: " + message):
+        rope_ext.qk_norm_rotary(**args)
+    # the fake kernel says the same
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = {n: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for n, v in args.items()}
+        with pytest.raises(RuntimeError, match=message.split(" got")[0].split(r" \(")[0]):
+            rope_ext.qk_norm_rotary(**fake)
+
+
+def test_norm_over_is_checked():
+    with pytest.raises(ValueError, match="norm_over must be 'head' or 'heads', got 'token'"):
+        rope_ext.qk_norm_rotary(**_bad(norm_over="token"))
+
+
+def test_backward_op_refuses_an_rstd_that_is_not_the_forwards():
+    x, w = torch.randn(2, 3, 8), torch.ones(8)
+    cos, sin = torch.ones(3, 8), torch.zeros(3, 8)
+    op = torch.ops.rope_ext.qk_norm_rotary_backward
+    for rstd in (torch.ones(2, 3, dtype=torch.float64), torch.ones(3, 2).t(), torch.ones(2, 4)):
+        with pytest.raises(RuntimeError, match=r"rstd must be the forward's: contiguous, of shape \[2, 3\], Float"):
+            op(x, x, w, rstd, cos, sin, 0.0, False, False, True)
+    with pytest.raises(RuntimeError, match="grad must have x's shape"):
+        op(x[:1], x, w, torch.ones(2, 3), cos, sin, 0.0, False, False, True)
+    with pytest.raises(RuntimeError, match="weight_grad=True needs a weight"):
+        op(x, x, None, torch.ones(2, 3), cos, sin, 0.0, False, False, True)
+
+
+def test_strided_inputs_are_read_in_place(gen):
+    """Slices of a fused qkv buffer are read in place: the call dispatches the one op and nothing else
+    (no contiguous copy, no cast)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Spy(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    qkv = randn(2, 5, 3, 4, 32, gen=gen)
+    cos, sin = random_tables((2, 5, 1, 32), gen=gen)
+    q, k = qkv[:, :, 0], qkv[:, :, 1]
+    with Spy() as spy:
+        rope_ext.qk_norm_rotary(q, k, None, None, cos, sin, eps=1e-6)
+    assert spy.ops == ["rope_ext.qk_norm_rotary.default"], spy.ops
+
+
+@pytest.mark.skipif(rope_ext.cpu_kernel_isa() == "DEFAULT", reason="this process runs the DEFAULT variant already")
+@pytest.mark.parametrize("isa", ["avx2", "default"])
+def test_under_the_other_variants(isa):
+    """This file again in a fresh process on the AVX2 and DEFAULT variants (ATEN_CPU_CAPABILITY): their
+    vector steps, tails and element paths, as an AVX2-only machine and a generic build run them."""
+    if isa == "avx2" and rope_ext.cpu_kernel_isa() == "AVX2":
+        pytest.skip("the AVX2 variant is this process's own")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": isa}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+         "not other_variants and not gradcheck and not compile and not export and not opcheck"],
+        env=env, capture_output=True, text=True, cwd=Path(__file__).parent,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert re.search(r"\b\d+ passed\b", run.stdout) and " failed" not in run.stdout, run.stdout[-2000:]
