@@ -96,11 +96,20 @@ void define_schemas(TorchLibraryHandle lib) {
       "qk_norm_rotary(Tensor q, Tensor k, Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin, float eps, "
       "float weight_offset=0., bool across_heads=False, bool interleaved=False) -> (Tensor, Tensor, Tensor, Tensor)");
 
-  // qk_norm_rotary's backward for one of q and k: (dx, dweight) from the output's gradient, x and the
-  // forward's rstd; dweight (the compute dtype, the weight's shape) when weight_grad, else empty.
+  // qk_norm_rotary with the tables gathered from half-width caches at positions, as rotary_pos_qk
+  // gathers them: the module's path, one call for q and k.
+  def(
+      "qk_norm_rotary_pos(Tensor q, Tensor k, Tensor? q_weight, Tensor? k_weight, Tensor cos_cache, "
+      "Tensor sin_cache, Tensor positions, float eps, float weight_offset=0., bool across_heads=False, "
+      "bool interleaved=False) -> (Tensor, Tensor, Tensor, Tensor)");
+
+  // The backward of either, for one of q and k: (dx, dweight) from the output's gradient, x and the
+  // forward's rstd (cos/sin are caches when positions is given); dweight (the compute dtype, the
+  // weight's shape) when weight_grad, else empty.
   def(
       "qk_norm_rotary_backward(Tensor grad, Tensor x, Tensor? weight, Tensor rstd, Tensor cos, Tensor sin, "
-      "float weight_offset, bool across_heads, bool interleaved, bool weight_grad) -> (Tensor, Tensor)");
+      "Tensor? positions, float weight_offset, bool across_heads, bool interleaved, bool weight_grad) "
+      "-> (Tensor, Tensor)");
 
   // rope_ext's version (rope_ext/version.h), and the file of the library that registered these
   // schemas (see the top of this file).

@@ -43,31 +43,56 @@ struct QkNormOps {
     return new_contiguous(Dims{shape.data(), static_cast<int64_t>(shape.size())}, stat_dtype(x), x.device());
   }
 
-  // (q_out, k_out, q_rstd, k_rstd)
-  static Four qk_norm_rotary(const T& q_, const T& k_, const OptT& q_weight_, const OptT& k_weight_, const T& cos_,
-                             const T& sin_, double eps, double weight_offset, bool across_heads, bool interleaved) {
-    const char* op = "rope_ext.qk_norm_rotary";
+  // (q_out, k_out, q_rstd, k_rstd); cos/sin are full-form tables, or half-width caches gathered at
+  // `positions` when it is set (qk_norm_rotary_pos).
+  static Four run_qk(const char* op, const T& q_, const T& k_, const OptT& q_weight_, const OptT& k_weight_,
+                     const T& cos_, const T& sin_, const TensorRef* positions_, double eps, double weight_offset,
+                     bool across_heads, bool interleaved) {
     const TensorArg q = read_arg(q_), k = read_arg(k_), cos = read_arg(cos_), sin = read_arg(sin_);
     const TensorArg qw = read_optional(q_weight_), kw = read_optional(k_weight_);
-    check_qk_norm_args(op, q, &qw, cos, sin, eps, weight_offset, across_heads, "q", "q_weight");
-    check_qk_norm_args(op, k, &kw, cos, sin, eps, weight_offset, across_heads, "k", "k_weight");
-    check_qk_args(op, q, k, cos);
+    const TensorArg pos = positions_ != nullptr ? read_arg(*positions_) : TensorArg{};
+    const TensorArg* positions = positions_ != nullptr ? &pos : nullptr;
+    check_qk_norm_args(op, q, &qw, cos, sin, positions, eps, weight_offset, across_heads, "q", "q_weight");
+    check_qk_norm_args(op, k, &kw, cos, sin, positions, eps, weight_offset, across_heads, "k", "k_weight");
+    if (positions != nullptr) {
+      check_qk_args(op, q, k, pos, "positions", 0);
+    } else {
+      check_qk_args(op, q, k, cos);
+    }
     Output q_out = new_like(q_.handle, q), k_out = new_like(k_.handle, k);
     Output q_rstd = new_stat(q, across_heads), k_rstd = new_stat(k, across_heads);
-    run({q, q_out.arg, &qw, cos, sin, q_rstd.arg, nullptr, nullptr, eps, weight_offset, across_heads, interleaved, op});
-    run({k, k_out.arg, &kw, cos, sin, k_rstd.arg, nullptr, nullptr, eps, weight_offset, across_heads, interleaved, op});
+    run({q, q_out.arg, &qw, cos, sin, q_rstd.arg, positions, nullptr, nullptr, eps, weight_offset, across_heads,
+         interleaved, op});
+    run({k, k_out.arg, &kw, cos, sin, k_rstd.arg, positions, nullptr, nullptr, eps, weight_offset, across_heads,
+         interleaved, op});
     return {std::move(q_out.tensor), std::move(k_out.tensor), std::move(q_rstd.tensor), std::move(k_rstd.tensor)};
+  }
+
+  static Four qk_norm_rotary(const T& q, const T& k, const OptT& q_weight, const OptT& k_weight, const T& cos,
+                             const T& sin, double eps, double weight_offset, bool across_heads, bool interleaved) {
+    return run_qk("rope_ext.qk_norm_rotary", q, k, q_weight, k_weight, cos, sin, nullptr, eps, weight_offset,
+                  across_heads, interleaved);
+  }
+
+  static Four qk_norm_rotary_pos(const T& q, const T& k, const OptT& q_weight, const OptT& k_weight,
+                                 const T& cos_cache, const T& sin_cache, const T& positions, double eps,
+                                 double weight_offset, bool across_heads, bool interleaved) {
+    return run_qk("rope_ext.qk_norm_rotary_pos", q, k, q_weight, k_weight, cos_cache, sin_cache, &positions, eps,
+                  weight_offset, across_heads, interleaved);
   }
 
   // (dx, dweight): dweight in the compute dtype, of the weight's shape, when weight_grad; else empty.
   static std::tuple<OwnedTensor, OwnedTensor> qk_norm_rotary_backward(const T& grad_, const T& x_, const OptT& weight_,
                                                                       const T& rstd_, const T& cos_, const T& sin_,
-                                                                      double weight_offset, bool across_heads,
-                                                                      bool interleaved, bool weight_grad) {
+                                                                      const OptT& positions_, double weight_offset,
+                                                                      bool across_heads, bool interleaved,
+                                                                      bool weight_grad) {
     const char* op = "rope_ext.qk_norm_rotary_backward";
     const TensorArg grad = read_arg(grad_), x = read_arg(x_), rstd = read_arg(rstd_);
     const TensorArg cos = read_arg(cos_), sin = read_arg(sin_), w = read_optional(weight_);
-    check_qk_norm_args(op, x, &w, cos, sin, 0.0, weight_offset, across_heads, "x", "weight");
+    const TensorArg pos = read_optional(positions_);
+    const TensorArg* positions = pos.defined() ? &pos : nullptr;
+    check_qk_norm_args(op, x, &w, cos, sin, positions, 0.0, weight_offset, across_heads, "x", "weight");
     ROPE_EXT_CHECK(grad.defined() && grad.sizes() == x.sizes() && grad.scalar_type() == x.scalar_type() &&
                        grad.device() == x.device(),
                    op, ": grad must have x's shape ", x.sizes(), ", dtype ", x.scalar_type(), " and device ",
@@ -83,7 +108,7 @@ struct QkNormOps {
     Output dx = new_like(x_.handle, x);
     const int64_t n = weight_grad ? w.size(0) : 0;
     Output dweight = new_contiguous(Dims{&n, 1}, stat_dtype(x), x.device());
-    run({x, dx.arg, &w, cos, sin, rstd, &grad, weight_grad ? &dweight.arg : nullptr, 0.0, weight_offset,
+    run({x, dx.arg, &w, cos, sin, rstd, positions, &grad, weight_grad ? &dweight.arg : nullptr, 0.0, weight_offset,
          across_heads, interleaved, op});
     return {std::move(dx.tensor), std::move(dweight.tensor)};
   }
@@ -93,6 +118,7 @@ template <NormRunFn run>
 void register_qk_norm_ops(torch::stable::detail::StableLibrary& m, const std::string& prefix = "") {
   using Ops = QkNormOps<run>;
   m.impl((prefix + "qk_norm_rotary").c_str(), &boxed<&Ops::qk_norm_rotary>);
+  m.impl((prefix + "qk_norm_rotary_pos").c_str(), &boxed<&Ops::qk_norm_rotary_pos>);
   m.impl((prefix + "qk_norm_rotary_backward").c_str(), &boxed<&Ops::qk_norm_rotary_backward>);
 }
 

@@ -314,10 +314,14 @@ RotaryPlan make_rotary_pos_plan(const TensorArg& x, const TensorArg& out, const 
 }
 
 void check_qk_norm_args(const char* op, const TensorArg& x, const TensorArg* weight, const TensorArg& cos,
-                        const TensorArg& sin, double eps, double weight_offset, bool across_heads, const char* nx,
-                        const char* nw) {
+                        const TensorArg& sin, const TensorArg* positions, double eps, double weight_offset,
+                        bool across_heads, const char* nx, const char* nw) {
   ROPE_EXT_CHECK(x.defined(), op, ": ", nx, " must be a Tensor, got None");
-  check_rotary_args(op, x, cos, sin, {nx, "cos", "sin"});
+  if (positions != nullptr) {
+    check_rotary_pos_args(op, x, cos, sin, *positions, nx);
+  } else {
+    check_rotary_args(op, x, cos, sin, {nx, "cos", "sin"});
+  }
   ROPE_EXT_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be a finite number >= 0, got ", eps);
   ROPE_EXT_CHECK(std::isfinite(weight_offset), op, ": weight_offset must be finite, got ", weight_offset);
   if (across_heads) {
@@ -343,13 +347,23 @@ std::vector<int64_t> norm_stat_shape(const TensorArg& x, bool across_heads) {
 }
 
 NormPlan make_norm_plan(const TensorArg& x, const TensorArg& out, const TensorArg* weight, const TensorArg& cos,
-                        const TensorArg& sin, const TensorArg* grad, bool across_heads) {
+                        const TensorArg& sin, const TensorArg* positions, const TensorArg* grad, bool across_heads) {
   NormPlan p;
   p.head_dim = x.size(-1);
-  p.rotary_dim = cos.size(-1);
   p.group = across_heads ? x.size(-2) : 1;
-  const DimStrides c = broadcast_strides(cos.sizes(), cos.strides(), x.dim());
-  const DimStrides s = broadcast_strides(sin.sizes(), sin.strides(), x.dim());
+  DimStrides c, s;
+  if (positions != nullptr) {  // a row's tables step through the positions
+    p.rotary_dim = 2 * cos.size(1);
+    p.gathered = true;
+    p.positions_int32 = positions->scalar_type() == ScalarType::Int;
+    p.cos_row = cos.stride(0);
+    p.sin_row = sin.stride(0);
+    c = s = broadcast_strides(positions->sizes(), positions->strides(), x.dim() - 1);
+  } else {
+    p.rotary_dim = cos.size(-1);
+    c = broadcast_strides(cos.sizes(), cos.strides(), x.dim());
+    s = broadcast_strides(sin.sizes(), sin.strides(), x.dim());
+  }
   auto& r = p.rows;
   for (int64_t d = 0; d + 1 < x.dim(); ++d) {
     if (x.size(d) == 1) continue;

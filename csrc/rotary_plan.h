@@ -119,26 +119,34 @@ struct NormPlan {
   int64_t head_dim = 0, rotary_dim = 0;
   int64_t x_col = 1, out_col = 1, cos_col = 1, sin_col = 1, grad_col = 1;
   int64_t weight_len = 0, weight_stride = 1;  // 0: no weight (g = 1)
+  // Gathered tables (qk_norm_rotary_pos), as RotaryPlan's: half-width caches, a row's cos at
+  // cos + positions[its kNormCos offset] * cos_row; positions checked before the kernel runs.
+  bool gathered = false;
+  bool positions_int32 = false;
+  int64_t cos_row = 0, sin_row = 0;
 
   int64_t num_rows() const { return rows.numel(); }
   int64_t num_groups() const { return group == 0 ? 0 : num_rows() / group; }
 };
 
 // Checks one of q and k (named `x_name`, its weight `weight_name`) against qk_norm_rotary's contract:
-// the tables as rotary's (check_rotary_args), the weight 1-D of x.size(-1) elements, or x.size(-2) *
+// the tables as rotary's (check_rotary_args), or with `positions` as rotary_pos's caches
+// (check_rotary_pos_args), the weight 1-D of x.size(-1) elements, or x.size(-2) *
 // x.size(-1) across heads, in x's dtype or float32, on x's device; eps and weight_offset finite, eps
 // >= 0. Returns nothing; throws with a message naming the argument.
 ROPE_EXT_INTERNAL void check_qk_norm_args(const char* op, const TensorArg& x, const TensorArg* weight,
-                                          const TensorArg& cos, const TensorArg& sin, double eps, double weight_offset,
-                                          bool across_heads, const char* x_name, const char* weight_name);
+                                          const TensorArg& cos, const TensorArg& sin, const TensorArg* positions,
+                                          double eps, double weight_offset, bool across_heads, const char* x_name,
+                                          const char* weight_name);
 
 // The shape of the per-group statistic of checked x: x.shape[:-1], or x.shape[:-2] across heads.
 ROPE_EXT_INTERNAL std::vector<int64_t> norm_stat_shape(const TensorArg& x, bool across_heads);
 
-// The plan for a checked call; `grad` (the backward) has x's sizes and is walked with its own strides.
+// The plan for a checked call (cos/sin are caches when `positions` is set); `grad` (the backward)
+// has x's sizes and is walked with its own strides.
 ROPE_EXT_INTERNAL NormPlan make_norm_plan(const TensorArg& x, const TensorArg& out, const TensorArg* weight,
-                                          const TensorArg& cos, const TensorArg& sin, const TensorArg* grad,
-                                          bool across_heads);
+                                          const TensorArg& cos, const TensorArg& sin, const TensorArg* positions,
+                                          const TensorArg* grad, bool across_heads);
 
 // One backend call: out = rotary(x, tables) and, when k is set, k_out = rotary(k, the same
 // tables) (rotary_pos_qk, and rotary_qk where q and k share tables: one CUDA launch covers both,
@@ -169,6 +177,7 @@ struct NormCall {
   const TensorArg& cos;
   const TensorArg& sin;
   const TensorArg& rstd;  // contiguous, norm_stat_shape(x), the compute dtype
+  const TensorArg* positions = nullptr;  // set: cos/sin are half-width caches gathered at these
   const TensorArg* grad = nullptr;
   const TensorArg* dweight = nullptr;
   double eps = 0, weight_offset = 0;

@@ -74,6 +74,7 @@ from rope_ext import _sharding, compat, reference, scaling  # noqa: E402
 from rope_ext._ops import (  # noqa: E402
     cpu_kernel_isa,
     qk_norm_rotary,
+    qk_norm_rotary_pos,
     rotary,
     rotary_,
     rotary_pos,
@@ -94,6 +95,7 @@ __all__ = [
     "rotary_pos_qk",
     "rotary_pos_",
     "qk_norm_rotary",
+    "qk_norm_rotary_pos",
     "RotaryEmbedding",
     "apply_rotary_pos_emb",
     "apply_multimodal_rotary_pos_emb",

@@ -217,53 +217,77 @@ def _qk_norm_rotary_setup(ctx, inputs, output):
     q, k, q_weight, k_weight, cos, sin, eps, weight_offset, across_heads, interleaved = inputs
     ctx.flags = (eps, weight_offset, across_heads, interleaved)
     ctx.mark_non_differentiable(output[2], output[3])
-    ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin, output[2], output[3])
+    ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin, None, output[2], output[3])
 
 
-def _qk_norm_rotary_backward(ctx, gq, gk, _gq_rstd, _gk_rstd):
-    q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd = ctx.saved_tensors
+def _qk_norm_rotary_pos_setup(ctx, inputs, output):
+    q, k, q_weight, k_weight, cos, sin, positions, eps, weight_offset, across_heads, interleaved = inputs
+    ctx.flags = (eps, weight_offset, across_heads, interleaved)
+    ctx.mark_non_differentiable(output[2], output[3])
+    ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin, positions, output[2], output[3])
+
+
+def _qk_norm_backward(ctx, gq, gk, n_args):
+    """Both ops' backward: (dq, dk, dq_weight, dk_weight, dcos, dsin), the rest of the n_args None."""
+    q, k, q_weight, k_weight, cos, sin, positions, q_rstd, k_rstd = ctx.saved_tensors
     eps, weight_offset, across_heads, interleaved = ctx.flags
-    need_q, need_k, need_qw, need_kw, need_cos, need_sin = _needs(ctx, 10)[:6]
+    need_q, need_k, need_qw, need_kw, need_cos, need_sin = need = _needs(ctx, n_args)[:6]
+    rest = (None,) * (n_args - 6)
     if _C.is_grad_enabled():  # create_graph=True: the composite, differentiable again
-        return _qk_norm_rotary_composite_backward(ctx, gq, gk)
-    dq = dk = dqw = dkw = dcos = dsin = None
+        return (*_qk_norm_composite_backward(ctx, gq, gk, need), *rest)
+    grads = [None] * 6
     for x, w, rstd, g, need_x, need_w, slot in (
         (q, q_weight, q_rstd, gq, need_q, need_qw, 0),
         (k, k_weight, k_rstd, gk, need_k, need_kw, 1),
     ):
         if need_x or need_w:
             dx, dw = torch.ops.rope_ext.qk_norm_rotary_backward(
-                g, x, w, rstd, cos, sin, weight_offset, across_heads, interleaved, need_w
+                g, x, w, rstd, cos, sin, positions, weight_offset, across_heads, interleaved, need_w
             )
-            if slot == 0:
-                dq, dqw = (dx if need_x else None), (dw.to(w.dtype) if need_w else None)
-            else:
-                dk, dkw = (dx if need_x else None), (dw.to(w.dtype) if need_w else None)
+            grads[slot] = dx if need_x else None
+            grads[slot + 2] = dw.to(w.dtype) if need_w else None
         if need_cos or need_sin:
             a = _normalized(x, w, rstd, weight_offset, across_heads)
-            c, s = _table_grads(g, a, cos, interleaved, False, need_cos, need_sin)
-            dcos, dsin = _add(dcos, c), _add(dsin, s)
-    return dq, dk, dqw, dkw, dcos, dsin, None, None, None, None
+            if positions is None:
+                c, s = _table_grads(g, a, cos, interleaved, False, need_cos, need_sin)
+            else:
+                c, s = _cache_grads(g, a, cos, positions, interleaved, False, need_cos, need_sin)
+            grads[4], grads[5] = _add(grads[4], c), _add(grads[5], s)
+    return (*grads, *rest)
 
 
-def _qk_norm_rotary_composite_backward(ctx, gq, gk):
+def _qk_norm_rotary_backward(ctx, gq, gk, _gq_rstd, _gk_rstd):
+    return _qk_norm_backward(ctx, gq, gk, 10)
+
+
+def _qk_norm_rotary_pos_backward(ctx, gq, gk, _gq_rstd, _gk_rstd):
+    return _qk_norm_backward(ctx, gq, gk, 11)
+
+
+def _qk_norm_composite_backward(ctx, gq, gk, need):
     """The backward as the gradient of rope_ext.reference's composite, with a graph of its own."""
     from rope_ext.reference import rms_norm_rotary_reference
 
-    q, k, q_weight, k_weight, cos, sin, _, _ = ctx.saved_tensors
+    q, k, q_weight, k_weight, cos, sin, positions, _, _ = ctx.saved_tensors
     eps, weight_offset, across_heads, interleaved = ctx.flags
-    need = _needs(ctx, 10)[:6]
-    inputs = (q, k, q_weight, k_weight, cos, sin)
-    wanted = [t for t, n in zip(inputs, need) if n]
+    wanted = [t for t, n in zip((q, k, q_weight, k_weight, cos, sin), need) if n]
     norm_over = "heads" if across_heads else "head"
     with torch.enable_grad():
+        c, s = cos, sin
+        if positions is not None:  # the caches' rows at the positions, in the full form
+            c, s = (_full_form(t[positions.long()], interleaved) for t in (cos, sin))
         outs = [
-            rms_norm_rotary_reference(x, w, cos, sin, eps=eps, weight_offset=weight_offset, norm_over=norm_over,
+            rms_norm_rotary_reference(x, w, c, s, eps=eps, weight_offset=weight_offset, norm_over=norm_over,
                                       interleaved=interleaved)
             for x, w in ((q, q_weight), (k, k_weight))
         ]
         grads = iter(torch.autograd.grad(outs, wanted, (gq, gk), create_graph=True, allow_unused=True))
-    return (*(next(grads) if n else None for n in need), None, None, None, None)
+    return tuple(next(grads) if n else None for n in need)
+
+
+def _full_form(half, interleaved):
+    """Full-form table rows from half-width ones: each entry serves both members of its pair."""
+    return half.repeat_interleave(2, -1) if interleaved else torch.cat((half, half), -1)
 
 
 # --- the in-place ops ----------------------------------------------------------------------------
@@ -325,6 +349,7 @@ def register() -> None:
         ("rotary_pos", _rotary_pos_backward, _rotary_pos_setup),
         ("rotary_pos_qk", _rotary_pos_qk_backward, _rotary_pos_qk_setup),
         ("qk_norm_rotary", _qk_norm_rotary_backward, _qk_norm_rotary_setup),
+        ("qk_norm_rotary_pos", _qk_norm_rotary_pos_backward, _qk_norm_rotary_pos_setup),
     ):
         torch.library.register_autograd(f"rope_ext::{name}", backward, setup_context=setup)
     for name, inplace in (("rotary_", run_rotary_), ("rotary_pos_", run_rotary_pos_)):

@@ -24,6 +24,7 @@ _rotary_pos = torch.ops.rope_ext.rotary_pos.default
 _rotary_pos_qk = torch.ops.rope_ext.rotary_pos_qk.default
 _rotary_pos_inplace = torch.ops.rope_ext.rotary_pos_.default
 _qk_norm_rotary = torch.ops.rope_ext.qk_norm_rotary.default
+_qk_norm_rotary_pos = torch.ops.rope_ext.qk_norm_rotary_pos.default
 
 # The fast path of every wrapper: unless it is traced (torch.compile sees the op, and its autograd
 # formula) or records a graph (grad mode on, an input requiring grad), a call goes straight to the
@@ -38,6 +39,7 @@ _rotary_qk_kernel = _rotary_qk._op
 _rotary_pos_kernel = _rotary_pos._op
 _rotary_pos_qk_kernel = _rotary_pos_qk._op
 _qk_norm_rotary_kernel = _qk_norm_rotary._op
+_qk_norm_rotary_pos_kernel = _qk_norm_rotary_pos._op
 
 
 def rotary(
@@ -323,6 +325,44 @@ def qk_norm_rotary(
         return _qk_norm_rotary_kernel(*args)[:2]
 
 
+def qk_norm_rotary_pos(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    eps: float,
+    weight_offset: float = 0.0,
+    norm_over: str = "head",
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`qk_norm_rotary` with the tables gathered by position, as :func:`rotary_pos_qk` gathers them.
+
+    Args:
+        q, k, q_weight, k_weight, eps, weight_offset, norm_over, interleaved: as :func:`qk_norm_rotary`.
+        cos_cache, sin_cache: ``(max_positions, r/2)`` half-width caches (``RotaryEmbedding``'s),
+            q's dtype or float32.
+        positions: int32 or int64, broadcasting against ``q.shape[:-1]`` and ``k.shape[:-1]``, e.g.
+            ``(B, S, 1)`` for ``(B, S, H, D)`` q. Read on the device: no host sync. A position outside
+            the cache is an error.
+
+    Returns:
+        ``(q_out, k_out)``, as :func:`qk_norm_rotary`. Gradients reach q, k, the weights and, when
+        they require grad, the caches (summed into the rows the positions name).
+    """
+    if norm_over not in _NORM_OVER:
+        raise ValueError(f"rope_ext.qk_norm_rotary_pos: norm_over must be 'head' or 'heads', got {norm_over!r}")
+    args = (q, k, q_weight, k_weight, cos_cache, sin_cache, positions, eps, weight_offset, _NORM_OVER[norm_over],
+            interleaved)
+    if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos_cache, sin_cache)):
+        return _qk_norm_rotary_pos(*args)[:2]
+    with _below_autograd():
+        return _qk_norm_rotary_pos_kernel(*args)[:2]
+
+
 def _rotate_each(xs, computes, cos, sin, cos_k=None, sin_k=None, *, interleaved):
     """(internal, for the drop-ins) Rotate each tensor in ``xs`` -- x alone, or q and k, k by
     ``cos_k``/``sin_k`` when given -- with the tables cast to ``computes[i]``, the dtype its op call
@@ -538,8 +578,11 @@ def _rotary_pos_inplace_fake(q, k, cos_cache, sin_cache, positions, interleaved=
         _check_qk_args(op, q, k, positions, "positions", trailing=0)
 
 
-def _check_qk_norm_args(op, x, weight, cos, sin, eps, weight_offset, across_heads, nx, nw):
-    _check_rotary_args(op, x, cos, sin, (nx, "cos", "sin"))
+def _check_qk_norm_args(op, x, weight, cos, sin, eps, weight_offset, across_heads, nx, nw, positions=None):
+    if positions is None:
+        _check_rotary_args(op, x, cos, sin, (nx, "cos", "sin"))
+    else:
+        _check_rotary_pos_args(op, x, cos, sin, positions, nx)
     torch._check(math.isfinite(eps) and eps >= 0, lambda: f"{op}: eps must be a finite number >= 0, got {eps}")
     torch._check(math.isfinite(weight_offset), lambda: f"{op}: weight_offset must be finite, got {weight_offset}")
     if across_heads:
@@ -581,11 +624,21 @@ def _qk_norm_rotary_fake(q, k, q_weight, k_weight, cos, sin, eps, weight_offset=
     return torch.empty_like(q), torch.empty_like(k), _norm_stat(q, across_heads), _norm_stat(k, across_heads)
 
 
+@torch.library.register_fake("rope_ext::qk_norm_rotary_pos")
+def _qk_norm_rotary_pos_fake(q, k, q_weight, k_weight, cos_cache, sin_cache, positions, eps, weight_offset=0.0,
+                             across_heads=False, interleaved=False):
+    op = "rope_ext.qk_norm_rotary_pos"
+    for x, w, nx, nw in ((q, q_weight, "q", "q_weight"), (k, k_weight, "k", "k_weight")):
+        _check_qk_norm_args(op, x, w, cos_cache, sin_cache, eps, weight_offset, across_heads, nx, nw, positions)
+    _check_qk_args(op, q, k, positions, "positions", trailing=0)
+    return torch.empty_like(q), torch.empty_like(k), _norm_stat(q, across_heads), _norm_stat(k, across_heads)
+
+
 @torch.library.register_fake("rope_ext::qk_norm_rotary_backward")
-def _qk_norm_rotary_backward_fake(grad, x, weight, rstd, cos, sin, weight_offset, across_heads, interleaved,
-                                  weight_grad):
+def _qk_norm_rotary_backward_fake(grad, x, weight, rstd, cos, sin, positions, weight_offset, across_heads,
+                                  interleaved, weight_grad):
     op = "rope_ext.qk_norm_rotary_backward"
-    _check_qk_norm_args(op, x, weight, cos, sin, 0.0, weight_offset, across_heads, "x", "weight")
+    _check_qk_norm_args(op, x, weight, cos, sin, 0.0, weight_offset, across_heads, "x", "weight", positions)
     stat = _norm_stat(x, across_heads)
     torch._check(
         grad.shape == x.shape and grad.dtype == x.dtype and grad.device == x.device,

@@ -295,7 +295,7 @@ def test_opcheck(norm_over, gen):
     q, _, wq, _, cos, sin = (t.detach() for t in inputs)
     _, _, rstd, _ = torch.ops.rope_ext.qk_norm_rotary(q, q, wq, wq, cos, sin, 1e-6, 0.0, across, False)
     opcheck(torch.ops.rope_ext.qk_norm_rotary_backward.default,
-            (torch.randn_like(q), q, wq, rstd, cos, sin, 0.0, across, False, True),
+            (torch.randn_like(q), q, wq, rstd, cos, sin, None, 0.0, across, False, True),
             test_utils=("test_schema", "test_faketensor"))
 
 
@@ -377,11 +377,11 @@ def test_backward_op_refuses_an_rstd_that_is_not_the_forwards():
     op = torch.ops.rope_ext.qk_norm_rotary_backward
     for rstd in (torch.ones(2, 3, dtype=torch.float64), torch.ones(3, 2).t(), torch.ones(2, 4)):
         with pytest.raises(RuntimeError, match=r"rstd must be the forward's: contiguous, of shape \[2, 3\], Float"):
-            op(x, x, w, rstd, cos, sin, 0.0, False, False, True)
+            op(x, x, w, rstd, cos, sin, None, 0.0, False, False, True)
     with pytest.raises(RuntimeError, match="grad must have x's shape"):
-        op(x[:1], x, w, torch.ones(2, 3), cos, sin, 0.0, False, False, True)
+        op(x[:1], x, w, torch.ones(2, 3), cos, sin, None, 0.0, False, False, True)
     with pytest.raises(RuntimeError, match="weight_grad=True needs a weight"):
-        op(x, x, None, torch.ones(2, 3), cos, sin, 0.0, False, False, True)
+        op(x, x, None, torch.ones(2, 3), cos, sin, None, 0.0, False, False, True)
 
 
 def test_strided_inputs_are_read_in_place(gen):
@@ -421,3 +421,101 @@ def test_under_the_other_variants(isa):
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert re.search(r"\b\d+ passed\b", run.stdout) and " failed" not in run.stdout, run.stdout[-2000:]
+
+
+# --- the gathered form: tables from half-width caches at positions ---------------------------------
+
+
+def _caches(P, r, dtype, gen):
+    return random_tables((P, r // 2), dtype=dtype, gen=gen)
+
+
+def _gathered_tables(cc, sc, positions, interleaved):
+    """The full-form tables qk_norm_rotary_pos gathers: each cache entry for both members of its pair."""
+    def full(t):
+        h = t[positions.long()]
+        return h.repeat_interleave(2, -1) if interleaved else torch.cat((h, h), -1)
+
+    return full(cc), full(sc)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("convention", CONVENTIONS)
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+def test_gathered_form_matches_float64_truth(dtype, convention, norm_over, index_dtype, gen):
+    """Per-token positions (each sequence its own offsets), GQA, partial rotary, float32 caches."""
+    interleaved = CONVENTIONS[convention]
+    B, S, Hq, Hk, D, r, P = 2, 5, 4, 2, 32, 24, 40
+    q, k = randn(B, S, Hq, D, dtype=dtype, gen=gen), randn(B, S, Hk, D, dtype=dtype, gen=gen)
+    cc, sc = _caches(P, r, torch.float32, gen)
+    positions = torch.randint(0, P, (B, S, 1), generator=gen, dtype=index_dtype)
+    wq = torch.rand(D * (Hq if norm_over == "heads" else 1), generator=gen, dtype=torch.float64).to(dtype)
+    wk = torch.rand(D * (Hk if norm_over == "heads" else 1), generator=gen, dtype=torch.float64).to(dtype)
+    kw = dict(eps=1e-6, norm_over=norm_over, interleaved=interleaved)
+    q_out, k_out = rope_ext.qk_norm_rotary_pos(q, k, wq, wk, cc, sc, positions, **kw)
+    cos, sin = _gathered_tables(cc, sc, positions, interleaved)
+    check_against_truth(q_out, q, wq, cos, sin, **kw)
+    check_against_truth(k_out, k, wk, cos, sin, **kw)
+    # the same bits as the table form on the gathered tables
+    q_tab, k_tab = rope_ext.qk_norm_rotary(q, k, wq, wk, cos, sin, **kw)
+    assert torch.equal(q_out, q_tab) and torch.equal(k_out, k_tab)
+
+
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+def test_gathered_form_gradients_and_gradgradcheck(norm_over, gen):
+    """Every gradient, the caches' summed into the rows the positions name (two tokens share one),
+    against float64 autograd of the composite; gradcheck and gradgradcheck."""
+    B, S, Hq, Hk, D, r, P = 1, 4, 2, 1, 8, 6, 5
+    q = randn(B, S, Hq, D, dtype=torch.float64, gen=gen).requires_grad_()
+    k = randn(B, S, Hk, D, dtype=torch.float64, gen=gen).requires_grad_()
+    wq = torch.rand(D * (Hq if norm_over == "heads" else 1), dtype=torch.float64, generator=gen).requires_grad_()
+    wk = torch.rand(D * (Hk if norm_over == "heads" else 1), dtype=torch.float64, generator=gen).requires_grad_()
+    cc, sc = (t.requires_grad_() for t in _caches(P, r, torch.float64, gen))
+    positions = torch.tensor([[[3], [1], [3], [0]]])
+    kw = dict(eps=1e-6, weight_offset=0.5, norm_over=norm_over, interleaved=True)
+    inputs = (q, k, wq, wk, cc, sc)
+    gq, gk = randn(*q.shape, dtype=torch.float64, gen=gen), randn(*k.shape, dtype=torch.float64, gen=gen)
+    ours = torch.autograd.grad(rope_ext.qk_norm_rotary_pos(q, k, wq, wk, cc, sc, positions, **kw), inputs, (gq, gk))
+    cos, sin = _gathered_tables(cc, sc, positions, True)
+    theirs = torch.autograd.grad(_reference_pair(q, k, wq, wk, cos, sin, **kw), inputs, (gq, gk))
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+    def f(*args):
+        return rope_ext.qk_norm_rotary_pos(*args[:6], positions, **kw)
+
+    assert torch.autograd.gradcheck(f, inputs)
+    assert torch.autograd.gradgradcheck(f, inputs)
+
+
+def test_gathered_form_refuses_a_position_outside_the_cache_before_writing(gen):
+    q = randn(1, 3, 2, 8, gen=gen)
+    cc, sc = _caches(4, 8, torch.float32, gen)
+    with pytest.raises(RuntimeError, match=r"rope_ext.qk_norm_rotary_pos: position 4 \(positions.flatten\(\)\[2\]\) "
+                                           r"is outside the cache, whose 4 rows hold positions 0 to 3"):
+        rope_ext.qk_norm_rotary_pos(q, q, None, None, cc, sc, torch.tensor([[[0], [1], [4]]]), eps=1e-6)
+    with pytest.raises(RuntimeError, match=r"positions of shape \[3\] do not broadcast against q.shape\[:-1\]"):
+        rope_ext.qk_norm_rotary_pos(q, q, None, None, cc, sc, torch.tensor([0, 1, 2]), eps=1e-6)
+
+
+def test_gathered_form_opcheck_and_compile(gen):
+    q, k = randn(2, 3, 4, 16, gen=gen).requires_grad_(), randn(2, 3, 2, 16, gen=gen).requires_grad_()
+    w = torch.rand(16, generator=gen).requires_grad_()
+    cc, sc = _caches(8, 16, torch.float32, gen)
+    positions = torch.randint(0, 8, (2, 3, 1), generator=gen)
+    opcheck(torch.ops.rope_ext.qk_norm_rotary_pos.default, (q, k, w, w, cc, sc, positions, 1e-6, 0.0, False, False))
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(q, k, w, positions):
+        a, b = rope_ext.qk_norm_rotary_pos(q, k, w, w, cc, sc, positions, eps=1e-6)
+        return a.sum() + (b * b).sum()
+
+    f(q, k, w, positions).backward()
+    compiled = [t.grad.clone() for t in (q, k, w)]
+    for t in (q, k, w):
+        t.grad = None
+    a, b = rope_ext.qk_norm_rotary_pos(q, k, w, w, cc, sc, positions, eps=1e-6)
+    (a.sum() + (b * b).sum()).backward()
+    for x, t in zip(compiled, (q, k, w), strict=True):
+        torch.testing.assert_close(x, t.grad)

@@ -146,7 +146,7 @@ struct NormContext {
   }
 };
 
-template <typename scalar_t>
+template <typename scalar_t, bool kInterleaved>
 struct TableRows {
   using T = at::opmath_type<scalar_t>;
   T* c;
@@ -154,20 +154,39 @@ struct TableRows {
   bool loaded = false;
   int64_t cos_at = 0, sin_at = 0;
 
+  // The full-form table rows of a row whose kNormCos/kNormSin offsets are these: read from full-form
+  // tables, or, gathered, from the caches' rows at the position found there (each half-width entry
+  // serving both members of its pair).
   void load(const NormPlan& p, const NormOperands& o, int64_t cos_at_, int64_t sin_at_) {
     if (loaded && cos_at_ == cos_at && sin_at_ == sin_at) return;
     loaded = true, cos_at = cos_at_, sin_at = sin_at_;
-    const auto read = [&](const void* base, int64_t at, int64_t col, T* dst) {
-      if (o.float_tables && !std::is_same_v<scalar_t, float>) {
-        const float* t = static_cast<const float*>(base) + at;
+    const auto read = [&](const auto* t, int64_t col, T* dst) {
+      if (!p.gathered) {
         for (int64_t j = 0; j < p.rotary_dim; ++j) dst[j] = static_cast<T>(t[j * col]);
-      } else {
-        const scalar_t* t = static_cast<const scalar_t*>(base) + at;
-        for (int64_t j = 0; j < p.rotary_dim; ++j) dst[j] = static_cast<T>(t[j * col]);
+        return;
+      }
+      const int64_t half = p.rotary_dim / 2;
+      for (int64_t i = 0; i < half; ++i) dst[i] = static_cast<T>(t[i * col]);
+      if (kInterleaved) {  // pair i is (2i, 2i + 1): spread from the top down, never reading a written entry
+        for (int64_t i = half - 1; i >= 0; --i) dst[2 * i] = dst[2 * i + 1] = dst[i];
+      } else {             // pair i is (i, i + half)
+        std::copy_n(dst, half, dst + half);
       }
     };
-    read(o.cos, cos_at, p.cos_col, c);
-    read(o.sin, sin_at, p.sin_col, s);
+    const auto table = [&](const void* base, int64_t at, int64_t row, int64_t col, T* dst) {
+      if (p.gathered) {
+        const int64_t pos = p.positions_int32 ? static_cast<const int32_t*>(o.positions)[at]
+                                              : static_cast<const int64_t*>(o.positions)[at];
+        at = pos * row;
+      }
+      if (o.float_tables && !std::is_same_v<scalar_t, float>) {
+        read(static_cast<const float*>(base) + at, col, dst);
+      } else {
+        read(static_cast<const scalar_t*>(base) + at, col, dst);
+      }
+    };
+    table(o.cos, cos_at, p.cos_row, p.cos_col, c);
+    table(o.sin, sin_at, p.sin_row, p.sin_col, s);
   }
 };
 
@@ -185,7 +204,7 @@ void norm_forward(const NormPlan& p, const NormOperands& o, const Thresholds& th
     std::vector<T> buf(N + D + 2 * R);
     T* const xf = buf.data();
     T* const y = xf + N;
-    TableRows<scalar_t> tables{y + D, y + D + R};
+    TableRows<scalar_t, kInterleaved> tables{y + D, y + D + R};
     int64_t off[5];
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t h = 0; h < G; ++h) {
@@ -232,7 +251,7 @@ void norm_backward(const NormPlan& p, const NormOperands& o, const Thresholds& t
     T* const d = xh + N;       // the gradient of x_hat
     T* const gy = d + N;       // one row of dy, then of dx
     T* const u = gy + D;
-    TableRows<scalar_t> tables{u + D, u + D + R};
+    TableRows<scalar_t, kInterleaved> tables{u + D, u + D + R};
     int64_t off[5];
     for (int64_t b = b0; b < b1; ++b) {
       T* const part = dweight != nullptr ? partial.data() + b * W : nullptr;

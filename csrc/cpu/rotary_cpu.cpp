@@ -247,12 +247,17 @@ void run(const RotaryCall& c) {
 }
 
 void run_norm(const NormCall& c) {
-  const NormPlan plan = make_norm_plan(c.x, c.out, c.weight, c.cos, c.sin, c.grad, c.across_heads);
+  // Every position is checked before anything is written, as for the rotation.
+  if (c.positions != nullptr && c.x.numel() > 0) check_positions_in_range(c.op, *c.positions, c.cos.size(0));
+  const NormPlan plan = make_norm_plan(c.x, c.out, c.weight, c.cos, c.sin, c.positions, c.grad, c.across_heads);
+  const Thresholds th = thresholds();
+  advise_huge_pages(c.out, th.huge_page_bytes);  // (out is always new: the output, or dx)
   const bool weighted = c.weight != nullptr && c.weight->defined();
   const NormOperands operands{c.x.const_data_ptr(),
                               c.out.mutable_data_ptr(),
                               c.cos.const_data_ptr(),
                               c.sin.const_data_ptr(),
+                              c.positions != nullptr ? c.positions->const_data_ptr() : nullptr,
                               weighted ? c.weight->const_data_ptr() : nullptr,
                               weighted && c.weight->scalar_type() != c.x.scalar_type(),
                               c.weight_offset,
@@ -262,7 +267,7 @@ void run_norm(const NormCall& c) {
                               c.dweight != nullptr ? c.dweight->mutable_data_ptr() : nullptr,
                               kernel_dtype(c.x.scalar_type()),
                               c.cos.scalar_type() != c.x.scalar_type()};
-  variant_for_call().norm(plan, operands, c.interleaved, c.grad != nullptr, thresholds(), kTorchPool);
+  variant_for_call().norm(plan, operands, c.interleaved, c.grad != nullptr, th, kTorchPool);
 }
 
 }  // namespace rope_ext::cpu

@@ -90,6 +90,7 @@ struct NormOperands {
   void* out;  // the forward's output, or the backward's dx
   const void* cos;
   const void* sin;
+  const void* positions;  // gathered tables (NormPlan::gathered): int32 or int64; else nullptr
   const void* weight;  // nullptr: no weight
   bool float_weight;   // weight in float32 rather than in x's dtype
   double weight_offset;
