@@ -84,6 +84,7 @@ from rope_ext._ops import (  # noqa: E402
 )
 from rope_ext.compat.hf import apply_multimodal_rotary_pos_emb, apply_rotary_pos_emb  # noqa: E402
 from rope_ext.module import RotaryEmbedding  # noqa: E402
+from rope_ext.qk_norm import QKNorm  # noqa: E402
 
 _sharding.install()  # DTensor rules, registered when torch.distributed.tensor is imported
 
@@ -97,6 +98,7 @@ __all__ = [
     "qk_norm_rotary",
     "qk_norm_rotary_pos",
     "RotaryEmbedding",
+    "QKNorm",
     "apply_rotary_pos_emb",
     "apply_multimodal_rotary_pos_emb",
     "reference",

@@ -16,10 +16,13 @@ from rope_ext._ops import (
     _grad_enabled,
     _rotary_pos_qk,
     _rotary_pos_qk_kernel,
+    qk_norm_rotary,
+    qk_norm_rotary_pos,
     rotary_qk,
 )
 from rope_ext._sharding import is_dtensor, replicated_like
 from rope_ext._validate import require_bool, require_int_list, require_number, require_tensor
+from rope_ext.qk_norm import QKNorm
 from rope_ext.scaling import RopeSchedule
 
 __all__ = ["RotaryEmbedding"]
@@ -473,8 +476,9 @@ class RotaryEmbedding(nn.Module):
         *,
         offset: int | torch.Tensor = 0,
         cu_seqlens: torch.Tensor | None = None,
+        norm: QKNorm | None = None,
     ):
-        """Rotate q and k.
+        """Rotate q and k (first RMS-normalized by ``norm``, in the same op call, when it is given).
 
         Args:
             q, k: ``(B, H, S, D)`` for layout ``"bhsd"``, ``(B, S, H, D)`` for ``"bshd"``, or packed
@@ -487,6 +491,10 @@ class RotaryEmbedding(nn.Module):
                 decoding with a KV cache. Not combined with position_ids.
             cu_seqlens: ``(N+1,)`` cumulative sequence lengths of packed q/k; positions restart
                 at each sequence start (plus ``offset[j]`` if offset is a ``(N,)`` tensor).
+            norm: a :class:`rope_ext.QKNorm` holding the model's q and k norm weights: q and k are
+                normalized and rotated by one op (qk_norm_rotary_pos; qk_norm_rotary where the
+                call builds its tables), as the model's norms then its RoPE would, with gradients to
+                the weights. Not with xPos (whose k tables differ from q's).
 
         Returns:
             ``(q_out, k_out)``, rotated, with q's and k's shapes, dtypes and layouts.
@@ -506,16 +514,29 @@ class RotaryEmbedding(nn.Module):
         over the sequence is rotated by its tokens' global positions. The module's tables and
         positions, the same on every rank, enter the op as replicated DTensors.
         """
+        if norm is not None:
+            self._check_norm(norm, cu_seqlens)
         at = self._positions(q, k, position_ids, offset, cu_seqlens)  # steps 1 and 2
         source = self._source(q, at)  # step 3
         try:
-            return self._op(q, k, source)  # step 4
+            return self._op(q, k, source, norm)  # step 4
         except RuntimeError as error:  # (costs nothing unless raised)
             if not self._refused_past_the_cache(error, at):
                 raise
             # The CPU kernel refused a position past the cache (it checks them all before writing
             # anything): read the positions, then grow the cache for them or build their tables.
-            return self._op(q, k, self._source(q, self._read(at)))
+            return self._op(q, k, self._source(q, self._read(at)), norm)
+
+    def _check_norm(self, norm, cu_seqlens) -> None:
+        if not isinstance(norm, QKNorm):
+            raise TypeError(f"rope_ext.RotaryEmbedding: norm must be a rope_ext.QKNorm, got {type(norm).__name__}")
+        if self.xpos_scale_base is not None:
+            raise ValueError("rope_ext.RotaryEmbedding: norm cannot be combined with xPos (k's tables differ from q's)")
+        if norm.norm_over == "heads" and self.layout == "bhsd" and cu_seqlens is None:
+            raise ValueError(
+                "rope_ext.RotaryEmbedding: a norm across heads needs the heads at dim -2 of q and k: layout 'bshd' "
+                "(or packed q and k), not 'bhsd'"
+            )
 
     def _positions(self, q, k, position_ids, offset, cu_seqlens) -> _Positions:
         """Steps 1 and 2 of forward: every argument checked, once, and every way of giving positions
@@ -640,12 +661,18 @@ class RotaryEmbedding(nn.Module):
         scale = self._xpos_scale(positions, q.dtype)
         return cos * scale, sin * scale, None, cos / scale, sin / scale
 
-    def _op(self, q, k, source: _Source):
+    def _op(self, q, k, source: _Source, norm: QKNorm | None = None):
         """Step 4 of forward: the one op call. A DTensor q gets the module's tables and rows as
         DTensors replicated on its mesh (the same on every rank)."""
         cos, sin, rows, cos_k, sin_k = source
         if type(q) is not torch.Tensor:
             cos, sin, rows, cos_k, sin_k = (None if t is None else replicated_like(q, t)[0] for t in source)
+        if norm is not None:
+            kw = dict(eps=norm.eps, weight_offset=norm.weight_offset, norm_over=norm.norm_over,
+                      interleaved=self.interleaved)
+            if rows is not None:
+                return qk_norm_rotary_pos(q, k, norm.q_weight, norm.k_weight, cos, sin, rows, **kw)
+            return qk_norm_rotary(q, k, norm.q_weight, norm.k_weight, cos, sin, **kw)
         if rows is not None:  # (rope_ext.rotary_pos_qk's lines, inline: a Python frame less per decode step)
             if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, cos, sin)):
                 return _rotary_pos_qk(q, k, cos, sin, rows, self.interleaved, False)

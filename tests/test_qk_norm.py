@@ -37,7 +37,7 @@ WEIGHTS = ("none", "own", "float32_offset")
 
 def norm_tolerance(dtype, n, out):
     u_math = _UNIT_ROUNDOFF[torch.float64 if dtype == torch.float64 else torch.float32]
-    return {"atol": (n / 2 + 6) * u_math * float(out.abs().max()), "rtol": _UNIT_ROUNDOFF[dtype]}
+    return {"atol": (n / 2 + 6) * u_math * float(out.detach().abs().max()), "rtol": _UNIT_ROUNDOFF[dtype]}
 
 
 def make_weight(kind, n, dtype, gen):
@@ -519,3 +519,80 @@ def test_gathered_form_opcheck_and_compile(gen):
     (a.sum() + (b * b).sum()).backward()
     for x, t in zip(compiled, (q, k, w), strict=True):
         torch.testing.assert_close(x, t.grad)
+
+
+# --- RotaryEmbedding(norm=...) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout, norm_over", [("bhsd", "head"), ("bshd", "head"), ("bshd", "heads")])
+def test_module_with_norm_is_the_norm_then_the_rotation(layout, norm_over, gen):
+    """rope(q, k, ..., norm=qk_norm) equals the module's rotation of QKNorm's output, to the one
+    rounding the fused op saves (bfloat16: compared against the float64 truth on the module's tables),
+    by int offset (the cache's window), by position_ids and packed; gradients reach the weights."""
+    H, Hk, D = 4, 2, 32
+    rope = rope_ext.RotaryEmbedding(D, base=10000.0, layout=layout, max_position_embeddings=64)
+    norm = rope_ext.QKNorm(D, eps=1e-6, norm_over=norm_over, heads=H, kv_heads=Hk)
+    with torch.no_grad():
+        norm.q_weight.uniform_(0.5, 1.5, generator=gen)
+        norm.k_weight.uniform_(0.5, 1.5, generator=gen)
+    shape = (lambda h: (2, h, 5, D)) if layout == "bhsd" else (lambda h: (2, 5, h, D))
+    q, k = randn(*shape(H), gen=gen).requires_grad_(), randn(*shape(Hk), gen=gen).requires_grad_()
+    for kwargs in (dict(offset=3), dict(position_ids=torch.tensor([[0, 2, 4, 6, 8], [1, 1, 2, 3, 5]]))):
+        got = rope(q, k, **kwargs, norm=norm)
+        want = rope(*norm(q, k), **kwargs)  # normalized (rounded to float32: exact here), then rotated
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, **norm_tolerance(torch.float32, D * (H if norm_over == "heads" else 1), b))
+        grads = torch.autograd.grad(sum(t.sum() for t in got), (norm.q_weight, norm.k_weight, q))
+        expected = torch.autograd.grad(sum(t.sum() for t in want), (norm.q_weight, norm.k_weight, q))
+        for a, b in zip(grads, expected, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    if layout == "bshd":
+        packed_q, packed_k = q.detach().reshape(10, H, D), k.detach().reshape(10, Hk, D)
+        cu = torch.tensor([0, 4, 10])
+        got = rope(packed_q, packed_k, cu_seqlens=cu, norm=norm)
+        want = rope(*norm(packed_q, packed_k), cu_seqlens=cu)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, **norm_tolerance(torch.float32, D * (H if norm_over == "heads" else 1), b))
+
+
+def test_module_with_norm_makes_one_op_call(gen):
+    from conftest import RopeOpSpy
+
+    rope = rope_ext.RotaryEmbedding(16, layout="bshd")
+    norm = rope_ext.QKNorm(16, eps=1e-6)
+    q, k = randn(1, 3, 2, 16, gen=gen), randn(1, 3, 1, 16, gen=gen)
+    with RopeOpSpy() as spy:
+        rope(q, k, offset=5, norm=norm)
+    assert spy.names == ["qk_norm_rotary_pos"], spy.names
+
+
+def test_module_refuses_a_norm_it_cannot_fuse(gen):
+    q = randn(1, 2, 3, 8, gen=gen)
+    rope = rope_ext.RotaryEmbedding(8, layout="bhsd")
+    wide = rope_ext.QKNorm(8, eps=1e-6, norm_over="heads", heads=2, kv_heads=2)
+    with pytest.raises(ValueError, match="a norm across heads needs the heads at dim -2 of q and k: layout 'bshd'"):
+        rope(q, q, norm=wide)
+    xpos = rope_ext.RotaryEmbedding(8, layout="bhsd", xpos_scale_base=512)
+    with pytest.raises(ValueError, match="norm cannot be combined with xPos"):
+        xpos(q, q, norm=rope_ext.QKNorm(8, eps=1e-6))
+    with pytest.raises(TypeError, match="norm must be a rope_ext.QKNorm, got RMSNorm"):
+        rope(q, q, norm=torch.nn.RMSNorm(8))
+    with pytest.raises(ValueError, match="norm_over='heads' needs heads and kv_heads"):
+        rope_ext.QKNorm(8, eps=1e-6, norm_over="heads")
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        rope_ext.QKNorm(8, eps=-1.0)
+
+
+def test_qknorm_forward_is_transformers_rmsnorm_in_float32(gen):
+    """QKNorm's own forward against transformers' Qwen3RMSNorm (float32 inputs: one rounding both)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    assert transformers.__version__
+    theirs = Qwen3RMSNorm(16, eps=1e-6)
+    ours = rope_ext.QKNorm(16, eps=1e-6)
+    with torch.no_grad():
+        theirs.weight.uniform_(0.5, 1.5, generator=gen)
+        ours.q_weight.copy_(theirs.weight)
+    x = randn(2, 3, 4, 16, gen=gen)
+    torch.testing.assert_close(ours(x, x)[0], theirs(x))
