@@ -46,12 +46,28 @@ _OPS = {
     "rotary_pos": dict(rotated=("x",), caches=("cos_cache", "sin_cache"), inplace=False),
     "rotary_pos_qk": dict(rotated=("q", "k"), caches=("cos_cache", "sin_cache"), inplace=False),
     "rotary_pos_": dict(rotated=("q", "k"), caches=("cos_cache", "sin_cache"), inplace=True),
+    # QK-norm + RoPE: the norms' weights are replicated (a row needs all of its weight), and each
+    # rotated argument's rstd (its last dim, or its last two across heads, reduced) is split as it
+    # is. A norm across heads needs all of a token's heads: q or k sharded over dim -2 is refused.
+    "qk_norm_rotary": dict(rotated=("q", "k"), tables=("cos", "sin"), weights=("q_weight", "k_weight"), stats=True,
+                           inplace=False),
+    "qk_norm_rotary_pos": dict(rotated=("q", "k"), caches=("cos_cache", "sin_cache"),
+                               weights=("q_weight", "k_weight"), stats=True, inplace=False),
+    # Its backward, per tensor: grad and rstd follow x, the weight's gradient is a sum over every row
+    # (Partial where x is split). cos/sin are tables, or caches when positions are given.
+    "qk_norm_rotary_backward": dict(rotated=("x",), tables=("cos", "sin"), weights=("weight",), inplace=False,
+                                    backward=True),
 }
 
 
-def _followers(op: str, args: dict) -> list[tuple[str, tuple[str, ...], bool]]:
-    """(argument, the rotated arguments it serves, whether it is a table) for each argument that
-    must be split like the rows it serves."""
+def _followers(op: str, args: dict) -> list[tuple[str, tuple[str, ...], bool | str]]:
+    """(argument, the rotated arguments it serves, how it lines up with them) for each argument that
+    must be split like the rows it serves: True for a table (x.shape[:-1] + (r,)), False for
+    positions (x.shape[:-1]), "stat" for a norm's rstd (x's leading dims)."""
+    if op == "qk_norm_rotary_backward":
+        tables = [("positions", ("x",), False)] if args.get("positions") is not None else \
+            [("cos", ("x",), True), ("sin", ("x",), True)]
+        return [("grad", ("x",), True), ("rstd", ("x",), "stat"), *tables]
     if "caches" in _OPS[op]:
         served = tuple(n for n in _OPS[op]["rotated"] if args.get(n) is not None)
         return [("positions", served, False)]
@@ -81,7 +97,7 @@ class _Rule:
         self.names = [a.name for a in self.schema.arguments]
 
     def __call__(self, *args, **kwargs):
-        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor import Partial, Replicate, Shard
 
         # DTensor passes every argument that is not keyword-only positionally, and these schemas have
         # none; it would not redistribute a keyword (a placement chosen for one would be ignored).
@@ -93,7 +109,8 @@ class _Rule:
         followers = _followers(self.op, bound)
 
         def usable(name, p):  # a placement a rotated argument can keep through the op
-            return type(p) is Shard and p.dim % bound[name].ndim != bound[name].ndim - 1
+            keep = type(p) is Shard and p.dim % bound[name].ndim != bound[name].ndim - 1
+            return keep and not (bound.get("across_heads") and p.dim % bound[name].ndim == bound[name].ndim - 2)
 
         def follower_placement(name, served, table, placements):
             """The placement `name` needs for the rotated ones to have `placements`, or None if they
@@ -107,8 +124,9 @@ class _Rule:
                     needs.add(Replicate())
                     continue
                 x = bound[x_name]
-                # t's dims line up with x.shape[:-1] + (r,) (tables) or x.shape[:-1] (positions)
-                a = p.dim % x.ndim - (x.ndim - t.ndim - (0 if table else 1))
+                # t's dims line up with x.shape[:-1] + (r,) (tables) or x.shape[:-1] (positions), or
+                # begin with x's (a norm's rstd)
+                a = p.dim % x.ndim - (0 if table == "stat" else x.ndim - t.ndim - (0 if table else 1))
                 needs.add(Replicate() if a < 0 or t.shape[a] == 1 else Shard(a))
             return needs.pop() if len(needs) == 1 else None
 
@@ -134,6 +152,15 @@ class _Rule:
                 return differ.pop() if len(differ) == 1 else None
             return differ.pop() if len(differ) == 1 else -1
 
+        if bound.get("across_heads"):
+            for name in rotated:
+                for i, p in enumerate(bound[name].placements):
+                    if isinstance(p, Shard) and p.dim % bound[name].ndim == bound[name].ndim - 2:
+                        raise _refusal(
+                            f"rope_ext.{self.op}: {name} is sharded over its heads (dim -2, on mesh dim {i}), and "
+                            "a norm across heads needs all of a token's heads in one place. Shard another dim "
+                            "(batch, sequence), or normalize per head."
+                        )
         coupled = len(rotated) == 2 and any(len(served) == 2 for _, served, _ in followers)
         allowed = head_dim() if coupled else -1
 
@@ -153,10 +180,22 @@ class _Rule:
                 if p is None:
                     return f"{name} cannot be split to match both"
                 by_name[name] = p
-            for name in spec.get("caches", ()):
-                by_name[name] = Replicate()
+            caches = spec.get("caches", ())
+            if spec.get("backward") and bound.get("positions") is not None:
+                caches = ("cos", "sin")
+            for name in (*caches, *spec.get("weights", ())):
+                if bound.get(name) is not None:
+                    by_name[name] = Replicate()
             inputs = [by_name.get(n) for n in order]
-            return ([] if spec["inplace"] else list(placements)), inputs
+            if spec["inplace"]:
+                return [], inputs
+            outputs = list(placements)
+            if spec.get("stats"):  # each rotated argument's rstd, split as it is
+                outputs += [p if isinstance(p, Replicate) else Shard(p.dim % bound[n].ndim)
+                            for n, p in zip(rotated, placements, strict=True)]
+            if spec.get("backward"):  # the weight's gradient: a sum over every row
+                outputs.append(Replicate() if isinstance(placements[0], Replicate) else Partial())
+            return outputs, inputs
 
         if spec["inplace"]:
             return self._inplace(bound, rotated, usable, strategy)

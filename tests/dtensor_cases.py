@@ -186,6 +186,24 @@ def rotary_pos_qk(place, q="S2", k="S2", positions="R"):
     return _result(place, list(outs), [qs, ks], [c, s])
 
 
+def qk_norm(place, q="S2", k="S2", tables="R", norm_over="head", positions=None):
+    """qk_norm_rotary (qk_norm_rotary_pos with `positions`' placement) with both weights learned."""
+    wide = norm_over == "heads"
+    qs, ks = place.put(_x(H, S, "bshd", 2), q, grad=True), place.put(_x(HK, S, "bshd", 3), k, grad=True)
+    wq = place.put(_randn(D * (H if wide else 1), seed=6).abs() + 0.5, "R", grad=True)
+    wk = place.put(_randn(D * (HK if wide else 1), seed=7).abs() + 0.5, "R", grad=True)
+    kw = dict(eps=1e-6, weight_offset=0.25, norm_over=norm_over)
+    if positions is None:
+        cos, sin = _tables(_randn(1, S, R // 2, seed=1), "bshd")
+        c, s = place.put(cos, tables, grad=True), place.put(sin, tables, grad=True)
+        outs = rope_ext.qk_norm_rotary(qs, ks, wq, wk, c, s, **kw)
+    else:
+        cc, sc = _caches()
+        c, s = place.put(cc, "R", grad=True), place.put(sc, "R", grad=True)
+        outs = rope_ext.qk_norm_rotary_pos(qs, ks, wq, wk, c, s, place.put(_positions(S, False), positions), **kw)
+    return _result(place, list(outs), [qs, ks], [wq, wk, c, s])
+
+
 def rotary_inplace(place, x="S2", tables="R"):
     cos, sin = _tables(_randn(1, S, R // 2, seed=1), "bshd")
     xs = place.put(_x(H, S, "bshd", 2), x)
@@ -327,6 +345,12 @@ CASES = {
     "rotary_pos_qk/heads": (P(rotary_pos_qk, q="S2", k="S2"), ["S2", "S2"]),
     "rotary_pos_qk/seq": (P(rotary_pos_qk, q="S1", k="S1", positions="S0"), ["S1", "S1"]),
     "rotary_pos_qk/GQA, q batch, k replicated": (P(rotary_pos_qk, q="S0", k="R"), ["R", "R"]),
+    "qk_norm_rotary/heads": (P(qk_norm, q="S2", k="S2"), ["S2", "S2"]),
+    "qk_norm_rotary/seq": (P(qk_norm, q="S1", k="S1", tables="S1"), ["S1", "S1"]),
+    "qk_norm_rotary/across heads, batch": (P(qk_norm, q="S0", k="S0", norm_over="heads"), ["S0", "S0"]),
+    "qk_norm_rotary_pos/seq": (P(qk_norm, q="S1", k="S1", positions="S0"), ["S1", "S1"]),
+    "qk_norm_rotary_pos/across heads, seq": (P(qk_norm, q="S1", k="S1", positions="S0", norm_over="heads"),
+                                             ["S1", "S1"]),
     "rotary_/heads": (P(rotary_inplace, x="S2"), ["S2"]),
     "rotary_/seq, tables replicated": (P(rotary_inplace, x="S1"), ["S1"]),
     "rotary_pos_/heads": (P(rotary_pos_inplace, q="S2", k="S2"), ["S2", "S2"]),
@@ -349,9 +373,11 @@ CASES = {
 # Cases that need transformers (tests/test_distributed.py), apart from the core cases.
 EXTRA = {"llama tensor parallel": (llama_tp, None)}
 
-# In-place calls whose written inputs cannot keep their placements: refused, with the words the
-# error must contain.
+# Calls refused: in-place ones whose written inputs cannot keep their placements, and a norm across
+# heads over sharded heads; with the words the error must contain.
 REFUSED = {
+    "qk_norm_rotary/across heads, heads sharded": (
+        P(qk_norm, q="S2", k="S2", norm_over="heads"), ["rope_ext.qk_norm_rotary", "q", "sharded over its heads"]),
     "rotary_/x split on the rotated dim": (P(rotary_inplace, x="S3"), ["rope_ext.rotary_", "x", "in-place"]),
     "rotary_pos_/k split on the rotated dim": (P(rotary_pos_inplace, q="S1", k="S3"), ["rope_ext.rotary_pos_", "k"]),
     "rotary_pos_/q seq, k heads": (P(rotary_pos_inplace, q="S1", k="S2"), ["rope_ext.rotary_pos_", "head count"]),

@@ -67,7 +67,8 @@ def test_op_on_dtensors_equals_unsharded(sharded, name):
 def test_inplace_refuses_what_it_cannot_keep(sharded, name):
     _, words = cases.REFUSED[name]
     got = sharded[name]
-    assert isinstance(got, str), "an in-place call whose written input would move must be refused"
+    assert isinstance(got, str), "an in-place call whose written input would move, or a norm across sharded heads, " \
+        "must be refused"
     # rope_ext's message first, on every torch
     assert got.split(": ", 1)[1].startswith(words[0]), got
     for word in words:
