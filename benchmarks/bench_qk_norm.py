@@ -2,6 +2,7 @@
 
     python benchmarks/bench_qk_norm.py               # every case, 2 threads (about 5 minutes)
     python benchmarks/bench_qk_norm.py --quick       # Qwen3 in bfloat16 only, no torch.compile
+    python benchmarks/bench_qk_norm.py --reuse-memory  # freed outputs reused (no page faults per call)
 
 Cases:
   qwen3  Qwen3-8B attention at S=4096: q (1, 4096, 32, 128), k (1, 4096, 8, 128), a (128,) weight
@@ -19,14 +20,17 @@ Modes: fwd (no grad) and fwd+bwd (forward, then backward of random output gradie
 both weights). Every provider is checked against the float64 reference first. Providers run
 interleaved, one call each per round; the table gives medians and the ratios of medians, all from
 one run. Also: fused fwd against `neg_` of q and k in place (the same bytes read and written, out of
-cache: q + k are 40 to 168 MiB), and the peak memory of one fwd+bwd (torch profiler accounting).
+cache: q + k are 40 to 168 MiB) and against `clone` (the same bytes into fresh tensors, as every
+out-of-place op writes), and the peak memory of one fwd+bwd (torch profiler accounting).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -38,6 +42,10 @@ from rope_ext.reference import rms_norm_rotary_reference
 
 S, D, EPS = 4096, 128, 1e-6
 CASES = {"qwen3": (32, 8, "head"), "wan": (40, 40, "heads")}
+# glibc.malloc thresholds for --reuse-memory: keep freed blocks of any size for reuse, as a caching
+# allocator (a GPU's, jemalloc) does; without it each call's output is a fresh mmap whose pages fault
+# in on first write (bench_rope.py's docstring).
+REUSE_TUNABLES = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296"
 TARGETS = {"eager": 5.0, "compiled": 1.5, "unfused": 1.3}  # fwd+bwd speedups the issue asks for
 
 
@@ -121,7 +129,7 @@ def measure(case: Case, fns: dict, mode: str, rounds: int) -> dict[str, list[flo
     times = {name: [] for name in fns}
     if mode == "fwd":
         qi, ki = case.q.clone(), case.k.clone()
-        times["neg_"] = []
+        times["neg_"], times["clone"] = [], []
     for name, fn in fns.items():  # warm-up (and compilation)
         step(case, fn, mode)
     for _ in range(rounds):
@@ -134,6 +142,10 @@ def measure(case: Case, fns: dict, mode: str, rounds: int) -> dict[str, list[flo
             qi.neg_()
             ki.neg_()
             times["neg_"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            case.q.clone()
+            case.k.clone()
+            times["clone"].append(time.perf_counter() - t)
     return times
 
 
@@ -156,7 +168,12 @@ def main():
     p.add_argument("--quick", action="store_true", help="qwen3 bfloat16 only, without torch.compile")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reuse-memory", action="store_true",
+                   help="rerun under GLIBC_TUNABLES that keep freed outputs for reuse (no page faults per call)")
     args = p.parse_args()
+    if args.reuse_memory and "GLIBC_TUNABLES" not in os.environ:  # (glibc reads it at startup: re-exec)
+        os.environ["GLIBC_TUNABLES"] = REUSE_TUNABLES
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     torch.set_num_threads(args.threads)
     print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"rope_ext {rope_ext.__version__} ({rope_ext.cpu_kernel_isa()} kernel)")
@@ -180,6 +197,8 @@ def main():
                 ratio = med["neg_"] / med["fused"]
                 print(f"{case.label():16} {mode:8} {'neg_':9} {med['neg_'] * 1e3:8.2f}   fused at {ratio:.2f} of neg_ "
                       "on the same bytes (target >= 0.8)")
+                print(f"{case.label():16} {mode:8} {'clone':9} {med['clone'] * 1e3:8.2f}   fused at "
+                      f"{med['clone'] / med['fused']:.2f} of clone (the same bytes into fresh tensors)")
                 verdicts.append((f"{case.label()} fwd vs neg_", ratio, 0.8))
             else:
                 for other, target in TARGETS.items():
