@@ -116,7 +116,8 @@ def step(case: Case, fn, mode: str):
         return None
     q, k = case.q.detach().requires_grad_(), case.k.detach().requires_grad_()
     outs = fn(q, k)
-    torch.autograd.backward(outs, [g if g.shape == o.shape else g.transpose(1, 2) for o, g in zip(outs, case.grads)])
+    grads = [g if g.shape == o.shape else g.transpose(1, 2) for o, g in zip(outs, case.grads, strict=True)]
+    torch.autograd.backward(outs, grads)
     case.nq.weight.grad = case.nk.weight.grad = None
     return None
 
@@ -130,7 +131,7 @@ def measure(case: Case, fns: dict, mode: str, rounds: int) -> dict[str, list[flo
     if mode == "fwd":
         qi, ki = case.q.clone(), case.k.clone()
         times["neg_"], times["clone"] = [], []
-    for name, fn in fns.items():  # warm-up (and compilation)
+    for fn in fns.values():  # warm-up (and compilation)
         step(case, fn, mode)
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -157,7 +158,8 @@ def peak_memory(case: Case, fn) -> float:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step(case, fn, "fwd+bwd")
     level = peak = 0
-    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"):
+    events = prof.profiler.kineto_results.events()
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
         level += nbytes
         peak = max(peak, level)
     return peak / 2**20
@@ -175,9 +177,10 @@ def main():
         os.environ["GLIBC_TUNABLES"] = REUSE_TUNABLES
         os.execv(sys.executable, [sys.executable, *sys.argv])
     torch.set_num_threads(args.threads)
-    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"rope_ext {rope_ext.__version__} ({rope_ext.cpu_kernel_isa()} kernel)")
-    pairs = [("qwen3", torch.bfloat16)] if args.quick else [(n, d) for n in CASES for d in (torch.bfloat16, torch.float32)]
+    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}, rope_ext {rope_ext.__version__} ({rope_ext.cpu_kernel_isa()} kernel)")
+    dtypes = (torch.bfloat16, torch.float32)
+    pairs = [("qwen3", torch.bfloat16)] if args.quick else [(n, d) for n in CASES for d in dtypes]
     verdicts = []
     print(f"{'case':16} {'mode':8} {'provider':9} {'ms':>8} {'eager/x':>8} {'compiled/x':>10} {'unfused/x':>9}")
     for name, dtype in pairs:
@@ -206,7 +209,8 @@ def main():
                         verdicts.append((f"{case.label()} fwd+bwd vs {other}", med[other] / med["fused"], target))
         peaks = {n: peak_memory(case, fns[n]) for n in ("eager", "fused")}
         ratio = peaks["fused"] / peaks["eager"]
-        print(f"{case.label():16} peak memory of fwd+bwd: eager {peaks['eager']:.0f} MiB, fused {peaks['fused']:.0f} MiB "
+        print(f"{case.label():16} peak memory of fwd+bwd: eager {peaks['eager']:.0f} MiB, "
+              f"fused {peaks['fused']:.0f} MiB "
               f"({ratio:.2f} of eager; target <= 0.5)")
         verdicts.append((f"{case.label()} peak memory vs eager (lower is better)", 1 / ratio, 2.0))
     print("\ntargets (issue 38), measured in this run:")

@@ -270,7 +270,7 @@ def _qk_norm_composite_backward(ctx, gq, gk, need):
 
     q, k, q_weight, k_weight, cos, sin, positions, _, _ = ctx.saved_tensors
     eps, weight_offset, across_heads, interleaved = ctx.flags
-    wanted = [t for t, n in zip((q, k, q_weight, k_weight, cos, sin), need) if n]
+    wanted = [t for t, n in zip((q, k, q_weight, k_weight, cos, sin), need, strict=True) if n]
     norm_over = "heads" if across_heads else "head"
     with torch.enable_grad():
         c, s = cos, sin

@@ -319,7 +319,8 @@ def qk_norm_rotary(
     if norm_over not in _NORM_OVER:
         raise ValueError(f"rope_ext.qk_norm_rotary: norm_over must be 'head' or 'heads', got {norm_over!r}")
     if q.is_cuda or k.is_cuda:
-        raise NotImplementedError("rope_ext.qk_norm_rotary: no CUDA kernel yet (issue 38's next step); it runs on the CPU")
+        raise NotImplementedError("rope_ext.qk_norm_rotary: no CUDA kernel yet (issue 38's next step); "
+                                  "it runs on the CPU")
     args = (q, k, q_weight, k_weight, cos, sin, eps, weight_offset, _NORM_OVER[norm_over], interleaved)
     if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos, sin)):
         return _qk_norm_rotary(*args)[:2]
@@ -358,7 +359,8 @@ def qk_norm_rotary_pos(
     if norm_over not in _NORM_OVER:
         raise ValueError(f"rope_ext.qk_norm_rotary_pos: norm_over must be 'head' or 'heads', got {norm_over!r}")
     if q.is_cuda or k.is_cuda:
-        raise NotImplementedError("rope_ext.qk_norm_rotary_pos: no CUDA kernel yet (issue 38's next step); it runs on the CPU")
+        raise NotImplementedError("rope_ext.qk_norm_rotary_pos: no CUDA kernel yet (issue 38's next step); "
+                                  "it runs on the CPU")
     args = (q, k, q_weight, k_weight, cos_cache, sin_cache, positions, eps, weight_offset, _NORM_OVER[norm_over],
             interleaved)
     if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos_cache, sin_cache)):

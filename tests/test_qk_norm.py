@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONVENTIONS, DTYPES, TESTING, _UNIT_ROUNDOFF, hook_setting, random_tables, randn
+from conftest import _UNIT_ROUNDOFF, CONVENTIONS, DTYPES, hook_setting, randn, random_tables
 from torch.testing._internal.optests import opcheck
 
 import rope_ext
@@ -209,7 +209,8 @@ def test_gradients_match_float64_autograd(norm_over, convention, weight, gen):
     """In float64, every gradient (q, k, both weights, cos, sin) equals autograd's of the reference
     composite to float64 rounding."""
     inputs, kw = _grad_case(torch.float64, norm_over, CONVENTIONS[convention], weight, gen)
-    gq, gk = randn(*inputs[0].shape, dtype=torch.float64, gen=gen), randn(*inputs[1].shape, dtype=torch.float64, gen=gen)
+    gq = randn(*inputs[0].shape, dtype=torch.float64, gen=gen)
+    gk = randn(*inputs[1].shape, dtype=torch.float64, gen=gen)
     wanted = [t for t in inputs if t is not None]
     ours = torch.autograd.grad(rope_ext.qk_norm_rotary(*inputs, **kw), wanted, (gq, gk))
     theirs = torch.autograd.grad(_reference_pair(*inputs, **kw), wanted, (gq, gk))
@@ -343,15 +344,19 @@ def _bad(**changes):
     "changes, message",
     [
         (dict(q_weight=torch.ones(7)), r"q_weight must have shape \(8,\) \(q.size\(-1\)\), got \[7\]"),
-        (dict(q_weight=torch.ones(32), k_weight=torch.ones(8), norm_over="heads"), r"k_weight must have shape \(16,\) \(k.size\(-2\) \* k.size\(-1\), normalized across heads\), got \[8\]"),
-        (dict(q_weight=torch.ones(8, dtype=torch.float64)), r"q_weight must have q's dtype \(Float\) or float32, got Double"),
+        (dict(q_weight=torch.ones(32), k_weight=torch.ones(8), norm_over="heads"),
+         r"k_weight must have shape \(16,\) \(k.size\(-2\) \* k.size\(-1\), normalized across heads\), got \[8\]"),
+        (dict(q_weight=torch.ones(8, dtype=torch.float64)),
+         r"q_weight must have q's dtype \(Float\) or float32, got Double"),
         (dict(eps=-1.0), r"eps must be a finite number >= 0, got -1"),
         (dict(eps=float("nan")), r"eps must be a finite number >= 0, got nan"),
         (dict(weight_offset=float("inf")), r"weight_offset must be finite, got inf"),
         (dict(q=torch.randn(8), k=torch.randn(8), cos=torch.ones(8), sin=torch.ones(8), q_weight=None, k_weight=None,
-              norm_over="heads"), r"q must have at least two dims \(\.\.\., heads, head_dim\) to be normalized across heads"),
+              norm_over="heads"),
+         r"q must have at least two dims \(\.\.\., heads, head_dim\) to be normalized across heads"),
         (dict(k=torch.randn(1, 3, 2, 8, dtype=torch.float64)), r"q and k must have the same dtype"),
-        (dict(cos=torch.ones(1, 3, 1, 9), sin=torch.ones(1, 3, 1, 9)), r"the rotary dim cos.size\(-1\) must be a positive even number, got 9"),
+        (dict(cos=torch.ones(1, 3, 1, 9), sin=torch.ones(1, 3, 1, 9)),
+         r"the rotary dim cos.size\(-1\) must be a positive even number, got 9"),
         (dict(k=torch.randn(2, 3, 2, 8)), r"q \[1, 3, 4, 8\] and k \[2, 3, 2, 8\] may differ only in the head count"),
     ],
 )
