@@ -29,6 +29,7 @@ struct QkNormOps {
 
   // Row-major with no gaps (dims of one element aside): the kernels index rstd by group number.
   static bool contiguous(const TensorArg& t) {
+    if (t.numel() == 0) return true;  // (as ATen's is_contiguous: an empty tensor's strides do not matter)
     int64_t expected = 1;
     for (int64_t d = t.dim() - 1; d >= 0; --d) {
       if (t.size(d) == 1) continue;

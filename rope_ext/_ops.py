@@ -268,6 +268,10 @@ def rotary_pos_(
 _NORM_OVER = {"head": False, "heads": True}
 
 
+def _on_cuda(*tensors) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
+
+
 def qk_norm_rotary(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -318,7 +322,7 @@ def qk_norm_rotary(
     """
     if norm_over not in _NORM_OVER:
         raise ValueError(f"rope_ext.qk_norm_rotary: norm_over must be 'head' or 'heads', got {norm_over!r}")
-    if q.is_cuda or k.is_cuda:
+    if _on_cuda(q, k):
         raise NotImplementedError("rope_ext.qk_norm_rotary: no CUDA kernel yet (issue 38's next step); "
                                   "it runs on the CPU")
     args = (q, k, q_weight, k_weight, cos, sin, eps, weight_offset, _NORM_OVER[norm_over], interleaved)
@@ -358,7 +362,7 @@ def qk_norm_rotary_pos(
     """
     if norm_over not in _NORM_OVER:
         raise ValueError(f"rope_ext.qk_norm_rotary_pos: norm_over must be 'head' or 'heads', got {norm_over!r}")
-    if q.is_cuda or k.is_cuda:
+    if _on_cuda(q, k):
         raise NotImplementedError("rope_ext.qk_norm_rotary_pos: no CUDA kernel yet (issue 38's next step); "
                                   "it runs on the CPU")
     args = (q, k, q_weight, k_weight, cos_cache, sin_cache, positions, eps, weight_offset, _NORM_OVER[norm_over],

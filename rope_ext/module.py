@@ -670,9 +670,12 @@ class RotaryEmbedding(nn.Module):
         if norm is not None:
             kw = dict(eps=norm.eps, weight_offset=norm.weight_offset, norm_over=norm.norm_over,
                       interleaved=self.interleaved)
+            q_weight, k_weight = norm.q_weight, norm.k_weight
+            if type(q) is not torch.Tensor:  # plain weights enter a DTensor q's op replicated
+                q_weight, k_weight = (None if w is None else replicated_like(q, w)[0] for w in (q_weight, k_weight))
             if rows is not None:
-                return qk_norm_rotary_pos(q, k, norm.q_weight, norm.k_weight, cos, sin, rows, **kw)
-            return qk_norm_rotary(q, k, norm.q_weight, norm.k_weight, cos, sin, **kw)
+                return qk_norm_rotary_pos(q, k, q_weight, k_weight, cos, sin, rows, **kw)
+            return qk_norm_rotary(q, k, q_weight, k_weight, cos, sin, **kw)
         if rows is not None:  # (rope_ext.rotary_pos_qk's lines, inline: a Python frame less per decode step)
             if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, cos, sin)):
                 return _rotary_pos_qk(q, k, cos, sin, rows, self.interleaved, False)

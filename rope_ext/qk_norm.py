@@ -63,7 +63,7 @@ class QKNorm(nn.Module):
         self.head_dim, self.eps, self.norm_over = head_dim, float(eps), norm_over
         self.weight_offset = float(weight_offset)
         sizes = (head_dim, head_dim) if norm_over == "head" else (heads * head_dim, kv_heads * head_dim)
-        init = 0.0 if weight_offset else 1.0
+        init = 1.0 - self.weight_offset  # g = weight + weight_offset starts at 1
         for name, n in zip(("q_weight", "k_weight"), sizes, strict=True):
             value = nn.Parameter(torch.full((n,), init, device=device, dtype=dtype)) if weight else None
             self.register_parameter(name, value)

@@ -220,15 +220,18 @@ def rotary_pos_inplace(place, q="S2", k="S2", positions="R", mesh=None, k_heads=
     return _result(place, [qs, ks], [qs, ks])
 
 
-def module(place, q="S2", k="S2", layout="bshd", offset=0, compiled=False, first_position=None, **kwargs):
+def module(place, q="S2", k="S2", layout="bshd", offset=0, compiled=False, first_position=None, norm=False,
+           **kwargs):
     """RotaryEmbedding on DTensors: default positions are the global ones, also for a q split over
     the sequence. first_position: explicit positions from there (plain, as the module's callers
-    pass them)."""
+    pass them). norm: with a QKNorm of plain weights (they enter the op replicated)."""
     rope = rope_ext.RotaryEmbedding(D, 5e5, rotary_dim=R, layout=layout, max_position_embeddings=64, **kwargs)
     qs, ks = place.put(_x(H, S, layout, 2), q, grad=True), place.put(_x(HK, S, layout, 3), k, grad=True)
     call = dict(offset=offset)
     if first_position is not None:
         call = dict(position_ids=torch.arange(first_position, first_position + S))
+    if norm:
+        call["norm"] = rope_ext.QKNorm(D, eps=1e-6, dtype=torch.float64)
     result = _result(place, list((place.compile(rope) if compiled else rope)(qs, ks, **call)), [qs, ks])
     if compiled and place.sharded:
         result["frames"] = (place.frames.frame_count, place.frames.op_count > 0)
@@ -367,6 +370,7 @@ CASES = {
     # must grow the cache alike
     "module/seq, positions past the cache": (P(module, q="S1", k="S1", first_position=61), ["S1", "S1"]),
     "module/MQA-like: q heads, k replicated": (P(module, q="S2", k="R"), ["S2", "R"]),
+    "module/seq, with a QK norm": (P(module, q="S1", k="S1", offset=2, norm=True), ["S1", "S1"]),
     "compiled": (compiled, ["S1", "S1"]),
 }
 

@@ -601,3 +601,36 @@ def test_qknorm_forward_is_transformers_rmsnorm_in_float32(gen):
         ours.q_weight.copy_(theirs.weight)
     x = randn(2, 3, 4, 16, gen=gen)
     torch.testing.assert_close(ours(x, x)[0], theirs(x))
+
+
+def test_empty_batches_train(gen):
+    """A zero-size dim anywhere: forward and backward run (the rstd of no rows is empty, and empty
+    tensors count as contiguous), every gradient of the right shape."""
+    for shape in ((2, 0, 4, 8), (0, 3, 4, 8)):
+        q = torch.randn(*shape, requires_grad=True)
+        w = torch.ones(8, requires_grad=True)
+        cos, sin = torch.ones(1, 8), torch.zeros(1, 8)
+        out = rope_ext.qk_norm_rotary(q, q, w, w, cos, sin, eps=1e-6)
+        dq, dw = torch.autograd.grad(out[0].sum() + out[1].sum(), (q, w))
+        assert dq.shape == q.shape and torch.equal(dw, torch.zeros(8))
+
+
+def test_tokens_of_no_heads_have_a_nan_statistic_across_heads():
+    """The raw op's rstd of tokens with no heads, across heads: NaN (the mean of no values), never
+    uninitialized memory."""
+    x = torch.randn(2, 3, 0, 8)
+    cos, sin = torch.ones(8), torch.zeros(8)
+    out, _, rstd, _ = torch.ops.rope_ext.qk_norm_rotary(x, x, None, None, cos, sin, 1e-6, 0.0, True, False)
+    assert out.shape == x.shape and rstd.shape == (2, 3) and torch.isnan(rstd).all()
+
+
+def test_a_non_tensor_k_is_refused_by_name():
+    q = torch.randn(1, 2, 2, 8)
+    with pytest.raises(RuntimeError, match="rope_ext.qk_norm_rotary: k must be a Tensor"):
+        rope_ext.qk_norm_rotary(q, None, None, None, torch.ones(8), torch.zeros(8), eps=1e-6)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0, 0.5])
+def test_qknorm_starts_at_a_gain_of_one(offset):
+    norm = rope_ext.QKNorm(8, eps=1e-6, weight_offset=offset)
+    assert torch.equal(norm.q_weight + offset, torch.ones(8)) and torch.equal(norm.k_weight + offset, torch.ones(8))

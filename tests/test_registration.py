@@ -23,8 +23,8 @@ import rope_ext
 HEADER = Path(__file__).resolve().parents[1] / "csrc" / "include" / "rope_ext" / "version.h"
 PACKAGE = Path(rope_ext.__file__).resolve().parent
 LIB = Path(rope_ext._LIBRARY)
-PUBLIC_OPS = {"rotary", "rotary_qk", "rotary_", "rotary_pos", "rotary_pos_qk", "rotary_pos_", "cpu_kernel_isa",
-              "_version", "_library_path"}
+PUBLIC_OPS = {"rotary", "rotary_qk", "rotary_", "rotary_pos", "rotary_pos_qk", "rotary_pos_", "qk_norm_rotary",
+              "qk_norm_rotary_pos", "qk_norm_rotary_backward", "cpu_kernel_isa", "_version", "_library_path"}
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:

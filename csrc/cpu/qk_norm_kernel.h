@@ -225,9 +225,11 @@ void norm_forward(const NormPlan& p, const NormOperands& o, const Thresholds& th
   });
 }
 
-// Groups per block of the weights' gradient: blocks of about 16K elements, from the shape alone.
-inline int64_t norm_block_groups(int64_t group_elements) {
-  return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(group_elements, 1));
+// Groups per block of the weights' gradient, from the shape alone: blocks of about 16K elements, and
+// at most 512 blocks (the blocks' partial sums, 512 * weight_len values at most, are the scratch).
+inline int64_t norm_block_groups(int64_t groups, int64_t group_elements) {
+  const int64_t by_size = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(group_elements, 1));
+  return std::max(by_size, (groups + 511) / 512);
 }
 
 template <typename scalar_t, bool kInterleaved>
@@ -241,7 +243,7 @@ void norm_backward(const NormPlan& p, const NormOperands& o, const Thresholds& t
   auto* dx = static_cast<scalar_t*>(o.out);
   const T* rstd = static_cast<const T*>(o.rstd);
   T* dweight = static_cast<T*>(o.dweight);
-  const int64_t groups = p.num_groups(), block = norm_block_groups(N);
+  const int64_t groups = p.num_groups(), block = norm_block_groups(groups, N);
   const int64_t blocks = (groups + block - 1) / block;
   std::vector<T> partial(dweight != nullptr ? blocks * W : 0, T(0));
   const int64_t grain = std::max<int64_t>(1, th.grain_elements / (block * N));
@@ -278,11 +280,14 @@ void norm_backward(const NormPlan& p, const NormOperands& o, const Thresholds& t
     }
   });
   if (dweight == nullptr) return;
-  std::fill_n(dweight, W, T(0));
-  for (int64_t b = 0; b < blocks; ++b) {  // in block order, whatever the threads did
-    const T* part = partial.data() + b * W;
-    for (int64_t j = 0; j < W; ++j) dweight[j] += part[j];
-  }
+  // Each column's blocks in block order, whatever the threads did (threads split the columns).
+  parallel_for(pool, 0, W, std::max<int64_t>(1, th.grain_elements / blocks), [&](int64_t j0, int64_t j1) {
+    std::fill(dweight + j0, dweight + j1, T(0));
+    for (int64_t b = 0; b < blocks; ++b) {
+      const T* part = partial.data() + b * W;
+      for (int64_t j = j0; j < j1; ++j) dweight[j] += part[j];
+    }
+  });
 }
 
 void qk_norm_kernel(const NormPlan& p, const NormOperands& o, bool interleaved, bool backward, const Thresholds& th,

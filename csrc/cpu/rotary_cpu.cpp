@@ -6,11 +6,13 @@
 
 #include <torch/csrc/stable/ops.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <limits>
 
 #ifdef __linux__
 #include <sys/mman.h>
@@ -252,6 +254,15 @@ void run_norm(const NormCall& c) {
   const NormPlan plan = make_norm_plan(c.x, c.out, c.weight, c.cos, c.sin, c.positions, c.grad, c.across_heads);
   const Thresholds th = thresholds();
   advise_huge_pages(c.out, th.huge_page_bytes);  // (out is always new: the output, or dx)
+  if (c.grad == nullptr && c.x.numel() == 0 && c.rstd.numel() > 0) {
+    // Tokens of no heads, across heads: the mean of no values is NaN, as torch's mean says.
+    void* rstd = c.rstd.mutable_data_ptr();
+    if (c.rstd.scalar_type() == ScalarType::Double) {
+      std::fill_n(static_cast<double*>(rstd), c.rstd.numel(), std::numeric_limits<double>::quiet_NaN());
+    } else {
+      std::fill_n(static_cast<float*>(rstd), c.rstd.numel(), std::numeric_limits<float>::quiet_NaN());
+    }
+  }
   const bool weighted = c.weight != nullptr && c.weight->defined();
   const NormOperands operands{c.x.const_data_ptr(),
                               c.out.mutable_data_ptr(),
