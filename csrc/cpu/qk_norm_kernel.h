@@ -33,11 +33,17 @@ struct NormMath {
       acc0 = acc0 + Vec::loadu(a + j) * Vec::loadu(b + j);
       acc1 = acc1 + Vec::loadu(a + j + kLanes) * Vec::loadu(b + j + kLanes);
     }
+    T s = sum_lanes(acc0 + acc1);
+    for (; j < n; ++j) s += a[j] * b[j];
+    return s;
+  }
+
+  // The lanes of v added in order.
+  static T sum_lanes(const Vec& v) {
     T lanes[kLanes];
-    (acc0 + acc1).store(lanes);
+    v.store(lanes);
     T s = 0;
     for (int64_t k = 0; k < kLanes; ++k) s += lanes[k];
-    for (; j < n; ++j) s += a[j] * b[j];
     return s;
   }
 
@@ -89,6 +95,25 @@ struct NormRowIO {
     }
     for (; j < n; ++j) dst[j] = static_cast<T>(p[j * col]);
   }
+  // load(), adding each value's square to the sum of squares (acc0 and acc1 take a step's two
+  // vectors, tail the rest): the forward's two reads of the row in one.
+  static void load_squares(const scalar_t* p, int64_t col, int64_t n, T* dst, Vec& acc0, Vec& acc1, T& tail) {
+    int64_t j = 0;
+    if (col == 1) {
+      for (; j + IO::kStep <= n; j += IO::kStep) {
+        Vec a, b;
+        IO::load(p + j, a, b);
+        a.store(dst + j);
+        b.store(dst + j + Vec::size());
+        acc0 = acc0 + a * a;
+        acc1 = acc1 + b * b;
+      }
+    }
+    for (; j < n; ++j) {
+      dst[j] = static_cast<T>(p[j * col]);
+      tail += dst[j] * dst[j];
+    }
+  }
   static void store(scalar_t* p, int64_t col, int64_t n, const T* src) {
     int64_t j = 0;
     if (col == 1) {
@@ -119,6 +144,61 @@ void rotate_buffer(const T* a, const T* c, const T* s, T* y, int64_t r, int64_t 
     rotate_pair<kConj>(a[f], a[t], c[f], s[f], c[t], s[t], y[f], y[t]);
   }
   for (int64_t j = r; j < d; ++j) y[j] = a[j];
+}
+
+// out = rotary(a * s * g) on the first r of d columns of one row, the rest a * s * g (g may be null:
+// a * s), into `out` (column stride col) rounded once: where out's columns are contiguous, whole
+// vector steps of pairs are scaled, rotated and stored in one pass; the other pairs and the
+// pass-through columns go through the buffer y. (The same roundings as rotate_buffer after
+// NormMath::scale: (a * s) * g, then rotate_pair.)
+template <typename scalar_t, bool kInterleaved>
+void store_scaled_rotation(const at::opmath_type<scalar_t>* a, at::opmath_type<scalar_t> s,
+                           const at::opmath_type<scalar_t>* g, const at::opmath_type<scalar_t>* c,
+                           const at::opmath_type<scalar_t>* sn, at::opmath_type<scalar_t>* y, int64_t r, int64_t d,
+                           scalar_t* out, int64_t col) {
+  using T = at::opmath_type<scalar_t>;
+  using IO = VecIO<T>;
+  using OutIO = VecIO<scalar_t>;
+  using Vec = Vectorized<T>;
+  static_assert(IO::kStep == OutIO::kStep, "a step of pairs is as wide in the buffer as in the output");
+  const int64_t half = r / 2;
+  int64_t i = 0;
+  if (col == 1) {
+    const Vec vs(s);
+    for (; i + IO::kStep <= half; i += IO::kStep) {
+      Vec x1[2], x2[2], c1[2], c2[2], s1[2], s2[2], o1[2], o2[2];
+      IO::template load_pairs<kInterleaved>(a, i, half, x1, x2);
+      if (g != nullptr) {
+        Vec g1[2], g2[2];
+        IO::template load_pairs<kInterleaved>(g, i, half, g1, g2);
+        for (int k = 0; k < 2; ++k) x1[k] = x1[k] * vs * g1[k], x2[k] = x2[k] * vs * g2[k];
+      } else {
+        for (int k = 0; k < 2; ++k) x1[k] = x1[k] * vs, x2[k] = x2[k] * vs;
+      }
+      IO::template load_pairs<kInterleaved>(c, i, half, c1, c2);
+      IO::template load_pairs<kInterleaved>(sn, i, half, s1, s2);
+      for (int k = 0; k < 2; ++k) rotate_pair<false>(x1[k], x2[k], c1[k], s1[k], c2[k], s2[k], o1[k], o2[k]);
+      OutIO::template store_pairs<kInterleaved>(out, i, half, o1, o2);
+    }
+  }
+  const auto scaled = [&](int64_t j) { return g != nullptr ? a[j] * s * g[j] : a[j] * s; };
+  for (int64_t p = i; p < half; ++p) {
+    const int64_t f = pair_first(p, half, kInterleaved), t = pair_second(p, half, kInterleaved);
+    rotate_pair<false>(scaled(f), scaled(t), c[f], sn[f], c[t], sn[t], y[f], y[t]);
+  }
+  for (int64_t j = r; j < d; ++j) y[j] = scaled(j);
+  using Row = NormRowIO<scalar_t>;
+  if (col != 1) {  // (no vector step ran: y holds the whole row)
+    Row::store(out, col, d, y);
+    return;
+  }
+  if (kInterleaved) {
+    Row::store(out + 2 * i, 1, r - 2 * i, y + 2 * i);
+  } else {
+    Row::store(out + i, 1, half - i, y + i);
+    Row::store(out + half + i, 1, half - i, y + half + i);
+  }
+  Row::store(out + r, 1, d - r, y + r);
 }
 
 // What one thread reads and keeps: the call's g, and the table rows of the row it is on, reloaded
@@ -194,6 +274,7 @@ template <typename scalar_t, bool kInterleaved>
 void norm_forward(const NormPlan& p, const NormOperands& o, const Thresholds& th, const ThreadPool& pool) {
   using T = at::opmath_type<scalar_t>;
   using Row = NormRowIO<scalar_t>;
+  using Vec = Vectorized<T>;
   const NormContext<scalar_t> ctx(p, o);
   const int64_t D = p.head_dim, G = p.group, R = p.rotary_dim, N = G * D;
   const auto* x = static_cast<const scalar_t*>(o.x);
@@ -207,19 +288,20 @@ void norm_forward(const NormPlan& p, const NormOperands& o, const Thresholds& th
     TableRows<scalar_t, kInterleaved> tables{y + D, y + D + R};
     int64_t off[5];
     for (int64_t n = begin; n < end; ++n) {
+      Vec acc0(T(0)), acc1(T(0));
+      T tail = 0;
       for (int64_t h = 0; h < G; ++h) {
         p.rows.offsets(n * G + h, off);
-        Row::load(x + off[kNormX], p.x_col, D, xf + h * D);
+        Row::load_squares(x + off[kNormX], p.x_col, D, xf + h * D, acc0, acc1, tail);
       }
-      const T inv = T(1) / std::sqrt(NormMath<T>::dot(xf, xf, N) / static_cast<T>(N) + static_cast<T>(o.eps));
+      const T squares = NormMath<T>::sum_lanes(acc0 + acc1) + tail;
+      const T inv = T(1) / std::sqrt(squares / static_cast<T>(N) + static_cast<T>(o.eps));
       rstd[n] = inv;
       for (int64_t h = 0; h < G; ++h) {
         p.rows.offsets(n * G + h, off);
-        T* const a = xf + h * D;
-        NormMath<T>::scale(a, inv, ctx.g_for(h), a, D);
         tables.load(p, o, off[kNormCos], off[kNormSin]);
-        rotate_buffer<T, kInterleaved, false>(a, tables.c, tables.s, y, R, D);
-        Row::store(out + off[kNormOut], p.out_col, D, y);
+        store_scaled_rotation<scalar_t, kInterleaved>(xf + h * D, inv, ctx.g_for(h), tables.c, tables.s, y, R, D,
+                                                      out + off[kNormOut], p.out_col);
       }
     }
   });
