@@ -21,7 +21,8 @@ both weights). Every provider is checked against the float64 reference first. Pr
 interleaved, one call each per round; the table gives medians and the ratios of medians, all from
 one run. Also: fused fwd against `neg_` of q and k in place (the same bytes read and written, out of
 cache: q + k are 40 to 168 MiB) and against `clone` (the same bytes into fresh tensors, as every
-out-of-place op writes), and the peak memory of one fwd+bwd (torch profiler accounting).
+out-of-place op writes); the in-place `qk_norm_rotary_` against `neg_`; and the peak memory of one
+fwd+bwd (torch profiler accounting).
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ class Case:
             q, k = F.rms_norm(q, shape, self.nq.weight, EPS), F.rms_norm(k, shape, self.nk.weight, EPS)
         return rope_ext.rotary_qk(q, k, self.cos[:, :, None], self.sin[:, :, None])
 
+    def fused_inplace(self, q, k):
+        with torch.no_grad():
+            return rope_ext.qk_norm_rotary_(q, k, self.nq.weight, self.nk.weight, self.cos[:, :, None],
+                                            self.sin[:, :, None], eps=EPS, norm_over=self.norm_over)
+
     def fused(self, q, k):
         return rope_ext.qk_norm_rotary(q, k, self.nq.weight, self.nk.weight, self.cos[:, :, None],
                                        self.sin[:, :, None], eps=EPS, norm_over=self.norm_over)
@@ -130,7 +136,7 @@ def measure(case: Case, fns: dict, mode: str, rounds: int) -> dict[str, list[flo
     times = {name: [] for name in fns}
     if mode == "fwd":
         qi, ki = case.q.clone(), case.k.clone()
-        times["neg_"], times["clone"] = [], []
+        times["neg_"], times["clone"], times["fused_"] = [], [], []
     for fn in fns.values():  # warm-up (and compilation)
         step(case, fn, mode)
     for _ in range(rounds):
@@ -147,6 +153,9 @@ def measure(case: Case, fns: dict, mode: str, rounds: int) -> dict[str, list[flo
             case.q.clone()
             case.k.clone()
             times["clone"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            case.fused_inplace(qi, ki)
+            times["fused_"].append(time.perf_counter() - t)
     return times
 
 
@@ -202,6 +211,10 @@ def main():
                       "on the same bytes (target >= 0.8)")
                 print(f"{case.label():16} {mode:8} {'clone':9} {med['clone'] * 1e3:8.2f}   fused at "
                       f"{med['clone'] / med['fused']:.2f} of clone (the same bytes into fresh tensors)")
+                inplace = med["neg_"] / med["fused_"]
+                print(f"{case.label():16} {mode:8} {'fused_':9} {med['fused_'] * 1e3:8.2f}   in place at "
+                      f"{inplace:.2f} of neg_ (qk_norm_rotary_, the same bytes read and written in place)")
+                verdicts.append((f"{case.label()} fwd in place vs neg_", inplace, 0.8))
                 verdicts.append((f"{case.label()} fwd vs neg_", ratio, 0.8))
             else:
                 for other, target in TARGETS.items():

@@ -103,6 +103,15 @@ void define_schemas(TorchLibraryHandle lib) {
       "Tensor sin_cache, Tensor positions, float eps, float weight_offset=0., bool across_heads=False, "
       "bool interleaved=False) -> (Tensor, Tensor, Tensor, Tensor)");
 
+  // In place, for inference (vLLM's fused_qk_norm_rope): q and k overwritten. Refuse inputs that need grad.
+  def(
+      "qk_norm_rotary_(Tensor(a!) q, Tensor(b!) k, Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin, "
+      "float eps, float weight_offset=0., bool across_heads=False, bool interleaved=False) -> ()");
+  def(
+      "qk_norm_rotary_pos_(Tensor(a!) q, Tensor(b!) k, Tensor? q_weight, Tensor? k_weight, Tensor cos_cache, "
+      "Tensor sin_cache, Tensor positions, float eps, float weight_offset=0., bool across_heads=False, "
+      "bool interleaved=False) -> ()");
+
   // The backward of either, for one of q and k: (dx, dweight) from the output's gradient, x and the
   // forward's rstd (cos/sin are caches when positions is given); dweight (the compute dtype, the
   // weight's shape) when weight_grad, else empty.

@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "rotary_plan.h"
 #include "stable_tensor.h"
@@ -62,9 +63,9 @@ struct QkNormOps {
     }
     Output q_out = new_like(q_.handle, q), k_out = new_like(k_.handle, k);
     Output q_rstd = new_stat(q, across_heads), k_rstd = new_stat(k, across_heads);
-    run({q, q_out.arg, &qw, cos, sin, q_rstd.arg, positions, nullptr, nullptr, eps, weight_offset, across_heads,
+    run({q, q_out.arg, &qw, cos, sin, &q_rstd.arg, positions, nullptr, nullptr, eps, weight_offset, across_heads,
          interleaved, op});
-    run({k, k_out.arg, &kw, cos, sin, k_rstd.arg, positions, nullptr, nullptr, eps, weight_offset, across_heads,
+    run({k, k_out.arg, &kw, cos, sin, &k_rstd.arg, positions, nullptr, nullptr, eps, weight_offset, across_heads,
          interleaved, op});
     return {std::move(q_out.tensor), std::move(k_out.tensor), std::move(q_rstd.tensor), std::move(k_rstd.tensor)};
   }
@@ -80,6 +81,47 @@ struct QkNormOps {
                                  double weight_offset, bool across_heads, bool interleaved) {
     return run_qk("rope_ext.qk_norm_rotary_pos", q, k, q_weight, k_weight, cos_cache, sin_cache, &positions, eps,
                   weight_offset, across_heads, interleaved);
+  }
+
+  // In place, for inference: q and k overwritten with their (q_out, k_out); no rstd is kept. Every
+  // check of the out-of-place op, and q and k must store each element once and share no memory with
+  // each other or any input.
+  static void run_qk_inplace(const char* op, const T& q_, const T& k_, const OptT& q_weight_, const OptT& k_weight_,
+                             const T& cos_, const T& sin_, const TensorRef* positions_, double eps,
+                             double weight_offset, bool across_heads, bool interleaved) {
+    const TensorArg q = read_arg(q_, true), k = read_arg(k_, true), cos = read_arg(cos_), sin = read_arg(sin_);
+    const TensorArg qw = read_optional(q_weight_), kw = read_optional(k_weight_);
+    const TensorArg pos = positions_ != nullptr ? read_arg(*positions_) : TensorArg{};
+    const TensorArg* positions = positions_ != nullptr ? &pos : nullptr;
+    check_qk_norm_args(op, q, &qw, cos, sin, positions, eps, weight_offset, across_heads, "q", "q_weight");
+    check_qk_norm_args(op, k, &kw, cos, sin, positions, eps, weight_offset, across_heads, "k", "k_weight");
+    if (positions != nullptr) {
+      check_qk_args(op, q, k, pos, "positions", 0);
+    } else {
+      check_qk_args(op, q, k, cos);
+    }
+    const char* nc = positions != nullptr ? "cos_cache" : "cos";
+    const char* ns = positions != nullptr ? "sin_cache" : "sin";
+    for (const auto& [x, name] : {std::pair{&q, "q"}, std::pair{&k, "k"}}) {
+      check_inplace_args(op, *x, {{nc, &cos}, {ns, &sin}, {"positions", &pos}, {"q_weight", &qw}, {"k_weight", &kw}},
+                         name);
+    }
+    check_inplace_args(op, q, {{"k", &k}}, "q");
+    run({q, q, &qw, cos, sin, nullptr, positions, nullptr, nullptr, eps, weight_offset, across_heads, interleaved, op});
+    run({k, k, &kw, cos, sin, nullptr, positions, nullptr, nullptr, eps, weight_offset, across_heads, interleaved, op});
+  }
+
+  static void qk_norm_rotary_(const T& q, const T& k, const OptT& q_weight, const OptT& k_weight, const T& cos,
+                              const T& sin, double eps, double weight_offset, bool across_heads, bool interleaved) {
+    run_qk_inplace("rope_ext.qk_norm_rotary_", q, k, q_weight, k_weight, cos, sin, nullptr, eps, weight_offset,
+                   across_heads, interleaved);
+  }
+
+  static void qk_norm_rotary_pos_(const T& q, const T& k, const OptT& q_weight, const OptT& k_weight,
+                                  const T& cos_cache, const T& sin_cache, const T& positions, double eps,
+                                  double weight_offset, bool across_heads, bool interleaved) {
+    run_qk_inplace("rope_ext.qk_norm_rotary_pos_", q, k, q_weight, k_weight, cos_cache, sin_cache, &positions, eps,
+                   weight_offset, across_heads, interleaved);
   }
 
   // (dx, dweight): dweight in the compute dtype, of the weight's shape, when weight_grad; else empty.
@@ -109,7 +151,7 @@ struct QkNormOps {
     Output dx = new_like(x_.handle, x);
     const int64_t n = weight_grad ? w.size(0) : 0;
     Output dweight = new_contiguous(Dims{&n, 1}, stat_dtype(x), x.device());
-    run({x, dx.arg, &w, cos, sin, rstd, positions, &grad, weight_grad ? &dweight.arg : nullptr, 0.0, weight_offset,
+    run({x, dx.arg, &w, cos, sin, &rstd, positions, &grad, weight_grad ? &dweight.arg : nullptr, 0.0, weight_offset,
          across_heads, interleaved, op});
     return {std::move(dx.tensor), std::move(dweight.tensor)};
   }
@@ -120,6 +162,8 @@ void register_qk_norm_ops(torch::stable::detail::StableLibrary& m, const std::st
   using Ops = QkNormOps<run>;
   m.impl((prefix + "qk_norm_rotary").c_str(), &boxed<&Ops::qk_norm_rotary>);
   m.impl((prefix + "qk_norm_rotary_pos").c_str(), &boxed<&Ops::qk_norm_rotary_pos>);
+  m.impl((prefix + "qk_norm_rotary_").c_str(), &boxed<&Ops::qk_norm_rotary_>);
+  m.impl((prefix + "qk_norm_rotary_pos_").c_str(), &boxed<&Ops::qk_norm_rotary_pos_>);
   m.impl((prefix + "qk_norm_rotary_backward").c_str(), &boxed<&Ops::qk_norm_rotary_backward>);
 }
 

@@ -168,7 +168,7 @@ struct RotaryCall {
 using RunFn = void (*)(const RotaryCall& call);
 
 // One backend call of qk_norm_rotary on one tensor. Forward (grad unset): out = rotary(g * x * rstd),
-// rstd written. Backward: out = dx from grad (dy) and the saved rstd, and, when dweight is set, the
+// rstd written unless it is null (the in-place ops keep none; out may be x). Backward: out = dx from grad (dy) and the saved rstd, and, when dweight is set, the
 // weight's gradient (weight_len values, the compute dtype) written there.
 struct NormCall {
   const TensorArg& x;
@@ -176,7 +176,7 @@ struct NormCall {
   const TensorArg* weight;  // nullptr or undefined: g = 1
   const TensorArg& cos;
   const TensorArg& sin;
-  const TensorArg& rstd;  // contiguous, norm_stat_shape(x), the compute dtype
+  const TensorArg* rstd;  // contiguous, norm_stat_shape(x), the compute dtype; or null (in place)
   const TensorArg* positions = nullptr;  // set: cos/sin are half-width caches gathered at these
   const TensorArg* grad = nullptr;
   const TensorArg* dweight = nullptr;

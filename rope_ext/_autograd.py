@@ -338,6 +338,24 @@ def run_rotary_pos_(q, k, cos_cache, sin_cache, positions, interleaved=False, co
                 (q, k, cos_cache, sin_cache, positions, interleaved, conjugate), (q, k), keyset)
 
 
+def run_qk_norm_rotary_(q, k, q_weight, k_weight, cos, sin, eps, weight_offset=0.0, across_heads=False,
+                        interleaved=False, *, keyset=None) -> None:
+    """qk_norm_rotary_ below autograd (run_inplace): its autograd kernel, and rope_ext.qk_norm_rotary_'s call."""
+    named = (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos), ("sin", sin))
+    run_inplace(torch.ops.rope_ext.qk_norm_rotary_.default, named, "rope_ext.qk_norm_rotary",
+                (q, k, q_weight, k_weight, cos, sin, eps, weight_offset, across_heads, interleaved), (q, k), keyset)
+
+
+def run_qk_norm_rotary_pos_(q, k, q_weight, k_weight, cos_cache, sin_cache, positions, eps, weight_offset=0.0,
+                            across_heads=False, interleaved=False, *, keyset=None) -> None:
+    """qk_norm_rotary_pos_ below autograd (run_inplace)."""
+    named = (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight), ("cos_cache", cos_cache),
+             ("sin_cache", sin_cache))
+    run_inplace(torch.ops.rope_ext.qk_norm_rotary_pos_.default, named, "rope_ext.qk_norm_rotary_pos",
+                (q, k, q_weight, k_weight, cos_cache, sin_cache, positions, eps, weight_offset, across_heads,
+                 interleaved), (q, k), keyset)
+
+
 _LIB = torch.library.Library("rope_ext", "IMPL")  # noqa: TOR901 (kept alive: the registrations below)
 
 
@@ -352,6 +370,7 @@ def register() -> None:
         ("qk_norm_rotary_pos", _qk_norm_rotary_pos_backward, _qk_norm_rotary_pos_setup),
     ):
         torch.library.register_autograd(f"rope_ext::{name}", backward, setup_context=setup)
-    for name, inplace in (("rotary_", run_rotary_), ("rotary_pos_", run_rotary_pos_)):
+    for name, inplace in (("rotary_", run_rotary_), ("rotary_pos_", run_rotary_pos_),
+                          ("qk_norm_rotary_", run_qk_norm_rotary_), ("qk_norm_rotary_pos_", run_qk_norm_rotary_pos_)):
         _LIB.impl(name, lambda keyset, *args, inplace=inplace: inplace(*args, keyset=keyset), "Autograd",
                   with_keyset=True)

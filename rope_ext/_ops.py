@@ -15,7 +15,7 @@ import math
 import torch
 
 from rope_ext._autograd import below_autograd as _below_autograd
-from rope_ext._autograd import run_rotary_, run_rotary_pos_
+from rope_ext._autograd import run_qk_norm_rotary_, run_qk_norm_rotary_pos_, run_rotary_, run_rotary_pos_
 
 _rotary = torch.ops.rope_ext.rotary.default
 _rotary_qk = torch.ops.rope_ext.rotary_qk.default
@@ -25,6 +25,8 @@ _rotary_pos_qk = torch.ops.rope_ext.rotary_pos_qk.default
 _rotary_pos_inplace = torch.ops.rope_ext.rotary_pos_.default
 _qk_norm_rotary = torch.ops.rope_ext.qk_norm_rotary.default
 _qk_norm_rotary_pos = torch.ops.rope_ext.qk_norm_rotary_pos.default
+_qk_norm_rotary_inplace = torch.ops.rope_ext.qk_norm_rotary_.default
+_qk_norm_rotary_pos_inplace = torch.ops.rope_ext.qk_norm_rotary_pos_.default
 
 # The fast path of every wrapper: unless it is traced (torch.compile sees the op, and its autograd
 # formula) or records a graph (grad mode on, an input requiring grad), a call goes straight to the
@@ -320,12 +322,8 @@ def qk_norm_rotary(
     float32 statistic per row and recomputes the rest. Double backward runs through a composite of
     differentiable ops.
     """
-    if norm_over not in _NORM_OVER:
-        raise ValueError(f"rope_ext.qk_norm_rotary: norm_over must be 'head' or 'heads', got {norm_over!r}")
-    if _on_cuda(q, k):
-        raise NotImplementedError("rope_ext.qk_norm_rotary: no CUDA kernel yet (issue 38's next step); "
-                                  "it runs on the CPU")
-    args = (q, k, q_weight, k_weight, cos, sin, eps, weight_offset, _NORM_OVER[norm_over], interleaved)
+    args = _norm_args("rope_ext.qk_norm_rotary", q, k, (q, k, q_weight, k_weight, cos, sin), eps, weight_offset,
+                      norm_over, interleaved)
     if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos, sin)):
         return _qk_norm_rotary(*args)[:2]
     with _below_autograd():
@@ -360,17 +358,74 @@ def qk_norm_rotary_pos(
         ``(q_out, k_out)``, as :func:`qk_norm_rotary`. Gradients reach q, k, the weights and, when
         they require grad, the caches (summed into the rows the positions name).
     """
-    if norm_over not in _NORM_OVER:
-        raise ValueError(f"rope_ext.qk_norm_rotary_pos: norm_over must be 'head' or 'heads', got {norm_over!r}")
-    if _on_cuda(q, k):
-        raise NotImplementedError("rope_ext.qk_norm_rotary_pos: no CUDA kernel yet (issue 38's next step); "
-                                  "it runs on the CPU")
-    args = (q, k, q_weight, k_weight, cos_cache, sin_cache, positions, eps, weight_offset, _NORM_OVER[norm_over],
-            interleaved)
+    args = _norm_args("rope_ext.qk_norm_rotary_pos", q, k, (q, k, q_weight, k_weight, cos_cache, sin_cache,
+                      positions), eps, weight_offset, norm_over, interleaved)
     if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos_cache, sin_cache)):
         return _qk_norm_rotary_pos(*args)[:2]
     with _below_autograd():
         return _qk_norm_rotary_pos_kernel(*args)[:2]
+
+
+def qk_norm_rotary_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    eps: float,
+    weight_offset: float = 0.0,
+    norm_over: str = "head",
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In-place :func:`qk_norm_rotary`, for inference: overwrites q and k; returns ``(q, k)``.
+
+    Like :func:`rotary_`: refuses inputs that need grad (use :func:`qk_norm_rotary` to train), bumps
+    the version counters, and q and k must store each element once and share no memory with each
+    other, the weights or the tables. Slices of one fused qkv buffer qualify (vLLM's
+    ``fused_qk_norm_rope`` works so).
+    """
+    args = _norm_args("rope_ext.qk_norm_rotary_", q, k, (q, k, q_weight, k_weight, cos, sin), eps, weight_offset,
+                      norm_over, interleaved)
+    if _compiling():
+        _qk_norm_rotary_inplace(*args)
+    else:
+        run_qk_norm_rotary_(*args)
+    return q, k
+
+
+def qk_norm_rotary_pos_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    eps: float,
+    weight_offset: float = 0.0,
+    norm_over: str = "head",
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In-place :func:`qk_norm_rotary_pos`, for inference, as :func:`qk_norm_rotary_`; returns ``(q, k)``."""
+    args = _norm_args("rope_ext.qk_norm_rotary_pos_", q, k, (q, k, q_weight, k_weight, cos_cache, sin_cache,
+                      positions), eps, weight_offset, norm_over, interleaved)
+    if _compiling():
+        _qk_norm_rotary_pos_inplace(*args)
+    else:
+        run_qk_norm_rotary_pos_(*args)
+    return q, k
+
+
+def _norm_args(op, q, k, tensors, eps, weight_offset, norm_over, interleaved):
+    """The op's arguments from a norm wrapper's: norm_over checked and turned into across_heads."""
+    if norm_over not in _NORM_OVER:
+        raise ValueError(f"{op}: norm_over must be 'head' or 'heads', got {norm_over!r}")
+    if _on_cuda(q, k):
+        raise NotImplementedError(f"{op}: no CUDA kernel yet (issue 38's next step); it runs on the CPU")
+    return (*tensors, eps, weight_offset, _NORM_OVER[norm_over], interleaved)
 
 
 def _rotate_each(xs, computes, cos, sin, cos_k=None, sin_k=None, *, interleaved):
@@ -624,23 +679,29 @@ def _norm_stat(x, across_heads):
     return x.new_empty(x.shape[: -2 if across_heads else -1], dtype=dtype)
 
 
+def _check_qk_norm_call(op, q, k, q_weight, k_weight, cos, sin, positions, eps, weight_offset, across_heads):
+    """What the norm ops check of q and k together (positions: the gathered forms')."""
+    for x, w, nx, nw in ((q, q_weight, "q", "q_weight"), (k, k_weight, "k", "k_weight")):
+        _check_qk_norm_args(op, x, w, cos, sin, eps, weight_offset, across_heads, nx, nw, positions)
+    if positions is None:
+        _check_qk_args(op, q, k, cos)
+    else:
+        _check_qk_args(op, q, k, positions, "positions", trailing=0)
+
+
 @torch.library.register_fake("rope_ext::qk_norm_rotary")
 def _qk_norm_rotary_fake(q, k, q_weight, k_weight, cos, sin, eps, weight_offset=0.0, across_heads=False,
                          interleaved=False):
-    op = "rope_ext.qk_norm_rotary"
-    _check_qk_norm_args(op, q, q_weight, cos, sin, eps, weight_offset, across_heads, "q", "q_weight")
-    _check_qk_norm_args(op, k, k_weight, cos, sin, eps, weight_offset, across_heads, "k", "k_weight")
-    _check_qk_args(op, q, k, cos)
+    _check_qk_norm_call("rope_ext.qk_norm_rotary", q, k, q_weight, k_weight, cos, sin, None, eps, weight_offset,
+                        across_heads)
     return torch.empty_like(q), torch.empty_like(k), _norm_stat(q, across_heads), _norm_stat(k, across_heads)
 
 
 @torch.library.register_fake("rope_ext::qk_norm_rotary_pos")
 def _qk_norm_rotary_pos_fake(q, k, q_weight, k_weight, cos_cache, sin_cache, positions, eps, weight_offset=0.0,
                              across_heads=False, interleaved=False):
-    op = "rope_ext.qk_norm_rotary_pos"
-    for x, w, nx, nw in ((q, q_weight, "q", "q_weight"), (k, k_weight, "k", "k_weight")):
-        _check_qk_norm_args(op, x, w, cos_cache, sin_cache, eps, weight_offset, across_heads, nx, nw, positions)
-    _check_qk_args(op, q, k, positions, "positions", trailing=0)
+    _check_qk_norm_call("rope_ext.qk_norm_rotary_pos", q, k, q_weight, k_weight, cos_cache, sin_cache, positions,
+                        eps, weight_offset, across_heads)
     return torch.empty_like(q), torch.empty_like(k), _norm_stat(q, across_heads), _norm_stat(k, across_heads)
 
 
@@ -663,3 +724,17 @@ def _qk_norm_rotary_backward_fake(grad, x, weight, rstd, cos, sin, positions, we
     torch._check(not weight_grad or weight is not None, lambda: f"{op}: weight_grad=True needs a weight")
     n = weight.shape[0] if weight_grad else 0
     return torch.empty_like(x), x.new_empty((n,), dtype=stat.dtype)
+
+
+@torch.library.register_fake("rope_ext::qk_norm_rotary_")
+def _qk_norm_rotary_inplace_fake(q, k, q_weight, k_weight, cos, sin, eps, weight_offset=0.0, across_heads=False,
+                                 interleaved=False):
+    _check_qk_norm_call("rope_ext.qk_norm_rotary_", q, k, q_weight, k_weight, cos, sin, None, eps, weight_offset,
+                        across_heads)
+
+
+@torch.library.register_fake("rope_ext::qk_norm_rotary_pos_")
+def _qk_norm_rotary_pos_inplace_fake(q, k, q_weight, k_weight, cos_cache, sin_cache, positions, eps,
+                                     weight_offset=0.0, across_heads=False, interleaved=False):
+    _check_qk_norm_call("rope_ext.qk_norm_rotary_pos_", q, k, q_weight, k_weight, cos_cache, sin_cache, positions,
+                        eps, weight_offset, across_heads)

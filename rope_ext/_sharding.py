@@ -53,6 +53,9 @@ _OPS = {
                            inplace=False),
     "qk_norm_rotary_pos": dict(rotated=("q", "k"), caches=("cos_cache", "sin_cache"),
                                weights=("q_weight", "k_weight"), stats=True, inplace=False),
+    "qk_norm_rotary_": dict(rotated=("q", "k"), tables=("cos", "sin"), weights=("q_weight", "k_weight"), inplace=True),
+    "qk_norm_rotary_pos_": dict(rotated=("q", "k"), caches=("cos_cache", "sin_cache"),
+                                weights=("q_weight", "k_weight"), inplace=True),
     # Its backward, per tensor: grad and rstd follow x, the weight's gradient is a sum over every row
     # (Partial where x is split). cos/sin are tables, or caches when positions are given.
     "qk_norm_rotary_backward": dict(rotated=("x",), tables=("cos", "sin"), weights=("weight",), inplace=False,

@@ -204,6 +204,16 @@ def qk_norm(place, q="S2", k="S2", tables="R", norm_over="head", positions=None)
     return _result(place, list(outs), [qs, ks], [wq, wk, c, s])
 
 
+def qk_norm_inplace(place, q="S1", k="S1", positions="S0"):
+    """qk_norm_rotary_pos_ on DTensors: q and k keep their placements, the weights are replicated."""
+    cc, sc = _caches()
+    qs, ks = place.put(_x(H, S, "bshd", 2), q), place.put(_x(HK, S, "bshd", 3), k)
+    wq, wk = place.put(_randn(D, seed=6).abs() + 0.5), place.put(_randn(D, seed=7).abs() + 0.5)
+    p = place.put(_positions(S, False), positions)
+    rope_ext.qk_norm_rotary_pos_(qs, ks, wq, wk, place.put(cc), place.put(sc), p, eps=1e-6)
+    return _result(place, [qs, ks], [qs, ks])
+
+
 def rotary_inplace(place, x="S2", tables="R"):
     cos, sin = _tables(_randn(1, S, R // 2, seed=1), "bshd")
     xs = place.put(_x(H, S, "bshd", 2), x)
@@ -354,6 +364,8 @@ CASES = {
     "qk_norm_rotary_pos/seq": (P(qk_norm, q="S1", k="S1", positions="S0"), ["S1", "S1"]),
     "qk_norm_rotary_pos/across heads, seq": (P(qk_norm, q="S1", k="S1", positions="S0", norm_over="heads"),
                                              ["S1", "S1"]),
+    "qk_norm_rotary_pos_/seq": (P(qk_norm_inplace, q="S1", k="S1", positions="S0"), ["S1", "S1"]),
+    "qk_norm_rotary_pos_/heads": (P(qk_norm_inplace, q="S2", k="S2", positions="R"), ["S2", "S2"]),
     "rotary_/heads": (P(rotary_inplace, x="S2"), ["S2"]),
     "rotary_/seq, tables replicated": (P(rotary_inplace, x="S1"), ["S1"]),
     "rotary_pos_/heads": (P(rotary_pos_inplace, q="S2", k="S2"), ["S2", "S2"]),

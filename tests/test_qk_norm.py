@@ -634,3 +634,67 @@ def test_a_non_tensor_k_is_refused_by_name():
 def test_qknorm_starts_at_a_gain_of_one(offset):
     norm = rope_ext.QKNorm(8, eps=1e-6, weight_offset=offset)
     assert torch.equal(norm.q_weight + offset, torch.ones(8)) and torch.equal(norm.k_weight + offset, torch.ones(8))
+
+
+# --- in place, for inference -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+@pytest.mark.parametrize("gathered", [False, True], ids=["tables", "positions"])
+def test_in_place_equals_out_of_place_on_a_fused_qkv_buffer(dtype, norm_over, gathered, gen):
+    """q and k as slices of one packed (T, 3, H, D) qkv buffer (vLLM's layout), overwritten with exactly
+    what the out-of-place op returns; v untouched; versions bumped."""
+    T, H, D = 10, 4, 32
+    qkv = randn(T, 3, H, D, dtype=dtype, gen=gen)
+    v_before = qkv[:, 2].clone()
+    q, k = qkv[:, 0], qkv[:, 1]
+    w = torch.rand(D * (H if norm_over == "heads" else 1), generator=gen, dtype=torch.float64).to(dtype)
+    kw = dict(eps=1e-6, norm_over=norm_over)
+    if gathered:
+        cc, sc = _caches(16, D, torch.float32, gen)
+        positions = torch.randint(0, 16, (T, 1), generator=gen)
+        want = rope_ext.qk_norm_rotary_pos(q, k, w, w, cc, sc, positions, **kw)
+        versions = q._version, k._version
+        got = rope_ext.qk_norm_rotary_pos_(q, k, w, w, cc, sc, positions, **kw)
+    else:
+        cos, sin = random_tables((T, 1, D), gen=gen)
+        want = rope_ext.qk_norm_rotary(q, k, w, w, cos, sin, **kw)
+        versions = q._version, k._version
+        got = rope_ext.qk_norm_rotary_(q, k, w, w, cos, sin, **kw)
+    assert got[0] is q and got[1] is k
+    assert torch.equal(qkv[:, 0], want[0]) and torch.equal(qkv[:, 1], want[1])
+    assert torch.equal(qkv[:, 2], v_before)
+    assert q._version > versions[0] and k._version > versions[1]
+
+
+def test_in_place_refuses_grad_and_overlap(gen):
+    q = randn(1, 3, 2, 8, gen=gen)
+    cos, sin = random_tables((1, 3, 1, 8), gen=gen)
+    w = torch.ones(8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="rope_ext.qk_norm_rotary_: q_weight requires grad, but the in-place op "
+                                           "records no gradient. Use rope_ext.qk_norm_rotary"):
+        rope_ext.qk_norm_rotary_(q, q.clone(), w, None, cos, sin, eps=1e-6)
+    with pytest.raises(RuntimeError, match="rope_ext.qk_norm_rotary_: q shares memory with k"):
+        rope_ext.qk_norm_rotary_(q, q, None, None, cos, sin, eps=1e-6)
+    x = randn(1, 3, 1, 8, gen=gen).expand(1, 3, 2, 8)
+    with pytest.raises(RuntimeError, match="rope_ext.qk_norm_rotary_: q has elements that share memory"):
+        rope_ext.qk_norm_rotary_(x, q.clone(), None, None, cos, sin, eps=1e-6)
+    with torch.no_grad():  # under no_grad the weight's requires_grad does not matter
+        rope_ext.qk_norm_rotary_(q, q.clone(), w, None, cos, sin, eps=1e-6)
+
+
+def test_in_place_compiles_and_opchecks(gen):
+    q, k = randn(1, 4, 2, 16, gen=gen), randn(1, 4, 1, 16, gen=gen)
+    cos, sin = random_tables((1, 4, 1, 16), gen=gen)
+    w = torch.rand(16, generator=gen)
+    opcheck(torch.ops.rope_ext.qk_norm_rotary_.default, (q.clone(), k.clone(), w, w, cos, sin, 1e-6, 0.0, False, False))
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(q, k):
+        return rope_ext.qk_norm_rotary_(q, k, w, w, cos, sin, eps=1e-6)
+
+    q1, k1 = q.clone(), k.clone()
+    f(q1, k1)
+    want = rope_ext.qk_norm_rotary(q, k, w, w, cos, sin, eps=1e-6)
+    assert torch.equal(q1, want[0]) and torch.equal(k1, want[1])

@@ -83,7 +83,11 @@ struct NormRowIO {
   using IO = VecIO<scalar_t>;
   using T = typename IO::opmath_t;
   using Vec = Vectorized<T>;
-  static void load(const scalar_t* p, int64_t col, int64_t n, T* dst) {
+  // With kSquares, each value's square is added to the sum of squares as it is read (acc0 and acc1
+  // take a step's two vectors, tail the rest): the forward's two reads of the row in one.
+  template <bool kSquares = false>
+  static void load(const scalar_t* p, int64_t col, int64_t n, T* dst, Vec* acc0 = nullptr, Vec* acc1 = nullptr,
+                   T* tail = nullptr) {
     int64_t j = 0;
     if (col == 1) {
       for (; j + IO::kStep <= n; j += IO::kStep) {
@@ -91,27 +95,12 @@ struct NormRowIO {
         IO::load(p + j, a, b);
         a.store(dst + j);
         b.store(dst + j + Vec::size());
-      }
-    }
-    for (; j < n; ++j) dst[j] = static_cast<T>(p[j * col]);
-  }
-  // load(), adding each value's square to the sum of squares (acc0 and acc1 take a step's two
-  // vectors, tail the rest): the forward's two reads of the row in one.
-  static void load_squares(const scalar_t* p, int64_t col, int64_t n, T* dst, Vec& acc0, Vec& acc1, T& tail) {
-    int64_t j = 0;
-    if (col == 1) {
-      for (; j + IO::kStep <= n; j += IO::kStep) {
-        Vec a, b;
-        IO::load(p + j, a, b);
-        a.store(dst + j);
-        b.store(dst + j + Vec::size());
-        acc0 = acc0 + a * a;
-        acc1 = acc1 + b * b;
+        if constexpr (kSquares) *acc0 = *acc0 + a * a, *acc1 = *acc1 + b * b;
       }
     }
     for (; j < n; ++j) {
       dst[j] = static_cast<T>(p[j * col]);
-      tail += dst[j] * dst[j];
+      if constexpr (kSquares) *tail += dst[j] * dst[j];
     }
   }
   static void store(scalar_t* p, int64_t col, int64_t n, const T* src) {
@@ -122,6 +111,17 @@ struct NormRowIO {
     for (; j < n; ++j) p[j * col] = static_cast<scalar_t>(src[j]);
   }
 };
+
+// The pairs [from, half) of rotate_buffer, one at a time. (Written as this loop over two buffers, GCC
+// 12 leaves it scalar; a loop that also scaled its inputs was vectorized into vfmaddsub, a fused
+// multiply-add, despite -ffp-contract=off: test_variants_are_compiled_for_their_isa looks for them.)
+template <typename T, bool kInterleaved, bool kConj>
+void rotate_tail(const T* a, const T* c, const T* s, T* y, int64_t from, int64_t half) {
+  for (int64_t i = from; i < half; ++i) {
+    const int64_t f = pair_first(i, half, kInterleaved), t = pair_second(i, half, kInterleaved);
+    rotate_pair<kConj>(a[f], a[t], c[f], s[f], c[t], s[t], y[f], y[t]);
+  }
+}
 
 // y = rotary(a) (kConj: its transpose) on the first r of d columns of a buffer, the rest copied,
 // with full-form table rows c and s; rotary_math.h's rotate_pair on vectors of pairs, then the tail.
@@ -139,23 +139,20 @@ void rotate_buffer(const T* a, const T* c, const T* s, T* y, int64_t r, int64_t 
     for (int k = 0; k < 2; ++k) rotate_pair<kConj>(x1[k], x2[k], c1[k], s1[k], c2[k], s2[k], o1[k], o2[k]);
     IO::template store_pairs<kInterleaved>(y, i, half, o1, o2);
   }
-  for (; i < half; ++i) {
-    const int64_t f = pair_first(i, half, kInterleaved), t = pair_second(i, half, kInterleaved);
-    rotate_pair<kConj>(a[f], a[t], c[f], s[f], c[t], s[t], y[f], y[t]);
-  }
+  rotate_tail<T, kInterleaved, kConj>(a, c, s, y, i, half);
   for (int64_t j = r; j < d; ++j) y[j] = a[j];
 }
 
 // out = rotary(a * s * g) on the first r of d columns of one row, the rest a * s * g (g may be null:
 // a * s), into `out` (column stride col) rounded once: where out's columns are contiguous, whole
 // vector steps of pairs are scaled, rotated and stored in one pass; the other pairs and the
-// pass-through columns go through the buffer y. (The same roundings as rotate_buffer after
-// NormMath::scale: (a * s) * g, then rotate_pair.)
+// pass-through columns go through the buffers z (scaled) and y (rotated). (The same roundings as
+// rotate_buffer after NormMath::scale: (a * s) * g, then rotate_pair.)
 template <typename scalar_t, bool kInterleaved>
 void store_scaled_rotation(const at::opmath_type<scalar_t>* a, at::opmath_type<scalar_t> s,
                            const at::opmath_type<scalar_t>* g, const at::opmath_type<scalar_t>* c,
-                           const at::opmath_type<scalar_t>* sn, at::opmath_type<scalar_t>* y, int64_t r, int64_t d,
-                           scalar_t* out, int64_t col) {
+                           const at::opmath_type<scalar_t>* sn, at::opmath_type<scalar_t>* z,
+                           at::opmath_type<scalar_t>* y, int64_t r, int64_t d, scalar_t* out, int64_t col) {
   using T = at::opmath_type<scalar_t>;
   using IO = VecIO<T>;
   using OutIO = VecIO<scalar_t>;
@@ -181,12 +178,18 @@ void store_scaled_rotation(const at::opmath_type<scalar_t>* a, at::opmath_type<s
       OutIO::template store_pairs<kInterleaved>(out, i, half, o1, o2);
     }
   }
-  const auto scaled = [&](int64_t j) { return g != nullptr ? a[j] * s * g[j] : a[j] * s; };
-  for (int64_t p = i; p < half; ++p) {
-    const int64_t f = pair_first(p, half, kInterleaved), t = pair_second(p, half, kInterleaved);
-    rotate_pair<false>(scaled(f), scaled(t), c[f], sn[f], c[t], sn[t], y[f], y[t]);
+  // the columns of pairs [i, half) and the pass-through ones, scaled into z
+  const auto scale = [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) z[j] = g != nullptr ? a[j] * s * g[j] : a[j] * s;
+  };
+  if (kInterleaved) {
+    scale(2 * i, d);
+  } else {
+    scale(i, half);
+    scale(half + i, d);
   }
-  for (int64_t j = r; j < d; ++j) y[j] = scaled(j);
+  rotate_tail<T, kInterleaved, false>(z, c, sn, y, i, half);
+  for (int64_t j = r; j < d; ++j) y[j] = z[j];
   using Row = NormRowIO<scalar_t>;
   if (col != 1) {  // (no vector step ran: y holds the whole row)
     Row::store(out, col, d, y);
@@ -282,25 +285,26 @@ void norm_forward(const NormPlan& p, const NormOperands& o, const Thresholds& th
   T* rstd = static_cast<T*>(o.rstd);
   const int64_t grain = std::max<int64_t>(1, th.grain_elements / N);
   parallel_for(pool, 0, p.num_groups(), grain, [&](int64_t begin, int64_t end) {
-    std::vector<T> buf(N + D + 2 * R);
+    std::vector<T> buf(N + 2 * D + 2 * R);
     T* const xf = buf.data();
     T* const y = xf + N;
-    TableRows<scalar_t, kInterleaved> tables{y + D, y + D + R};
+    T* const z = y + D;
+    TableRows<scalar_t, kInterleaved> tables{z + D, z + D + R};
     int64_t off[5];
     for (int64_t n = begin; n < end; ++n) {
       Vec acc0(T(0)), acc1(T(0));
       T tail = 0;
       for (int64_t h = 0; h < G; ++h) {
         p.rows.offsets(n * G + h, off);
-        Row::load_squares(x + off[kNormX], p.x_col, D, xf + h * D, acc0, acc1, tail);
+        Row::template load<true>(x + off[kNormX], p.x_col, D, xf + h * D, &acc0, &acc1, &tail);
       }
       const T squares = NormMath<T>::sum_lanes(acc0 + acc1) + tail;
       const T inv = T(1) / std::sqrt(squares / static_cast<T>(N) + static_cast<T>(o.eps));
-      rstd[n] = inv;
+      if (rstd != nullptr) rstd[n] = inv;
       for (int64_t h = 0; h < G; ++h) {
         p.rows.offsets(n * G + h, off);
         tables.load(p, o, off[kNormCos], off[kNormSin]);
-        store_scaled_rotation<scalar_t, kInterleaved>(xf + h * D, inv, ctx.g_for(h), tables.c, tables.s, y, R, D,
+        store_scaled_rotation<scalar_t, kInterleaved>(xf + h * D, inv, ctx.g_for(h), tables.c, tables.s, z, y, R, D,
                                                       out + off[kNormOut], p.out_col);
       }
     }
@@ -387,13 +391,7 @@ void qk_norm_kernel(const NormPlan& p, const NormOperands& o, bool interleaved, 
     };
     interleaved ? by_inter(std::true_type{}) : by_inter(std::false_type{});
   };
-  switch (o.dtype) {
-    case KernelDtype::kFloat: return by_type(float{});
-    case KernelDtype::kDouble: return by_type(double{});
-    case KernelDtype::kHalf: return by_type(c10::Half{});
-    case KernelDtype::kBFloat16: return by_type(c10::BFloat16{});
-  }
-  throw std::logic_error("rope_ext internal error (please report it): the CPU kernel has no such dtype");
+  by_kernel_dtype(o.dtype, by_type);
 }
 
 }  // namespace rope_ext::cpu::CPU_CAPABILITY

@@ -253,14 +253,14 @@ void run_norm(const NormCall& c) {
   if (c.positions != nullptr && c.x.numel() > 0) check_positions_in_range(c.op, *c.positions, c.cos.size(0));
   const NormPlan plan = make_norm_plan(c.x, c.out, c.weight, c.cos, c.sin, c.positions, c.grad, c.across_heads);
   const Thresholds th = thresholds();
-  advise_huge_pages(c.out, th.huge_page_bytes);  // (out is always new: the output, or dx)
-  if (c.grad == nullptr && c.x.numel() == 0 && c.rstd.numel() > 0) {
+  if (c.out.const_data_ptr() != c.x.const_data_ptr()) advise_huge_pages(c.out, th.huge_page_bytes);  // a new output
+  if (c.grad == nullptr && c.rstd != nullptr && c.x.numel() == 0 && c.rstd->numel() > 0) {
     // Tokens of no heads, across heads: the mean of no values is NaN, as torch's mean says.
-    void* rstd = c.rstd.mutable_data_ptr();
-    if (c.rstd.scalar_type() == ScalarType::Double) {
-      std::fill_n(static_cast<double*>(rstd), c.rstd.numel(), std::numeric_limits<double>::quiet_NaN());
+    void* rstd = c.rstd->mutable_data_ptr();
+    if (c.rstd->scalar_type() == ScalarType::Double) {
+      std::fill_n(static_cast<double*>(rstd), c.rstd->numel(), std::numeric_limits<double>::quiet_NaN());
     } else {
-      std::fill_n(static_cast<float*>(rstd), c.rstd.numel(), std::numeric_limits<float>::quiet_NaN());
+      std::fill_n(static_cast<float*>(rstd), c.rstd->numel(), std::numeric_limits<float>::quiet_NaN());
     }
   }
   const bool weighted = c.weight != nullptr && c.weight->defined();
@@ -273,7 +273,7 @@ void run_norm(const NormCall& c) {
                               weighted && c.weight->scalar_type() != c.x.scalar_type(),
                               c.weight_offset,
                               c.eps,
-                              const_cast<void*>(c.rstd.const_data_ptr()),  // (written only by the forward)
+                              c.rstd != nullptr ? const_cast<void*>(c.rstd->const_data_ptr()) : nullptr,  // (the backward reads it)
                               c.grad != nullptr ? c.grad->const_data_ptr() : nullptr,
                               c.dweight != nullptr ? c.dweight->mutable_data_ptr() : nullptr,
                               kernel_dtype(c.x.scalar_type()),

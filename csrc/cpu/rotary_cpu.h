@@ -95,7 +95,7 @@ struct NormOperands {
   bool float_weight;   // weight in float32 rather than in x's dtype
   double weight_offset;
   double eps;
-  void* rstd;          // the compute dtype: written by the forward, read by the backward
+  void* rstd;          // the compute dtype: written by the forward (unless null), read by the backward
   const void* grad;    // the backward's dy, or nullptr (the forward)
   void* dweight;       // the backward's weight gradient (the compute dtype), or nullptr
   KernelDtype dtype;   // of x, out, grad

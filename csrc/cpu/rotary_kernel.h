@@ -53,6 +53,18 @@ namespace rope_ext::cpu::CPU_CAPABILITY {
 
 using at::vec::Vectorized;
 
+// f(a value of the C++ type of `dtype`): the one switch from a kernel's dtype to its instantiation.
+template <typename F>
+void by_kernel_dtype(KernelDtype dtype, const F& f) {
+  switch (dtype) {
+    case KernelDtype::kFloat: return f(float{});
+    case KernelDtype::kDouble: return f(double{});
+    case KernelDtype::kHalf: return f(c10::Half{});
+    case KernelDtype::kBFloat16: return f(c10::BFloat16{});
+  }
+  throw std::logic_error("rope_ext internal error (please report it): the CPU kernel has no such dtype");
+}
+
 // at::parallel_for's contract, through the caller's pool (rotary_cpu.h's ThreadPool).
 template <typename F>
 void parallel_for(const ThreadPool& pool, int64_t begin, int64_t end, int64_t grain, const F& body) {
@@ -760,13 +772,7 @@ void rotary_kernel(const RotaryPlan& p, const KernelOperands& o, bool interleave
       run(scalar_t{});
     }
   };
-  switch (o.dtype) {
-    case KernelDtype::kFloat: return by_type(float{});
-    case KernelDtype::kDouble: return by_type(double{});
-    case KernelDtype::kHalf: return by_type(c10::Half{});
-    case KernelDtype::kBFloat16: return by_type(c10::BFloat16{});
-  }
-  throw std::logic_error("rope_ext internal error (please report it): the CPU kernel has no such dtype");
+  by_kernel_dtype(o.dtype, by_type);
 }
 
 }  // namespace rope_ext::cpu::CPU_CAPABILITY
