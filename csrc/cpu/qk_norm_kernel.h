@@ -38,13 +38,9 @@ struct NormMath {
     return s;
   }
 
-  // The lanes of v added in order.
+  // The lanes of v added (at::vec's shuffle tree on AVX2 and AVX-512: an order fixed by the ISA).
   static T sum_lanes(const Vec& v) {
-    T lanes[kLanes];
-    v.store(lanes);
-    T s = 0;
-    for (int64_t k = 0; k < kLanes; ++k) s += lanes[k];
-    return s;
+    return at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return a + b; }, v);
   }
 
   // y[j] = a[j] * s * g[j], or a[j] * s without g; y may be a.
@@ -302,7 +298,7 @@ void norm_forward(const NormPlan& p, const NormOperands& o, const Thresholds& th
       const T inv = T(1) / std::sqrt(squares / static_cast<T>(N) + static_cast<T>(o.eps));
       if (rstd != nullptr) rstd[n] = inv;
       for (int64_t h = 0; h < G; ++h) {
-        p.rows.offsets(n * G + h, off);
+        if (G > 1) p.rows.offsets(n * G + h, off);  // (one row: the offsets read it by are still in off)
         tables.load(p, o, off[kNormCos], off[kNormSin]);
         store_scaled_rotation<scalar_t, kInterleaved>(xf + h * D, inv, ctx.g_for(h), tables.c, tables.s, z, y, R, D,
                                                       out + off[kNormOut], p.out_col);
@@ -358,7 +354,7 @@ void norm_backward(const NormPlan& p, const NormOperands& o, const Thresholds& t
         }
         const T mean = NormMath<T>::dot(d, xh, N) / static_cast<T>(N);
         for (int64_t h = 0; h < G; ++h) {
-          p.rows.offsets(n * G + h, off);
+          if (G > 1) p.rows.offsets(n * G + h, off);  // (one row: the offsets read it by are still in off)
           NormMath<T>::norm_grad(d + h * D, xh + h * D, mean, inv, gy, D);
           Row::store(dx + off[kNormOut], p.out_col, D, gy);
         }
