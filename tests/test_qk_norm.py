@@ -26,7 +26,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import _UNIT_ROUNDOFF, CONVENTIONS, DTYPES, hook_setting, randn, random_tables
+from conftest import _UNIT_ROUNDOFF, CONVENTIONS, DTYPES, cpu_thresholds, hook_setting, randn, random_tables
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.testing._internal.optests import opcheck
 
 import rope_ext
@@ -37,7 +39,8 @@ WEIGHTS = ("none", "own", "float32_offset")
 
 def norm_tolerance(dtype, n, out):
     u_math = _UNIT_ROUNDOFF[torch.float64 if dtype == torch.float64 else torch.float32]
-    return {"atol": (n / 2 + 6) * u_math * float(out.detach().abs().max()), "rtol": _UNIT_ROUNDOFF[dtype]}
+    largest = float(out.detach().abs().max()) if out.numel() else 0.0
+    return {"atol": (n / 2 + 6) * u_math * largest, "rtol": _UNIT_ROUNDOFF[dtype]}
 
 
 def make_weight(kind, n, dtype, gen):
@@ -72,6 +75,8 @@ def check_against_truth(out, x, w, cos, sin, **kw):
     n = x.shape[-1] * (x.shape[-2] if kw.get("norm_over") == "heads" else 1)
     assert out.dtype == x.dtype and out.shape == x.shape and out.stride() == torch.empty_like(x).stride()
     torch.testing.assert_close(out.double(), expected, **norm_tolerance(x.dtype, n, expected))
+    if not out.numel():
+        return
     # no worse than the composite models run today (the largest error, over the whole tensor)
     ours = (out.double() - expected).abs().max()
     theirs = (eager(x, w, cos, sin, **kw).double() - expected).abs().max()
@@ -252,8 +257,6 @@ def test_gradcheck_and_gradgradcheck(norm_over, gen):
 def test_weight_gradients_are_bitwise_reproducible_across_thread_counts(gen):
     """The weights' gradients summed in a fixed order: the same bits for 1 and 2 threads and for
     another parallel grain (enough rows for many blocks of the reduction)."""
-    from conftest import cpu_thresholds
-
     q = randn(4, 256, 8, 64, gen=gen).requires_grad_()
     wq = torch.rand(64, generator=gen).requires_grad_()
     cos, sin = random_tables((4, 256, 1, 64), gen=gen)
@@ -698,3 +701,87 @@ def test_in_place_compiles_and_opchecks(gen):
     f(q1, k1)
     want = rope_ext.qk_norm_rotary(q, k, w, w, cos, sin, eps=1e-6)
     assert torch.equal(q1, want[0]) and torch.equal(k1, want[1])
+
+
+# --- fuzzing against the truth ------------------------------------------------------------------------
+
+_FUZZ_EXAMPLES = max(1, int(os.environ.get("ROPE_EXT_FUZZ_EXAMPLES", "2000")) // 10)
+
+
+def _fuzz_settings():
+    return settings(max_examples=_FUZZ_EXAMPLES, derandomize=True, database=None, deadline=None)
+
+
+def _laid_out(src, kind):
+    """src (B, S, H, D) in one of the layouts a model hands over, values unchanged."""
+    if kind == "hf_view":  # (B, H, S, D) view of (B, S, H, D) storage
+        return src.clone().transpose(1, 2)
+    if kind == "strided_cols":
+        buf = torch.full((*src.shape[:-1], 2 * src.shape[-1]), float("nan"), dtype=src.dtype)
+        buf[..., ::2] = src
+        return buf[..., ::2]
+    if kind == "padded":
+        buf = torch.full((*src.shape[:-1], src.shape[-1] + 3), float("nan"), dtype=src.dtype)
+        buf[..., : src.shape[-1]] = src
+        return buf[..., : src.shape[-1]]
+    return src.clone()
+
+
+def test_fuzz_against_the_truth():
+    """Random problems: sizes with 0 and 1, head dims 2 to 72 with full or partial rotary, every dtype,
+    both pairings and norm forms, weights none / own dtype / float32 with an offset, per-token,
+    per-head or shared tables, four layouts, tables or gathered caches, and the parallel grain from
+    one element. Forward against the float64 truth; in float32 and float64, the gradients of x and
+    the weight against float64 autograd of the reference."""
+    @_fuzz_settings()
+    @given(st.data())
+    def run(data):
+        B, S, H = (data.draw(st.integers(0 if i == 0 else 1, 3)) for i in range(3))
+        D = 2 * data.draw(st.integers(1, 36))
+        r = 2 * data.draw(st.integers(1, D // 2))
+        dtype = data.draw(st.sampled_from(DTYPES))
+        interleaved, across = data.draw(st.booleans()), data.draw(st.booleans())
+        layout = data.draw(st.sampled_from(["bshd", "strided_cols", "padded"] + ([] if across else ["hf_view"])))
+        weight = data.draw(st.sampled_from(WEIGHTS))
+        gathered = data.draw(st.booleans())
+        grain = data.draw(st.sampled_from([1, 7, 32768]))
+        g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+        x = _laid_out(randn(B, S, H, D, dtype=dtype, gen=g), layout)
+        hf = layout == "hf_view"
+        n = D * (H if across else 1)
+        w, offset = make_weight(weight, n, dtype, g)
+        kw = dict(eps=1e-5, weight_offset=offset, norm_over="heads" if across else "head", interleaved=interleaved)
+        table_dtype = torch.float32 if weight != "own" else dtype
+        if gathered:
+            cc, sc = random_tables((6, r // 2), dtype=table_dtype, gen=g)
+            positions = torch.randint(0, 6, (B, S, 1), generator=g)
+            positions = positions.transpose(1, 2) if hf else positions
+            cos, sin = _gathered_tables(cc, sc, positions, interleaved)
+            call = lambda t, wt: rope_ext.qk_norm_rotary_pos(t, t, wt, wt, cc, sc, positions, **kw)  # noqa: E731
+        else:
+            per_head = data.draw(st.booleans())
+            cos, sin = random_tables((B, S, H if per_head else 1, r), dtype=table_dtype, gen=g)
+            cos, sin = (cos.transpose(1, 2), sin.transpose(1, 2)) if hf else (cos, sin)
+            call = lambda t, wt: rope_ext.qk_norm_rotary(t, t, wt, wt, cos, sin, **kw)  # noqa: E731
+        with cpu_thresholds(grain_elements=grain):
+            out, _ = call(x, w)
+            check_against_truth(out, x, w, cos, sin, **kw)
+            if dtype in (torch.float32, torch.float64) and x.numel():
+                xg = x.detach().requires_grad_()
+                wg = None if w is None else w.detach().requires_grad_()
+                go = randn(*x.shape, dtype=dtype, gen=g)
+                leaves = [t for t in (xg, wg) if t is not None]
+                ours = torch.autograd.grad(call(xg, wg)[0], leaves, go)
+                wide = [t.detach().double().requires_grad_() for t in leaves]
+                ref = rms_norm_rotary_reference(wide[0], wide[1] if wg is not None else None, cos.double(),
+                                                sin.double(), **kw)
+                theirs = torch.autograd.grad(ref, wide, go.double())
+                u = _UNIT_ROUNDOFF[torch.float64 if dtype == torch.float64 else torch.float32]
+                for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+                    # the sums each gradient holds: a row's (x), every row's (the weight); then one
+                    # rounding to the gradient's dtype (a float32 weight of float64 x)
+                    terms = (n if i == 0 else x.numel()) + 8
+                    torch.testing.assert_close(a.double(), b, atol=4 * terms * u * float(b.abs().max() + 1),
+                                               rtol=_UNIT_ROUNDOFF[a.dtype])
+
+    run()
