@@ -45,83 +45,95 @@ struct QkNormOps {
     return new_contiguous(Dims{shape.data(), static_cast<int64_t>(shape.size())}, stat_dtype(x), x.device());
   }
 
+  // q and k of a forward call, read (writable, in place) and through every check the forms share.
+  struct QkArgs {
+    TensorArg q, k, cos, sin, q_weight, k_weight, pos;  // pos: undefined without positions
+    bool gathered;
+    const TensorArg* positions() const { return gathered ? &pos : nullptr; }
+  };
+
+  static QkArgs read_qk(const char* op, const T& q, const T& k, const OptT& q_weight, const OptT& k_weight,
+                        const T& cos, const T& sin, const TensorRef* positions, double eps, double weight_offset,
+                        bool across_heads, bool writes) {
+    QkArgs a{read_arg(q, writes), read_arg(k, writes), read_arg(cos), read_arg(sin), read_optional(q_weight),
+             read_optional(k_weight), positions != nullptr ? read_arg(*positions) : TensorArg{}, positions != nullptr};
+    check_qk_norm_args(op, a.q, &a.q_weight, a.cos, a.sin, a.positions(), eps, weight_offset, across_heads, "q",
+                       "q_weight");
+    check_qk_norm_args(op, a.k, &a.k_weight, a.cos, a.sin, a.positions(), eps, weight_offset, across_heads, "k",
+                       "k_weight");
+    if (a.gathered) {
+      check_qk_args(op, a.q, a.k, a.pos, "positions", 0);
+    } else {
+      check_qk_args(op, a.q, a.k, a.cos);
+    }
+    return a;
+  }
+
+  // The forward of q and of k into q_out and k_out (q and k themselves, in place), keeping their rstd
+  // where given.
+  static void run_qk(const char* op, const QkArgs& a, const TensorArg& q_out, const TensorArg& k_out,
+                     const TensorArg* q_rstd, const TensorArg* k_rstd, double eps, double weight_offset,
+                     bool across_heads, bool interleaved) {
+    run({a.q, q_out, &a.q_weight, a.cos, a.sin, q_rstd, a.positions(), nullptr, nullptr, eps, weight_offset,
+         across_heads, interleaved, op});
+    run({a.k, k_out, &a.k_weight, a.cos, a.sin, k_rstd, a.positions(), nullptr, nullptr, eps, weight_offset,
+         across_heads, interleaved, op});
+  }
+
   // (q_out, k_out, q_rstd, k_rstd); cos/sin are full-form tables, or half-width caches gathered at
   // `positions` when it is set (qk_norm_rotary_pos).
-  static Four run_qk(const char* op, const T& q_, const T& k_, const OptT& q_weight_, const OptT& k_weight_,
-                     const T& cos_, const T& sin_, const TensorRef* positions_, double eps, double weight_offset,
-                     bool across_heads, bool interleaved) {
-    const TensorArg q = read_arg(q_), k = read_arg(k_), cos = read_arg(cos_), sin = read_arg(sin_);
-    const TensorArg qw = read_optional(q_weight_), kw = read_optional(k_weight_);
-    const TensorArg pos = positions_ != nullptr ? read_arg(*positions_) : TensorArg{};
-    const TensorArg* positions = positions_ != nullptr ? &pos : nullptr;
-    check_qk_norm_args(op, q, &qw, cos, sin, positions, eps, weight_offset, across_heads, "q", "q_weight");
-    check_qk_norm_args(op, k, &kw, cos, sin, positions, eps, weight_offset, across_heads, "k", "k_weight");
-    if (positions != nullptr) {
-      check_qk_args(op, q, k, pos, "positions", 0);
-    } else {
-      check_qk_args(op, q, k, cos);
-    }
-    Output q_out = new_like(q_.handle, q), k_out = new_like(k_.handle, k);
-    Output q_rstd = new_stat(q, across_heads), k_rstd = new_stat(k, across_heads);
-    run({q, q_out.arg, &qw, cos, sin, &q_rstd.arg, positions, nullptr, nullptr, eps, weight_offset, across_heads,
-         interleaved, op});
-    run({k, k_out.arg, &kw, cos, sin, &k_rstd.arg, positions, nullptr, nullptr, eps, weight_offset, across_heads,
-         interleaved, op});
+  static Four out_of_place(const char* op, const T& q_, const T& k_, const OptT& q_weight, const OptT& k_weight,
+                           const T& cos, const T& sin, const TensorRef* positions, double eps, double weight_offset,
+                           bool across_heads, bool interleaved) {
+    const QkArgs a = read_qk(op, q_, k_, q_weight, k_weight, cos, sin, positions, eps, weight_offset, across_heads,
+                             false);
+    Output q_out = new_like(q_.handle, a.q), k_out = new_like(k_.handle, a.k);
+    Output q_rstd = new_stat(a.q, across_heads), k_rstd = new_stat(a.k, across_heads);
+    run_qk(op, a, q_out.arg, k_out.arg, &q_rstd.arg, &k_rstd.arg, eps, weight_offset, across_heads, interleaved);
     return {std::move(q_out.tensor), std::move(k_out.tensor), std::move(q_rstd.tensor), std::move(k_rstd.tensor)};
   }
 
   static Four qk_norm_rotary(const T& q, const T& k, const OptT& q_weight, const OptT& k_weight, const T& cos,
                              const T& sin, double eps, double weight_offset, bool across_heads, bool interleaved) {
-    return run_qk("rope_ext.qk_norm_rotary", q, k, q_weight, k_weight, cos, sin, nullptr, eps, weight_offset,
-                  across_heads, interleaved);
+    return out_of_place("rope_ext.qk_norm_rotary", q, k, q_weight, k_weight, cos, sin, nullptr, eps, weight_offset,
+                        across_heads, interleaved);
   }
 
   static Four qk_norm_rotary_pos(const T& q, const T& k, const OptT& q_weight, const OptT& k_weight,
                                  const T& cos_cache, const T& sin_cache, const T& positions, double eps,
                                  double weight_offset, bool across_heads, bool interleaved) {
-    return run_qk("rope_ext.qk_norm_rotary_pos", q, k, q_weight, k_weight, cos_cache, sin_cache, &positions, eps,
-                  weight_offset, across_heads, interleaved);
+    return out_of_place("rope_ext.qk_norm_rotary_pos", q, k, q_weight, k_weight, cos_cache, sin_cache, &positions,
+                        eps, weight_offset, across_heads, interleaved);
   }
 
   // In place, for inference: q and k overwritten with their (q_out, k_out); no rstd is kept. Every
   // check of the out-of-place op, and q and k must store each element once and share no memory with
   // each other or any input.
-  static void run_qk_inplace(const char* op, const T& q_, const T& k_, const OptT& q_weight_, const OptT& k_weight_,
-                             const T& cos_, const T& sin_, const TensorRef* positions_, double eps,
-                             double weight_offset, bool across_heads, bool interleaved) {
-    const TensorArg q = read_arg(q_, true), k = read_arg(k_, true), cos = read_arg(cos_), sin = read_arg(sin_);
-    const TensorArg qw = read_optional(q_weight_), kw = read_optional(k_weight_);
-    const TensorArg pos = positions_ != nullptr ? read_arg(*positions_) : TensorArg{};
-    const TensorArg* positions = positions_ != nullptr ? &pos : nullptr;
-    check_qk_norm_args(op, q, &qw, cos, sin, positions, eps, weight_offset, across_heads, "q", "q_weight");
-    check_qk_norm_args(op, k, &kw, cos, sin, positions, eps, weight_offset, across_heads, "k", "k_weight");
-    if (positions != nullptr) {
-      check_qk_args(op, q, k, pos, "positions", 0);
-    } else {
-      check_qk_args(op, q, k, cos);
+  static void in_place(const char* op, const T& q, const T& k, const OptT& q_weight, const OptT& k_weight,
+                       const T& cos, const T& sin, const TensorRef* positions, double eps, double weight_offset,
+                       bool across_heads, bool interleaved) {
+    const QkArgs a = read_qk(op, q, k, q_weight, k_weight, cos, sin, positions, eps, weight_offset, across_heads, true);
+    const char* nc = a.gathered ? "cos_cache" : "cos";
+    const char* ns = a.gathered ? "sin_cache" : "sin";
+    for (const auto& [x, name] : {std::pair{&a.q, "q"}, std::pair{&a.k, "k"}}) {
+      check_inplace_args(op, *x, {{nc, &a.cos}, {ns, &a.sin}, {"positions", &a.pos}, {"q_weight", &a.q_weight},
+                                  {"k_weight", &a.k_weight}}, name);
     }
-    const char* nc = positions != nullptr ? "cos_cache" : "cos";
-    const char* ns = positions != nullptr ? "sin_cache" : "sin";
-    for (const auto& [x, name] : {std::pair{&q, "q"}, std::pair{&k, "k"}}) {
-      check_inplace_args(op, *x, {{nc, &cos}, {ns, &sin}, {"positions", &pos}, {"q_weight", &qw}, {"k_weight", &kw}},
-                         name);
-    }
-    check_inplace_args(op, q, {{"k", &k}}, "q");
-    run({q, q, &qw, cos, sin, nullptr, positions, nullptr, nullptr, eps, weight_offset, across_heads, interleaved, op});
-    run({k, k, &kw, cos, sin, nullptr, positions, nullptr, nullptr, eps, weight_offset, across_heads, interleaved, op});
+    check_inplace_args(op, a.q, {{"k", &a.k}}, "q");
+    run_qk(op, a, a.q, a.k, nullptr, nullptr, eps, weight_offset, across_heads, interleaved);
   }
 
   static void qk_norm_rotary_(const T& q, const T& k, const OptT& q_weight, const OptT& k_weight, const T& cos,
                               const T& sin, double eps, double weight_offset, bool across_heads, bool interleaved) {
-    run_qk_inplace("rope_ext.qk_norm_rotary_", q, k, q_weight, k_weight, cos, sin, nullptr, eps, weight_offset,
-                   across_heads, interleaved);
+    in_place("rope_ext.qk_norm_rotary_", q, k, q_weight, k_weight, cos, sin, nullptr, eps, weight_offset,
+             across_heads, interleaved);
   }
 
   static void qk_norm_rotary_pos_(const T& q, const T& k, const OptT& q_weight, const OptT& k_weight,
                                   const T& cos_cache, const T& sin_cache, const T& positions, double eps,
                                   double weight_offset, bool across_heads, bool interleaved) {
-    run_qk_inplace("rope_ext.qk_norm_rotary_pos_", q, k, q_weight, k_weight, cos_cache, sin_cache, &positions, eps,
-                   weight_offset, across_heads, interleaved);
+    in_place("rope_ext.qk_norm_rotary_pos_", q, k, q_weight, k_weight, cos_cache, sin_cache, &positions, eps,
+             weight_offset, across_heads, interleaved);
   }
 
   // (dx, dweight): dweight in the compute dtype, of the weight's shape, when weight_grad; else empty.

@@ -176,3 +176,18 @@ def test_flash_attn_inplace_under_autograd(interleaved, gen):
     apply_rotary_emb(y, cos, sin, inplace=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         z.sum().backward()
+
+
+def test_qknorm_forward_is_transformers_rmsnorm_in_float32():
+    """rope_ext.QKNorm's own forward against transformers' Qwen3RMSNorm (float32 inputs: one rounding
+    both)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    theirs = Qwen3RMSNorm(16, eps=1e-6)
+    ours = rope_ext.QKNorm(16, eps=1e-6)
+    with torch.no_grad():
+        theirs.weight.uniform_(0.5, 1.5, generator=gen)
+        ours.q_weight.copy_(theirs.weight)
+    x = randn(2, 3, 4, 16, gen=gen)
+    torch.testing.assert_close(ours(x, x)[0], theirs(x))
