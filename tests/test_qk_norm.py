@@ -770,3 +770,58 @@ def test_fuzz_against_the_truth():
                                                rtol=_UNIT_ROUNDOFF[a.dtype])
 
     run()
+
+
+def test_outputs_with_strided_columns_forward_and_backward(gen):
+    """A dense x whose last dim is not its innermost ((B, S, D, H) storage seen as (B, S, H, D)): the
+    output and dx keep x's strides, so both kernels store through a column stride other than 1; and
+    in place on a slice with strided columns."""
+    base = randn(2, 5, 32, 4, gen=gen)
+    x = base.transpose(-1, -2).requires_grad_()  # (2, 5, 4, 32), x.stride(-1) == 4
+    w = torch.rand(32, generator=gen, dtype=torch.float64).float().requires_grad_()
+    cos, sin = random_tables((2, 5, 1, 32), gen=gen)
+    out, _ = rope_ext.qk_norm_rotary(x, x, w, w, cos, sin, eps=1e-6)
+    assert out.stride() == x.stride() and out.stride(-1) != 1
+    check_against_truth(out, x.detach(), w.detach(), cos, sin, eps=1e-6)
+    go = randn(*x.shape, gen=gen)
+    ours = torch.autograd.grad(out, (x, w), go)
+    wide = [t.detach().double().requires_grad_() for t in (x, w)]
+    theirs = torch.autograd.grad(rms_norm_rotary_reference(wide[0], wide[1], cos.double(), sin.double(), eps=1e-6),
+                                 wide, go.double())
+    assert ours[0].stride(-1) != 1
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-5)
+    buf = randn(2, 5, 4, 64, gen=gen)
+    q, k = buf[..., ::2], randn(2, 5, 4, 32, gen=gen)
+    want = rope_ext.qk_norm_rotary(q, k, None, None, cos, sin, eps=1e-6)
+    rope_ext.qk_norm_rotary_(q, k, None, None, cos, sin, eps=1e-6)
+    assert torch.equal(q, want[0]) and torch.equal(k, want[1])
+
+
+def test_weight_gradient_past_512_blocks(gen):
+    """Rows across heads of 16,384 values: one group per block by size, so 520 tokens would make 520
+    blocks; the block count is capped at 512 (several groups a block). The weight's gradient still
+    matches float64 autograd, and the same bits for 1 and 2 threads."""
+    x = randn(520, 128, 128, gen=gen).requires_grad_()
+    w = torch.rand(128 * 128, generator=gen).requires_grad_()
+    cos, sin = random_tables((520, 1, 128), gen=gen)
+    go = randn(*x.shape, gen=gen)
+
+    def grads():
+        out, _ = rope_ext.qk_norm_rotary(x, x, w, w, cos, sin, eps=1e-6, norm_over="heads")
+        return torch.autograd.grad(out, w, go)[0]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = grads()
+        torch.set_num_threads(2)
+        two = grads()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    wide = [t.detach().double().requires_grad_() for t in (x, w)]
+    ref = rms_norm_rotary_reference(wide[0], wide[1], cos.double(), sin.double(), eps=1e-6, norm_over="heads")
+    (theirs,) = torch.autograd.grad(ref, wide[1], go.double())
+    # each value sums 520 rows' products in float32
+    torch.testing.assert_close(one.double(), theirs, atol=600 * 2.0**-24 * float(theirs.abs().max()), rtol=1e-6)
