@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from rope_ext._validate import require_bool, require_number
+from rope_ext.reference import rms_norm_reference
 
 __all__ = ["QKNorm"]
 
@@ -75,10 +76,7 @@ class QKNorm(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k normalized, not rotated (float32 math, one rounding), by the reference formula."""
         def one(x, w):
-            v = x.float().flatten(-2) if self.norm_over == "heads" else x.float()
-            v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps)
-            if w is not None:
-                v = v * (w.float() + self.weight_offset)
-            return (v.unflatten(-1, x.shape[-2:]) if self.norm_over == "heads" else v).to(x.dtype)
+            return rms_norm_reference(x, w, eps=self.eps, weight_offset=self.weight_offset,
+                                      norm_over=self.norm_over).to(x.dtype)
 
         return one(q, self.q_weight), one(k, self.k_weight)

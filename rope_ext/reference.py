@@ -34,6 +34,7 @@ __all__ = [
     "rotary_pairs_loop",
     "angles_to_cos_sin",
     "rms_norm_rotary_reference",
+    "rms_norm_reference",
 ]
 
 
@@ -150,6 +151,22 @@ def rms_norm_rotary_reference(
     dtype = torch.promote_types(torch.promote_types(x.dtype, cos.dtype), torch.float32)
     if weight is not None:
         dtype = torch.promote_types(dtype, weight.dtype)
+    v = rms_norm_reference(x, weight, eps=eps, weight_offset=weight_offset, norm_over=norm_over, dtype=dtype)
+    return rotary_reference(v, cos.to(dtype), sin.to(dtype), interleaved).to(x.dtype)
+
+
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    *,
+    eps: float,
+    weight_offset: float = 0.0,
+    norm_over: str = "head",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``g * x / sqrt(mean(x^2) + eps)`` in ``dtype`` (not rounded back to x's), the norm of
+    :func:`rms_norm_rotary_reference`: over each head's row, or over dim -2 and -1 together
+    (``norm_over="heads"``); ``g = weight + weight_offset``, or 1 without a weight."""
     v = x.to(dtype)
     if norm_over == "heads":
         v = v.flatten(-2)
@@ -158,5 +175,4 @@ def rms_norm_rotary_reference(
     v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
         v = v * (weight.to(dtype) + weight_offset)
-    v = v.unflatten(-1, x.shape[-2:]) if norm_over == "heads" else v
-    return rotary_reference(v, cos.to(dtype), sin.to(dtype), interleaved).to(x.dtype)
+    return v.unflatten(-1, x.shape[-2:]) if norm_over == "heads" else v
