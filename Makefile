@@ -42,7 +42,7 @@ dist-check:
 # others), the core tests in each. See tools/wheel_check.sh.
 CORE_TESTS := tests/test_rotary.py tests/test_autograd.py tests/test_qk_and_inplace.py tests/test_errors.py \
   tests/test_cpu_kernel.py tests/test_cuda_emulation.py tests/test_rotary_pos.py tests/test_compile.py tests/test_export.py \
-  tests/test_dtensor.py tests/test_qk_norm.py
+  tests/test_dtensor.py tests/test_qk_norm.py tests/test_qk_norm_emulation.py
 wheel-check: setup
 	PYTHON=$(PYTHON) CORE_TESTS="$(CORE_TESTS)" bash tools/wheel_check.sh
 

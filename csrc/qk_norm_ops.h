@@ -74,10 +74,14 @@ struct QkNormOps {
   static void run_qk(const char* op, const QkArgs& a, const TensorArg& q_out, const TensorArg& k_out,
                      const TensorArg* q_rstd, const TensorArg* k_rstd, double eps, double weight_offset,
                      bool across_heads, bool interleaved) {
-    run({a.q, q_out, &a.q_weight, a.cos, a.sin, q_rstd, a.positions(), nullptr, nullptr, eps, weight_offset,
-         across_heads, interleaved, op});
-    run({a.k, k_out, &a.k_weight, a.cos, a.sin, k_rstd, a.positions(), nullptr, nullptr, eps, weight_offset,
-         across_heads, interleaved, op});
+    // (Named, not braced in the call: nvcc's front end misreads a braced argument to a function
+    // pointer template parameter.)
+    const NormCall q_call{a.q,    q_out,         &a.q_weight,  a.cos,         a.sin,        q_rstd, a.positions(),
+                          nullptr, nullptr,      eps,          weight_offset, across_heads, interleaved, op};
+    const NormCall k_call{a.k,    k_out,         &a.k_weight,  a.cos,         a.sin,        k_rstd, a.positions(),
+                          nullptr, nullptr,      eps,          weight_offset, across_heads, interleaved, op};
+    run(q_call);
+    run(k_call);
   }
 
   // (q_out, k_out, q_rstd, k_rstd); cos/sin are full-form tables, or half-width caches gathered at
@@ -163,8 +167,9 @@ struct QkNormOps {
     Output dx = new_like(x_.handle, x);
     const int64_t n = weight_grad ? w.size(0) : 0;
     Output dweight = new_contiguous(Dims{&n, 1}, stat_dtype(x), x.device());
-    run({x, dx.arg, &w, cos, sin, &rstd, positions, &grad, weight_grad ? &dweight.arg : nullptr, 0.0, weight_offset,
-         across_heads, interleaved, op});
+    const NormCall call{x,   dx.arg, &w, cos, sin, &rstd, positions, &grad, weight_grad ? &dweight.arg : nullptr,
+                        0.0, weight_offset, across_heads, interleaved, op};
+    run(call);
     return {std::move(dx.tensor), std::move(dweight.tensor)};
   }
 };

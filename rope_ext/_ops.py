@@ -270,10 +270,6 @@ def rotary_pos_(
 _NORM_OVER = {"head": False, "heads": True}
 
 
-def _on_cuda(*tensors) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
-
-
 def qk_norm_rotary(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -423,8 +419,6 @@ def _norm_args(op, q, k, tensors, eps, weight_offset, norm_over, interleaved):
     """The op's arguments from a norm wrapper's: norm_over checked and turned into across_heads."""
     if norm_over not in _NORM_OVER:
         raise ValueError(f"{op}: norm_over must be 'head' or 'heads', got {norm_over!r}")
-    if _on_cuda(q, k):
-        raise NotImplementedError(f"{op}: no CUDA kernel yet (issue 38's next step); it runs on the CPU")
     return (*tensors, eps, weight_offset, _NORM_OVER[norm_over], interleaved)
 
 

@@ -1,6 +1,6 @@
-"""One small call for every CUDA kernel rope_ext instantiates, checked bit for bit against the CPU
-kernel: what `make gpu-check` runs under compute-sanitizer (memcheck in the lease, initcheck in
-STEP=rest), where each kernel must launch at least once.
+"""One small call for every CUDA kernel rope_ext instantiates, checked bit for bit: what `make
+gpu-check` runs under compute-sanitizer (memcheck in the lease, initcheck in STEP=rest), where each
+kernel must launch at least once.
 
 The kernels are RotaryThread<scalar, table, interleaved, vec, gathered, memory, index>: 7 pairs of x
 and table dtypes (16-bit x with its own or float32 tables, float32, float64 with its own or float32
@@ -8,7 +8,13 @@ tables) x both pairings x vector or scalar x full tables or gathered caches x Co
 PlanIndex = 112, each run on q and a GQA k in one launch. Which one a call takes is the launcher's
 run-time choice (rotary_thread.h's plan_call); the same choice, made on the host by the testing
 library for the same strides and alignments, tells which ones these cases reach, and a case set that
-misses one fails.
+misses one fails. Each is checked against the CPU kernel.
+
+The QK-norm kernels are NormThread<scalar, table, interleaved, vec, gathered, backward, memory>: the
+same 7 dtype pairs x both pairings x vector or scalar x full tables or gathered caches x forward or
+backward = 112 more, each run on a GQA pair of q and k (forward) or on q with its weight's gradient
+(backward), and checked against their host emulation (tests/test_qk_norm_emulation.py): the same
+float operations in the same order, so the same bits.
 
     python tests/gpu_kernel_cases.py [--device cuda]    # --device cpu: only the coverage, here
 """
@@ -87,6 +93,59 @@ def kernel_of(op, tensors, interleaved) -> tuple:
     return q.dtype, cc.dtype, interleaved, cfg["vec"] > 1, op == "rotary_pos_qk", bool(cfg["compact"])
 
 
+NORM_LAUNCH = ("grid_x", "block_x", "block_y", "groups", "vec", "pairs_per_item", "rot_items", "pass_items",
+               "group_items", "partial_rows", "table_vec", "weight_vec")
+
+
+def norm_cases(gen):
+    """(name, intended kernel, op, arguments) for every QK-norm kernel: q (2, 3, 4, 32) and k (2, 3, 2, 32),
+    r = 32 (16 with interleaved pairs: pass-through columns), across heads for the gathered caches,
+    per head for full tables; scalar where the rows start one element past a vector boundary."""
+    for (dtype, table_dtype), interleaved, vector, gathered, backward in itertools.product(
+            DTYPE_PAIRS, (False, True), (True, False), (False, True), (False, True)):
+        q = torch.randn(2, 3, 4, 32, generator=gen, dtype=torch.float64).to(dtype)
+        k = torch.randn(2, 3, 2, 32, generator=gen, dtype=torch.float64).to(dtype)
+        if not vector:
+            q, k = _offset(q, 1), _offset(k, 1)
+        r = 16 if interleaved else 32
+        across = gathered
+        wq = torch.rand(32 * (4 if across else 1), generator=gen).to(dtype)
+        wk = torch.rand(32 * (2 if across else 1), generator=gen)  # float32: the other weight form
+        if gathered:
+            cc, sc = random_tables((16, r // 2), table_dtype, gen)
+            tables = (cc, sc, torch.randint(0, 16, (2, 3, 1), generator=gen))
+        else:
+            tables = (*random_tables((3, 1, r), table_dtype, gen), None)
+        name = f"qk_norm {'backward' if backward else 'forward'} {str(dtype)[6:]}/{str(table_dtype)[6:]} " \
+               f"{'interleaved' if interleaved else 'halfsplit'} {'vector' if vector else 'scalar'} " \
+               f"{'gathered across heads' if gathered else 'full per head'}"
+        yield name, (dtype, table_dtype, interleaved, vector, gathered, backward), (q, k, wq, wk, *tables), \
+            (1e-6, 0.5, across, interleaved), backward
+
+
+def run_norm(testing, args, scalars, backward):
+    """The forward's four outputs, or the backward's (dx, dweight) of q, through `testing`'s op set
+    (torch.ops.rope_ext_testing's cuda_emulate_*, or the product's ops without that prefix)."""
+    q, k, wq, wk, cos, sin, positions = args
+    eps, offset, across, interleaved = scalars
+    if positions is None:
+        out = testing("qk_norm_rotary")(q, k, wq, wk, cos, sin, *scalars)
+    else:
+        out = testing("qk_norm_rotary_pos")(q, k, wq, wk, cos, sin, positions, *scalars)
+    if not backward:
+        return out
+    dy = (q.detach().cpu().double() * 0.5 - 0.25).to(q.dtype).to(q.device)  # (any values)
+    return testing("qk_norm_rotary_backward")(dy, q, wq, out[2], cos, sin, positions, offset, across, interleaved,
+                                              True)
+
+
+def norm_kernel_of(args, scalars, backward) -> tuple:
+    q, _, wq, _, cos, sin, positions = args
+    cfg = dict(zip(NORM_LAUNCH, TESTING.cuda_norm_launch_config(q, wq, cos, sin, positions, scalars[2], scalars[3],
+                                                                backward), strict=True))
+    return q.dtype, cos.dtype, scalars[3], cfg["vec"] > 1, positions is not None, backward
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -105,9 +164,23 @@ def main() -> int:
             for which, g, want in zip("qk", _twins(got, "cpu")[0], ref, strict=True):
                 if not torch.equal(g, want):
                     failed.append(f"{name}: {which} differs from the CPU kernel")
-    expected = 7 * 2 * 2 * 2 * 2
+    emulated = lambda op: getattr(TESTING, "cuda_emulate_" + op)  # noqa: E731
+    real = lambda op: getattr(torch.ops.rope_ext, op)  # noqa: E731
+    for name, intended, args_, scalars, backward in norm_cases(gen):
+        kernel = norm_kernel_of(args_, scalars, backward)
+        reached.add(("qk_norm", *kernel))
+        if kernel != intended:
+            failed.append(f"{name}: takes {kernel}")
+        if args.device != "cpu":
+            got = run_norm(real, _twins(args_, args.device)[0], scalars, backward)
+            want = run_norm(emulated, args_, scalars, backward)
+            for which, g, w in zip(("out", "k_out", "rstd", "k_rstd"), _twins(got, "cpu")[0], want):
+                if not (torch.equal(g, w) or torch.equal(g.isnan(), w.isnan()) and torch.equal(g.nan_to_num(),
+                                                                                             w.nan_to_num())):
+                    failed.append(f"{name}: {which} differs from the kernel's host emulation")
+    expected = 2 * 7 * 2 * 2 * 2 * 2
     print(f"gpu_kernel_cases: {len(reached)} of {expected} kernels reached on {args.device}"
-          f"{'' if args.device == 'cpu' else ', each bit-identical to the CPU kernel'}")
+          f"{'' if args.device == 'cpu' else ', each bit-identical to the CPU kernel or its emulation'}")
     for line in failed:
         print("  FAILED", line)
     return 0 if not failed and len(reached) == expected else 1

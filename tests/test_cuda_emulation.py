@@ -486,9 +486,9 @@ def test_traffic_rotary_qk_reads_the_tables_once(gen):
 
 def test_the_sanitizer_cases_reach_every_cuda_kernel(capsys, monkeypatch):
     """make gpu-check's sanitize step runs tests/gpu_kernel_cases.py under compute-sanitizer, which
-    must launch every kernel template: its cases reach all 112, by the launcher's own choice."""
+    must launch every kernel template: its cases reach all 224, by the launcher's own choice."""
     import gpu_kernel_cases
 
     monkeypatch.setattr("sys.argv", ["gpu_kernel_cases.py", "--device", "cpu"])
     assert gpu_kernel_cases.main() == 0
-    assert "112 of 112 kernels reached" in capsys.readouterr().out
+    assert "224 of 224 kernels reached" in capsys.readouterr().out

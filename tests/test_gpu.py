@@ -697,3 +697,134 @@ def test_device_copies_keep_each_layout(cuda, layout, gen):
     (xg,) = on(cuda, x)
     assert xg.stride() == x.stride() and xg.storage_offset() == x.storage_offset()
     assert xg.data_ptr() % 16 == x.data_ptr() % 16 and torch.equal(cpu(xg), x)
+
+
+# --- QK-norm + RoPE (qk_norm_rotary) on the device ------------------------------------------------
+#
+# The kernels' float math is IEEE with no contraction (--fmad=false; sqrt and division correctly
+# rounded), in the same order as their host emulation (tests/test_qk_norm_emulation.py): so the
+# device's results are the emulator's bit for bit, and the CPU kernel's to rounding (its group sums
+# add in another order).
+
+NORM_CASES = {  # name: (dtype, table dtype, norm_over, interleaved, D, r, gathered)
+    "qwen3_bf16": (torch.bfloat16, torch.float32, "head", False, 128, 128, True),
+    "wan_bf16_across": (torch.bfloat16, torch.bfloat16, "heads", False, 128, 128, False),
+    "olmo_f32_across_gathered": (torch.float32, torch.float32, "heads", False, 64, 64, True),
+    "interleaved_partial_f16": (torch.float16, torch.float16, "head", True, 64, 32, False),
+    "scalar_40_f32": (torch.float32, torch.float32, "head", False, 40, 40, False),
+    "f64_gathered": (torch.float64, torch.float64, "head", True, 32, 24, True),
+}
+
+
+def _norm_inputs(case, gen, T=9, Hq=8, Hk=2):
+    dtype, tdt, norm_over, interleaved, D, r, gathered = NORM_CASES[case]
+    q, k = randn(2, T, Hq, D, dtype=dtype, gen=gen), randn(2, T, Hk, D, dtype=dtype, gen=gen)
+    wq = torch.rand(D * (Hq if norm_over == "heads" else 1), generator=gen).to(dtype)
+    wk = torch.rand(D * (Hk if norm_over == "heads" else 1), generator=gen).float()  # (float32: the other form)
+    if gathered:
+        cc, sc = _caches(r, tdt)
+        tables = (cc, sc, torch.randint(0, 64, (2, T, 1), generator=gen))
+    else:
+        tables = _tables(r, interleaved, tdt, gen, shape=(2, T, 1))
+    return (q, k, wq, wk, *tables), dict(eps=1e-6, weight_offset=0.5, across_heads=norm_over == "heads",
+                                         interleaved=interleaved)
+
+
+@pytest.mark.parametrize("case", NORM_CASES)
+def test_qk_norm_equals_its_emulation_bit_for_bit(cuda, case, gen):
+    """Forward (outputs and rstd) and backward (dx and the weight's gradient) of the device kernels
+    against the host emulation of the same kernels."""
+    testing = torch.ops.rope_ext_testing
+    args, kw = _norm_inputs(case, gen)
+    extra = (kw["eps"], kw["weight_offset"], kw["across_heads"], kw["interleaved"])
+    gathered = len(args) == 7
+    op = ops.qk_norm_rotary_pos if gathered else ops.qk_norm_rotary
+    emu = testing.cuda_emulate_qk_norm_rotary_pos if gathered else testing.cuda_emulate_qk_norm_rotary
+    got, want = op(*on(cuda, *args), *extra), emu(*args, *extra)
+    for name, g, w in zip(("q_out", "k_out", "q_rstd", "k_rstd"), got, want, strict=True):
+        assert_same_bits(g, w, f"{case} {name}")
+    q, _, wq, _ = args[:4]
+    tables = args[4:6]
+    positions = args[6] if gathered else None
+    dy = randn(*q.shape, dtype=q.dtype, gen=gen)
+    back = (dy, q, wq, want[2], *tables, positions, kw["weight_offset"], kw["across_heads"], kw["interleaved"], True)
+    got = ops.qk_norm_rotary_backward(*on(cuda, *back[:7]), *back[7:]) if positions is not None else \
+        ops.qk_norm_rotary_backward(*on(cuda, *back[:6]), None, *back[7:])
+    want = testing.cuda_emulate_qk_norm_rotary_backward(*back)
+    assert_same_bits(got[0], want[0], f"{case} dx")
+    assert_same_bits(got[1], want[1], f"{case} dweight")
+
+
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+@pytest.mark.parametrize("gathered", [False, True], ids=["tables", "positions"])
+def test_qk_norm_autograd_on_cuda_matches_the_cpu(cuda, norm_over, gathered, gen):
+    """The public functions with autograd, every gradient (q, k, both weights, the tables unless
+    gathered) against the CPU's, to float32 rounding over a group and over the rows of a sum."""
+    dtype, D, T = torch.float32, 64, 5
+    q = randn(2, T, 4, D, dtype=dtype, gen=gen).requires_grad_()
+    k = randn(2, T, 2, D, dtype=dtype, gen=gen).requires_grad_()
+    wq = torch.rand(D * (4 if norm_over == "heads" else 1), generator=gen).requires_grad_()
+    wk = torch.rand(D * (2 if norm_over == "heads" else 1), generator=gen).requires_grad_()
+    kw = dict(eps=1e-6, weight_offset=1.0, norm_over=norm_over)
+    if gathered:
+        cc, sc = _caches(D, torch.float32)
+        pos = torch.randint(0, 64, (2, T, 1), generator=gen)
+        fn, tabs = rope_ext.qk_norm_rotary_pos, (cc, sc, pos)
+    else:
+        cos, sin = _tables(D, False, torch.float32, gen, shape=(2, T, 1))
+        fn, tabs = rope_ext.qk_norm_rotary, (cos.requires_grad_(), sin.requires_grad_())
+    inputs = (q, k, wq, wk, *tabs)
+    leaves = [t for t in inputs if t.requires_grad]
+    gq, gk = randn(*q.shape, gen=gen), randn(*k.shape, gen=gen)
+    want = torch.autograd.grad(fn(*inputs, **kw), leaves, (gq, gk))
+    dev = on(cuda, *inputs)
+    got = torch.autograd.grad(fn(*dev, **kw), [t for t in dev if t.requires_grad], on(cuda, gq, gk))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(cpu(g), w, atol=1e-4 * float(w.abs().max()), rtol=1e-5)
+
+
+def test_qk_norm_gradcheck_opcheck_and_compile_on_cuda(cuda, gen):
+    """float64 gradcheck and gradgradcheck of both forms, opcheck of every qk_norm op, and
+    torch.compile(fullgraph=True) of the forward and backward, on the device."""
+    q = randn(1, 3, 2, 8, dtype=torch.float64, gen=gen).to(cuda).requires_grad_()
+    k = randn(1, 3, 1, 8, dtype=torch.float64, gen=gen).to(cuda).requires_grad_()
+    wq = torch.rand(8, dtype=torch.float64, generator=gen).to(cuda).requires_grad_()
+    cos, sin = (t.to(cuda).requires_grad_() for t in _tables(8, False, torch.float64, gen, shape=(1, 3, 1)))
+    fn = lambda *a: rope_ext.qk_norm_rotary(*a, eps=1e-6, interleaved=True)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, wq, None, cos, sin))
+    assert torch.autograd.gradgradcheck(fn, (q, k, wq, None, cos, sin))
+    cc, sc = (t.to(cuda) for t in _caches(8, torch.float64, rows=4))
+    pos = torch.randint(0, 4, (1, 3, 1), generator=gen).to(cuda)
+    fp = lambda q, k, w: rope_ext.qk_norm_rotary_pos(q, k, w, w, cc, sc, pos, eps=1e-6, norm_over="heads")  # noqa
+    w2 = torch.rand(16, dtype=torch.float64, generator=gen).to(cuda).requires_grad_()
+    k2 = randn(1, 3, 2, 8, dtype=torch.float64, gen=gen).to(cuda).requires_grad_()
+    assert torch.autograd.gradcheck(fp, (q, k2, w2))
+    args = (q.detach(), k.detach(), wq.detach(), None, cos.detach(), sin.detach(), 1e-6, 0.0, False, False)
+    torch.library.opcheck(ops.qk_norm_rotary.default, args)
+    torch.library.opcheck(ops.qk_norm_rotary_pos.default, (q.detach(), k2.detach(), w2.detach(), w2.detach(), cc,
+                                                            sc, pos, 1e-6, 0.0, True, False))
+    torch.library.opcheck(ops.qk_norm_rotary_.default, (q.detach().clone(), k.detach().clone(), *args[2:]))
+    compiled = torch.compile(fn, fullgraph=True)
+    out = compiled(q, k, wq, None, cos, sin)
+    ref = fn(q, k, wq, None, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
+    g1 = torch.autograd.grad(sum(o.sum() for o in out), (q, wq))
+    g2 = torch.autograd.grad(sum(o.sum() for o in ref), (q, wq))
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2, strict=True))
+
+
+def test_module_with_norm_on_cuda_matches_the_cpu_module(cuda, gen):
+    """RotaryEmbedding(...)(q, k, positions, norm=QKNorm(...)) on the device: one fused call, the
+    CPU module's results to rounding."""
+    q, k = randn(2, 6, 8, 64, dtype=torch.bfloat16, gen=gen), randn(2, 6, 2, 64, dtype=torch.bfloat16, gen=gen)
+    rope = rope_ext.RotaryEmbedding(64, max_position_embeddings=32, layout="bshd")
+    norm = rope_ext.QKNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.q_weight.uniform_(0.5, 1.5)
+        norm.k_weight.uniform_(0.5, 1.5)
+    pos = torch.randint(0, 32, (2, 6), generator=gen)
+    want = rope(q, k, position_ids=pos, norm=norm)
+    rope_d, norm_d = rope_ext.RotaryEmbedding(64, max_position_embeddings=32, layout="bshd").to(cuda), norm.to(cuda)
+    got = rope_d(q.to(cuda), k.to(cuda), position_ids=pos.to(cuda), norm=norm_d)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.cpu().float(), w.float(), atol=0, rtol=2.0**-7)

@@ -17,8 +17,9 @@
 #   test      tests/test_gpu.py and tests/test_cuda.py but the smoke's cases and the 2^31-element
 #             tensors: double backward, opcheck, the module, the drop-ins, a patched transformers
 #             model, Inductor, CUDA graphs, streams, the device-side assert.
-#   memcheck  compute-sanitizer's memcheck over tests/gpu_kernel_cases.py: each of the 112 kernels
-#             launched once, our kernels only. Where the sanitizer refuses the device (gVisor machines
+#   memcheck  compute-sanitizer's memcheck over tests/gpu_kernel_cases.py: each of the 224 kernels
+#             launched once, our kernels only; then its racecheck over the same cases (the QK-norm
+#             kernels share their groups' sums through shared memory between barriers). Where the sanitizer refuses the device (gVisor machines
 #             answer "Device not supported"), the verdict says so and the part does not fail.
 #   bench     benchmarks/bench_cuda.py --lease: Llama-3-8B bfloat16 prefill (2k, 8k) and decode
 #             against a device copy, HF eager, torch.compile of HF and Liger.
@@ -27,9 +28,8 @@
 #   mirror     the host-emulation suites with the emulator swapped for the real kernels
 #              (ROPE_EXT_TEST_KERNELS_ON=cuda, tests/conftest.py's KernelsOn);
 #   large      the tensors past 2^31 elements and tokens (tests/test_gpu.py, marker gpu_large);
-#   initcheck  compute-sanitizer's initcheck over the same 112 kernel cases;
+#   initcheck  compute-sanitizer's initcheck over the same 224 kernel cases;
 #   bench-full benchmarks/bench_cuda.py, every case.
-# (No racecheck: it reports hazards on shared memory, and the kernels use none, nor barriers or atomics.)
 # STEP=all: both, for a machine with no time limit (it writes more than 8 files).
 #
 # Without an NVIDIA GPU it says so and exits 0 at once, running nothing. ROPE_EXT_GPU_CHECK_REHEARSAL=1
@@ -190,12 +190,14 @@ install_build() {
   echo "gpu-check: built here, CUDA kernels registered"
 }
 
-sanitizer() {  # sanitizer TOOL: compute-sanitizer's TOOL over one call of each of the 112 kernels
+sanitizer() {  # sanitizer TOOL: compute-sanitizer's TOOL over one call of each of the 224 kernels
   local san
   san=$(command -v compute-sanitizer || ls "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" 2> /dev/null) ||
     { echo "gpu-check: compute-sanitizer not found"; return 1; }
   # Each tensor its own allocation (no caching allocator), so an access past one is caught.
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$san" --tool "$1" --error-exitcode 1 --kernel-name kns=rotary_kernel \
+  # (kns=rope_ext: every kernel of ours, rotary_kernel, qk_norm_kernel and weight_grad_sum_kernel,
+  # whose names are in namespace rope_ext; torch's own kernels are not checked.)
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$san" --tool "$1" --error-exitcode 1 --kernel-name kns=rope_ext \
     "$PY" tests/gpu_kernel_cases.py --device cuda
 }
 
@@ -218,9 +220,9 @@ for p in "${PARTS[@]}"; do
     smoke) part smoke 120 env ROPE_EXT_GPU_CHECK=1 "${PYTEST[@]}" -k "$SMOKE_K" tests/test_gpu.py ;;
     test) part test 240 env ROPE_EXT_GPU_CHECK=1 "${PYTEST[@]}" -m "not gpu_large" -k "not ($SMOKE_K)" \
             tests/test_gpu.py tests/test_cuda.py ;;
-    memcheck) part memcheck 150 bash -c "sanitizer memcheck" ;;
+    memcheck) part memcheck 210 bash -c "sanitizer memcheck && sanitizer racecheck" ;;
     bench) part bench 150 "$PY" benchmarks/bench_cuda.py --lease --out "$OUT" ;;
-    mirror) part mirror 420 env ROPE_EXT_TEST_KERNELS_ON=cuda "${PYTEST[@]}" tests/test_cuda_emulation.py \
+    mirror) part mirror 420 env ROPE_EXT_TEST_KERNELS_ON=cuda "${PYTEST[@]}" tests/test_cuda_emulation.py tests/test_qk_norm_emulation.py \
               tests/test_rotary_pos.py tests/test_fuzz.py tests/test_robustness.py ;;
     large) part large 300 env ROPE_EXT_GPU_CHECK=1 "${PYTEST[@]}" -m gpu_large tests/test_gpu.py ;;
     initcheck) part initcheck 240 bash -c "sanitizer initcheck" ;;

@@ -256,7 +256,7 @@ echo "sanitize: canary read past a tensor inside pytest reported, exit $rc"
 # inherit the preload and PYTHONPATH, so they run the sanitized build too).
 TESTS=(tests/test_rotary.py tests/test_autograd.py tests/test_qk_and_inplace.py tests/test_errors.py
        tests/test_cpu_kernel.py tests/test_cpu_fast_path.py tests/test_cuda_emulation.py tests/test_rotary_pos.py tests/test_compat_vllm.py
-       tests/test_fuzz.py tests/test_robustness.py tests/test_bad_inputs.py tests/test_qk_norm.py)
+       tests/test_fuzz.py tests/test_robustness.py tests/test_bad_inputs.py tests/test_qk_norm.py tests/test_qk_norm_emulation.py)
 # Left out, each for its reason:
 DESELECT=(
   # reads the machine code of the build it runs against, to check setup.py's ISA flags and that

@@ -11,7 +11,9 @@
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/accelerator.h>
 
+#include "cuda/qk_norm_thread.h"
 #include "cuda/rotary_thread.h"
+#include "qk_norm_ops.h"
 #include "registration.h"
 #include "rotary_ops.h"
 
@@ -29,6 +31,32 @@ __global__ void __launch_bounds__(kMaxThreads, 2) rotary_kernel(const __grid_con
   t({blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y, gridDim.x, gridDim.y, blockDim.x, blockDim.y});
 }
 
+// qk_norm_rotary (qk_norm_thread.h says how the work is split): each iteration of the group loop in
+// its two phases, then the block's partial sums of the weights' gradient folded. The shares of the
+// groups' sums are the only shared memory (1 or 2 KiB). Two blocks per SM, as the rotation's (64 to
+// 128 registers on sm_90), except in float64 (gradcheck's dtype), whose half-split backward needs
+// more than 128 registers: one block, and no spill.
+template <typename Thread>
+__global__ void __launch_bounds__(kMaxThreads, sizeof(typename Thread::opmath_t) == 8 ? 1 : 2)
+    qk_norm_kernel(const __grid_constant__ Thread t) {
+  __shared__ typename Thread::opmath_t shares[kMaxThreads];
+  const ThreadCoord g{blockIdx.x, 0, threadIdx.x, threadIdx.y, gridDim.x, 1, blockDim.x, blockDim.y};
+  const int64_t iterations = t.iterations(g);
+  for (int64_t it = 0; it < iterations; ++it) {
+    t.reduce(g, it, shares);
+    __syncthreads();
+    t.write(g, it, shares);
+    __syncthreads();
+  }
+  t.fold(g);
+}
+
+template <typename opmath_t>
+__global__ void __launch_bounds__(kMaxThreads) weight_grad_sum_kernel(
+    const __grid_constant__ WeightGradSum<opmath_t, DeviceMemory> t) {
+  t({blockIdx.x, 0, threadIdx.x, 0, gridDim.x, 1, blockDim.x, 1});
+}
+
 // aoti_torch_get_current_cuda_stream, from the libtorch_cuda.so of the process's torch (there are
 // CUDA tensors, so it is loaded).
 using CurrentStreamFn = AOTITorchError (*)(int32_t device_index, void** stream);
@@ -44,6 +72,12 @@ CurrentStreamFn current_stream_fn() {
   return fn;
 }
 
+void check_launch(const char* op) {
+  // (as C10_CUDA_KERNEL_LAUNCH_CHECK: a launch error, reported by the op that launched)
+  const cudaError_t err = cudaGetLastError();
+  ROPE_EXT_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
 void run_cuda(const RotaryCall& c) {
   if (c.out.numel() == 0 && (c.k_out == nullptr || c.k_out->numel() == 0)) return;
   const torch::stable::accelerator::DeviceGuard guard(c.x.device().index);
@@ -55,13 +89,49 @@ void run_cuda(const RotaryCall& c) {
   detail::shim_check(current_stream_fn()(c.x.device().index, &stream), "aoti_torch_get_current_cuda_stream");
   dispatch_thread(c, L, [&]<class Thread>() {
     rotary_kernel<Thread><<<grid, block, 0, static_cast<cudaStream_t>(stream)>>>(Thread::make(c, cl));
-    // (as C10_CUDA_KERNEL_LAUNCH_CHECK: a launch error, reported by the op that launched)
-    const cudaError_t err = cudaGetLastError();
-    ROPE_EXT_CHECK(err == cudaSuccess, c.op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+    check_launch(c.op);
   });
+}
+
+// One NormCall: the forward or backward kernel over its groups, and for the weights' gradient the
+// sum of the blocks' partial sums (a scratch tensor from torch's allocator, on the stream).
+void run_norm_cuda(const NormCall& c) {
+  const torch::stable::accelerator::DeviceGuard guard(c.x.device().index);
+  const NormCallLaunch cl = plan_norm_call(c);
+  const NormLaunch& L = cl.launch;
+  if (L.groups == 0 && c.dweight == nullptr) return;
+  void* stream = nullptr;
+  detail::shim_check(current_stream_fn()(c.x.device().index, &stream), "aoti_torch_get_current_cuda_stream");
+  const auto s = static_cast<cudaStream_t>(stream);
+  const ScalarType stat = c.x.scalar_type() == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
+  const int64_t partial_size = L.partial_rows * cl.plan.weight_len;
+  std::optional<Output> partial;  // (a forward needs none)
+  if (partial_size > 0) partial.emplace(new_contiguous(Dims{&partial_size, 1}, stat, c.x.device()));
+  void* const partial_data = partial ? partial->arg.mutable_data_ptr() : nullptr;
+  if (L.groups > 0) {
+    dispatch_norm_thread(c, L, [&]<class Thread>() {
+      qk_norm_kernel<Thread><<<dim3(static_cast<unsigned>(L.grid_x)),
+                               dim3(static_cast<unsigned>(L.block_x), static_cast<unsigned>(L.block_y)), 0, s>>>(
+          Thread::make(c, cl.plan, L, partial_data));
+      check_launch(c.op);
+    });
+  }
+  if (c.dweight == nullptr) return;
+  const auto sum = [&]<typename opmath_t>(std::type_identity<opmath_t>) {
+    const WeightGradSum<opmath_t, DeviceMemory> t{static_cast<const opmath_t*>(partial_data),
+                                                  static_cast<opmath_t*>(c.dweight->mutable_data_ptr()),
+                                                  cl.plan.weight_len, L.groups > 0 ? L.grid_x : 0, L.block_y};
+    const int64_t grid = (cl.plan.weight_len + kMaxThreads - 1) / kMaxThreads;
+    weight_grad_sum_kernel<opmath_t><<<dim3(static_cast<unsigned>(std::max<int64_t>(grid, 1))), dim3(kMaxThreads), 0, s>>>(t);
+    check_launch(c.op);
+  };
+  stat == ScalarType::Double ? sum(std::type_identity<double>{}) : sum(std::type_identity<float>{});
 }
 
 }  // namespace
 }  // namespace rope_ext::cuda
 
-void rope_ext::register_cuda_kernels(Library& m) { register_rotary_ops<&cuda::run_cuda>(m); }
+void rope_ext::register_cuda_kernels(Library& m) {
+  register_rotary_ops<&cuda::run_cuda>(m);
+  register_qk_norm_ops<&cuda::run_norm_cuda>(m);
+}

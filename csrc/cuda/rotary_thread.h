@@ -147,6 +147,18 @@ enum AccessSite : int {
   kSiteOut2,
   kSitePassLoad,  // pass-through columns
   kSitePassStore,
+  // qk_norm_rotary's (qk_norm_thread.h), besides x, out and the tables above:
+  kSiteWeight1,       // the norm weight at the pairs' first members (or a pass-through run)
+  kSiteWeight2,       // ... at their second members
+  kSiteGrad1,         // the backward's dy, as x1 and x2
+  kSiteGrad2,
+  kSiteRstdLoad,      // the saved statistic (backward)
+  kSiteRstdStore,     // the statistic (forward)
+  kSitePartialLoad1,  // the weights' gradient: a block's partial sums, read
+  kSitePartialLoad2,
+  kSitePartialStore1, // ... and written
+  kSitePartialStore2,
+  kSiteWeightGrad,    // the weights' gradient, summed over the blocks
   kSiteCount
 };
 
@@ -161,6 +173,112 @@ struct DeviceMemory {
     *p = v;
   }
 };
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) VecOf {
+  T v[N];
+};
+
+// Pairs per item of a thread function: a vector of kVec columns holds kVec/2 interleaved pairs, or
+// kVec first members (with their kVec second members half a row away) for half-split; 1 on the
+// scalar path.
+template <int kVec, bool kInterleaved>
+constexpr int pairs_per_vec() {
+  return kVec == 1 ? 1 : (kInterleaved ? kVec / 2 : kVec);
+}
+
+// kN values of T from p at column stride col, widened into v: in loads of at most 16 bytes where
+// `vector` (col 1, p aligned to one load's width), else one element at a time. Every load goes
+// through Mem at kSite.
+template <int kN, int kSite, class Mem, typename T, typename U>
+ROPE_HD void load_run(const T* p, int64_t col, bool vector, U (&v)[kN]) {
+  constexpr int kPiece = kN < kVectorBytes / static_cast<int>(sizeof(T)) ? kN : kVectorBytes / static_cast<int>(sizeof(T));
+  if constexpr (kPiece > 1) {
+    if (vector) {
+      for (int i = 0; i < kN; i += kPiece) {
+        const auto w = Mem::template load<kSite>(reinterpret_cast<const VecOf<T, kPiece>*>(p + i));
+        for (int j = 0; j < kPiece; ++j) v[i + j] = static_cast<U>(w.v[j]);
+      }
+      return;
+    }
+  }
+  for (int j = 0; j < kN; ++j) v[j] = static_cast<U>(Mem::template load<kSite>(p + j * col));
+}
+
+// The values of pairs [pair0, pair0 + kPairs) of a row p (column stride col, r = 2 * half rotary
+// columns): v1 at the pairs' first members, v2 at their second. Where `vector` (kVec > 1, contiguous
+// columns, aligned), one run of kVec columns from 2 * pair0 (interleaved: the members alternate) or
+// two runs of kPairs, from pair0 and half + pair0 (half-split); else one element at a time. x, out,
+// grad, full-form tables and the norm weight all hold their pairs this way.
+template <int kVec, bool kInterleaved, int kSite1, int kSite2, class Mem, typename T, typename U,
+          int kPairs = pairs_per_vec<kVec, kInterleaved>()>
+ROPE_HD void load_pairs(const T* p, int64_t col, int64_t half, int64_t pair0, bool vector, U (&v1)[kPairs],
+                        U (&v2)[kPairs]) {
+  if constexpr (kVec > 1) {
+    if (vector) {
+      if constexpr (kInterleaved) {
+        U v[kVec];
+        load_run<kVec, kSite1, Mem>(p + 2 * pair0, 1, true, v);
+        for (int j = 0; j < kPairs; ++j) {
+          v1[j] = v[2 * j];
+          v2[j] = v[2 * j + 1];
+        }
+      } else {
+        load_run<kPairs, kSite1, Mem>(p + pair0, 1, true, v1);
+        load_run<kPairs, kSite2, Mem>(p + half + pair0, 1, true, v2);
+      }
+      return;
+    }
+  }
+  for (int j = 0; j < kPairs; ++j) {
+    v1[j] = static_cast<U>(Mem::template load<kSite1>(p + pair_first(pair0 + j, half, kInterleaved) * col));
+    v2[j] = static_cast<U>(Mem::template load<kSite2>(p + pair_second(pair0 + j, half, kInterleaved) * col));
+  }
+}
+
+// The inverse of load_run: kN values rounded to T and stored (vector: in pieces of at most 16 bytes).
+template <int kN, int kSite, class Mem, typename T, typename U>
+ROPE_HD void store_run(T* p, int64_t col, bool vector, const U (&v)[kN]) {
+  constexpr int kPiece = kN < kVectorBytes / static_cast<int>(sizeof(T)) ? kN : kVectorBytes / static_cast<int>(sizeof(T));
+  if constexpr (kPiece > 1) {
+    if (vector) {
+      for (int i = 0; i < kN; i += kPiece) {
+        VecOf<T, kPiece> w;
+        for (int j = 0; j < kPiece; ++j) w.v[j] = static_cast<T>(v[i + j]);
+        Mem::template store<kSite>(reinterpret_cast<VecOf<T, kPiece>*>(p + i), w);
+      }
+      return;
+    }
+  }
+  for (int j = 0; j < kN; ++j) Mem::template store<kSite>(p + j * col, static_cast<T>(v[j]));
+}
+
+// The inverse of load_pairs: o1 and o2 rounded to T and stored at the pairs' members.
+template <int kVec, bool kInterleaved, int kSite1, int kSite2, class Mem, typename T, typename U,
+          int kPairs = pairs_per_vec<kVec, kInterleaved>()>
+ROPE_HD void store_pairs(T* p, int64_t col, int64_t half, int64_t pair0, bool vector, const U (&o1)[kPairs],
+                         const U (&o2)[kPairs]) {
+  if constexpr (kVec > 1) {
+    if (vector) {
+      if constexpr (kInterleaved) {
+        U v[kVec];
+        for (int j = 0; j < kPairs; ++j) {
+          v[2 * j] = o1[j];
+          v[2 * j + 1] = o2[j];
+        }
+        store_run<kVec, kSite1, Mem>(p + 2 * pair0, 1, true, v);
+      } else {
+        store_run<kPairs, kSite1, Mem>(p + pair0, 1, true, o1);
+        store_run<kPairs, kSite2, Mem>(p + half + pair0, 1, true, o2);
+      }
+      return;
+    }
+  }
+  for (int j = 0; j < kPairs; ++j) {
+    Mem::template store<kSite1>(p + pair_first(pair0 + j, half, kInterleaved) * col, static_cast<T>(o1[j]));
+    Mem::template store<kSite2>(p + pair_second(pair0 + j, half, kInterleaved) * col, static_cast<T>(o2[j]));
+  }
+}
 
 // How the thread function finds a row: two index types it is templated on, with one interface.
 //   token<O>(t, off): operand O's x and out offsets of token t, and (kCos, kSin) the offsets of its
@@ -385,10 +503,6 @@ inline std::optional<CompactIndex> compact_index(const RotaryCall& c) {
   return ix;
 }
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) VecOf {
-  T v[N];
-};
 
 // opmath: float for float/half/bfloat16, double for double.
 template <typename T>
@@ -504,9 +618,7 @@ struct RotaryThread {
     return t;
   }
 
-  // Pairs per item: a vector of kVec columns holds kVec/2 interleaved pairs, or kVec first
-  // members (with their kVec second members half a row away) for half-split.
-  static constexpr int kPairs = kVec == 1 ? 1 : (kInterleaved ? kVec / 2 : kVec);
+  static constexpr int kPairs = pairs_per_vec<kVec, kInterleaved>();
 
   Index idx;
   const scalar_t* x[2];
@@ -578,70 +690,19 @@ struct RotaryThread {
             ? int64_t{Mem::template load<kSitePosition>(static_cast<const int32_t*>(positions) + tok[kCos])}
             : Mem::template load<kSitePosition>(static_cast<const int64_t*>(positions) + tok[kCos]);
     ROPE_EXT_POSITION_CHECK(pos, idx.cache_rows());
-    const table_t* c = cos + pos * idx.cos_row();
-    const table_t* s = sin + pos * idx.sin_row();
-    if constexpr (kPairs > 1) {
-      if (table_vec) {
-        using V = VecOf<table_t, kPairs>;
-        const V cv = Mem::template load<kSiteCos1>(reinterpret_cast<const V*>(c + pair0));
-        const V sv = Mem::template load<kSiteSin1>(reinterpret_cast<const V*>(s + pair0));
-        for (int j = 0; j < kPairs; ++j) {
-          c1[j] = static_cast<opmath_t>(cv.v[j]);
-          s1[j] = static_cast<opmath_t>(sv.v[j]);
-        }
-        return;
-      }
-    }
-    for (int j = 0; j < kPairs; ++j) {
-      c1[j] = static_cast<opmath_t>(Mem::template load<kSiteCos1>(c + (pair0 + j) * idx.cos_col()));
-      s1[j] = static_cast<opmath_t>(Mem::template load<kSiteSin1>(s + (pair0 + j) * idx.sin_col()));
-    }
+    load_run<kPairs, kSiteCos1, Mem>(cos + pos * idx.cos_row() + pair0 * idx.cos_col(), idx.cos_col(), table_vec, c1);
+    load_run<kPairs, kSiteSin1, Mem>(sin + pos * idx.sin_row() + pair0 * idx.sin_col(), idx.sin_col(), table_vec, s1);
   }
 
-  // Full tables: the token's row, at both members' columns. The item's values are contiguous where
-  // its x columns are: kVec values from column 2 * pair0 (interleaved: first and second members
-  // alternate), or kPairs = kVec from pair0 and as many from half + pair0 (half-split).
+  // Full tables: the token's row, at both members' columns (as load_pairs reads a row).
   ROPE_HD void load_full_tables(int64_t pair0, const int64_t (&tok)[4], opmath_t (&c1)[kPairs],
                                         opmath_t (&s1)[kPairs], opmath_t (&c2)[kPairs],
                                         opmath_t (&s2)[kPairs]) const {
     const int64_t half = idx.rotary_dim() / 2;
-    const table_t* c = cos + tok[kCos];
-    const table_t* s = sin + tok[kSin];
-    if constexpr (kVec > 1) {
-      if (table_vec) {
-        using V = VecOf<table_t, kVec>;
-        if constexpr (kInterleaved) {
-          const V cv = Mem::template load<kSiteCos1>(reinterpret_cast<const V*>(c + 2 * pair0));
-          const V sv = Mem::template load<kSiteSin1>(reinterpret_cast<const V*>(s + 2 * pair0));
-          for (int j = 0; j < kPairs; ++j) {
-            c1[j] = static_cast<opmath_t>(cv.v[2 * j]);
-            c2[j] = static_cast<opmath_t>(cv.v[2 * j + 1]);
-            s1[j] = static_cast<opmath_t>(sv.v[2 * j]);
-            s2[j] = static_cast<opmath_t>(sv.v[2 * j + 1]);
-          }
-        } else {
-          const V cv1 = Mem::template load<kSiteCos1>(reinterpret_cast<const V*>(c + pair0));
-          const V sv1 = Mem::template load<kSiteSin1>(reinterpret_cast<const V*>(s + pair0));
-          const V cv2 = Mem::template load<kSiteCos2>(reinterpret_cast<const V*>(c + half + pair0));
-          const V sv2 = Mem::template load<kSiteSin2>(reinterpret_cast<const V*>(s + half + pair0));
-          for (int j = 0; j < kPairs; ++j) {
-            c1[j] = static_cast<opmath_t>(cv1.v[j]);
-            s1[j] = static_cast<opmath_t>(sv1.v[j]);
-            c2[j] = static_cast<opmath_t>(cv2.v[j]);
-            s2[j] = static_cast<opmath_t>(sv2.v[j]);
-          }
-        }
-        return;
-      }
-    }
-    for (int j = 0; j < kPairs; ++j) {
-      const int64_t a = pair_first(pair0 + j, half, kInterleaved);
-      const int64_t b = pair_second(pair0 + j, half, kInterleaved);
-      c1[j] = static_cast<opmath_t>(Mem::template load<kSiteCos1>(c + a * idx.cos_col()));
-      s1[j] = static_cast<opmath_t>(Mem::template load<kSiteSin1>(s + a * idx.sin_col()));
-      c2[j] = static_cast<opmath_t>(Mem::template load<kSiteCos2>(c + b * idx.cos_col()));
-      s2[j] = static_cast<opmath_t>(Mem::template load<kSiteSin2>(s + b * idx.sin_col()));
-    }
+    load_pairs<kVec, kInterleaved, kSiteCos1, kSiteCos2, Mem>(cos + tok[kCos], idx.cos_col(), half, pair0, table_vec,
+                                                              c1, c2);
+    load_pairs<kVec, kInterleaved, kSiteSin1, kSiteSin2, Mem>(sin + tok[kSin], idx.sin_col(), half, pair0, table_vec,
+                                                              s1, s2);
   }
 
   // The item's pairs of every head this thread covers: q's heads, then k's (heads h - heads0).
@@ -670,51 +731,13 @@ struct RotaryThread {
     const scalar_t* xr = x[O] + tok[kX] + hd[kX];
     scalar_t* outr = out[O] + tok[kOut] + hd[kOut];
     opmath_t x1[kPairs], x2[kPairs], o1[kPairs], o2[kPairs];
-    if constexpr (kVec == 1) {
-      const int64_t a = pair_first(pair0, half, kInterleaved);
-      const int64_t b = pair_second(pair0, half, kInterleaved);
-      x1[0] = static_cast<opmath_t>(Mem::template load<site<O>(kSiteX1)>(xr + a * idx.template x_col<O>()));
-      x2[0] = static_cast<opmath_t>(Mem::template load<site<O>(kSiteX2)>(xr + b * idx.template x_col<O>()));
-    } else if constexpr (kInterleaved) {
-      const auto v =
-          Mem::template load<site<O>(kSiteX1)>(reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + 2 * pair0));
-      for (int j = 0; j < kPairs; ++j) {
-        x1[j] = static_cast<opmath_t>(v.v[2 * j]);
-        x2[j] = static_cast<opmath_t>(v.v[2 * j + 1]);
-      }
-    } else {
-      const auto v1 = Mem::template load<site<O>(kSiteX1)>(reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + pair0));
-      const auto v2 =
-          Mem::template load<site<O>(kSiteX2)>(reinterpret_cast<const VecOf<scalar_t, kVec>*>(xr + half + pair0));
-      for (int j = 0; j < kPairs; ++j) {
-        x1[j] = static_cast<opmath_t>(v1.v[j]);
-        x2[j] = static_cast<opmath_t>(v2.v[j]);
-      }
-    }
+    load_pairs<kVec, kInterleaved, site<O>(kSiteX1), site<O>(kSiteX2), Mem>(xr, idx.template x_col<O>(), half, pair0,
+                                                                            true, x1, x2);
     for (int j = 0; j < kPairs; ++j) {
       rotate_pair<false>(x1[j], x2[j], c1[j], s1[j], c2[j], s2[j], o1[j], o2[j]);
     }
-    if constexpr (kVec == 1) {
-      const int64_t a = pair_first(pair0, half, kInterleaved);
-      const int64_t b = pair_second(pair0, half, kInterleaved);
-      Mem::template store<site<O>(kSiteOut1)>(outr + a * idx.template out_col<O>(), static_cast<scalar_t>(o1[0]));
-      Mem::template store<site<O>(kSiteOut2)>(outr + b * idx.template out_col<O>(), static_cast<scalar_t>(o2[0]));
-    } else if constexpr (kInterleaved) {
-      VecOf<scalar_t, kVec> v;
-      for (int j = 0; j < kPairs; ++j) {
-        v.v[2 * j] = static_cast<scalar_t>(o1[j]);
-        v.v[2 * j + 1] = static_cast<scalar_t>(o2[j]);
-      }
-      Mem::template store<site<O>(kSiteOut1)>(reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + 2 * pair0), v);
-    } else {
-      VecOf<scalar_t, kVec> v1, v2;
-      for (int j = 0; j < kPairs; ++j) {
-        v1.v[j] = static_cast<scalar_t>(o1[j]);
-        v2.v[j] = static_cast<scalar_t>(o2[j]);
-      }
-      Mem::template store<site<O>(kSiteOut1)>(reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + pair0), v1);
-      Mem::template store<site<O>(kSiteOut2)>(reinterpret_cast<VecOf<scalar_t, kVec>*>(outr + half + pair0), v2);
-    }
+    store_pairs<kVec, kInterleaved, site<O>(kSiteOut1), site<O>(kSiteOut2), Mem>(outr, idx.template out_col<O>(), half,
+                                                                                 pair0, true, o1, o2);
   }
 
   // Pass-through columns [r + item*kVec, r + (item+1)*kVec) of every head: copied, unless in place.

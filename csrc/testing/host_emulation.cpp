@@ -25,7 +25,9 @@
 #include <unordered_set>
 #include <vector>
 
+#include "cuda/qk_norm_thread.h"
 #include "cuda/rotary_thread.h"
+#include "qk_norm_ops.h"
 #include "rotary_ops.h"
 
 namespace rope_ext::testing {
@@ -47,9 +49,11 @@ constexpr int64_t kSectorBytes = 32;
 constexpr int64_t kMaxAccessBytes = 16;  // the widest load/store instruction of sm_80 to sm_90
 
 const char* site_name(int site) {
-  static constexpr const char* kNames[cuda::kSiteCount] = {"position", "cos1",    "sin1",   "cos2",
-                                                           "sin2",     "x1",      "x2",     "out1",
-                                                           "out2",     "pass_in", "pass_out"};
+  static constexpr const char* kNames[cuda::kSiteCount] = {
+      "position", "cos1",      "sin1",      "cos2",       "sin2",       "x1",          "x2",
+      "out1",     "out2",      "pass_in",   "pass_out",   "weight1",    "weight2",     "grad1",
+      "grad2",    "rstd_in",   "rstd_out",  "partial_in1", "partial_in2", "partial_out1", "partial_out2",
+      "dweight"};
   static const auto names = [] {
     std::array<std::string, kSites> n;
     for (int s = 0; s < kSites; ++s) {
@@ -62,7 +66,8 @@ const char* site_name(int site) {
 
 bool is_store(int site) {
   const int s = site % cuda::kSiteCount;
-  return s == cuda::kSiteOut1 || s == cuda::kSiteOut2 || s == cuda::kSitePassStore;
+  return s == cuda::kSiteOut1 || s == cuda::kSiteOut2 || s == cuda::kSitePassStore || s == cuda::kSiteRstdStore ||
+         s == cuda::kSitePartialStore1 || s == cuda::kSitePartialStore2 || s == cuda::kSiteWeightGrad;
 }
 
 // The traffic model's record: per access site, the bytes the warps' instructions needed (distinct
@@ -215,6 +220,59 @@ void run_emulated(const RotaryCall& c) {
   });
 }
 
+// qk_norm_rotary's kernels (qk_norm_thread.h) over their launch, as rotary_cuda.cu's run_norm_cuda
+// launches them: per block, each iteration's reduce phase for every thread, then its write phase (the
+// order the kernel's barriers give), then the fold; then the weights' gradient summed over the blocks.
+void run_norm_emulated(const NormCall& c) {
+  const cuda::NormCallLaunch cl = cuda::plan_norm_call(c, g_ignore_alignment);
+  const cuda::NormLaunch& L = cl.launch;
+  const ScalarType stat = c.x.scalar_type() == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
+  const int64_t partial_size = L.partial_rows * cl.plan.weight_len;
+  std::optional<Output> partial;  // (a forward needs none)
+  if (partial_size > 0) partial.emplace(new_contiguous(Dims{&partial_size, 1}, stat, c.x.device()));
+  void* const partial_data = partial ? partial->arg.mutable_data_ptr() : nullptr;
+  const auto each_thread = [&](int64_t bx, auto&& f) {
+    for (int64_t ty = 0; ty < L.block_y; ++ty)
+      for (int64_t tx = 0; tx < L.block_x; ++tx) {
+        const cuda::ThreadCoord g{bx, 0, tx, ty, L.grid_x, 1, L.block_x, L.block_y};
+        if (g_traffic) g_traffic->begin_thread(g);
+        f(g);
+      }
+    if (g_traffic) g_traffic->flush();  // (the phases are different instructions, even within one warp)
+  };
+  if (L.groups > 0) {
+    cuda::dispatch_norm_thread(c, L, [&]<class Thread>() {
+      using Emulated = typename Thread::template WithMemory<EmulatedMemory>;
+      using opmath_t = typename Thread::opmath_t;
+      const Emulated t = Emulated::make(c, cl.plan, L, partial_data);
+      std::vector<opmath_t> shares(L.block_x * L.block_y);
+      for (int64_t bx = 0; bx < L.grid_x; ++bx) {
+        const int64_t iterations = t.iterations({bx, 0, 0, 0, L.grid_x, 1, L.block_x, L.block_y});
+        for (int64_t it = 0; it < iterations; ++it) {
+          each_thread(bx, [&](const cuda::ThreadCoord& g) { t.reduce(g, it, shares.data()); });
+          each_thread(bx, [&](const cuda::ThreadCoord& g) { t.write(g, it, shares.data()); });
+        }
+        each_thread(bx, [&](const cuda::ThreadCoord& g) { t.fold(g); });
+      }
+    });
+  }
+  if (c.dweight == nullptr) return;
+  const auto sum = [&]<typename opmath_t>(std::type_identity<opmath_t>) {
+    const cuda::WeightGradSum<opmath_t, EmulatedMemory> t{static_cast<const opmath_t*>(partial_data),
+                                                          static_cast<opmath_t*>(c.dweight->mutable_data_ptr()),
+                                                          cl.plan.weight_len, L.groups > 0 ? L.grid_x : 0, L.block_y};
+    const int64_t block = cuda::kMaxThreads, grid = (cl.plan.weight_len + block - 1) / block;
+    for (int64_t bx = 0; bx < grid; ++bx)
+      for (int64_t tx = 0; tx < block; ++tx) {
+        const cuda::ThreadCoord g{bx, 0, tx, 0, grid, 1, block, 1};
+        if (g_traffic) g_traffic->begin_thread(g);
+        t(g);
+      }
+    if (g_traffic) g_traffic->flush();
+  };
+  stat == ScalarType::Double ? sum(std::type_identity<double>{}) : sum(std::type_identity<float>{});
+}
+
 std::vector<int64_t> as_list(const RotaryLaunch& L) {
   return {L.grid_x,    L.grid_y,     L.block_x,   L.block_y, L.vec, L.pairs_per_item,
           L.rot_items, L.pass_items, L.table_vec, L.compact};
@@ -268,6 +326,32 @@ std::vector<int64_t> pos_launch_config(const StableTensor& q_, const std::option
   check_qk_args(op, q, k, positions, "positions", 0);
   const Output k_out = new_like(k_->get(), k);
   return as_list(plan({q, q_out.arg, cos_cache, sin_cache, &positions, &k, &k_out.arg, interleaved}).launch);
+}
+
+// qk_norm_rotary's launch for x (the forward, or the backward with x as its gradient):
+// [grid_x, block_x, block_y, groups, vec, pairs_per_item, rot_items, pass_items, group_items,
+//  partial_rows, table_vec, weight_vec]
+std::vector<int64_t> norm_launch_config(const StableTensor& x_, const std::optional<StableTensor>& weight_,
+                                        const StableTensor& cos_, const StableTensor& sin_,
+                                        const std::optional<StableTensor>& positions_, bool across_heads,
+                                        bool interleaved, bool backward) {
+  const char* op = "rope_ext_testing.cuda_norm_launch_config";
+  const TensorArg x = read_arg(x_), cos = read_arg(cos_), sin = read_arg(sin_);
+  const TensorArg w = weight_ ? read_arg(*weight_) : TensorArg{};
+  const TensorArg pos = positions_ ? read_arg(*positions_) : TensorArg{};
+  const TensorArg* positions = positions_ ? &pos : nullptr;
+  check_qk_norm_args(op, x, &w, cos, sin, positions, 0.0, 0.0, across_heads, "x", "weight");
+  const ScalarType stat = x.scalar_type() == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
+  const Output out = new_like(x_.get(), x);
+  const std::vector<int64_t> shape = norm_stat_shape(x, across_heads);
+  const Output rstd = new_contiguous(Dims{shape.data(), static_cast<int64_t>(shape.size())}, stat, x.device());
+  const int64_t n = w.defined() ? w.size(0) : 0;
+  const Output dweight = new_contiguous(Dims{&n, 1}, stat, x.device());
+  const NormCall c{x,   out.arg, &w, cos, sin, &rstd.arg, positions, backward ? &x : nullptr,
+                   backward && w.defined() ? &dweight.arg : nullptr, 0.0, 0.0, across_heads, interleaved, op};
+  const cuda::NormLaunch L = cuda::plan_norm_call(c, g_ignore_alignment).launch;
+  return {L.grid_x,    L.block_x,    L.block_y,     L.groups,       L.vec,       L.pairs_per_item,
+          L.rot_items, L.pass_items, L.group_items, L.partial_rows, L.table_vec, L.weight_vec};
 }
 
 }  // namespace
@@ -372,7 +456,9 @@ std::vector<int64_t> compact_token_offsets(int64_t t, int64_t inner, const std::
 // schemas (testing_ops.cpp defines them).
 STABLE_TORCH_LIBRARY_IMPL(rope_ext_testing, CPU, m) {
   rope_ext::register_rotary_ops<&rope_ext::testing::run_emulated>(m, "cuda_emulate_");
+  rope_ext::register_qk_norm_ops<&rope_ext::testing::run_norm_emulated>(m, "cuda_emulate_");
   m.impl("cuda_launch_config", TORCH_BOX(&rope_ext::testing::launch_config));
   m.impl("cuda_qk_launch_config", TORCH_BOX(&rope_ext::testing::qk_launch_config));
   m.impl("cuda_pos_launch_config", TORCH_BOX(&rope_ext::testing::pos_launch_config));
+  m.impl("cuda_norm_launch_config", TORCH_BOX(&rope_ext::testing::norm_launch_config));
 }

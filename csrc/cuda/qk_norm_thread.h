@@ -1,0 +1,534 @@
+// The CUDA kernels of qk_norm_rotary, forward and backward: their per-thread work and launch, with
+// no CUDA runtime dependency. A sibling of rotary_thread.h, whose row loads and stores (load_pairs,
+// store_pairs, load_run), memory policy, access sites and position check it uses, and
+// rotary_math.h's rotate_pair: nvcc compiles it into the kernels (rotary_cuda.cu), the host
+// compiler into the emulator (csrc/testing/host_emulation.cpp).
+//
+// A group is what one statistic covers: one head (norm_over="head"), or a token's `group` heads
+// (across heads). One row of a block's threads (threadIdx.y) takes a group; its threads
+// (threadIdx.x) take the group's items, tx, tx + block_x, ...: an item is a vector of pairs of one
+// head, or of its pass-through columns, as in the rotation's launch. Qwen3's heads of 128 bfloat16
+// values are 8 items, so a block of 256 threads takes 32 heads; a Wan 14B row across its 40 heads
+// (5,120 values, 640 items) is one row of 256 threads, taking two or three items each.
+//
+// Each group is done in two phases with a barrier between them:
+//   reduce  every thread sums its items' share, in the compute type: x^2 (forward), d * x_hat
+//           (backward), and writes it to shared memory;
+//   write   every thread adds its group's shares in thread order (each thread the same sum, with no
+//           atomics, so the bits are the same on every run), then reads its items again, from L1 or
+//           L2 (the block read them just before), and writes out, or dx.
+// A thread's loop over groups runs as many times in every thread of a block, so that all reach each
+// barrier. The emulator runs a phase for every thread of a block before the next phase: the order the
+// barrier gives on a GPU.
+//
+// The weights' gradient is deterministic too: a thread adds u * x_hat of its items into its row of
+// per-block partial sums (its own cells: no other thread writes them) over every group it takes; after
+// the last group, the block adds its rows in order (fold), and a second kernel adds the blocks' sums
+// in block order (WeightGradSum). The grid depends on the shape alone, so the bits do not depend on
+// the GPU.
+#pragma once
+
+#include <cmath>
+
+#include "cuda/rotary_thread.h"
+
+// Loops over a thread's items and groups stay loops on the GPU: unrolled, the items' values of two
+// iterations are live at once, which is more than a thread's 128 registers hold.
+#if defined(__CUDA_ARCH__)
+#define ROPE_EXT_NO_UNROLL _Pragma("unroll 1")
+#else
+#define ROPE_EXT_NO_UNROLL
+#endif
+
+namespace rope_ext::cuda {
+
+// Blocks of a backward launch that computes the weights' gradient: the partial sums are
+// kNormGradBlocks * block_y rows of the weight's length (at most 10 MiB for Wan's 5,120 columns).
+constexpr int64_t kNormGradBlocks = 512;
+
+// Elements per vector: vec_elems (16 bytes of the wider of x and the tables), but at most 4. A 16-bit
+// row's 8-element vectors hold more values than a thread's 128 registers keep through the backward
+// (u, x_hat, g and the partial sums of 8 pairs: ptxas spilled 800 bytes); 8-byte loads by a warp's
+// consecutive lanes still use every byte of each sector.
+template <typename scalar_t, typename table_t>
+constexpr int norm_vec_elems() {
+  return vec_elems<scalar_t, table_t>() < 4 ? vec_elems<scalar_t, table_t>() : 4;
+}
+
+struct NormLaunch {
+  int64_t grid_x = 0, block_x = 0, block_y = 0;
+  int64_t groups = 0;  // statistics: rstd's elements
+  int64_t vec = 1, pairs_per_item = 1, rot_items = 0, pass_items = 0;  // per head, as RotaryLaunch's
+  int64_t group_items = 0;   // a group's items: (rot_items + pass_items) * group
+  int64_t partial_rows = 0;  // backward with the weights' gradient: grid_x * block_y rows of sums
+  bool table_vec = false;    // the tables' values of an item in vector loads
+  bool weight_vec = false;   // the weight's too
+};
+
+// The launch of a planned call. The vector path (norm_vec_elems of x and the tables)
+// needs contiguous, aligned rows of x, out and grad whose rotary half (or width, interleaved) and
+// pass-through width split into whole vectors; the tables and the weight are read as vectors where
+// their columns are contiguous and aligned too. `groups` is rstd's size (a group of no heads has a
+// NaN statistic, which the kernel writes). `ignore_alignment`: as choose_launch's.
+inline NormLaunch choose_norm_launch(const NormPlan& p, int64_t groups, const void* x, const void* out,
+                                     const void* grad, const void* cos, const void* sin, const void* weight,
+                                     int64_t elem_size, int64_t table_elem_size, int64_t weight_elem_size,
+                                     bool interleaved, bool weight_grad, bool ignore_alignment = false) {
+  const auto aligned = [ignore_alignment](const void* p, int64_t bytes) {
+    return ignore_alignment || reinterpret_cast<uintptr_t>(p) % bytes == 0;
+  };
+  NormLaunch L;
+  const int64_t half = p.rotary_dim / 2, pass = p.head_dim - p.rotary_dim;
+  const int64_t e = std::min<int64_t>(kVectorBytes / std::max(elem_size, table_elem_size), 4);  // norm_vec_elems
+  bool vec_ok = e >= 2 && (interleaved ? p.rotary_dim % e == 0 : half % e == 0) && pass % e == 0 && p.x_col == 1 &&
+                p.out_col == 1 && (grad == nullptr || p.grad_col == 1) && aligned(x, e * elem_size) &&
+                aligned(out, e * elem_size) && (grad == nullptr || aligned(grad, e * elem_size));
+  for (int d = 0; vec_ok && !ignore_alignment && d < p.rows.ndim; ++d) {
+    vec_ok = p.rows.strides[kNormX][d] % e == 0 && p.rows.strides[kNormOut][d] % e == 0 &&
+             (grad == nullptr || p.rows.strides[kNormGrad][d] % e == 0);
+  }
+  L.vec = vec_ok ? e : 1;
+  L.pairs_per_item = vec_ok ? (interleaved ? e / 2 : e) : 1;
+  L.rot_items = half / L.pairs_per_item;
+  L.pass_items = pass / L.vec;
+  const int64_t n = p.gathered ? L.pairs_per_item : L.vec;  // table values per item and member
+  if (n > 1) {
+    bool strides_ok = p.gathered ? p.cos_row % n == 0 && p.sin_row % n == 0 : true;
+    for (int d = 0; !p.gathered && d < p.rows.ndim; ++d) {
+      strides_ok = strides_ok && p.rows.strides[kNormCos][d] % n == 0 && p.rows.strides[kNormSin][d] % n == 0;
+    }
+    L.table_vec = p.cos_col == 1 && p.sin_col == 1 && (ignore_alignment || strides_ok) &&
+                  aligned(cos, n * table_elem_size) && aligned(sin, n * table_elem_size);
+  }
+  // A weight's runs start at multiples of the vector width (pairs, second members at half, heads at
+  // D, pass-through columns at r); load_run reads them in pieces of at most 16 bytes.
+  L.weight_vec = L.vec > 1 && weight != nullptr && p.weight_stride == 1 &&
+                 aligned(weight, std::min(L.vec, kVectorBytes / std::max<int64_t>(weight_elem_size, 1)) *
+                                     weight_elem_size);
+  L.groups = groups;
+  L.group_items = (L.rot_items + L.pass_items) * p.group;
+  L.block_x = std::clamp<int64_t>(L.group_items, 1, kMaxThreads);
+  L.block_y = std::clamp<int64_t>(std::min(groups, kMaxThreads / L.block_x), 1, kMaxThreads);
+  const int64_t group_blocks = (groups + L.block_y - 1) / L.block_y;
+  L.grid_x = std::clamp<int64_t>(group_blocks, 1, weight_grad ? kNormGradBlocks : kMaxGridX);
+  L.partial_rows = weight_grad ? L.grid_x * L.block_y : 0;
+  return L;
+}
+
+// The thread function of a qk_norm_rotary launch: forward (out, rstd) or backward (dx and the
+// weights' partial sums). kVec, kGathered: as RotaryThread's. The kernel runs, per thread,
+//   for it in [0, iterations): reduce(it); barrier; write(it); barrier
+//   fold
+// Mem: the memory policy (DeviceMemory in the kernel).
+template <typename scalar_t, typename table_t, bool kInterleaved, int kVec, bool kGathered, bool kBackward, class Mem>
+struct NormThread {
+  using opmath_t = typename OpMath<scalar_t>::type;
+  template <class M>
+  using WithMemory = NormThread<scalar_t, table_t, kInterleaved, kVec, kGathered, kBackward, M>;
+  static constexpr int kPairs = pairs_per_vec<kVec, kInterleaved>();
+
+  NormPlan p;
+  const scalar_t* x;
+  scalar_t* out;  // dx in the backward
+  const scalar_t* grad;
+  const table_t* cos;
+  const table_t* sin;
+  const void* positions;
+  int64_t cache_rows;
+  const void* weight;  // null: g = 1
+  opmath_t weight_offset, eps;
+  opmath_t* rstd;      // forward: written, unless null (in place); backward: read
+  opmath_t* partial;   // backward, weight gradient: the launch's partial_rows rows of weight_len sums
+  int64_t groups, rot_items, group_items;
+  int32_t head_items;  // rot_items + pass_items
+  bool weight_float, table_vec, weight_vec;
+
+  static NormThread make(const NormCall& c, const NormPlan& plan, const NormLaunch& L, void* partial) {
+    NormThread t{};
+    t.p = plan;
+    t.x = c.x.const_data_ptr<scalar_t>();
+    t.out = c.out.mutable_data_ptr<scalar_t>();
+    t.grad = c.grad != nullptr ? c.grad->const_data_ptr<scalar_t>() : nullptr;
+    t.cos = c.cos.const_data_ptr<table_t>();
+    t.sin = c.sin.const_data_ptr<table_t>();
+    t.positions = c.positions != nullptr ? c.positions->const_data_ptr() : nullptr;
+    t.cache_rows = c.positions != nullptr ? c.cos.size(0) : 0;
+    const bool weighted = c.weight != nullptr && c.weight->defined();
+    t.weight = weighted ? c.weight->const_data_ptr() : nullptr;
+    t.weight_float = weighted && c.weight->scalar_type() != c.x.scalar_type();
+    t.weight_offset = static_cast<opmath_t>(c.weight_offset);
+    t.eps = static_cast<opmath_t>(c.eps);
+    t.rstd = c.rstd != nullptr ? static_cast<opmath_t*>(const_cast<void*>(c.rstd->const_data_ptr())) : nullptr;
+    t.partial = static_cast<opmath_t*>(partial);
+    t.groups = L.groups;
+    t.rot_items = L.rot_items;
+    t.group_items = L.group_items;
+    t.head_items = static_cast<int32_t>(L.rot_items + L.pass_items);
+    t.table_vec = L.table_vec;
+    t.weight_vec = L.weight_vec;
+    return t;
+  }
+
+  // The group loop's length in block g.bx: the same for each of its threads.
+  ROPE_HD int64_t iterations(const ThreadCoord& g) const {
+    const int64_t blocks = (groups + g.block_y - 1) / g.block_y;
+    return g.bx < blocks ? (blocks - 1 - g.bx) / g.grid_x + 1 : 0;
+  }
+
+  // Phase 1 of iteration `it`: this thread's share of its group's sum, into shares[tid]. In the
+  // backward, its items' u * x_hat also go into its partial sums (set at it 0, where a thread
+  // without a group writes zeros, so that no partial sum is left unwritten).
+  ROPE_HD void reduce(const ThreadCoord& g, int64_t it, opmath_t* shares) const {
+    const int64_t n = group_of(g, it);
+    opmath_t sum = 0;
+    if (n < groups) {
+      ROPE_EXT_NO_UNROLL
+      for (int64_t item = g.tx; item < group_items; item += g.block_x) {
+        Mem::at_item(it, item);
+        sum += item_share(g, it, n, item);
+      }
+    } else if (kBackward && partial != nullptr && it == 0) {
+      ROPE_EXT_NO_UNROLL
+      for (int64_t item = g.tx; item < group_items; item += g.block_x) {
+        Mem::at_item(it, item);
+        zero_partials(g, item);
+      }
+    }
+    shares[g.ty * g.block_x + g.tx] = sum;
+  }
+
+  // Phase 2: the group's sum from every thread's share, then this thread's items written.
+  ROPE_HD void write(const ThreadCoord& g, int64_t it, const opmath_t* shares) const {
+    const int64_t n = group_of(g, it);
+    if (n >= groups) return;
+    opmath_t total = 0;
+    ROPE_EXT_NO_UNROLL
+    for (int64_t j = 0; j < g.block_x; ++j) total += shares[g.ty * g.block_x + j];
+    const opmath_t count = static_cast<opmath_t>(p.group * p.head_dim);
+    if constexpr (!kBackward) {
+      const opmath_t inv = opmath_t(1) / std::sqrt(total / count + eps);  // (a group of no values: NaN)
+      if (rstd != nullptr && g.tx == 0) {
+        Mem::at_item(it, g.tx);
+        Mem::template store<kSiteRstdStore>(rstd + n, inv);
+      }
+      ROPE_EXT_NO_UNROLL
+      for (int64_t item = g.tx; item < group_items; item += g.block_x) {
+        Mem::at_item(it, item);
+        item_write(n, item, inv, opmath_t(0));
+      }
+    } else {
+      Mem::at_item(it, g.tx);
+      const opmath_t inv = Mem::template load<kSiteRstdLoad>(rstd + n);
+      const opmath_t mean = total / count;
+      ROPE_EXT_NO_UNROLL
+      for (int64_t item = g.tx; item < group_items; item += g.block_x) {
+        Mem::at_item(it, item);
+        item_write(n, item, inv, mean);
+      }
+    }
+  }
+
+  // After the last iteration and a barrier (backward, weight gradient): the block's block_y rows of
+  // partial sums added in row order into its first row, which WeightGradSum reads.
+  ROPE_HD void fold(const ThreadCoord& g) const {
+    if constexpr (kBackward) {
+      if (partial == nullptr || g.block_y == 1) return;
+      const int64_t w = p.weight_len, threads = g.block_x * g.block_y;
+      opmath_t* rows = partial + g.bx * g.block_y * w;
+      int64_t step = 0;
+      for (int64_t col = g.tx + g.ty * g.block_x; col < w; col += threads, ++step) {
+        Mem::at_item(step, g.tx);
+        opmath_t acc = 0;
+        for (int64_t r = 0; r < g.block_y; ++r) acc += Mem::template load<kSitePartialLoad1>(rows + r * w + col);
+        Mem::template store<kSitePartialStore1>(rows + col, acc);
+      }
+    }
+  }
+
+ private:
+  ROPE_HD int64_t group_of(const ThreadCoord& g, int64_t it) const { return (g.bx + it * g.grid_x) * g.block_y + g.ty; }
+
+  // Where an item is: its head in the group, its index in the head, and the row's offsets.
+  struct Item {
+    int64_t h, j;
+    int64_t off[5];
+  };
+  ROPE_HD Item locate(int64_t n, int64_t item) const {
+    Item a;
+    const int32_t i = static_cast<int32_t>(item);  // (group_items < 2^31: the launcher checks)
+    a.h = i / head_items;
+    a.j = i - a.h * head_items;
+    p.rows.offsets(n * p.group + a.h, a.off);
+    return a;
+  }
+  // The weight's (and its gradient's) first column for head h of a group.
+  ROPE_HD int64_t weight_base(int64_t h) const { return p.weight_len > p.head_dim ? h * p.head_dim : 0; }
+
+  // The row's x at the item's pairs, or its pass-through run (v1 only).
+  ROPE_HD void load_x(const scalar_t* base, int64_t col, const Item& a, opmath_t (&v1)[kPairs],
+                      opmath_t (&v2)[kPairs], opmath_t (&run)[kVec]) const {
+    if (a.j < rot_items) {
+      load_pairs<kVec, kInterleaved, kSiteX1, kSiteX2, Mem>(base, col, p.rotary_dim / 2, a.j * kPairs, true, v1, v2);
+    } else {
+      load_run<kVec, kSitePassLoad, Mem>(base + pass_col(a) * col, col, kVec > 1, run);
+    }
+  }
+  ROPE_HD int64_t pass_col(const Item& a) const { return p.rotary_dim + (a.j - rot_items) * kVec; }
+
+  // g = weight + weight_offset at the item's columns (1 without a weight).
+  ROPE_HD void load_gain(const Item& a, opmath_t (&g1)[kPairs], opmath_t (&g2)[kPairs], opmath_t (&run)[kVec]) const {
+    if (weight == nullptr) {
+      for (int j = 0; j < kPairs; ++j) g1[j] = g2[j] = opmath_t(1);
+      for (int j = 0; j < kVec; ++j) run[j] = opmath_t(1);
+      return;
+    }
+    if (weight_float) {
+      load_weight(static_cast<const float*>(weight), a, g1, g2, run);
+    } else {
+      load_weight(static_cast<const scalar_t*>(weight), a, g1, g2, run);
+    }
+    for (int j = 0; j < kPairs; ++j) g1[j] += weight_offset, g2[j] += weight_offset;
+    for (int j = 0; j < kVec; ++j) run[j] += weight_offset;
+  }
+  template <typename W>
+  ROPE_HD void load_weight(const W* w, const Item& a, opmath_t (&g1)[kPairs], opmath_t (&g2)[kPairs],
+                           opmath_t (&run)[kVec]) const {
+    w += weight_base(a.h) * p.weight_stride;
+    if (a.j < rot_items) {
+      load_pairs<kVec, kInterleaved, kSiteWeight1, kSiteWeight2, Mem>(w, p.weight_stride, p.rotary_dim / 2,
+                                                                       a.j * kPairs, weight_vec, g1, g2);
+    } else {
+      load_run<kVec, kSiteWeight1, Mem>(w + pass_col(a) * p.weight_stride, p.weight_stride, weight_vec, run);
+    }
+  }
+
+  // The row's table entries for the item's pairs, as the rotation reads them.
+  ROPE_HD void load_tables(const Item& a, opmath_t (&c1)[kPairs], opmath_t (&s1)[kPairs], opmath_t (&c2)[kPairs],
+                           opmath_t (&s2)[kPairs]) const {
+    const int64_t pair0 = a.j * kPairs;
+    if constexpr (kGathered) {
+      const int64_t at = a.off[kNormCos];
+      const int64_t pos = p.positions_int32
+                              ? int64_t{Mem::template load<kSitePosition>(static_cast<const int32_t*>(positions) + at)}
+                              : Mem::template load<kSitePosition>(static_cast<const int64_t*>(positions) + at);
+      ROPE_EXT_POSITION_CHECK(pos, cache_rows);
+      load_run<kPairs, kSiteCos1, Mem>(cos + pos * p.cos_row + pair0 * p.cos_col, p.cos_col, table_vec, c1);
+      load_run<kPairs, kSiteSin1, Mem>(sin + pos * p.sin_row + pair0 * p.sin_col, p.sin_col, table_vec, s1);
+      for (int j = 0; j < kPairs; ++j) c2[j] = c1[j], s2[j] = s1[j];
+    } else {
+      const int64_t half = p.rotary_dim / 2;
+      load_pairs<kVec, kInterleaved, kSiteCos1, kSiteCos2, Mem>(cos + a.off[kNormCos], p.cos_col, half, pair0,
+                                                                table_vec, c1, c2);
+      load_pairs<kVec, kInterleaved, kSiteSin1, kSiteSin2, Mem>(sin + a.off[kNormSin], p.sin_col, half, pair0,
+                                                                table_vec, s1, s2);
+    }
+  }
+
+  // Backward: u = rotary^T(dy) at the item (dy itself on pass-through columns), and x_hat = x * rstd.
+  ROPE_HD void load_u_and_x_hat(const Item& a, opmath_t inv, opmath_t (&u1)[kPairs], opmath_t (&u2)[kPairs],
+                                opmath_t (&urun)[kVec], opmath_t (&h1)[kPairs], opmath_t (&h2)[kPairs],
+                                opmath_t (&hrun)[kVec]) const {
+    load_x(x + a.off[kNormX], p.x_col, a, h1, h2, hrun);
+    if (a.j < rot_items) {
+      opmath_t d1[kPairs], d2[kPairs], c1[kPairs], s1[kPairs], c2[kPairs], s2[kPairs];
+      load_pairs<kVec, kInterleaved, kSiteGrad1, kSiteGrad2, Mem>(grad + a.off[kNormGrad], p.grad_col,
+                                                                  p.rotary_dim / 2, a.j * kPairs, true, d1, d2);
+      load_tables(a, c1, s1, c2, s2);
+      for (int j = 0; j < kPairs; ++j) {
+        rotate_pair<true>(d1[j], d2[j], c1[j], s1[j], c2[j], s2[j], u1[j], u2[j]);
+        h1[j] = h1[j] * inv, h2[j] = h2[j] * inv;
+      }
+    } else {
+      load_run<kVec, kSiteGrad1, Mem>(grad + a.off[kNormGrad] + pass_col(a) * p.grad_col, p.grad_col, kVec > 1, urun);
+      for (int j = 0; j < kVec; ++j) hrun[j] = hrun[j] * inv;
+    }
+  }
+
+  // The thread's row of partial sums, at the item's weight columns.
+  ROPE_HD opmath_t* partial_row(const ThreadCoord& g, const Item& a) const {
+    return partial + (g.bx * g.block_y + g.ty) * p.weight_len + weight_base(a.h);
+  }
+
+  ROPE_HD void zero_partials(const ThreadCoord& g, int64_t item) const {
+    Item a;
+    const int32_t i = static_cast<int32_t>(item);
+    a.h = i / head_items;
+    a.j = i - a.h * head_items;
+    opmath_t z1[kPairs] = {}, z2[kPairs] = {}, zrun[kVec] = {};
+    store_partials(partial_row(g, a), a, z1, z2, zrun);
+  }
+
+  ROPE_HD void store_partials(opmath_t* row, const Item& a, const opmath_t (&v1)[kPairs], const opmath_t (&v2)[kPairs],
+                              const opmath_t (&run)[kVec]) const {
+    if (a.j < rot_items) {
+      store_pairs<kVec, kInterleaved, kSitePartialStore1, kSitePartialStore2, Mem>(row, 1, p.rotary_dim / 2,
+                                                                                 a.j * kPairs, true, v1, v2);
+    } else {
+      store_run<kVec, kSitePartialStore1, Mem>(row + pass_col(a), 1, kVec > 1, run);
+    }
+  }
+
+  // The item's part of the group's sum: sum(x^2) (forward), sum(d * x_hat) with d = u * g (backward).
+  ROPE_HD opmath_t item_share(const ThreadCoord& g, int64_t it, int64_t n, int64_t item) const {
+    const Item a = locate(n, item);
+    const bool rot = a.j < rot_items;
+    opmath_t sum = 0;
+    if constexpr (!kBackward) {
+      opmath_t x1[kPairs], x2[kPairs], run[kVec];
+      load_x(x + a.off[kNormX], p.x_col, a, x1, x2, run);
+      if (rot) {
+        for (int j = 0; j < kPairs; ++j) sum += x1[j] * x1[j] + x2[j] * x2[j];
+      } else {
+        for (int j = 0; j < kVec; ++j) sum += run[j] * run[j];
+      }
+    } else {
+      opmath_t u1[kPairs], u2[kPairs], urun[kVec], h1[kPairs], h2[kPairs], hrun[kVec];
+      load_u_and_x_hat(a, Mem::template load<kSiteRstdLoad>(rstd + n), u1, u2, urun, h1, h2, hrun);
+      if (partial != nullptr) {
+        opmath_t* row = partial_row(g, a);
+        opmath_t p1[kPairs] = {}, p2[kPairs] = {}, prun[kVec] = {};
+        if (it > 0) {
+          if (rot) {
+            load_pairs<kVec, kInterleaved, kSitePartialLoad1, kSitePartialLoad2, Mem>(row, 1, p.rotary_dim / 2,
+                                                                                     a.j * kPairs, true, p1, p2);
+          } else {
+            load_run<kVec, kSitePartialLoad1, Mem>(row + pass_col(a), 1, kVec > 1, prun);
+          }
+        }
+        for (int j = 0; j < kPairs; ++j) p1[j] += u1[j] * h1[j], p2[j] += u2[j] * h2[j];
+        for (int j = 0; j < kVec; ++j) prun[j] += urun[j] * hrun[j];
+        store_partials(row, a, p1, p2, prun);
+      }
+      opmath_t g1[kPairs], g2[kPairs], grun[kVec];
+      load_gain(a, g1, g2, grun);
+      if (rot) {
+        for (int j = 0; j < kPairs; ++j) sum += u1[j] * g1[j] * h1[j] + u2[j] * g2[j] * h2[j];
+      } else {
+        for (int j = 0; j < kVec; ++j) sum += urun[j] * grun[j] * hrun[j];
+      }
+    }
+    return sum;
+  }
+
+  // Forward: out = rotary(x * rstd * g). Backward: dx = rstd * (d - x_hat * mean), d = u * g.
+  ROPE_HD void item_write(int64_t n, int64_t item, opmath_t inv, opmath_t mean) const {
+    const Item a = locate(n, item);
+    const bool rot = a.j < rot_items;
+    opmath_t g1[kPairs], g2[kPairs], grun[kVec], o1[kPairs], o2[kPairs], orun[kVec];
+    load_gain(a, g1, g2, grun);
+    if constexpr (!kBackward) {
+      opmath_t x1[kPairs], x2[kPairs], run[kVec];
+      load_x(x + a.off[kNormX], p.x_col, a, x1, x2, run);
+      if (rot) {
+        opmath_t c1[kPairs], s1[kPairs], c2[kPairs], s2[kPairs];
+        load_tables(a, c1, s1, c2, s2);
+        for (int j = 0; j < kPairs; ++j) {
+          const opmath_t y1 = x1[j] * inv * g1[j], y2 = x2[j] * inv * g2[j];
+          rotate_pair<false>(y1, y2, c1[j], s1[j], c2[j], s2[j], o1[j], o2[j]);
+        }
+      } else {
+        for (int j = 0; j < kVec; ++j) orun[j] = run[j] * inv * grun[j];
+      }
+    } else {
+      opmath_t u1[kPairs], u2[kPairs], urun[kVec], h1[kPairs], h2[kPairs], hrun[kVec];
+      load_u_and_x_hat(a, inv, u1, u2, urun, h1, h2, hrun);
+      for (int j = 0; j < kPairs; ++j) {
+        o1[j] = inv * (u1[j] * g1[j] - h1[j] * mean);
+        o2[j] = inv * (u2[j] * g2[j] - h2[j] * mean);
+      }
+      for (int j = 0; j < kVec; ++j) orun[j] = inv * (urun[j] * grun[j] - hrun[j] * mean);
+    }
+    scalar_t* row = out + a.off[kNormOut];
+    if (rot) {
+      store_pairs<kVec, kInterleaved, kSiteOut1, kSiteOut2, Mem>(row, p.out_col, p.rotary_dim / 2, a.j * kPairs, true,
+                                                                 o1, o2);
+    } else {
+      store_run<kVec, kSitePassStore, Mem>(row + pass_col(a) * p.out_col, p.out_col, kVec > 1, orun);
+    }
+  }
+};
+
+// The weights' gradient: column j the sum, in block order, of the blocks' folded partial sums (rows
+// b * row_step, b < blocks); zeros where there are none. One thread per column.
+template <typename opmath_t, class Mem>
+struct WeightGradSum {
+  const opmath_t* partial;
+  opmath_t* dweight;
+  int64_t columns, blocks, row_step;
+
+  ROPE_HD void operator()(const ThreadCoord& g) const {
+    const int64_t col = g.bx * g.block_x + g.tx;
+    if (col >= columns) return;
+    opmath_t acc = 0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      Mem::at_item(b, g.tx);
+      acc += Mem::template load<kSitePartialLoad1>(partial + b * row_step * columns + col);
+    }
+    Mem::at_item(blocks, g.tx);
+    Mem::template store<kSiteWeightGrad>(dweight + col, acc);
+  }
+};
+
+// A planned NormCall: its plan and launch (shared by the CUDA launcher and the host emulator).
+struct NormCallLaunch {
+  NormPlan plan;
+  NormLaunch launch;
+};
+
+inline NormCallLaunch plan_norm_call(const NormCall& c, bool ignore_alignment = false) {
+  NormCallLaunch r;
+  r.plan = make_norm_plan(c.x, c.out, c.weight, c.cos, c.sin, c.positions, c.grad, c.across_heads);
+  const bool weighted = c.weight != nullptr && c.weight->defined();
+  // A forward's statistics include those of groups of no heads (NaN); otherwise the plan's groups.
+  const int64_t groups = c.grad == nullptr && c.rstd != nullptr ? c.rstd->numel() : r.plan.num_groups();
+  r.launch = choose_norm_launch(r.plan, groups, c.x.const_data_ptr(), c.out.const_data_ptr(),
+                                c.grad != nullptr ? c.grad->const_data_ptr() : nullptr, c.cos.const_data_ptr(),
+                                c.sin.const_data_ptr(), weighted ? c.weight->const_data_ptr() : nullptr,
+                                c.x.element_size(), c.cos.element_size(), weighted ? c.weight->element_size() : 0,
+                                c.interleaved, c.dweight != nullptr, ignore_alignment);
+  ROPE_EXT_CHECK(r.launch.group_items < (int64_t{1} << 31), c.op, ": a group of ", r.launch.group_items,
+                 " vectors is more than the CUDA kernel indexes (2^31)");
+  return r;
+}
+
+// Calls f.template operator()<Thread>() with the NormThread type of a planned call: x's dtype, the
+// tables' (x's or float32), interleaved, the vector width, full or gathered tables, forward or
+// backward (the launcher and the emulator instantiate the same set).
+template <typename F>
+void dispatch_norm_thread(const NormCall& c, const NormLaunch& L, F&& f) {
+  const auto variant = [&]<typename scalar_t, typename table_t>(std::type_identity<scalar_t>,
+                                                                std::type_identity<table_t>) {
+    constexpr int kV = norm_vec_elems<scalar_t, table_t>();
+    const auto by_vec = [&](auto inter, auto gathered, auto backward) {
+      constexpr bool kI = decltype(inter)::value, kG = decltype(gathered)::value, kB = decltype(backward)::value;
+      if (L.vec == 1) {
+        f.template operator()<NormThread<scalar_t, table_t, kI, 1, kG, kB, DeviceMemory>>();
+      } else {
+        f.template operator()<NormThread<scalar_t, table_t, kI, kV, kG, kB, DeviceMemory>>();
+      }
+    };
+    const auto by_direction = [&](auto inter, auto gathered) {
+      c.grad != nullptr ? by_vec(inter, gathered, std::true_type{}) : by_vec(inter, gathered, std::false_type{});
+    };
+    const auto by_tables = [&](auto inter) {
+      c.positions != nullptr ? by_direction(inter, std::true_type{}) : by_direction(inter, std::false_type{});
+    };
+    c.interleaved ? by_tables(std::true_type{}) : by_tables(std::false_type{});
+  };
+  const auto with = [&]<typename scalar_t>(std::type_identity<scalar_t> s) {
+    if (c.cos.scalar_type() == c.x.scalar_type()) {
+      variant(s, s);
+    } else {
+      variant(s, std::type_identity<float>{});
+    }
+  };
+  switch (c.x.scalar_type()) {
+    case ScalarType::Float: return with(std::type_identity<float>{});
+    case ScalarType::Double: return with(std::type_identity<double>{});
+    case ScalarType::Half: return with(std::type_identity<c10::Half>{});
+    case ScalarType::BFloat16: return with(std::type_identity<c10::BFloat16>{});
+    default: ROPE_EXT_CHECK(false, c.op, ": internal error: no CUDA kernel for dtype ", c.x.scalar_type());
+  }
+}
+
+}  // namespace rope_ext::cuda

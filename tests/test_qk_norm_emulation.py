@@ -1,0 +1,340 @@
+"""qk_norm_rotary's CUDA kernels (csrc/cuda/qk_norm_thread.h), run by the host emulator over every
+block and thread of the launch the CUDA launcher would choose, in the order the kernels' barriers
+give (csrc/testing/host_emulation.cpp): forward, backward and the weights' gradient against the
+float64 truth, every launch path (vector and scalar rows, tables and weights, groups over several
+iterations, the weights' partial sums folded or not), and their memory traffic. Under make
+gpu-check (ROPE_EXT_TEST_KERNELS_ON=cuda) the same tests run the real kernels on the GPU.
+
+References, none derived from the kernels: rope_ext.reference.rms_norm_rotary_reference in float64
+on the same inputs, and autograd of it for the gradients. Tolerances are test_qk_norm.py's: the
+kernels compute in float32 (float64 for float64 x) and round once, and their sums over a group have
+at most its length in roundings.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import _UNIT_ROUNDOFF, CONVENTIONS, DTYPES, TESTING, randn, random_tables
+from test_qk_norm import _gathered_tables, check_against_truth, make_weight
+
+import rope_ext
+from rope_ext.reference import rms_norm_rotary_reference
+
+WEIGHTS = ("none", "own", "float32_offset")
+NORM_LAUNCH = ("grid_x", "block_x", "block_y", "groups", "vec", "pairs_per_item", "rot_items", "pass_items",
+               "group_items", "partial_rows", "table_vec", "weight_vec")
+
+
+def launch(x, w, cos, sin, positions=None, *, norm_over="head", interleaved=False, backward=False):
+    values = TESTING.cuda_norm_launch_config(x, w, cos, sin, positions, norm_over == "heads", interleaved, backward)
+    return dict(zip(NORM_LAUNCH, values, strict=True))
+
+
+def emulated(q, k, wq, wk, cos, sin, positions=None, *, eps=1e-6, weight_offset=0.0, norm_over="head",
+             interleaved=False):
+    """(q_out, k_out, q_rstd, k_rstd) from the emulated kernels."""
+    args = (eps, weight_offset, norm_over == "heads", interleaved)
+    if positions is None:
+        return TESTING.cuda_emulate_qk_norm_rotary(q, k, wq, wk, cos, sin, *args)
+    return TESTING.cuda_emulate_qk_norm_rotary_pos(q, k, wq, wk, cos, sin, positions, *args)
+
+
+def emulated_backward(dy, x, w, rstd, cos, sin, positions=None, *, weight_offset=0.0, norm_over="head",
+                      interleaved=False):
+    return TESTING.cuda_emulate_qk_norm_rotary_backward(dy, x, w, rstd, cos, sin, positions, weight_offset,
+                                                        norm_over == "heads", interleaved, w is not None)
+
+
+def rstd_truth(x, norm_over, eps=1e-6):
+    v = x.double().flatten(-2) if norm_over == "heads" else x.double()
+    return torch.rsqrt(v.pow(2).mean(-1) + eps)
+
+
+def check_rstd(rstd, x, norm_over):
+    """rstd of a group of n values: a float32 sum of n squares (n roundings) and the rsqrt's two."""
+    n = x.shape[-1] * (x.shape[-2] if norm_over == "heads" else 1)
+    u = _UNIT_ROUNDOFF[torch.float64 if x.dtype == torch.float64 else torch.float32]
+    torch.testing.assert_close(rstd.double(), rstd_truth(x, norm_over), atol=0, rtol=(n / 2 + 3) * u)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("convention", CONVENTIONS)
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+@pytest.mark.parametrize("weight", WEIGHTS)
+@pytest.mark.parametrize("D,r", [(128, 128), (128, 64), (24, 12)], ids=["full", "partial", "tail"])
+def test_forward_matches_float64_truth(dtype, convention, norm_over, weight, D, r, gen):
+    """test_qk_norm.py's accuracy test, on the kernels: every dtype, pairing, norm form and weight
+    form, full and partial rotary, own-dtype and float32 tables; and the statistic it saves."""
+    interleaved = CONVENTIONS[convention]
+    B, S, Hq, Hk = 2, 3, 4, 2
+    q, k = randn(B, S, Hq, D, dtype=dtype, gen=gen), randn(B, S, Hk, D, dtype=dtype, gen=gen)
+    cos, sin = random_tables((B, S, 1, r), dtype=torch.float32 if weight != "own" else dtype, gen=gen)
+    wq, offset = make_weight(weight, D * (Hq if norm_over == "heads" else 1), dtype, gen)
+    wk, _ = make_weight(weight, D * (Hk if norm_over == "heads" else 1), dtype, gen)
+    kw = dict(eps=1e-6, weight_offset=offset, norm_over=norm_over, interleaved=interleaved)
+    q_out, k_out, q_rstd, k_rstd = emulated(q, k, wq, wk, cos, sin, **kw)
+    check_against_truth(q_out, q, wq, cos, sin, **kw)
+    check_against_truth(k_out, k, wk, cos, sin, **kw)
+    check_rstd(q_rstd, q, norm_over)
+    check_rstd(k_rstd, k, norm_over)
+    # the vector path where the widths split into whole vectors of 4 (2 in float64) elements
+    e = min(16 // max(q.element_size(), cos.element_size()), 4)
+    whole = (r if interleaved else r // 2) % e == 0 and (D - r) % e == 0
+    assert (launch(q, wq, cos, sin, norm_over=norm_over, interleaved=interleaved)["vec"] > 1) == whole
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("convention", CONVENTIONS)
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+def test_gathered_form_matches_float64_truth(dtype, convention, norm_over, index_dtype, gen):
+    """Caches gathered at per-token positions, GQA, partial rotary, float32 caches; the same bits as the
+    emulated table form on the gathered tables."""
+    interleaved = CONVENTIONS[convention]
+    B, S, Hq, Hk, D, r, P = 2, 5, 4, 2, 32, 24, 40
+    q, k = randn(B, S, Hq, D, dtype=dtype, gen=gen), randn(B, S, Hk, D, dtype=dtype, gen=gen)
+    cc, sc = random_tables((P, r // 2), dtype=torch.float32, gen=gen)
+    positions = torch.randint(0, P, (B, S, 1), generator=gen, dtype=index_dtype)
+    wq = torch.rand(D * (Hq if norm_over == "heads" else 1), generator=gen, dtype=torch.float64).to(dtype)
+    wk = torch.rand(D * (Hk if norm_over == "heads" else 1), generator=gen, dtype=torch.float64).to(dtype)
+    kw = dict(eps=1e-6, norm_over=norm_over, interleaved=interleaved)
+    q_out, k_out, _, _ = emulated(q, k, wq, wk, cc, sc, positions, **kw)
+    cos, sin = _gathered_tables(cc, sc, positions, interleaved)
+    check_against_truth(q_out, q, wq, cos, sin, **kw)
+    check_against_truth(k_out, k, wk, cos, sin, **kw)
+    q_tab, k_tab, _, _ = emulated(q, k, wq, wk, cos, sin, **kw)
+    assert torch.equal(q_out, q_tab) and torch.equal(k_out, k_tab)
+
+
+def _reference_grads(x, w, cos, sin, dy, **kw):
+    """(dx, dweight) of the float64 reference."""
+    xd = x.detach().double().requires_grad_()
+    wd = None if w is None else w.detach().double().requires_grad_()
+    out = rms_norm_rotary_reference(xd, wd, cos.double(), sin.double(), **kw)
+    wanted = [xd] if wd is None else [xd, wd]
+    grads = torch.autograd.grad(out, wanted, dy.double())
+    return grads[0], None if wd is None else grads[1]
+
+
+def check_grads(dx, dweight, x, w, cos, sin, dy, **kw):
+    """dx rounds once after a group's float32 sums (atol: the group's length in roundings, relative to
+    the largest gradient); dweight is a float32 sum over every row (its count in roundings)."""
+    want_dx, want_dw = _reference_grads(x, w, cos, sin, dy, **kw)
+    n = x.shape[-1] * (x.shape[-2] if kw.get("norm_over") == "heads" else 1)
+    u = _UNIT_ROUNDOFF[torch.float64 if x.dtype == torch.float64 else torch.float32]
+    assert dx.dtype == x.dtype and dx.shape == x.shape
+    torch.testing.assert_close(dx.double(), want_dx, rtol=_UNIT_ROUNDOFF[x.dtype],
+                               atol=2 * (n + 8) * u * float(want_dx.abs().max()))
+    if w is None:
+        return
+    assert dweight.dtype == (torch.float64 if x.dtype == torch.float64 else torch.float32)
+    rows = x.numel() // w.numel()
+    torch.testing.assert_close(dweight.double(), want_dw, rtol=0,
+                               atol=2 * (rows + n + 8) * u * float(want_dw.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("convention", CONVENTIONS)
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+@pytest.mark.parametrize("weight", WEIGHTS)
+@pytest.mark.parametrize("gathered", [False, True], ids=["tables", "positions"])
+def test_backward_matches_float64_autograd(dtype, convention, norm_over, weight, gathered, gen):
+    """dx and the weight's gradient from the emulated backward kernel and the weights' sum, against
+    autograd of the float64 reference; partial rotary (pass-through columns in both sums)."""
+    interleaved = CONVENTIONS[convention]
+    B, S, H, D, r, P = 2, 3, 4, 32, 24, 16
+    x = randn(B, S, H, D, dtype=dtype, gen=gen)
+    w, offset = make_weight(weight, D * (H if norm_over == "heads" else 1), dtype, gen)
+    kw = dict(weight_offset=offset, norm_over=norm_over, interleaved=interleaved)
+    if gathered:
+        cc, sc = random_tables((P, r // 2), dtype=torch.float32, gen=gen)
+        positions = torch.randint(0, P, (B, S, 1), generator=gen)
+        cos, sin = _gathered_tables(cc, sc, positions, interleaved)
+        tables = (cc, sc, positions)
+    else:
+        cos, sin = random_tables((B, S, 1, r), dtype=torch.float32, gen=gen)
+        tables = (cos, sin, None)
+    _, _, rstd, _ = emulated(x, x, w, w, *tables, **kw)
+    dy = randn(*x.shape, dtype=dtype, gen=gen)
+    dx, dweight = emulated_backward(dy, x, w, rstd, *tables, **kw)
+    check_grads(dx, dweight, x, w, cos, sin, dy, eps=1e-6, **kw)
+
+
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+def test_forward_and_backward_equal_the_cpu_ops_to_rounding(norm_over, gen):
+    """The kernels against the CPU kernel on a Qwen3-like call (bfloat16, GQA, weights): their group
+    sums add in another order, so rstd agrees to the sums' rounding (n / 2 + 3 float32 roundings each),
+    outputs to an ulp, gradients to float32 rounding over a group."""
+    q, k = randn(2, 8, 8, 128, dtype=torch.bfloat16, gen=gen), randn(2, 8, 2, 128, dtype=torch.bfloat16, gen=gen)
+    cos, sin = random_tables((2, 8, 1, 128), dtype=torch.float32, gen=gen)
+    wq = torch.rand(128 * (8 if norm_over == "heads" else 1), generator=gen).bfloat16()
+    wk = torch.rand(128 * (2 if norm_over == "heads" else 1), generator=gen).bfloat16()
+    args = (1e-6, 0.0, norm_over == "heads", False)
+    ours = TESTING.cuda_emulate_qk_norm_rotary(q, k, wq, wk, cos, sin, *args)
+    cpu = torch.ops.rope_ext.qk_norm_rotary(q, k, wq, wk, cos, sin, *args)
+    for a, b in zip(ours[:2], cpu[:2], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=0, rtol=2.0**-7)
+    for a, b, x in zip(ours[2:], cpu[2:], (q, k), strict=True):
+        n = 128 * (x.shape[-2] if norm_over == "heads" else 1)
+        torch.testing.assert_close(a, b, atol=0, rtol=2 * (n / 2 + 3) * 2.0**-24)
+    dy = randn(*q.shape, dtype=torch.bfloat16, gen=gen)
+    back = (dy, q, wq, cpu[2], cos, sin, None, 0.0, norm_over == "heads", False, True)
+    dx, dw = TESTING.cuda_emulate_qk_norm_rotary_backward(*back)
+    dx_cpu, dw_cpu = torch.ops.rope_ext.qk_norm_rotary_backward(*back)
+    torch.testing.assert_close(dx.float(), dx_cpu.float(), atol=2.0**-7 * float(dx_cpu.abs().max()), rtol=2.0**-7)
+    torch.testing.assert_close(dw, dw_cpu, atol=1e-5 * float(dw_cpu.abs().max()), rtol=0)
+
+
+# --- every launch path ------------------------------------------------------------------------------
+
+
+def _misaligned(t):
+    """t's values starting one element past an allocation's start: no 16-byte vectors."""
+    buf = torch.zeros(t.numel() + 1, dtype=t.dtype)
+    buf[1:] = t.flatten()
+    return buf[1:].view(t.shape)
+
+
+LAYOUTS = {
+    # name: (x from a (B, S, H, D) tensor, expected vector path)
+    "bshd": (lambda t: t, True),
+    "hf_view": (lambda t: t.transpose(1, 2).contiguous().transpose(1, 2), True),
+    "qkv_slice": (lambda t: torch.cat((t, torch.zeros_like(t)), 2)[:, :, : t.shape[2]], True),
+    "strided_cols": (lambda t: torch.cat((t[..., None], torch.zeros_like(t)[..., None]), -1)[..., 0], False),
+    "misaligned": (_misaligned, False),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_layouts_take_the_vector_or_the_scalar_path(layout, norm_over, dtype, gen):
+    """Both sides of the vector gate, forward and backward: contiguous, aligned rows (also a strided
+    head or token dim) take vectors; strided columns and a misaligned start take the scalar kernels.
+    Each is checked against the truth; out and dx come back in x's layout as the ops make it."""
+    make, vector = LAYOUTS[layout]
+    B, S, H, D = 2, 3, 4, 64
+    x = make(randn(B, S, H, D, dtype=dtype, gen=gen))
+    w = torch.rand(D * (H if norm_over == "heads" else 1), generator=gen).to(dtype)
+    cos, sin = random_tables((B, S, 1, D), dtype=dtype, gen=gen)
+    kw = dict(norm_over=norm_over)
+    assert (launch(x, w, cos, sin, **kw)["vec"] > 1) == vector
+    assert (launch(x, w, cos, sin, backward=True, **kw)["vec"] > 1) == vector
+    out, _, rstd, _ = emulated(x, x, w, w, cos, sin, **kw)
+    check_against_truth(out, x, w, cos, sin, eps=1e-6, **kw)
+    dy = randn(*x.shape, dtype=dtype, gen=gen)
+    dx, dweight = emulated_backward(dy, x, w, rstd, cos, sin, **kw)
+    check_grads(dx, dweight, x, w, cos, sin, dy, eps=1e-6, **kw)
+
+
+def test_tables_and_weights_take_vectors_or_not(gen):
+    """The vector gates of the tables (contiguous, aligned columns and strides) and of the weight
+    (contiguous and aligned), each on both sides, with the rows on the vector path throughout."""
+    B, S, H, D = 2, 3, 4, 32
+    x = randn(B, S, H, D, gen=gen)
+    w = torch.rand(D, generator=gen)
+    cos, sin = random_tables((B, S, 1, D), gen=gen)
+    cos_strided = torch.cat((cos[..., None], cos[..., None]), -1)[..., 0]  # column stride 2
+    w_strided = torch.cat((w[:, None], w[:, None]), -1)[:, 0]
+    cases = [(cos, w, True, True), (cos_strided, w, False, True), (_misaligned(cos), w, False, True),
+             (cos, w_strided, True, False), (cos, _misaligned(w), True, False)]
+    for c, weight, table_vec, weight_vec in cases:
+        L = launch(x, weight, c, sin)
+        assert (L["vec"], bool(L["table_vec"]), bool(L["weight_vec"])) == (4, table_vec, weight_vec)
+        out, _, rstd, _ = emulated(x, x, weight, weight, c, sin)
+        check_against_truth(out, x, weight, c, sin, eps=1e-6)
+        dy = randn(*x.shape, gen=gen)
+        dx, dweight = emulated_backward(dy, x, weight, rstd, c, sin)
+        check_grads(dx, dweight, x, weight, c, sin, dy, eps=1e-6)
+    cc, sc = random_tables((8, D // 2), gen=gen)
+    positions = torch.randint(0, 8, (B, S, 1), generator=gen)
+    for c, table_vec in [(cc, True), (torch.cat((cc, cc), -1)[:, 1:D // 2 + 1], False)]:  # row stride D
+        assert bool(launch(x, w, c, sc, positions)["table_vec"]) == table_vec
+        out, _, _, _ = emulated(x, x, w, w, c, sc, positions)
+        check_against_truth(out, x, w, *_gathered_tables(c, sc, positions, False), eps=1e-6)
+
+
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+def test_many_groups_loop_and_fold_the_weights_partial_sums(norm_over, gen):
+    """A backward with more groups than its 512 blocks hold in one pass (each thread's group loop runs
+    several times, adding into its partial sums) and, per head, the block's rows of partial sums
+    folded before the blocks' sum; across heads one row per block (no fold). Against float64, and
+    bit-identical on a second run."""
+    D = 32  # (float32: 4 items a head)
+    H = 4 if norm_over == "head" else 64  # per head 64 groups a block, across heads 1
+    T = 8200 if norm_over == "head" else 600
+    x = randn(T, H, D, gen=gen)
+    w = torch.rand(D * (H if norm_over == "heads" else 1), generator=gen)
+    cos, sin = random_tables((T, 1, D), gen=gen)
+    L = launch(x, w, cos, sin, norm_over=norm_over, backward=True)
+    assert L["grid_x"] == 512 and L["groups"] > 512 * L["block_y"], L  # (more than one iteration)
+    assert (L["block_y"] > 1) == (norm_over == "head"), L
+    _, _, rstd, _ = emulated(x, x, w, w, cos, sin, norm_over=norm_over)
+    dy = randn(*x.shape, gen=gen)
+    dx, dweight = emulated_backward(dy, x, w, rstd, cos, sin, norm_over=norm_over)
+    check_grads(dx, dweight, x, w, cos, sin, dy, eps=1e-6, norm_over=norm_over)
+    again = emulated_backward(dy, x, w, rstd, cos, sin, norm_over=norm_over)
+    assert torch.equal(dx, again[0]) and torch.equal(dweight, again[1])
+
+
+def test_in_place_forms_equal_the_out_of_place_ones(gen):
+    """qk_norm_rotary_ and qk_norm_rotary_pos_ on slices of one fused qkv buffer: the same bits as the
+    out-of-place kernels, and the buffer's v untouched."""
+    T, H, D = 6, 4, 64
+    qkv = randn(T, 3, H, D, dtype=torch.bfloat16, gen=gen)
+    wq, wk = torch.rand(D, generator=gen).bfloat16(), torch.rand(D, generator=gen).bfloat16()
+    cos, sin = random_tables((T, 1, D), dtype=torch.float32, gen=gen)
+    cc, sc = random_tables((8, D // 2), dtype=torch.float32, gen=gen)
+    positions = torch.randint(0, 8, (T, 1), generator=gen)
+    for tables in [(cos, sin), (cc, sc, positions)]:
+        buf = qkv.clone()
+        q, k = buf[:, 0], buf[:, 1]
+        q_out, k_out, _, _ = emulated(q, k, wq, wk, *tables)
+        if len(tables) == 2:
+            TESTING.cuda_emulate_qk_norm_rotary_(q, k, wq, wk, *tables, 1e-6, 0.0, False, False)
+        else:
+            TESTING.cuda_emulate_qk_norm_rotary_pos_(q, k, wq, wk, *tables, 1e-6, 0.0, False, False)
+        assert torch.equal(q, q_out) and torch.equal(k, k_out)
+        assert torch.equal(buf[:, 2], qkv[:, 2])
+
+
+def test_groups_of_no_values(gen):
+    """Tokens of no heads across heads: a NaN statistic, as torch's mean of nothing; a backward with no
+    groups: a zero weight gradient."""
+    x = torch.empty(2, 3, 0, 16)
+    cos, sin = random_tables((2, 3, 1, 16), gen=gen)
+    out, _, rstd, _ = emulated(x, x, None, None, cos, sin, norm_over="heads")
+    assert out.shape == x.shape and rstd.shape == (2, 3) and rstd.isnan().all()
+    y = torch.empty(0, 3, 4, 16)
+    w = torch.rand(16, generator=gen)
+    rstd = torch.empty(0, 3, 4)
+    dx, dweight = emulated_backward(y, y, w, rstd, cos[:0], sin[:0])
+    assert dx.shape == y.shape and torch.equal(dweight, torch.zeros(16))
+
+
+# --- memory traffic ---------------------------------------------------------------------------------
+
+
+def test_sector_efficiency_of_the_main_shapes(gen):
+    """The traffic model (benchmarks/cuda_traffic.py prints the full table): Qwen3's per-head norm and
+    Wan's across heads, forward and backward, at least 0.90 of each warp instruction's sector bytes
+    needed, for loads and for stores."""
+    from test_cuda_emulation import recorded_traffic
+
+    cases = [("head", 8, 128, torch.bfloat16), ("heads", 40, 128, torch.bfloat16), ("head", 8, 128, torch.float32)]
+    for norm_over, H, D, dtype in cases:
+        x = randn(1, 16, H, D, dtype=dtype, gen=gen)
+        w = torch.rand(D * (H if norm_over == "heads" else 1), generator=gen).to(dtype)
+        cc, sc = random_tables((64, D // 2), dtype=torch.float32, gen=gen)
+        positions = torch.randint(0, 64, (1, 16, 1), generator=gen)
+        kw = (1e-6, 0.0, norm_over == "heads", False)
+        (_, _, rstd, _), fwd, _ = recorded_traffic(TESTING.cuda_emulate_qk_norm_rotary_pos, x, x, w, w, cc, sc,
+                                                    positions, *kw)
+        dy = randn(*x.shape, dtype=dtype, gen=gen)
+        _, bwd, _ = recorded_traffic(TESTING.cuda_emulate_qk_norm_rotary_backward, dy, x, w, rstd, cc, sc, positions,
+                                     0.0, norm_over == "heads", False, True)
+        for name, t in (("forward", fwd), ("backward", bwd)):
+            for kind in ("ld", "st"):
+                eff = t[f"{kind}_needed"] / t[f"{kind}_sectors"]
+                assert eff >= 0.90, f"{norm_over} {dtype} {name} {kind}: sector efficiency {eff:.3f}"
