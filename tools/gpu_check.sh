@@ -19,8 +19,9 @@
 #             model, Inductor, CUDA graphs, streams, the device-side assert.
 #   memcheck  compute-sanitizer's memcheck over tests/gpu_kernel_cases.py: each of the 224 kernels
 #             launched once, our kernels only; then its racecheck over the same cases (the QK-norm
-#             kernels share their groups' sums through shared memory between barriers). Where the sanitizer refuses the device (gVisor machines
-#             answer "Device not supported"), the verdict says so and the part does not fail.
+#             kernels share their groups' sums through shared memory between barriers). Where the
+#             sanitizer refuses the device (gVisor machines answer "Device not supported"), the
+#             verdict says so and the part does not fail.
 #   bench     benchmarks/bench_cuda.py --lease: Llama-3-8B bfloat16 prefill (2k, 8k) and decode
 #             against a device copy, HF eager, torch.compile of HF and Liger.
 # STEP=rest (what the lease leaves out, for a later lease; more than one command's 10 minutes in all,
