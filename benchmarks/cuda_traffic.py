@@ -23,6 +23,15 @@ prefill, full tables (rotary_qk) and the gathered cache (rotary_pos_qk), at Llam
 D = 128. Other cases (partial rotary, tables shared over the batch, a contiguous bhsd, decode at
 B = 1 to 64) follow.
 
+Then the QK-norm kernels (qk_norm_rotary's, csrc/cuda/qk_norm_thread.h), forward and backward (with
+the weight's gradient), at Qwen3-8B's heads (32 and 8, D = 128, a norm per head) and Wan 14B's (40
+heads, D = 128, one norm across them), at 256 tokens of prefill (the traffic per token does not
+change with the token count). Their minimum is q and k read and written once (the
+backward: x and dy read, dx written), the tables once per token, the weights and statistics once. The
+kernels read each item twice, before and after their group's reduction, the second time from L1 or
+L2 (the block read it just before): so moved / min is about 1.5 (forward) and distinct / min about 1.
+Its last line is `qk_norm min sector efficiency: X`, over those cases.
+
 Run after `make setup` (it needs rope_ext_testing): python benchmarks/cuda_traffic.py [--sites]
 """
 
@@ -179,6 +188,77 @@ def cases() -> list[Case]:
     return out
 
 
+@dataclasses.dataclass
+class NormCase:
+    name: str
+    heads: tuple  # (q heads, k heads)
+    across: bool
+    dtype: torch.dtype
+    table_dtype: torch.dtype
+    gathered: bool
+    tokens: int = 256
+
+
+def norm_cases() -> list[NormCase]:
+    out = []
+    bf, f32 = torch.bfloat16, torch.float32
+    for gathered in (True, False):
+        form = "qk_norm_rotary_pos" if gathered else "qk_norm_rotary"
+        for dtype, tdt in ((bf, f32), (bf, bf), (f32, f32)):
+            out.append(NormCase(f"qwen3 {form} {str(dtype)[6:]}/{str(tdt)[6:]} per head", (32, 8), False, dtype, tdt,
+                                gathered))
+        out.append(NormCase(f"wan {form} bfloat16/float32 across 40 heads", (40, 40), True, bf, f32, gathered))
+    return out
+
+
+def run_norm_case(c: NormCase) -> list[tuple[str, dict]]:
+    """The forward's and the backward's traffic (q's backward, with the weight's gradient)."""
+    g = torch.Generator().manual_seed(2)
+    hq, hk = c.heads
+    q = torch.randn(1, c.tokens, hq, D, generator=g).to(c.dtype)
+    k = torch.randn(1, c.tokens, hk, D, generator=g).to(c.dtype)
+    wq = torch.rand(D * (hq if c.across else 1), generator=g).to(c.dtype)
+    wk = torch.rand(D * (hk if c.across else 1), generator=g).to(c.dtype)
+    tsize = torch.empty((), dtype=c.table_dtype).element_size()
+    if c.gathered:
+        cache = torch.randn(2, 4096, D // 2, generator=g).to(c.table_dtype)
+        positions = torch.randint(0, 4096, (1, c.tokens, 1), generator=g)
+        tables = (cache[0], cache[1], positions)
+        table_min = c.tokens * (D * tsize + 8)
+    else:
+        tab = torch.randn(2, 1, c.tokens, 1, D, generator=g).to(c.table_dtype)
+        tables = (tab[0], tab[1], None)
+        table_min = c.tokens * 2 * D * tsize
+    scalars = (1e-6, 0.0, c.across, False)
+    rows = []
+    for direction in ("forward", "backward"):
+        TESTING.cuda_record_traffic(True)
+        try:
+            if direction == "forward":
+                cos, sin, pos = tables
+                out = (TESTING.cuda_emulate_qk_norm_rotary_pos(q, k, wq, wk, cos, sin, pos, *scalars) if c.gathered
+                       else TESTING.cuda_emulate_qk_norm_rotary(q, k, wq, wk, cos, sin, *scalars))
+                x_bytes = (q.numel() + k.numel()) * q.element_size()
+                stat_bytes = (out[2].numel() + out[3].numel()) * out[2].element_size()
+                minimum = 2 * x_bytes + 2 * table_min + stat_bytes + (wq.numel() + wk.numel()) * wq.element_size()
+                rstd = out[2]
+            else:
+                dy = torch.randn(q.shape, generator=g).to(c.dtype)
+                TESTING.cuda_emulate_qk_norm_rotary_backward(dy, q, wq, rstd, *tables, 0.0, c.across, False, True)
+                x_bytes = q.numel() * q.element_size()
+                minimum = 3 * x_bytes + table_min + rstd.numel() * rstd.element_size() + wq.numel() * 6
+            t = dict(zip(TRAFFIC_FIELDS, TESTING.cuda_traffic(), strict=True))
+        finally:
+            TESTING.cuda_record_traffic(False)
+        rows.append((direction, {
+            "ld_eff": t["ld_needed"] / t["ld_sectors"],
+            "st_eff": t["st_needed"] / t["st_sectors"],
+            "moved": (t["ld_sectors"] + t["st_sectors"]) / minimum,
+            "distinct": (t["ld_distinct"] + t["st_distinct"]) / minimum,
+        }))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sites", action="store_true", help="also print each case's traffic by access site")
@@ -201,6 +281,17 @@ def main() -> None:
             eff = min(r["ld_eff"], r["st_eff"])
             worst = eff if worst is None else min(worst, eff)
     print(f"min sector efficiency: {worst:.3f}")
+    print()
+    print(f"{'QK-norm case':<64} {'ld eff':>7} {'st eff':>7} {'moved/min':>9} {'distinct/min':>12}")
+    print("-" * len(header))
+    worst = None
+    for c in norm_cases():
+        for direction, r in run_norm_case(c):
+            print(f"{c.name + ' ' + direction:<64} {r['ld_eff']:7.3f} {r['st_eff']:7.3f} {r['moved']:9.3f} "
+                  f"{r['distinct']:12.3f}")
+            eff = min(r["ld_eff"], r["st_eff"])
+            worst = eff if worst is None else min(worst, eff)
+    print(f"qk_norm min sector efficiency: {worst:.3f}")
 
 
 if __name__ == "__main__":

@@ -78,8 +78,8 @@ def test_forward_matches_float64_truth(dtype, convention, norm_over, weight, D, 
     check_against_truth(k_out, k, wk, cos, sin, **kw)
     check_rstd(q_rstd, q, norm_over)
     check_rstd(k_rstd, k, norm_over)
-    # the vector path where the widths split into whole vectors of 4 (2 in float64) elements
-    e = min(16 // max(q.element_size(), cos.element_size()), 4)
+    # the vector path where the widths split into whole 16-byte vectors (of x or of the tables)
+    e = 16 // max(q.element_size(), cos.element_size())
     whole = (r if interleaved else r // 2) % e == 0 and (D - r) % e == 0
     assert (launch(q, wq, cos, sin, norm_over=norm_over, interleaved=interleaved)["vec"] > 1) == whole
 

@@ -43,10 +43,21 @@ def _tools_env() -> dict:
     return {**os.environ, "NVDISASM_PATH": str(hits[0].parent), "PATH": f"{hits[0].parent}:{os.environ['PATH']}"}
 
 
+# The thread functions whose kernels are rope_ext's: the rotation's, QK-norm's, and the sum of the
+# weights' gradient.
+THREADS = ("RotaryThread", "NormThread", "WeightGradSum")
+
+
 def _rotary_functions(sass: str) -> dict[str, str]:
-    """The rotary kernels' SASS by (mangled) function name."""
+    """The kernels' SASS by (mangled) function name."""
     bodies = re.split(r"\n\s*Function : ", sass)[1:]
-    return {b.split("\n", 1)[0].strip(): b for b in bodies if "RotaryThread" in b.split("\n", 1)[0]}
+    return {b.split("\n", 1)[0].strip(): b for b in bodies if any(t in b.split("\n", 1)[0] for t in THREADS)}
+
+
+def norm_ffma(counts: dict) -> list[tuple[str, int]]:
+    """(kind, FFMA or DFMA count) of each kind of QK-norm kernel, for the summary."""
+    return [(f"{'float64' if double else 'float32'} {'backward' if back == 'true' else 'forward'}",
+             next(iter(v))[1 if double else 0]) for (double, back), v in sorted(counts.items())]
 
 
 def check_arch(lib: Path, arch: str, out: Path) -> str:
@@ -73,22 +84,25 @@ def check_arch(lib: Path, arch: str, out: Path) -> str:
     param_offset = offsets.pop()
     demangled = subprocess.run(["c++filt"], input=dump, capture_output=True, text=True, check=True).stdout
     rows = re.findall(
-        # (other constant banks, e.g. CONSTANT[2] for literals on sm_80, may stand before bank 0)
-        r"RotaryThread<([^>]*)> >\(.*?\):\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)[^\n]*?CONSTANT\[0\]:(\d+)",
+        # (a kernel's first mention of its thread type: its template argument, or for the weights' sum its
+        # parameter; other constant banks, e.g. CONSTANT[2] for literals on sm_80, may stand before bank 0)
+        r"((?:RotaryThread|NormThread|WeightGradSum)<[^>]*>)[^\n]*?:\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)"
+        r"[^\n]*?CONSTANT\[0\]:(\d+)",
         demangled,
     )
     if not rows:
-        raise SystemExit(f"cuda-check: no rotary kernel in cuobjdump's resource usage for sm_{arch}")
+        raise SystemExit(f"cuda-check: no rope_ext kernel in cuobjdump's resource usage for sm_{arch}")
     kernels = [
         (args.replace(" ", "").replace("rope_ext::cuda::", ""), int(r), int(st), int(lo), int(c0) - param_offset)
         for args, r, st, lo, c0 in rows
     ]
-    lines = [f"{'kernel (scalar, table, interleaved, vec, gathered, memory, index)':72} REG STACK LOCAL PARAM_BYTES"]
-    lines += [f"{k:72} {r:>3} {st:>5} {lo:>5} {p:>11}" for k, r, st, lo, p in kernels]
+    lines = [f"{'kernel: RotaryThread<scalar, table, interleaved, vec, gathered, memory, index>, NormThread<scalar, table, interleaved, vec, gathered, backward, memory>, WeightGradSum<type, memory>':90} REG STACK LOCAL PARAM_BYTES"]
+    lines += [f"{k:90} {r:>3} {st:>5} {lo:>5} {p:>11}" for k, r, st, lo, p in kernels]
     out.write_text("\n".join(lines) + "\n")
 
-    def gathered(name: str) -> bool:  # (RotaryThread's fifth template argument, kGathered)
-        return name.split(",")[4] == "true"
+    def gathered(name: str) -> bool:  # (RotaryThread's and NormThread's fifth template argument, kGathered)
+        args = name.split(",")
+        return len(args) > 4 and args[4] == "true"
 
     stacked = [k[0] for k in kernels if k[3] or k[2] > (PRINTF_STACK if gathered(k[0]) else 0)]
     if stacked:
@@ -97,8 +111,9 @@ def check_arch(lib: Path, arch: str, out: Path) -> str:
             f"kernels' {PRINTF_STACK}-byte printf frame (spills or runtime-indexed arrays), e.g. {stacked[0]}; "
             f"see {out}"
         )
-    compact = [k for k in kernels if k[0].endswith("CompactIndex")]
-    general = [k for k in kernels if not k[0].endswith("CompactIndex")]
+    rotation = [k for k in kernels if k[0].startswith("RotaryThread")]
+    compact = [k for k in rotation if k[0].endswith("CompactIndex>")]
+    general = [k for k in rotation if not k[0].endswith("CompactIndex>")]
     if not compact:
         raise SystemExit(f"cuda-check: sm_{arch}: no CompactIndex kernel found")
     heavy = [k[0] for k in compact if k[4] >= COMPACT_PARAM_LIMIT]
@@ -111,18 +126,40 @@ def check_arch(lib: Path, arch: str, out: Path) -> str:
                           check=True, env=_tools_env()).stdout
     functions = _rotary_functions(sass)
     if len(functions) != len(kernels):
-        raise SystemExit(f"cuda-check: sm_{arch}: {len(functions)} rotary kernels in the SASS, {len(kernels)} in the "
-                         "resource usage")
+        raise SystemExit(f"cuda-check: sm_{arch}: {len(functions)} rope_ext kernels in the SASS, {len(kernels)} in "
+                         "the resource usage")
+    # The QK-norm kernels divide and take a square root (rstd, the mean): CUDA's correctly rounded
+    # division and sqrt refine their estimate with fused multiply-adds, as they must. Those are the
+    # only ones allowed: every QK-norm kernel of one direction and precision holds as many (31 in a
+    # float forward on sm_90, 17 in a backward), whatever its vector width, where products and sums
+    # of the elements contracted into FMAs would grow with it.
+    names = dict(zip(functions, subprocess.run(["c++filt"], input="\n".join(functions), capture_output=True, text=True,
+                                               check=True).stdout.splitlines(), strict=True))
+    norm_counts: dict[tuple, set] = {}
+    for name, body in functions.items():
+        m = re.search(r"NormThread<([^,]*),[^,]*,[^,]*,[^,]*,[^,]*, (true|false),", names[name])
+        if m:
+            key = (m.group(1) == "double", m.group(2))
+            norm_counts.setdefault(key, set()).add((len(re.findall(r"\bFFMA", body)), len(re.findall(r"\bDFMA", body))))
+    uneven = {k: v for k, v in norm_counts.items() if len(v) != 1}
+    if uneven:
+        raise SystemExit(f"cuda-check: sm_{arch}: QK-norm kernels of one kind hold different numbers of fused "
+                         f"multiply-adds (FFMA, DFMA) {uneven}: some beyond the division's and sqrt's")
     for what, pattern in (("a fused multiply-add", FUSED), ("a local-memory load (LDL)", re.compile(r"\bLDL\b"))):
-        bad = [name for name, body in functions.items() if pattern.search(body)]
+        bad = [name for name, body in functions.items()
+               if pattern.search(body) and not (pattern is FUSED and "NormThread<" in names[name])]
         if bad:
             line = next(ln for ln in functions[bad[0]].splitlines() if pattern.search(ln))
-            raise SystemExit(f"cuda-check: sm_{arch}: {len(bad)} rotary kernels contain {what}, e.g. {bad[0]}: "
+            raise SystemExit(f"cuda-check: sm_{arch}: {len(bad)} rope_ext kernels contain {what}, e.g. {bad[0]}: "
                              f"{line.strip()}")
+    norm = [k for k in kernels if k[0].startswith("NormThread")]
+    sums = [k for k in kernels if k[0].startswith("WeightGradSum")]
     return (
-        f"sm_{arch}: {len(kernels)} kernels, registers {min(k[1] for k in kernels)}-{max(k[1] for k in kernels)}, "
+        f"sm_{arch}: {len(rotation)} rotation kernels, registers {min(k[1] for k in rotation)}-"
+        f"{max(k[1] for k in rotation)}; {len(norm)} QK-norm kernels, registers {min(k[1] for k in norm)}-"
+        f"{max(k[1] for k in norm)}; {len(sums)} weight-gradient sums; "
         f"stack {max(k[2] for k in kernels)} B at most (gathered kernels' printf frame), no local memory, no LDL, "
-        f"no FFMA/DFMA; parameters: CompactIndex {max(k[4] for k in compact)} B at most, PlanIndex "
+        f"no FFMA/DFMA but the QK-norm kernels' division and sqrt ({', '.join(f'{n} in every {kind}' for kind, n in norm_ffma(norm_counts))}); parameters: CompactIndex {max(k[4] for k in compact)} B at most, PlanIndex "
         f"{max((k[4] for k in general), default=0)} B at most"
     )
 
@@ -144,7 +181,8 @@ def main():
         f"{torch.cuda.is_available()}; loaded {lib.name}: every symbol resolved against libtorch_cuda"
     )
 
-    ops = ("rotary", "rotary_qk", "rotary_", "rotary_pos", "rotary_pos_qk", "rotary_pos_")
+    ops = ("rotary", "rotary_qk", "rotary_", "rotary_pos", "rotary_pos_qk", "rotary_pos_", "qk_norm_rotary",
+           "qk_norm_rotary_pos", "qk_norm_rotary_", "qk_norm_rotary_pos_", "qk_norm_rotary_backward")
     missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(f"rope_ext::{op}", "CUDA")]
     if missing:
         raise SystemExit(f"cuda-check: no CUDA kernel registered for {missing}")

@@ -46,15 +46,6 @@ namespace rope_ext::cuda {
 // kNormGradBlocks * block_y rows of the weight's length (at most 10 MiB for Wan's 5,120 columns).
 constexpr int64_t kNormGradBlocks = 512;
 
-// Elements per vector: vec_elems (16 bytes of the wider of x and the tables), but at most 4. A 16-bit
-// row's 8-element vectors hold more values than a thread's 128 registers keep through the backward
-// (u, x_hat, g and the partial sums of 8 pairs: ptxas spilled 800 bytes); 8-byte loads by a warp's
-// consecutive lanes still use every byte of each sector.
-template <typename scalar_t, typename table_t>
-constexpr int norm_vec_elems() {
-  return vec_elems<scalar_t, table_t>() < 4 ? vec_elems<scalar_t, table_t>() : 4;
-}
-
 struct NormLaunch {
   int64_t grid_x = 0, block_x = 0, block_y = 0;
   int64_t groups = 0;  // statistics: rstd's elements
@@ -65,7 +56,7 @@ struct NormLaunch {
   bool weight_vec = false;   // the weight's too
 };
 
-// The launch of a planned call. The vector path (norm_vec_elems of x and the tables)
+// The launch of a planned call. The vector path (vec_elems of x and the tables, as the rotation's)
 // needs contiguous, aligned rows of x, out and grad whose rotary half (or width, interleaved) and
 // pass-through width split into whole vectors; the tables and the weight are read as vectors where
 // their columns are contiguous and aligned too. `groups` is rstd's size (a group of no heads has a
@@ -79,7 +70,7 @@ inline NormLaunch choose_norm_launch(const NormPlan& p, int64_t groups, const vo
   };
   NormLaunch L;
   const int64_t half = p.rotary_dim / 2, pass = p.head_dim - p.rotary_dim;
-  const int64_t e = std::min<int64_t>(kVectorBytes / std::max(elem_size, table_elem_size), 4);  // norm_vec_elems
+  const int64_t e = kVectorBytes / std::max(elem_size, table_elem_size);  // vec_elems
   bool vec_ok = e >= 2 && (interleaved ? p.rotary_dim % e == 0 : half % e == 0) && pass % e == 0 && p.x_col == 1 &&
                 p.out_col == 1 && (grad == nullptr || p.grad_col == 1) && aligned(x, e * elem_size) &&
                 aligned(out, e * elem_size) && (grad == nullptr || aligned(grad, e * elem_size));
@@ -248,164 +239,172 @@ struct NormThread {
  private:
   ROPE_HD int64_t group_of(const ThreadCoord& g, int64_t it) const { return (g.bx + it * g.grid_x) * g.block_y + g.ty; }
 
-  // Where an item is: its head in the group, its index in the head, and the row's offsets.
+  // Where an item is: its head in the group, its index in the head, and (with offsets) the row's
+  // offsets. An item is a vector of pairs (j < rot_items) or a run of kVec pass-through columns; each
+  // kind has its own code path below, so that only its own values are live.
   struct Item {
     int64_t h, j;
     int64_t off[5];
   };
-  ROPE_HD Item locate(int64_t n, int64_t item) const {
+  ROPE_HD Item locate(int64_t n, int64_t item, bool offsets = true) const {
     Item a;
-    const int32_t i = static_cast<int32_t>(item);  // (group_items < 2^31: the launcher checks)
+    const int32_t i = static_cast<int32_t>(item);  // (group_items < 2^31: plan_norm_call checks)
     a.h = i / head_items;
     a.j = i - a.h * head_items;
-    p.rows.offsets(n * p.group + a.h, a.off);
+    if (offsets) p.rows.offsets(n * p.group + a.h, a.off);
     return a;
   }
+  ROPE_HD int64_t half() const { return p.rotary_dim / 2; }
+  ROPE_HD int64_t pair0(const Item& a) const { return a.j * kPairs; }
+  ROPE_HD int64_t run_col(const Item& a) const { return p.rotary_dim + (a.j - rot_items) * kVec; }
   // The weight's (and its gradient's) first column for head h of a group.
   ROPE_HD int64_t weight_base(int64_t h) const { return p.weight_len > p.head_dim ? h * p.head_dim : 0; }
-
-  // The row's x at the item's pairs, or its pass-through run (v1 only).
-  ROPE_HD void load_x(const scalar_t* base, int64_t col, const Item& a, opmath_t (&v1)[kPairs],
-                      opmath_t (&v2)[kPairs], opmath_t (&run)[kVec]) const {
-    if (a.j < rot_items) {
-      load_pairs<kVec, kInterleaved, kSiteX1, kSiteX2, Mem>(base, col, p.rotary_dim / 2, a.j * kPairs, true, v1, v2);
-    } else {
-      load_run<kVec, kSitePassLoad, Mem>(base + pass_col(a) * col, col, kVec > 1, run);
-    }
+  // The thread's row of partial sums of the weights' gradient, from head h's first column.
+  ROPE_HD opmath_t* partial_row(const ThreadCoord& g, int64_t h) const {
+    return partial + (g.bx * g.block_y + g.ty) * p.weight_len + weight_base(h);
   }
-  ROPE_HD int64_t pass_col(const Item& a) const { return p.rotary_dim + (a.j - rot_items) * kVec; }
 
-  // g = weight + weight_offset at the item's columns (1 without a weight).
-  ROPE_HD void load_gain(const Item& a, opmath_t (&g1)[kPairs], opmath_t (&g2)[kPairs], opmath_t (&run)[kVec]) const {
+  // --- loads of an item's pairs ---
+  ROPE_HD void x_pairs(const Item& a, opmath_t (&x1)[kPairs], opmath_t (&x2)[kPairs]) const {
+    load_pairs<kVec, kInterleaved, kSiteX1, kSiteX2, Mem>(x + a.off[kNormX], p.x_col, half(), pair0(a), true, x1, x2);
+  }
+  // g = weight + weight_offset at the pairs (1 without a weight).
+  ROPE_HD void gain_pairs(const Item& a, opmath_t (&g1)[kPairs], opmath_t (&g2)[kPairs]) const {
     if (weight == nullptr) {
       for (int j = 0; j < kPairs; ++j) g1[j] = g2[j] = opmath_t(1);
-      for (int j = 0; j < kVec; ++j) run[j] = opmath_t(1);
       return;
     }
     if (weight_float) {
-      load_weight(static_cast<const float*>(weight), a, g1, g2, run);
+      weight_pairs(static_cast<const float*>(weight), a, g1, g2);
     } else {
-      load_weight(static_cast<const scalar_t*>(weight), a, g1, g2, run);
+      weight_pairs(static_cast<const scalar_t*>(weight), a, g1, g2);
     }
     for (int j = 0; j < kPairs; ++j) g1[j] += weight_offset, g2[j] += weight_offset;
-    for (int j = 0; j < kVec; ++j) run[j] += weight_offset;
   }
   template <typename W>
-  ROPE_HD void load_weight(const W* w, const Item& a, opmath_t (&g1)[kPairs], opmath_t (&g2)[kPairs],
-                           opmath_t (&run)[kVec]) const {
-    w += weight_base(a.h) * p.weight_stride;
-    if (a.j < rot_items) {
-      load_pairs<kVec, kInterleaved, kSiteWeight1, kSiteWeight2, Mem>(w, p.weight_stride, p.rotary_dim / 2,
-                                                                       a.j * kPairs, weight_vec, g1, g2);
-    } else {
-      load_run<kVec, kSiteWeight1, Mem>(w + pass_col(a) * p.weight_stride, p.weight_stride, weight_vec, run);
-    }
+  ROPE_HD void weight_pairs(const W* w, const Item& a, opmath_t (&g1)[kPairs], opmath_t (&g2)[kPairs]) const {
+    load_pairs<kVec, kInterleaved, kSiteWeight1, kSiteWeight2, Mem>(w + weight_base(a.h) * p.weight_stride,
+                                                                     p.weight_stride, half(), pair0(a), weight_vec,
+                                                                     g1, g2);
   }
-
-  // The row's table entries for the item's pairs, as the rotation reads them.
-  ROPE_HD void load_tables(const Item& a, opmath_t (&c1)[kPairs], opmath_t (&s1)[kPairs], opmath_t (&c2)[kPairs],
+  // The row's table entries at the pairs, as the rotation reads them.
+  ROPE_HD void table_pairs(const Item& a, opmath_t (&c1)[kPairs], opmath_t (&s1)[kPairs], opmath_t (&c2)[kPairs],
                            opmath_t (&s2)[kPairs]) const {
-    const int64_t pair0 = a.j * kPairs;
     if constexpr (kGathered) {
       const int64_t at = a.off[kNormCos];
       const int64_t pos = p.positions_int32
                               ? int64_t{Mem::template load<kSitePosition>(static_cast<const int32_t*>(positions) + at)}
                               : Mem::template load<kSitePosition>(static_cast<const int64_t*>(positions) + at);
       ROPE_EXT_POSITION_CHECK(pos, cache_rows);
-      load_run<kPairs, kSiteCos1, Mem>(cos + pos * p.cos_row + pair0 * p.cos_col, p.cos_col, table_vec, c1);
-      load_run<kPairs, kSiteSin1, Mem>(sin + pos * p.sin_row + pair0 * p.sin_col, p.sin_col, table_vec, s1);
+      load_run<kPairs, kSiteCos1, Mem>(cos + pos * p.cos_row + pair0(a) * p.cos_col, p.cos_col, table_vec, c1);
+      load_run<kPairs, kSiteSin1, Mem>(sin + pos * p.sin_row + pair0(a) * p.sin_col, p.sin_col, table_vec, s1);
       for (int j = 0; j < kPairs; ++j) c2[j] = c1[j], s2[j] = s1[j];
     } else {
-      const int64_t half = p.rotary_dim / 2;
-      load_pairs<kVec, kInterleaved, kSiteCos1, kSiteCos2, Mem>(cos + a.off[kNormCos], p.cos_col, half, pair0,
+      load_pairs<kVec, kInterleaved, kSiteCos1, kSiteCos2, Mem>(cos + a.off[kNormCos], p.cos_col, half(), pair0(a),
                                                                 table_vec, c1, c2);
-      load_pairs<kVec, kInterleaved, kSiteSin1, kSiteSin2, Mem>(sin + a.off[kNormSin], p.sin_col, half, pair0,
+      load_pairs<kVec, kInterleaved, kSiteSin1, kSiteSin2, Mem>(sin + a.off[kNormSin], p.sin_col, half(), pair0(a),
                                                                 table_vec, s1, s2);
     }
   }
-
-  // Backward: u = rotary^T(dy) at the item (dy itself on pass-through columns), and x_hat = x * rstd.
-  ROPE_HD void load_u_and_x_hat(const Item& a, opmath_t inv, opmath_t (&u1)[kPairs], opmath_t (&u2)[kPairs],
-                                opmath_t (&urun)[kVec], opmath_t (&h1)[kPairs], opmath_t (&h2)[kPairs],
-                                opmath_t (&hrun)[kVec]) const {
-    load_x(x + a.off[kNormX], p.x_col, a, h1, h2, hrun);
-    if (a.j < rot_items) {
-      opmath_t d1[kPairs], d2[kPairs], c1[kPairs], s1[kPairs], c2[kPairs], s2[kPairs];
-      load_pairs<kVec, kInterleaved, kSiteGrad1, kSiteGrad2, Mem>(grad + a.off[kNormGrad], p.grad_col,
-                                                                  p.rotary_dim / 2, a.j * kPairs, true, d1, d2);
-      load_tables(a, c1, s1, c2, s2);
-      for (int j = 0; j < kPairs; ++j) {
-        rotate_pair<true>(d1[j], d2[j], c1[j], s1[j], c2[j], s2[j], u1[j], u2[j]);
-        h1[j] = h1[j] * inv, h2[j] = h2[j] * inv;
-      }
-    } else {
-      load_run<kVec, kSiteGrad1, Mem>(grad + a.off[kNormGrad] + pass_col(a) * p.grad_col, p.grad_col, kVec > 1, urun);
-      for (int j = 0; j < kVec; ++j) hrun[j] = hrun[j] * inv;
+  // Backward: u = rotary^T(dy) and x_hat = x * rstd at the pairs.
+  ROPE_HD void u_and_x_hat_pairs(const Item& a, opmath_t inv, opmath_t (&u1)[kPairs], opmath_t (&u2)[kPairs],
+                                 opmath_t (&h1)[kPairs], opmath_t (&h2)[kPairs]) const {
+    opmath_t d1[kPairs], d2[kPairs], c1[kPairs], s1[kPairs], c2[kPairs], s2[kPairs];
+    load_pairs<kVec, kInterleaved, kSiteGrad1, kSiteGrad2, Mem>(grad + a.off[kNormGrad], p.grad_col, half(), pair0(a),
+                                                                true, d1, d2);
+    table_pairs(a, c1, s1, c2, s2);
+    x_pairs(a, h1, h2);
+    for (int j = 0; j < kPairs; ++j) {
+      rotate_pair<true>(d1[j], d2[j], c1[j], s1[j], c2[j], s2[j], u1[j], u2[j]);
+      h1[j] = h1[j] * inv, h2[j] = h2[j] * inv;
     }
   }
 
-  // The thread's row of partial sums, at the item's weight columns.
-  ROPE_HD opmath_t* partial_row(const ThreadCoord& g, const Item& a) const {
-    return partial + (g.bx * g.block_y + g.ty) * p.weight_len + weight_base(a.h);
+  // --- loads of an item's pass-through run ---
+  ROPE_HD void x_run(const Item& a, opmath_t (&v)[kVec]) const {
+    load_run<kVec, kSitePassLoad, Mem>(x + a.off[kNormX] + run_col(a) * p.x_col, p.x_col, kVec > 1, v);
   }
-
-  ROPE_HD void zero_partials(const ThreadCoord& g, int64_t item) const {
-    Item a;
-    const int32_t i = static_cast<int32_t>(item);
-    a.h = i / head_items;
-    a.j = i - a.h * head_items;
-    opmath_t z1[kPairs] = {}, z2[kPairs] = {}, zrun[kVec] = {};
-    store_partials(partial_row(g, a), a, z1, z2, zrun);
-  }
-
-  ROPE_HD void store_partials(opmath_t* row, const Item& a, const opmath_t (&v1)[kPairs], const opmath_t (&v2)[kPairs],
-                              const opmath_t (&run)[kVec]) const {
-    if (a.j < rot_items) {
-      store_pairs<kVec, kInterleaved, kSitePartialStore1, kSitePartialStore2, Mem>(row, 1, p.rotary_dim / 2,
-                                                                                 a.j * kPairs, true, v1, v2);
+  ROPE_HD void gain_run(const Item& a, opmath_t (&g)[kVec]) const {
+    if (weight == nullptr) {
+      for (int j = 0; j < kVec; ++j) g[j] = opmath_t(1);
+      return;
+    }
+    const int64_t at = (weight_base(a.h) + run_col(a)) * p.weight_stride;
+    if (weight_float) {
+      load_run<kVec, kSiteWeight1, Mem>(static_cast<const float*>(weight) + at, p.weight_stride, weight_vec, g);
     } else {
-      store_run<kVec, kSitePartialStore1, Mem>(row + pass_col(a), 1, kVec > 1, run);
+      load_run<kVec, kSiteWeight1, Mem>(static_cast<const scalar_t*>(weight) + at, p.weight_stride, weight_vec, g);
+    }
+    for (int j = 0; j < kVec; ++j) g[j] += weight_offset;
+  }
+  ROPE_HD void u_and_x_hat_run(const Item& a, opmath_t inv, opmath_t (&u)[kVec], opmath_t (&h)[kVec]) const {
+    load_run<kVec, kSiteGrad1, Mem>(grad + a.off[kNormGrad] + run_col(a) * p.grad_col, p.grad_col, kVec > 1, u);
+    x_run(a, h);
+    for (int j = 0; j < kVec; ++j) h[j] = h[j] * inv;
+  }
+
+  // Phase 1 at it 0 for a thread without a group: zeros in its partial sums at the item's columns.
+  ROPE_HD void zero_partials(const ThreadCoord& g, int64_t item) const {
+    const Item a = locate(0, item, false);
+    opmath_t* row = partial_row(g, a.h);
+    if (a.j < rot_items) {
+      const opmath_t z[kPairs] = {};
+      store_pairs<kVec, kInterleaved, kSitePartialStore1, kSitePartialStore2, Mem>(row, 1, half(), pair0(a), true, z,
+                                                                                 z);
+    } else {
+      const opmath_t z[kVec] = {};
+      store_run<kVec, kSitePartialStore1, Mem>(row + run_col(a), 1, kVec > 1, z);
     }
   }
 
   // The item's part of the group's sum: sum(x^2) (forward), sum(d * x_hat) with d = u * g (backward).
   ROPE_HD opmath_t item_share(const ThreadCoord& g, int64_t it, int64_t n, int64_t item) const {
     const Item a = locate(n, item);
-    const bool rot = a.j < rot_items;
+    return a.j < rot_items ? pairs_share(g, it, n, a) : run_share(g, it, n, a);
+  }
+  ROPE_HD opmath_t pairs_share(const ThreadCoord& g, int64_t it, int64_t n, const Item& a) const {
     opmath_t sum = 0;
     if constexpr (!kBackward) {
-      opmath_t x1[kPairs], x2[kPairs], run[kVec];
-      load_x(x + a.off[kNormX], p.x_col, a, x1, x2, run);
-      if (rot) {
-        for (int j = 0; j < kPairs; ++j) sum += x1[j] * x1[j] + x2[j] * x2[j];
-      } else {
-        for (int j = 0; j < kVec; ++j) sum += run[j] * run[j];
-      }
+      opmath_t x1[kPairs], x2[kPairs];
+      x_pairs(a, x1, x2);
+      for (int j = 0; j < kPairs; ++j) sum += x1[j] * x1[j] + x2[j] * x2[j];
     } else {
-      opmath_t u1[kPairs], u2[kPairs], urun[kVec], h1[kPairs], h2[kPairs], hrun[kVec];
-      load_u_and_x_hat(a, Mem::template load<kSiteRstdLoad>(rstd + n), u1, u2, urun, h1, h2, hrun);
+      opmath_t u1[kPairs], u2[kPairs], h1[kPairs], h2[kPairs], g1[kPairs], g2[kPairs];
+      u_and_x_hat_pairs(a, Mem::template load<kSiteRstdLoad>(rstd + n), u1, u2, h1, h2);
       if (partial != nullptr) {
-        opmath_t* row = partial_row(g, a);
-        opmath_t p1[kPairs] = {}, p2[kPairs] = {}, prun[kVec] = {};
+        opmath_t* row = partial_row(g, a.h);
+        opmath_t p1[kPairs] = {}, p2[kPairs] = {};
         if (it > 0) {
-          if (rot) {
-            load_pairs<kVec, kInterleaved, kSitePartialLoad1, kSitePartialLoad2, Mem>(row, 1, p.rotary_dim / 2,
-                                                                                     a.j * kPairs, true, p1, p2);
-          } else {
-            load_run<kVec, kSitePartialLoad1, Mem>(row + pass_col(a), 1, kVec > 1, prun);
-          }
+          load_pairs<kVec, kInterleaved, kSitePartialLoad1, kSitePartialLoad2, Mem>(row, 1, half(), pair0(a), true, p1,
+                                                                                   p2);
         }
         for (int j = 0; j < kPairs; ++j) p1[j] += u1[j] * h1[j], p2[j] += u2[j] * h2[j];
-        for (int j = 0; j < kVec; ++j) prun[j] += urun[j] * hrun[j];
-        store_partials(row, a, p1, p2, prun);
+        store_pairs<kVec, kInterleaved, kSitePartialStore1, kSitePartialStore2, Mem>(row, 1, half(), pair0(a), true, p1,
+                                                                                   p2);
       }
-      opmath_t g1[kPairs], g2[kPairs], grun[kVec];
-      load_gain(a, g1, g2, grun);
-      if (rot) {
-        for (int j = 0; j < kPairs; ++j) sum += u1[j] * g1[j] * h1[j] + u2[j] * g2[j] * h2[j];
-      } else {
-        for (int j = 0; j < kVec; ++j) sum += urun[j] * grun[j] * hrun[j];
+      gain_pairs(a, g1, g2);
+      for (int j = 0; j < kPairs; ++j) sum += u1[j] * g1[j] * h1[j] + u2[j] * g2[j] * h2[j];
+    }
+    return sum;
+  }
+  ROPE_HD opmath_t run_share(const ThreadCoord& g, int64_t it, int64_t n, const Item& a) const {
+    opmath_t sum = 0;
+    if constexpr (!kBackward) {
+      opmath_t v[kVec];
+      x_run(a, v);
+      for (int j = 0; j < kVec; ++j) sum += v[j] * v[j];
+    } else {
+      opmath_t u[kVec], h[kVec], gn[kVec];
+      u_and_x_hat_run(a, Mem::template load<kSiteRstdLoad>(rstd + n), u, h);
+      if (partial != nullptr) {
+        opmath_t* row = partial_row(g, a.h) + run_col(a);
+        opmath_t acc[kVec] = {};
+        if (it > 0) load_run<kVec, kSitePartialLoad1, Mem>(row, 1, kVec > 1, acc);
+        for (int j = 0; j < kVec; ++j) acc[j] += u[j] * h[j];
+        store_run<kVec, kSitePartialStore1, Mem>(row, 1, kVec > 1, acc);
       }
+      gain_run(a, gn);
+      for (int j = 0; j < kVec; ++j) sum += u[j] * gn[j] * h[j];
     }
     return sum;
   }
@@ -413,38 +412,46 @@ struct NormThread {
   // Forward: out = rotary(x * rstd * g). Backward: dx = rstd * (d - x_hat * mean), d = u * g.
   ROPE_HD void item_write(int64_t n, int64_t item, opmath_t inv, opmath_t mean) const {
     const Item a = locate(n, item);
-    const bool rot = a.j < rot_items;
-    opmath_t g1[kPairs], g2[kPairs], grun[kVec], o1[kPairs], o2[kPairs], orun[kVec];
-    load_gain(a, g1, g2, grun);
+    if (a.j < rot_items) {
+      pairs_write(a, inv, mean);
+    } else {
+      run_write(a, inv, mean);
+    }
+  }
+  ROPE_HD void pairs_write(const Item& a, opmath_t inv, opmath_t mean) const {
+    opmath_t g1[kPairs], g2[kPairs], o1[kPairs], o2[kPairs];
+    gain_pairs(a, g1, g2);
     if constexpr (!kBackward) {
-      opmath_t x1[kPairs], x2[kPairs], run[kVec];
-      load_x(x + a.off[kNormX], p.x_col, a, x1, x2, run);
-      if (rot) {
-        opmath_t c1[kPairs], s1[kPairs], c2[kPairs], s2[kPairs];
-        load_tables(a, c1, s1, c2, s2);
-        for (int j = 0; j < kPairs; ++j) {
-          const opmath_t y1 = x1[j] * inv * g1[j], y2 = x2[j] * inv * g2[j];
-          rotate_pair<false>(y1, y2, c1[j], s1[j], c2[j], s2[j], o1[j], o2[j]);
-        }
-      } else {
-        for (int j = 0; j < kVec; ++j) orun[j] = run[j] * inv * grun[j];
+      opmath_t x1[kPairs], x2[kPairs], c1[kPairs], s1[kPairs], c2[kPairs], s2[kPairs];
+      x_pairs(a, x1, x2);
+      table_pairs(a, c1, s1, c2, s2);
+      for (int j = 0; j < kPairs; ++j) {
+        const opmath_t y1 = x1[j] * inv * g1[j], y2 = x2[j] * inv * g2[j];
+        rotate_pair<false>(y1, y2, c1[j], s1[j], c2[j], s2[j], o1[j], o2[j]);
       }
     } else {
-      opmath_t u1[kPairs], u2[kPairs], urun[kVec], h1[kPairs], h2[kPairs], hrun[kVec];
-      load_u_and_x_hat(a, inv, u1, u2, urun, h1, h2, hrun);
+      opmath_t u1[kPairs], u2[kPairs], h1[kPairs], h2[kPairs];
+      u_and_x_hat_pairs(a, inv, u1, u2, h1, h2);
       for (int j = 0; j < kPairs; ++j) {
         o1[j] = inv * (u1[j] * g1[j] - h1[j] * mean);
         o2[j] = inv * (u2[j] * g2[j] - h2[j] * mean);
       }
-      for (int j = 0; j < kVec; ++j) orun[j] = inv * (urun[j] * grun[j] - hrun[j] * mean);
     }
-    scalar_t* row = out + a.off[kNormOut];
-    if (rot) {
-      store_pairs<kVec, kInterleaved, kSiteOut1, kSiteOut2, Mem>(row, p.out_col, p.rotary_dim / 2, a.j * kPairs, true,
-                                                                 o1, o2);
+    store_pairs<kVec, kInterleaved, kSiteOut1, kSiteOut2, Mem>(out + a.off[kNormOut], p.out_col, half(), pair0(a),
+                                                               true, o1, o2);
+  }
+  ROPE_HD void run_write(const Item& a, opmath_t inv, opmath_t mean) const {
+    opmath_t gn[kVec], o[kVec];
+    gain_run(a, gn);
+    if constexpr (!kBackward) {
+      x_run(a, o);
+      for (int j = 0; j < kVec; ++j) o[j] = o[j] * inv * gn[j];
     } else {
-      store_run<kVec, kSitePassStore, Mem>(row + pass_col(a) * p.out_col, p.out_col, kVec > 1, orun);
+      opmath_t u[kVec], h[kVec];
+      u_and_x_hat_run(a, inv, u, h);
+      for (int j = 0; j < kVec; ++j) o[j] = inv * (u[j] * gn[j] - h[j] * mean);
     }
+    store_run<kVec, kSitePassStore, Mem>(out + a.off[kNormOut] + run_col(a) * p.out_col, p.out_col, kVec > 1, o);
   }
 };
 
@@ -498,7 +505,7 @@ template <typename F>
 void dispatch_norm_thread(const NormCall& c, const NormLaunch& L, F&& f) {
   const auto variant = [&]<typename scalar_t, typename table_t>(std::type_identity<scalar_t>,
                                                                 std::type_identity<table_t>) {
-    constexpr int kV = norm_vec_elems<scalar_t, table_t>();
+    constexpr int kV = vec_elems<scalar_t, table_t>();
     const auto by_vec = [&](auto inter, auto gathered, auto backward) {
       constexpr bool kI = decltype(inter)::value, kG = decltype(gathered)::value, kB = decltype(backward)::value;
       if (L.vec == 1) {

@@ -33,12 +33,9 @@ __global__ void __launch_bounds__(kMaxThreads, 2) rotary_kernel(const __grid_con
 
 // qk_norm_rotary (qk_norm_thread.h says how the work is split): each iteration of the group loop in
 // its two phases, then the block's partial sums of the weights' gradient folded. The shares of the
-// groups' sums are the only shared memory (1 or 2 KiB). Two blocks per SM, as the rotation's (64 to
-// 128 registers on sm_90), except in float64 (gradcheck's dtype), whose half-split backward needs
-// more than 128 registers: one block, and no spill.
+// groups' sums are the only shared memory (1 or 2 KiB). Two blocks per SM at least, as the rotation's.
 template <typename Thread>
-__global__ void __launch_bounds__(kMaxThreads, sizeof(typename Thread::opmath_t) == 8 ? 1 : 2)
-    qk_norm_kernel(const __grid_constant__ Thread t) {
+__global__ void __launch_bounds__(kMaxThreads, 2) qk_norm_kernel(const __grid_constant__ Thread t) {
   __shared__ typename Thread::opmath_t shares[kMaxThreads];
   const ThreadCoord g{blockIdx.x, 0, threadIdx.x, threadIdx.y, gridDim.x, 1, blockDim.x, blockDim.y};
   const int64_t iterations = t.iterations(g);
