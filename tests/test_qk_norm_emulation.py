@@ -322,19 +322,23 @@ def test_sector_efficiency_of_the_main_shapes(gen):
     needed, for loads and for stores."""
     from test_cuda_emulation import recorded_traffic
 
-    cases = [("head", 8, 128, torch.bfloat16), ("heads", 40, 128, torch.bfloat16), ("head", 8, 128, torch.float32)]
-    for norm_over, H, D, dtype in cases:
+    bf, f32 = torch.bfloat16, torch.float32
+    cases = [("head", 8, bf, f32, False), ("head", 8, bf, bf, False), ("head", 8, bf, bf, True),
+             ("heads", 40, bf, f32, False), ("head", 8, f32, f32, False)]
+    D = 128
+    for norm_over, H, dtype, table_dtype, interleaved in cases:
         x = randn(1, 16, H, D, dtype=dtype, gen=gen)
         w = torch.rand(D * (H if norm_over == "heads" else 1), generator=gen).to(dtype)
-        cc, sc = random_tables((64, D // 2), dtype=torch.float32, gen=gen)
+        cc, sc = random_tables((64, D // 2), dtype=table_dtype, gen=gen)
         positions = torch.randint(0, 64, (1, 16, 1), generator=gen)
-        kw = (1e-6, 0.0, norm_over == "heads", False)
+        kw = (1e-6, 0.0, norm_over == "heads", interleaved)
         (_, _, rstd, _), fwd, _ = recorded_traffic(TESTING.cuda_emulate_qk_norm_rotary_pos, x, x, w, w, cc, sc,
                                                     positions, *kw)
         dy = randn(*x.shape, dtype=dtype, gen=gen)
         _, bwd, _ = recorded_traffic(TESTING.cuda_emulate_qk_norm_rotary_backward, dy, x, w, rstd, cc, sc, positions,
-                                     0.0, norm_over == "heads", False, True)
+                                     0.0, norm_over == "heads", interleaved, True)
         for name, t in (("forward", fwd), ("backward", bwd)):
             for kind in ("ld", "st"):
                 eff = t[f"{kind}_needed"] / t[f"{kind}_sectors"]
-                assert eff >= 0.90, f"{norm_over} {dtype} {name} {kind}: sector efficiency {eff:.3f}"
+                case = f"{norm_over} {dtype}/{table_dtype} interleaved={interleaved} {name} {kind}"
+                assert eff >= 0.90, f"{case}: sector efficiency {eff:.3f}"

@@ -46,12 +46,45 @@ namespace rope_ext::cuda {
 // kNormGradBlocks * block_y rows of the weight's length (at most 10 MiB for Wan's 5,120 columns).
 constexpr int64_t kNormGradBlocks = 512;
 
+// Where the weights' partial sums are kept: a row of `slot` values per item of a group (u * x_hat
+// at the item's columns: 2 * kPairs for a vector of pairs, kVec for a pass-through run; the rest
+// unused), stored in 16-byte pieces laid out piece-major, so that a warp's consecutive items write
+// one contiguous span per piece: offset(item, v) = ((v / piece) * items + item) * piece + v % piece.
+// (Laid out by column, the pieces of one lane's item would be 32 bytes apart: half of each sector.)
+// WeightGradSum finds each weight column's place with `of_column`.
+struct PartialLayout {
+  int64_t items = 0;  // a group's items
+  int64_t slot = 0, piece = 1;
+  int64_t head_dim = 0, rotary_dim = 0, head_items = 0, rot_items = 0, pairs = 1, vec = 1;
+  bool interleaved = false;
+
+  ROPE_HD int64_t length() const { return items * slot; }
+  ROPE_HD int64_t offset(int64_t item, int64_t v) const { return ((v / piece) * items + item) * piece + v % piece; }
+  // Weight column c (of head c / head_dim): its item, and its value there (pairs_share's order).
+  ROPE_HD int64_t of_column(int64_t c) const {
+    const int64_t h = c / head_dim, cc = c - h * head_dim;
+    int64_t j, v;
+    if (cc < rotary_dim) {
+      const int64_t half = rotary_dim / 2;
+      const int64_t pair = interleaved ? cc / 2 : (cc < half ? cc : cc - half);
+      const int64_t second = interleaved ? cc % 2 : (cc >= half ? 1 : 0);
+      j = pair / pairs;
+      v = interleaved ? 2 * (pair % pairs) + second : second * pairs + pair % pairs;
+    } else {
+      j = rot_items + (cc - rotary_dim) / vec;
+      v = (cc - rotary_dim) % vec;
+    }
+    return offset(h * head_items + j, v);
+  }
+};
+
 struct NormLaunch {
   int64_t grid_x = 0, block_x = 0, block_y = 0;
   int64_t groups = 0;  // statistics: rstd's elements
   int64_t vec = 1, pairs_per_item = 1, rot_items = 0, pass_items = 0;  // per head, as RotaryLaunch's
   int64_t group_items = 0;   // a group's items: (rot_items + pass_items) * group
   int64_t partial_rows = 0;  // backward with the weights' gradient: grid_x * block_y rows of sums
+  PartialLayout partial;     // ... of partial.length() values each
   bool table_vec = false;    // the tables' values of an item in vector loads
   bool weight_vec = false;   // the weight's too
 };
@@ -103,6 +136,11 @@ inline NormLaunch choose_norm_launch(const NormPlan& p, int64_t groups, const vo
   const int64_t group_blocks = (groups + L.block_y - 1) / L.block_y;
   L.grid_x = std::clamp<int64_t>(group_blocks, 1, weight_grad ? kNormGradBlocks : kMaxGridX);
   L.partial_rows = weight_grad ? L.grid_x * L.block_y : 0;
+  const int64_t opmath_size = elem_size == 8 ? 8 : 4;
+  L.partial = {L.group_items,        2 * L.vec,   std::min(2 * L.vec, kVectorBytes / opmath_size),
+               p.head_dim,           p.rotary_dim, L.rot_items + L.pass_items,
+               L.rot_items,          L.pairs_per_item, L.vec,
+               interleaved};
   return L;
 }
 
@@ -129,9 +167,10 @@ struct NormThread {
   const void* weight;  // null: g = 1
   opmath_t weight_offset, eps;
   opmath_t* rstd;      // forward: written, unless null (in place); backward: read
-  opmath_t* partial;   // backward, weight gradient: the launch's partial_rows rows of weight_len sums
+  opmath_t* partial;   // backward, weight gradient: the launch's partial_rows rows (PartialLayout)
   int64_t groups, rot_items, group_items;
   int32_t head_items;  // rot_items + pass_items
+  PartialLayout layout;
   bool weight_float, table_vec, weight_vec;
 
   static NormThread make(const NormCall& c, const NormPlan& plan, const NormLaunch& L, void* partial) {
@@ -155,6 +194,7 @@ struct NormThread {
     t.rot_items = L.rot_items;
     t.group_items = L.group_items;
     t.head_items = static_cast<int32_t>(L.rot_items + L.pass_items);
+    t.layout = L.partial;
     t.table_vec = L.table_vec;
     t.weight_vec = L.weight_vec;
     return t;
@@ -224,7 +264,7 @@ struct NormThread {
   ROPE_HD void fold(const ThreadCoord& g) const {
     if constexpr (kBackward) {
       if (partial == nullptr || g.block_y == 1) return;
-      const int64_t w = p.weight_len, threads = g.block_x * g.block_y;
+      const int64_t w = layout.length(), threads = g.block_x * g.block_y;
       opmath_t* rows = partial + g.bx * g.block_y * w;
       int64_t step = 0;
       for (int64_t col = g.tx + g.ty * g.block_x; col < w; col += threads, ++step) {
@@ -259,9 +299,29 @@ struct NormThread {
   ROPE_HD int64_t run_col(const Item& a) const { return p.rotary_dim + (a.j - rot_items) * kVec; }
   // The weight's (and its gradient's) first column for head h of a group.
   ROPE_HD int64_t weight_base(int64_t h) const { return p.weight_len > p.head_dim ? h * p.head_dim : 0; }
-  // The thread's row of partial sums of the weights' gradient, from head h's first column.
-  ROPE_HD opmath_t* partial_row(const ThreadCoord& g, int64_t h) const {
-    return partial + (g.bx * g.block_y + g.ty) * p.weight_len + weight_base(h);
+  // The thread's row of partial sums of the weights' gradient.
+  ROPE_HD opmath_t* partial_row(const ThreadCoord& g) const {
+    return partial + (g.bx * g.block_y + g.ty) * layout.length();
+  }
+  static constexpr int kSlot = 2 * kVec;
+  static constexpr int kPiece = kSlot < kVectorBytes / static_cast<int>(sizeof(opmath_t))
+                                    ? kSlot : kVectorBytes / static_cast<int>(sizeof(opmath_t));
+  // An item's slot of partial sums, read or written piece by piece (layout.piece == kPiece).
+  ROPE_HD void load_slot(const ThreadCoord& g, int64_t item, opmath_t (&v)[kSlot]) const {
+    const opmath_t* row = partial_row(g);
+    for (int q = 0; q < kSlot; q += kPiece) {
+      opmath_t w[kPiece];
+      load_run<kPiece, kSitePartialLoad1, Mem>(row + layout.offset(item, q), 1, true, w);
+      for (int e = 0; e < kPiece; ++e) v[q + e] = w[e];
+    }
+  }
+  ROPE_HD void store_slot(const ThreadCoord& g, int64_t item, const opmath_t (&v)[kSlot]) const {
+    opmath_t* row = partial_row(g);
+    for (int q = 0; q < kSlot; q += kPiece) {
+      opmath_t w[kPiece];
+      for (int e = 0; e < kPiece; ++e) w[e] = v[q + e];
+      store_run<kPiece, kSitePartialStore1, Mem>(row + layout.offset(item, q), 1, true, w);
+    }
   }
 
   // --- loads of an item's pairs ---
@@ -343,26 +403,18 @@ struct NormThread {
     for (int j = 0; j < kVec; ++j) h[j] = h[j] * inv;
   }
 
-  // Phase 1 at it 0 for a thread without a group: zeros in its partial sums at the item's columns.
+  // Phase 1 at it 0 for a thread without a group: zeros in the item's slot of its partial sums.
   ROPE_HD void zero_partials(const ThreadCoord& g, int64_t item) const {
-    const Item a = locate(0, item, false);
-    opmath_t* row = partial_row(g, a.h);
-    if (a.j < rot_items) {
-      const opmath_t z[kPairs] = {};
-      store_pairs<kVec, kInterleaved, kSitePartialStore1, kSitePartialStore2, Mem>(row, 1, half(), pair0(a), true, z,
-                                                                                 z);
-    } else {
-      const opmath_t z[kVec] = {};
-      store_run<kVec, kSitePartialStore1, Mem>(row + run_col(a), 1, kVec > 1, z);
-    }
+    const opmath_t z[kSlot] = {};
+    store_slot(g, item, z);
   }
 
   // The item's part of the group's sum: sum(x^2) (forward), sum(d * x_hat) with d = u * g (backward).
   ROPE_HD opmath_t item_share(const ThreadCoord& g, int64_t it, int64_t n, int64_t item) const {
     const Item a = locate(n, item);
-    return a.j < rot_items ? pairs_share(g, it, n, a) : run_share(g, it, n, a);
+    return a.j < rot_items ? pairs_share(g, it, n, item, a) : run_share(g, it, n, item, a);
   }
-  ROPE_HD opmath_t pairs_share(const ThreadCoord& g, int64_t it, int64_t n, const Item& a) const {
+  ROPE_HD opmath_t pairs_share(const ThreadCoord& g, int64_t it, int64_t n, int64_t item, const Item& a) const {
     opmath_t sum = 0;
     if constexpr (!kBackward) {
       opmath_t x1[kPairs], x2[kPairs];
@@ -371,23 +423,21 @@ struct NormThread {
     } else {
       opmath_t u1[kPairs], u2[kPairs], h1[kPairs], h2[kPairs], g1[kPairs], g2[kPairs];
       u_and_x_hat_pairs(a, Mem::template load<kSiteRstdLoad>(rstd + n), u1, u2, h1, h2);
-      if (partial != nullptr) {
-        opmath_t* row = partial_row(g, a.h);
-        opmath_t p1[kPairs] = {}, p2[kPairs] = {};
-        if (it > 0) {
-          load_pairs<kVec, kInterleaved, kSitePartialLoad1, kSitePartialLoad2, Mem>(row, 1, half(), pair0(a), true, p1,
-                                                                                   p2);
+      if (partial != nullptr) {  // (slot order: PartialLayout::of_column's)
+        opmath_t v[kSlot] = {};
+        if (it > 0) load_slot(g, item, v);
+        for (int j = 0; j < kPairs; ++j) {
+          v[kInterleaved ? 2 * j : j] += u1[j] * h1[j];
+          v[kInterleaved ? 2 * j + 1 : kPairs + j] += u2[j] * h2[j];
         }
-        for (int j = 0; j < kPairs; ++j) p1[j] += u1[j] * h1[j], p2[j] += u2[j] * h2[j];
-        store_pairs<kVec, kInterleaved, kSitePartialStore1, kSitePartialStore2, Mem>(row, 1, half(), pair0(a), true, p1,
-                                                                                   p2);
+        store_slot(g, item, v);
       }
       gain_pairs(a, g1, g2);
       for (int j = 0; j < kPairs; ++j) sum += u1[j] * g1[j] * h1[j] + u2[j] * g2[j] * h2[j];
     }
     return sum;
   }
-  ROPE_HD opmath_t run_share(const ThreadCoord& g, int64_t it, int64_t n, const Item& a) const {
+  ROPE_HD opmath_t run_share(const ThreadCoord& g, int64_t it, int64_t n, int64_t item, const Item& a) const {
     opmath_t sum = 0;
     if constexpr (!kBackward) {
       opmath_t v[kVec];
@@ -397,11 +447,10 @@ struct NormThread {
       opmath_t u[kVec], h[kVec], gn[kVec];
       u_and_x_hat_run(a, Mem::template load<kSiteRstdLoad>(rstd + n), u, h);
       if (partial != nullptr) {
-        opmath_t* row = partial_row(g, a.h) + run_col(a);
-        opmath_t acc[kVec] = {};
-        if (it > 0) load_run<kVec, kSitePartialLoad1, Mem>(row, 1, kVec > 1, acc);
-        for (int j = 0; j < kVec; ++j) acc[j] += u[j] * h[j];
-        store_run<kVec, kSitePartialStore1, Mem>(row, 1, kVec > 1, acc);
+        opmath_t v[kSlot] = {};
+        if (it > 0) load_slot(g, item, v);
+        for (int j = 0; j < kVec; ++j) v[j] += u[j] * h[j];
+        store_slot(g, item, v);
       }
       gain_run(a, gn);
       for (int j = 0; j < kVec; ++j) sum += u[j] * gn[j] * h[j];
@@ -456,20 +505,23 @@ struct NormThread {
 };
 
 // The weights' gradient: column j the sum, in block order, of the blocks' folded partial sums (rows
-// b * row_step, b < blocks); zeros where there are none. One thread per column.
+// b * row_step, b < blocks, each of layout.length() values), at the column's place in the layout;
+// zeros where there are none. One thread per column.
 template <typename opmath_t, class Mem>
 struct WeightGradSum {
   const opmath_t* partial;
   opmath_t* dweight;
   int64_t columns, blocks, row_step;
+  PartialLayout layout;
 
   ROPE_HD void operator()(const ThreadCoord& g) const {
     const int64_t col = g.bx * g.block_x + g.tx;
     if (col >= columns) return;
+    const int64_t at = blocks > 0 ? layout.of_column(col) : 0;
     opmath_t acc = 0;
     for (int64_t b = 0; b < blocks; ++b) {
       Mem::at_item(b, g.tx);
-      acc += Mem::template load<kSitePartialLoad1>(partial + b * row_step * columns + col);
+      acc += Mem::template load<kSitePartialLoad1>(partial + b * row_step * layout.length() + at);
     }
     Mem::at_item(blocks, g.tx);
     Mem::template store<kSiteWeightGrad>(dweight + col, acc);

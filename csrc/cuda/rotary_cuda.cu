@@ -101,7 +101,7 @@ void run_norm_cuda(const NormCall& c) {
   detail::shim_check(current_stream_fn()(c.x.device().index, &stream), "aoti_torch_get_current_cuda_stream");
   const auto s = static_cast<cudaStream_t>(stream);
   const ScalarType stat = c.x.scalar_type() == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
-  const int64_t partial_size = L.partial_rows * cl.plan.weight_len;
+  const int64_t partial_size = L.partial_rows * L.partial.length();
   std::optional<Output> partial;  // (a forward needs none)
   if (partial_size > 0) partial.emplace(new_contiguous(Dims{&partial_size, 1}, stat, c.x.device()));
   void* const partial_data = partial ? partial->arg.mutable_data_ptr() : nullptr;
@@ -117,7 +117,7 @@ void run_norm_cuda(const NormCall& c) {
   const auto sum = [&]<typename opmath_t>(std::type_identity<opmath_t>) {
     const WeightGradSum<opmath_t, DeviceMemory> t{static_cast<const opmath_t*>(partial_data),
                                                   static_cast<opmath_t*>(c.dweight->mutable_data_ptr()),
-                                                  cl.plan.weight_len, L.groups > 0 ? L.grid_x : 0, L.block_y};
+                                                  cl.plan.weight_len, L.groups > 0 ? L.grid_x : 0, L.block_y, L.partial};
     const int64_t grid = (cl.plan.weight_len + kMaxThreads - 1) / kMaxThreads;
     weight_grad_sum_kernel<opmath_t><<<dim3(static_cast<unsigned>(std::max<int64_t>(grid, 1))), dim3(kMaxThreads), 0, s>>>(t);
     check_launch(c.op);

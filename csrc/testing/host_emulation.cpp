@@ -227,7 +227,7 @@ void run_norm_emulated(const NormCall& c) {
   const cuda::NormCallLaunch cl = cuda::plan_norm_call(c, g_ignore_alignment);
   const cuda::NormLaunch& L = cl.launch;
   const ScalarType stat = c.x.scalar_type() == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
-  const int64_t partial_size = L.partial_rows * cl.plan.weight_len;
+  const int64_t partial_size = L.partial_rows * L.partial.length();
   std::optional<Output> partial;  // (a forward needs none)
   if (partial_size > 0) partial.emplace(new_contiguous(Dims{&partial_size, 1}, stat, c.x.device()));
   void* const partial_data = partial ? partial->arg.mutable_data_ptr() : nullptr;
@@ -260,7 +260,7 @@ void run_norm_emulated(const NormCall& c) {
   const auto sum = [&]<typename opmath_t>(std::type_identity<opmath_t>) {
     const cuda::WeightGradSum<opmath_t, EmulatedMemory> t{static_cast<const opmath_t*>(partial_data),
                                                           static_cast<opmath_t*>(c.dweight->mutable_data_ptr()),
-                                                          cl.plan.weight_len, L.groups > 0 ? L.grid_x : 0, L.block_y};
+                                                          cl.plan.weight_len, L.groups > 0 ? L.grid_x : 0, L.block_y, L.partial};
     const int64_t block = cuda::kMaxThreads, grid = (cl.plan.weight_len + block - 1) / block;
     for (int64_t bx = 0; bx < grid; ++bx)
       for (int64_t tx = 0; tx < block; ++tx) {
