@@ -29,7 +29,11 @@ heads, D = 128, one norm across them), at 256 tokens of prefill (the traffic per
 change with the token count). Their minimum is q and k read and written once (the
 backward: x and dy read, dx written), the tables once per token, the weights and statistics once. The
 kernels read each item twice, before and after their group's reduction, the second time from L1 or
-L2 (the block read it just before): so moved / min is about 1.5 (forward) and distinct / min about 1.
+L2 (the block read it just before), and read the weight and the tables once per row: so moved / min
+is about 2 in the forward, and distinct / min about 1. The backward reads x, dy and the tables twice
+and adds into its partial sums of the weight's gradient (piece-major, qk_norm_thread.h's
+PartialLayout) at each group: at most 512 blocks' worth (8 MiB for Qwen3's per-head norm), which at
+256 tokens is twice q's bytes (distinct / min about 2.3) and at 4,096 tokens an eighth of them.
 Its last line is `qk_norm min sector efficiency: X`, over those cases.
 
 Run after `make setup` (it needs rope_ext_testing): python benchmarks/cuda_traffic.py [--sites]
