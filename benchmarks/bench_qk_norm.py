@@ -1,8 +1,9 @@
-"""QK-norm + RoPE on the CPU: rope_ext.qk_norm_rotary against what models run today (issue 38).
+"""QK-norm + RoPE on the CPU (or a GPU): rope_ext.qk_norm_rotary against what models run today (issue 38).
 
     python benchmarks/bench_qk_norm.py               # every case, 2 threads (about 5 minutes)
     python benchmarks/bench_qk_norm.py --quick       # Qwen3 in bfloat16 only, no torch.compile
     python benchmarks/bench_qk_norm.py --reuse-memory  # freed outputs reused (no page faults per call)
+    python benchmarks/bench_qk_norm.py --device cuda --quick  # on a GPU (make gpu-check's lease runs it)
 
 Cases:
   qwen3  Qwen3-8B attention at S=4096: q (1, 4096, 32, 128), k (1, 4096, 8, 128), a (128,) weight
@@ -22,7 +23,8 @@ interleaved, one call each per round; the table gives medians and the ratios of 
 one run. Also: fused fwd against `neg_` of q and k in place (the same bytes read and written, out of
 cache: q + k are 40 to 168 MiB) and against `clone` (the same bytes into fresh tensors, as every
 out-of-place op writes); the in-place `qk_norm_rotary_` against `neg_`; and the peak memory of one
-fwd+bwd (torch profiler accounting).
+fwd+bwd (torch profiler accounting; on a GPU, torch.cuda's peak allocation). On a GPU each call is
+timed to its end (a synchronize), and the tensors are the same sizes.
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ REUSE_TUNABLES = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_thres
 TARGETS = {"eager": 5.0, "compiled": 1.5, "unfused": 1.3}  # fwd+bwd speedups the issue asks for
 
 
+DEVICE = torch.device("cpu")
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
 class Case:
     def __init__(self, name: str, dtype: torch.dtype):
         self.name, self.dtype = name, dtype
@@ -66,6 +76,8 @@ class Case:
         angles = torch.arange(S, dtype=torch.float64)[:, None] * 1e6 ** (-torch.arange(0, D, 2) / D)
         emb = torch.cat((angles, angles), -1)
         self.cos, self.sin = emb.cos()[None].to(dtype), emb.sin()[None].to(dtype)  # (1, S, D), as HF's
+        self.q, self.k, self.cos, self.sin = (t.to(DEVICE) for t in (self.q, self.k, self.cos, self.sin))
+        self.nq, self.nk = self.nq.to(DEVICE), self.nk.to(DEVICE)
 
     def label(self) -> str:
         return f"{self.name} {str(self.dtype).removeprefix('torch.')}"
@@ -100,15 +112,16 @@ class Case:
 
 def check(case: Case, fns: dict) -> None:
     """Each provider's forward against the float64 reference, within a few roundings of the dtype."""
-    want = [rms_norm_rotary_reference(x.double(), n.weight.detach().double(), case.cos[:, :, None].double(),
-                                      case.sin[:, :, None].double(), eps=EPS, norm_over=case.norm_over)
+    want = [rms_norm_rotary_reference(x.double().cpu(), n.weight.detach().double().cpu(),
+                                      case.cos[:, :, None].double().cpu(), case.sin[:, :, None].double().cpu(),
+                                      eps=EPS, norm_over=case.norm_over)
             for x, n in ((case.q, case.nq), (case.k, case.nk))]
     u = {torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}[case.dtype]
     with torch.no_grad():
         for name, fn in fns.items():
             for got, exp in zip(fn(case.q, case.k), want, strict=True):
                 got = got.transpose(1, 2) if got.shape[1] != S else got  # HF's (B, H, S, D) view
-                err = float((got.double() - exp).abs().max() / exp.abs().max())
+                err = float((got.double().cpu() - exp).abs().max() / exp.abs().max())
                 if not err <= 8 * u + 2e-5:
                     raise SystemExit(f"{case.label()}: {name} is off by {err:.3g} of the largest output")
 
@@ -132,7 +145,7 @@ def measure(case: Case, fns: dict, mode: str, rounds: int) -> dict[str, list[flo
     if mode == "fwd+bwd":
         g = torch.Generator().manual_seed(1)
         outs = fns["fused"](case.q, case.k)
-        case.grads = [torch.randn(o.shape, generator=g).to(case.dtype) for o in outs]  # (B, S, H, D)
+        case.grads = [torch.randn(o.shape, generator=g).to(case.dtype).to(DEVICE) for o in outs]  # (B, S, H, D)
     times = {name: [] for name in fns}
     if mode == "fwd":
         qi, ki = case.q.clone(), case.k.clone()
@@ -141,20 +154,25 @@ def measure(case: Case, fns: dict, mode: str, rounds: int) -> dict[str, list[flo
         step(case, fn, mode)
     for _ in range(rounds):
         for name, fn in fns.items():
+            sync()
             t = time.perf_counter()
             step(case, fn, mode)
+            sync()
             times[name].append(time.perf_counter() - t)
         if mode == "fwd":
             t = time.perf_counter()
             qi.neg_()
             ki.neg_()
+            sync()
             times["neg_"].append(time.perf_counter() - t)
             t = time.perf_counter()
             case.q.clone()
             case.k.clone()
+            sync()
             times["clone"].append(time.perf_counter() - t)
             t = time.perf_counter()
             case.fused_inplace(qi, ki)
+            sync()
             times["fused_"].append(time.perf_counter() - t)
     return times
 
@@ -164,6 +182,13 @@ def peak_memory(case: Case, fn) -> float:
     from torch.profiler import ProfilerActivity, profile
 
     step(case, fn, "fwd+bwd")
+    if DEVICE.type == "cuda":
+        sync()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step(case, fn, "fwd+bwd")
+        sync()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step(case, fn, "fwd+bwd")
     level = peak = 0
@@ -179,6 +204,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="qwen3 bfloat16 only, without torch.compile")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU)")
     p.add_argument("--reuse-memory", action="store_true",
                    help="rerun under GLIBC_TUNABLES that keep freed outputs for reuse (no page faults per call)")
     args = p.parse_args()
@@ -186,8 +212,12 @@ def main():
         os.environ["GLIBC_TUNABLES"] = REUSE_TUNABLES
         os.execv(sys.executable, [sys.executable, *sys.argv])
     torch.set_num_threads(args.threads)
-    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, rope_ext {rope_ext.__version__} ({rope_ext.cpu_kernel_isa()} kernel)")
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    where = (torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else
+             f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    print(f"{where}, torch {torch.__version__}, rope_ext {rope_ext.__version__} "
+          f"({'CUDA' if DEVICE.type == 'cuda' else rope_ext.cpu_kernel_isa()} kernel)")
     dtypes = (torch.bfloat16, torch.float32)
     pairs = [("qwen3", torch.bfloat16)] if args.quick else [(n, d) for n in CASES for d in dtypes]
     verdicts = []

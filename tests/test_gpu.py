@@ -711,7 +711,7 @@ NORM_CASES = {  # name: (dtype, table dtype, norm_over, interleaved, D, r, gathe
     "wan_bf16_across": (torch.bfloat16, torch.bfloat16, "heads", False, 128, 128, False),
     "olmo_f32_across_gathered": (torch.float32, torch.float32, "heads", False, 64, 64, True),
     "interleaved_partial_f16": (torch.float16, torch.float16, "head", True, 64, 32, False),
-    "scalar_40_f32": (torch.float32, torch.float32, "head", False, 40, 40, False),
+    "scalar_40_bf16": (torch.bfloat16, torch.bfloat16, "head", False, 40, 40, False),  # 20 pairs: no 8-wide vectors
     "f64_gathered": (torch.float64, torch.float64, "head", True, 32, 24, True),
 }
 

@@ -24,8 +24,9 @@
 // The weights' gradient is deterministic too: a thread adds u * x_hat of its items into its row of
 // per-block partial sums (its own cells: no other thread writes them) over every group it takes; after
 // the last group, the block adds its rows in order (fold), and a second kernel adds the blocks' sums
-// in block order (WeightGradSum). The grid depends on the shape alone, so the bits do not depend on
-// the GPU.
+// in block order (WeightGradSum). The launch depends on the call's shapes, strides and alignment
+// alone (not on the GPU): the same call gives the same bits. (A contiguous tensor and a misaligned
+// view of the same values take different vector widths, so their sums may differ in the last bit.)
 #pragma once
 
 #include <cmath>
