@@ -174,6 +174,7 @@ void store_scaled_rotation(const at::opmath_type<scalar_t>* a, at::opmath_type<s
       OutIO::template store_pairs<kInterleaved>(out, i, half, o1, o2);
     }
   }
+  if (i == half && r == d) return;  // (every column stored: no tail, no pass-through columns)
   // the columns of pairs [i, half) and the pass-through ones, scaled into z
   const auto scale = [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) z[j] = g != nullptr ? a[j] * s * g[j] : a[j] * s;
@@ -269,6 +270,41 @@ struct TableRows {
   }
 };
 
+// The offsets of consecutive rows of `dims` from row `linear` on, a row at a time without a
+// division (StridedDims::offsets divides once per dim, a cost a row of 128 values feels).
+template <int K>
+struct RowCursor {
+  const StridedDims<K>& dims;
+  int64_t index[kMaxDims];
+  int64_t off[K];
+
+  RowCursor(const StridedDims<K>& d, int64_t linear) : dims(d) {
+    d.offsets(linear, off);
+    for (int i = d.ndim - 1; i > 0; --i) {
+      index[i] = linear % d.sizes[i];
+      linear /= d.sizes[i];
+    }
+    if (d.ndim > 0) index[0] = linear;
+  }
+  void next() {
+    for (int i = dims.ndim - 1; i >= 0; --i) {
+      ++index[i];
+      for (int k = 0; k < K; ++k) off[k] += dims.strides[k][i];
+      if (i == 0 || index[i] < dims.sizes[i]) return;
+      for (int k = 0; k < K; ++k) off[k] -= index[i] * dims.strides[k][i];
+      index[i] = 0;
+    }
+  }
+};
+
+// Groups a thread normalizes between the passes of the forward (at most): their rows are read and
+// their statistics computed first, then scaled and rotated. A row's statistic is a chain of dependent
+// steps (the sum of its squares, the lanes' sum, a square root and a division) that its scaling
+// waits for; a block's chains are independent, and overlap. (Qwen3's bfloat16 heads of 128, in
+// cache, one thread: 5% less time than a row at a time; heads of 64, 12% less.) 16 rows of 128
+// float32 values are 8 KiB, in L1.
+constexpr int64_t kNormBlockRows = 16;
+
 template <typename scalar_t, bool kInterleaved>
 void norm_forward(const NormPlan& p, const NormOperands& o, const Thresholds& th, const ThreadPool& pool) {
   using T = at::opmath_type<scalar_t>;
@@ -276,32 +312,40 @@ void norm_forward(const NormPlan& p, const NormOperands& o, const Thresholds& th
   using Vec = Vectorized<T>;
   const NormContext<scalar_t> ctx(p, o);
   const int64_t D = p.head_dim, G = p.group, R = p.rotary_dim, N = G * D;
+  // Per head, a block of groups between the passes; across heads a group is already G rows.
+  const int64_t block = G == 1 ? kNormBlockRows : 1;
   const auto* x = static_cast<const scalar_t*>(o.x);
   auto* out = static_cast<scalar_t*>(o.out);
   T* rstd = static_cast<T*>(o.rstd);
+  const T eps = static_cast<T>(o.eps), count = static_cast<T>(N);
   const int64_t grain = std::max<int64_t>(1, th.grain_elements / N);
   parallel_for(pool, 0, p.num_groups(), grain, [&](int64_t begin, int64_t end) {
-    std::vector<T> buf(N + 2 * D + 2 * R);
+    std::vector<T> buf(block * N + 2 * D + 2 * R);
     T* const xf = buf.data();
-    T* const y = xf + N;
+    T* const y = xf + block * N;
     T* const z = y + D;
     TableRows<scalar_t, kInterleaved> tables{z + D, z + D + R};
-    int64_t off[5];
-    for (int64_t n = begin; n < end; ++n) {
-      Vec acc0(T(0)), acc1(T(0));
-      T tail = 0;
-      for (int64_t h = 0; h < G; ++h) {
-        p.rows.offsets(n * G + h, off);
-        Row::template load<true>(x + off[kNormX], p.x_col, D, xf + h * D, &acc0, &acc1, &tail);
+    T inv[kNormBlockRows];
+    RowCursor<5> reading(p.rows, begin * G), writing(p.rows, begin * G);
+    for (int64_t n0 = begin; n0 < end; n0 += block) {
+      const int64_t groups = std::min(block, end - n0);
+      for (int64_t b = 0; b < groups; ++b) {  // pass 1: read the groups, their statistics
+        Vec acc0(T(0)), acc1(T(0));
+        T tail = 0;
+        for (int64_t h = 0; h < G; ++h, reading.next()) {
+          Row::template load<true>(x + reading.off[kNormX], p.x_col, D, xf + (b * G + h) * D, &acc0, &acc1, &tail);
+        }
+        const T squares = NormMath<T>::sum_lanes(acc0 + acc1) + tail;
+        inv[b] = T(1) / std::sqrt(squares / count + eps);
+        if (rstd != nullptr) rstd[n0 + b] = inv[b];
       }
-      const T squares = NormMath<T>::sum_lanes(acc0 + acc1) + tail;
-      const T inv = T(1) / std::sqrt(squares / static_cast<T>(N) + static_cast<T>(o.eps));
-      if (rstd != nullptr) rstd[n] = inv;
-      for (int64_t h = 0; h < G; ++h) {
-        if (G > 1) p.rows.offsets(n * G + h, off);  // (one row: the offsets read it by are still in off)
-        tables.load(p, o, off[kNormCos], off[kNormSin]);
-        store_scaled_rotation<scalar_t, kInterleaved>(xf + h * D, inv, ctx.g_for(h), tables.c, tables.s, z, y, R, D,
-                                                      out + off[kNormOut], p.out_col);
+      for (int64_t b = 0; b < groups; ++b) {  // pass 2: scale, rotate, round once into out
+        for (int64_t h = 0; h < G; ++h, writing.next()) {
+          const int64_t* off = writing.off;
+          tables.load(p, o, off[kNormCos], off[kNormSin]);
+          store_scaled_rotation<scalar_t, kInterleaved>(xf + (b * G + h) * D, inv[b], ctx.g_for(h), tables.c,
+                                                        tables.s, z, y, R, D, out + off[kNormOut], p.out_col);
+        }
       }
     }
   });
