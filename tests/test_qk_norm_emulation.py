@@ -18,7 +18,6 @@ import torch
 from conftest import _UNIT_ROUNDOFF, CONVENTIONS, DTYPES, TESTING, randn, random_tables
 from test_qk_norm import _gathered_tables, check_against_truth, make_weight
 
-import rope_ext
 from rope_ext.reference import rms_norm_rotary_reference
 
 WEIGHTS = ("none", "own", "float32_offset")

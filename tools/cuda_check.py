@@ -96,7 +96,9 @@ def check_arch(lib: Path, arch: str, out: Path) -> str:
         (args.replace(" ", "").replace("rope_ext::cuda::", ""), int(r), int(st), int(lo), int(c0) - param_offset)
         for args, r, st, lo, c0 in rows
     ]
-    lines = [f"{'kernel: RotaryThread<scalar, table, interleaved, vec, gathered, memory, index>, NormThread<scalar, table, interleaved, vec, gathered, backward, memory>, WeightGradSum<type, memory>':90} REG STACK LOCAL PARAM_BYTES"]
+    header = ("kernel: RotaryThread<scalar, table, interleaved, vec, gathered, memory, index>, "
+              "NormThread<scalar, table, interleaved, vec, gathered, backward, memory>, WeightGradSum<type, memory>")
+    lines = [f"{header}\n{'':90} REG STACK LOCAL PARAM_BYTES"]
     lines += [f"{k:90} {r:>3} {st:>5} {lo:>5} {p:>11}" for k, r, st, lo, p in kernels]
     out.write_text("\n".join(lines) + "\n")
 
@@ -159,7 +161,9 @@ def check_arch(lib: Path, arch: str, out: Path) -> str:
         f"{max(k[1] for k in rotation)}; {len(norm)} QK-norm kernels, registers {min(k[1] for k in norm)}-"
         f"{max(k[1] for k in norm)}; {len(sums)} weight-gradient sums; "
         f"stack {max(k[2] for k in kernels)} B at most (gathered kernels' printf frame), no local memory, no LDL, "
-        f"no FFMA/DFMA but the QK-norm kernels' division and sqrt ({', '.join(f'{n} in every {kind}' for kind, n in norm_ffma(norm_counts))}); parameters: CompactIndex {max(k[4] for k in compact)} B at most, PlanIndex "
+        f"no FFMA/DFMA but the QK-norm kernels' division and sqrt "
+        f"({', '.join(f'{n} in every {kind}' for kind, n in norm_ffma(norm_counts))}); "
+        f"parameters: CompactIndex {max(k[4] for k in compact)} B at most, PlanIndex "
         f"{max((k[4] for k in general), default=0)} B at most"
     )
 
