@@ -556,8 +556,7 @@ inline NormCallLaunch plan_norm_call(const NormCall& c, bool ignore_alignment = 
 // backward (the launcher and the emulator instantiate the same set).
 template <typename F>
 void dispatch_norm_thread(const NormCall& c, const NormLaunch& L, F&& f) {
-  const auto variant = [&]<typename scalar_t, typename table_t>(std::type_identity<scalar_t>,
-                                                                std::type_identity<table_t>) {
+  dispatch_dtypes(c.x.scalar_type(), c.cos.scalar_type(), c.op, [&]<typename scalar_t, typename table_t>() {
     constexpr int kV = vec_elems<scalar_t, table_t>();
     const auto by_vec = [&](auto inter, auto gathered, auto backward) {
       constexpr bool kI = decltype(inter)::value, kG = decltype(gathered)::value, kB = decltype(backward)::value;
@@ -574,21 +573,7 @@ void dispatch_norm_thread(const NormCall& c, const NormLaunch& L, F&& f) {
       c.positions != nullptr ? by_direction(inter, std::true_type{}) : by_direction(inter, std::false_type{});
     };
     c.interleaved ? by_tables(std::true_type{}) : by_tables(std::false_type{});
-  };
-  const auto with = [&]<typename scalar_t>(std::type_identity<scalar_t> s) {
-    if (c.cos.scalar_type() == c.x.scalar_type()) {
-      variant(s, s);
-    } else {
-      variant(s, std::type_identity<float>{});
-    }
-  };
-  switch (c.x.scalar_type()) {
-    case ScalarType::Float: return with(std::type_identity<float>{});
-    case ScalarType::Double: return with(std::type_identity<double>{});
-    case ScalarType::Half: return with(std::type_identity<c10::Half>{});
-    case ScalarType::BFloat16: return with(std::type_identity<c10::BFloat16>{});
-    default: ROPE_EXT_CHECK(false, c.op, ": internal error: no CUDA kernel for dtype ", c.x.scalar_type());
-  }
+  });
 }
 
 }  // namespace rope_ext::cuda

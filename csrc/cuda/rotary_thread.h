@@ -807,23 +807,30 @@ void dispatch_variant(const RotaryCall& c, const RotaryLaunch& L, F&& f) {
   c.interleaved ? by_tables(std::true_type{}) : by_tables(std::false_type{});
 }
 
+// Calls f.template operator()<scalar_t, table_t>() with x's dtype and the tables' (the checks allow
+// x's or float32): the dtype pairs every CUDA kernel family is built for.
 template <typename F>
-void dispatch_thread(const RotaryCall& c, const RotaryLaunch& L, F&& f) {
-  // The checks allow tables in x's dtype or in float32.
+void dispatch_dtypes(ScalarType x, ScalarType tables, const char* op, F&& f) {
   const auto with = [&]<typename scalar_t>(std::type_identity<scalar_t>) {
-    if (c.cos.scalar_type() == c.x.scalar_type()) {
-      dispatch_variant<scalar_t, scalar_t>(c, L, f);
+    if (tables == x) {
+      f.template operator()<scalar_t, scalar_t>();
     } else {
-      dispatch_variant<scalar_t, float>(c, L, f);
+      f.template operator()<scalar_t, float>();
     }
   };
-  switch (c.x.scalar_type()) {
+  switch (x) {
     case ScalarType::Float: return with(std::type_identity<float>{});
     case ScalarType::Double: return with(std::type_identity<double>{});
     case ScalarType::Half: return with(std::type_identity<c10::Half>{});
     case ScalarType::BFloat16: return with(std::type_identity<c10::BFloat16>{});
-    default: ROPE_EXT_CHECK(false, c.op, ": internal error: no CUDA kernel for dtype ", c.x.scalar_type());
+    default: ROPE_EXT_CHECK(false, op, ": internal error: no CUDA kernel for dtype ", x);
   }
+}
+
+template <typename F>
+void dispatch_thread(const RotaryCall& c, const RotaryLaunch& L, F&& f) {
+  dispatch_dtypes(c.x.scalar_type(), c.cos.scalar_type(), c.op,
+                  [&]<typename scalar_t, typename table_t>() { dispatch_variant<scalar_t, table_t>(c, L, f); });
 }
 
 }  // namespace rope_ext::cuda
