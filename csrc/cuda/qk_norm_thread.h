@@ -8,8 +8,9 @@
 // (across heads). One row of a block's threads (threadIdx.y) takes a group; its threads
 // (threadIdx.x) take the group's items, tx, tx + block_x, ...: an item is a vector of pairs of one
 // head, or of its pass-through columns, as in the rotation's launch. Qwen3's heads of 128 bfloat16
-// values are 8 items, so a block of 256 threads takes 32 heads; a Wan 14B row across its 40 heads
-// (5,120 values, 640 items) is one row of 256 threads, taking two or three items each.
+// values are 8 items of 16 bytes (16 of 8 bytes with float32 tables), so a block of 256 threads takes
+// 32 heads (16); a Wan 14B row across its 40 heads (5,120 values, 640 items) is one row of 256
+// threads, taking two or three items each.
 //
 // Each group is done in two phases with a barrier between them:
 //   reduce  every thread sums its items' share, in the compute type: x^2 (forward), d * x_hat
@@ -33,8 +34,8 @@
 
 #include "cuda/rotary_thread.h"
 
-// Loops over a thread's items and groups stay loops on the GPU: unrolled, the items' values of two
-// iterations are live at once, which is more than a thread's 128 registers hold.
+// Loops over a thread's items stay loops on the GPU: unrolled, two items' values would be live at
+// once, for a gain the memory-bound kernels would not see.
 #if defined(__CUDA_ARCH__)
 #define ROPE_EXT_NO_UNROLL _Pragma("unroll 1")
 #else
@@ -44,7 +45,8 @@
 namespace rope_ext::cuda {
 
 // Blocks of a backward launch that computes the weights' gradient: the partial sums are
-// kNormGradBlocks * block_y rows of the weight's length (at most 10 MiB for Wan's 5,120 columns).
+// kNormGradBlocks * block_y rows of PartialLayout::length() values (the weight's length for
+// half-split rows: 10 MiB for Wan's 5,120 columns, 8 MiB for Qwen3's per-head norm).
 constexpr int64_t kNormGradBlocks = 512;
 
 // Where the weights' partial sums are kept: a row of `slot` values per item of a group (u * x_hat
