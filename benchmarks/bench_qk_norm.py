@@ -22,7 +22,8 @@ both weights). Every provider is checked against the float64 reference first. Pr
 interleaved, one call each per round; the table gives medians and the ratios of medians, all from
 one run. Also: fused fwd against `neg_` of q and k in place (the same bytes read and written, out of
 cache: q + k are 40 to 168 MiB) and against `clone` (the same bytes into fresh tensors, as every
-out-of-place op writes); the in-place `qk_norm_rotary_` against `neg_`; and the peak memory of one
+out-of-place op writes); the in-place `qk_norm_rotary_` against `neg_`, and the rotation alone
+(`rotary_` in place) against both; and the peak memory of one
 fwd+bwd (torch profiler accounting; on a GPU, torch.cuda's peak allocation). On a GPU each call is
 timed to its end (a synchronize), and the tensors are the same sizes.
 """
@@ -149,7 +150,7 @@ def measure(case: Case, fns: dict, mode: str, rounds: int) -> dict[str, list[flo
     times = {name: [] for name in fns}
     if mode == "fwd":
         qi, ki = case.q.clone(), case.k.clone()
-        times["neg_"], times["clone"], times["fused_"] = [], [], []
+        times["neg_"], times["clone"], times["fused_"], times["rotary_"] = [], [], [], []
     for fn in fns.values():  # warm-up (and compilation)
         step(case, fn, mode)
     for _ in range(rounds):
@@ -174,6 +175,11 @@ def measure(case: Case, fns: dict, mode: str, rounds: int) -> dict[str, list[flo
             case.fused_inplace(qi, ki)
             sync()
             times["fused_"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            rope_ext.rotary_(qi, case.cos[:, :, None], case.sin[:, :, None])
+            rope_ext.rotary_(ki, case.cos[:, :, None], case.sin[:, :, None])
+            sync()
+            times["rotary_"].append(time.perf_counter() - t)
     return times
 
 
@@ -244,6 +250,9 @@ def main():
                 inplace = med["neg_"] / med["fused_"]
                 print(f"{case.label():16} {mode:8} {'fused_':9} {med['fused_'] * 1e3:8.2f}   in place at "
                       f"{inplace:.2f} of neg_ (qk_norm_rotary_, the same bytes read and written in place)")
+                print(f"{case.label():16} {mode:8} {'rotary_':9} {med['rotary_'] * 1e3:8.2f}   the rotation alone in "
+                      f"place at {med['neg_'] / med['rotary_']:.2f} of neg_ (what the norm adds: fused_ at "
+                      f"{med['rotary_'] / med['fused_']:.2f} of it)")
                 verdicts.append((f"{case.label()} fwd in place vs neg_", inplace, 0.8))
                 verdicts.append((f"{case.label()} fwd vs neg_", ratio, 0.8))
             else:
