@@ -254,6 +254,19 @@ def test_gradcheck_and_gradgradcheck(norm_over, gen):
     assert torch.autograd.gradgradcheck(f, inputs)
 
 
+def on_threads(fn, *counts):
+    """fn() run under each thread count in turn (torch's count restored after): their results."""
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in counts:
+            torch.set_num_threads(n)
+            results.append(fn())
+        return results
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_weight_gradients_are_bitwise_reproducible_across_thread_counts(gen):
     """The weights' gradients summed in a fixed order: the same bits for 1 and 2 threads and for
     another parallel grain (enough rows for many blocks of the reduction)."""
@@ -266,16 +279,9 @@ def test_weight_gradients_are_bitwise_reproducible_across_thread_counts(gen):
         out, _ = rope_ext.qk_norm_rotary(q, q, wq, wq, cos, sin, eps=1e-6)
         return torch.autograd.grad(out, (q, wq), g)
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = grads()
-        torch.set_num_threads(2)
-        two = grads()
-        with cpu_thresholds(grain_elements=1):
-            fine = grads()
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_threads(grads, 1, 2)
+    with cpu_thresholds(grain_elements=1):
+        (fine,) = on_threads(grads, 2)
     for a, b, c in zip(one, two, fine, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
 
@@ -811,14 +817,7 @@ def test_weight_gradient_past_512_blocks(gen):
         out, _ = rope_ext.qk_norm_rotary(x, x, w, w, cos, sin, eps=1e-6, norm_over="heads")
         return torch.autograd.grad(out, w, go)[0]
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = grads()
-        torch.set_num_threads(2)
-        two = grads()
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_threads(grads, 1, 2)
     assert torch.equal(one, two)
     wide = [t.detach().double().requires_grad_() for t in (x, w)]
     ref = rms_norm_rotary_reference(wide[0], wide[1], cos.double(), sin.double(), eps=1e-6, norm_over="heads")

@@ -31,8 +31,10 @@
 #pragma once
 
 #include <cmath>
+#include <optional>
 
 #include "cuda/rotary_thread.h"
+#include "stable_tensor.h"
 
 // Loops over a thread's items stay loops on the GPU: unrolled, two items' values would be live at
 // once, for a gain the memory-bound kernels would not see.
@@ -517,6 +519,12 @@ struct WeightGradSum {
   int64_t columns, blocks, row_step;
   PartialLayout layout;
 
+  // The same sum with another memory policy (the host emulator's).
+  template <class M>
+  WeightGradSum<opmath_t, M> with_memory() const {
+    return {partial, dweight, columns, blocks, row_step, layout};
+  }
+
   ROPE_HD void operator()(const ThreadCoord& g) const {
     const int64_t col = g.bx * g.block_x + g.tx;
     if (col >= columns) return;
@@ -551,6 +559,38 @@ inline NormCallLaunch plan_norm_call(const NormCall& c, bool ignore_alignment = 
   ROPE_EXT_CHECK(r.launch.group_items < (int64_t{1} << 31), c.op, ": a group of ", r.launch.group_items,
                  " vectors is more than the CUDA kernel indexes (2^31)");
   return r;
+}
+
+// A launch's scratch for the partial sums of the weights' gradient, from torch's allocator (none
+// without them). data is null, or the tensor's.
+struct NormScratch {
+  std::optional<Output> tensor;
+  void* data = nullptr;
+};
+
+inline NormScratch norm_scratch(const NormCall& c, const NormLaunch& L) {
+  NormScratch s;
+  const int64_t size = L.partial_rows * L.partial.length();
+  if (size == 0) return s;
+  const ScalarType stat = c.x.scalar_type() == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
+  s.tensor.emplace(new_contiguous(Dims{&size, 1}, stat, c.x.device()));
+  s.data = s.tensor->arg.mutable_data_ptr();
+  return s;
+}
+
+// For a call with the weights' gradient: f(sum, grid) with its WeightGradSum over the scratch (in the
+// compute type) and the grid of 1-D blocks of kMaxThreads it takes, one thread per column.
+template <typename F>
+void dispatch_weight_grad_sum(const NormCall& c, const NormCallLaunch& cl, const void* partial, F&& f) {
+  const NormLaunch& L = cl.launch;
+  const auto with = [&]<typename opmath_t>(std::type_identity<opmath_t>) {
+    const WeightGradSum<opmath_t, DeviceMemory> t{static_cast<const opmath_t*>(partial),
+                                                  static_cast<opmath_t*>(c.dweight->mutable_data_ptr()),
+                                                  cl.plan.weight_len, L.groups > 0 ? L.grid_x : 0, L.block_y,
+                                                  L.partial};
+    f(t, std::max<int64_t>((cl.plan.weight_len + kMaxThreads - 1) / kMaxThreads, 1));
+  };
+  c.x.scalar_type() == ScalarType::Double ? with(std::type_identity<double>{}) : with(std::type_identity<float>{});
 }
 
 // Calls f.template operator()<Thread>() with the NormThread type of a planned call: x's dtype, the

@@ -48,9 +48,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2) qk_norm_kernel(const __grid_co
   t.fold(g);
 }
 
-template <typename opmath_t>
-__global__ void __launch_bounds__(kMaxThreads) weight_grad_sum_kernel(
-    const __grid_constant__ WeightGradSum<opmath_t, DeviceMemory> t) {
+template <typename Sum>
+__global__ void __launch_bounds__(kMaxThreads) weight_grad_sum_kernel(const __grid_constant__ Sum t) {
   t({blockIdx.x, 0, threadIdx.x, 0, gridDim.x, 1, blockDim.x, 1});
 }
 
@@ -100,29 +99,20 @@ void run_norm_cuda(const NormCall& c) {
   void* stream = nullptr;
   detail::shim_check(current_stream_fn()(c.x.device().index, &stream), "aoti_torch_get_current_cuda_stream");
   const auto s = static_cast<cudaStream_t>(stream);
-  const ScalarType stat = c.x.scalar_type() == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
-  const int64_t partial_size = L.partial_rows * L.partial.length();
-  std::optional<Output> partial;  // (a forward needs none)
-  if (partial_size > 0) partial.emplace(new_contiguous(Dims{&partial_size, 1}, stat, c.x.device()));
-  void* const partial_data = partial ? partial->arg.mutable_data_ptr() : nullptr;
+  const NormScratch partial = norm_scratch(c, L);
   if (L.groups > 0) {
     dispatch_norm_thread(c, L, [&]<class Thread>() {
       qk_norm_kernel<Thread><<<dim3(static_cast<unsigned>(L.grid_x)),
                                dim3(static_cast<unsigned>(L.block_x), static_cast<unsigned>(L.block_y)), 0, s>>>(
-          Thread::make(c, cl.plan, L, partial_data));
+          Thread::make(c, cl.plan, L, partial.data));
       check_launch(c.op);
     });
   }
   if (c.dweight == nullptr) return;
-  const auto sum = [&]<typename opmath_t>(std::type_identity<opmath_t>) {
-    const WeightGradSum<opmath_t, DeviceMemory> t{static_cast<const opmath_t*>(partial_data),
-                                                  static_cast<opmath_t*>(c.dweight->mutable_data_ptr()),
-                                                  cl.plan.weight_len, L.groups > 0 ? L.grid_x : 0, L.block_y, L.partial};
-    const int64_t grid = (cl.plan.weight_len + kMaxThreads - 1) / kMaxThreads;
-    weight_grad_sum_kernel<opmath_t><<<dim3(static_cast<unsigned>(std::max<int64_t>(grid, 1))), dim3(kMaxThreads), 0, s>>>(t);
+  dispatch_weight_grad_sum(c, cl, partial.data, [&]<class Sum>(const Sum& t, int64_t grid) {
+    weight_grad_sum_kernel<<<dim3(static_cast<unsigned>(grid)), dim3(kMaxThreads), 0, s>>>(t);
     check_launch(c.op);
-  };
-  stat == ScalarType::Double ? sum(std::type_identity<double>{}) : sum(std::type_identity<float>{});
+  });
 }
 
 }  // namespace

@@ -226,11 +226,7 @@ void run_emulated(const RotaryCall& c) {
 void run_norm_emulated(const NormCall& c) {
   const cuda::NormCallLaunch cl = cuda::plan_norm_call(c, g_ignore_alignment);
   const cuda::NormLaunch& L = cl.launch;
-  const ScalarType stat = c.x.scalar_type() == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
-  const int64_t partial_size = L.partial_rows * L.partial.length();
-  std::optional<Output> partial;  // (a forward needs none)
-  if (partial_size > 0) partial.emplace(new_contiguous(Dims{&partial_size, 1}, stat, c.x.device()));
-  void* const partial_data = partial ? partial->arg.mutable_data_ptr() : nullptr;
+  const cuda::NormScratch partial = cuda::norm_scratch(c, L);
   const auto each_thread = [&](int64_t bx, auto&& f) {
     for (int64_t ty = 0; ty < L.block_y; ++ty)
       for (int64_t tx = 0; tx < L.block_x; ++tx) {
@@ -244,7 +240,7 @@ void run_norm_emulated(const NormCall& c) {
     cuda::dispatch_norm_thread(c, L, [&]<class Thread>() {
       using Emulated = typename Thread::template WithMemory<EmulatedMemory>;
       using opmath_t = typename Thread::opmath_t;
-      const Emulated t = Emulated::make(c, cl.plan, L, partial_data);
+      const Emulated t = Emulated::make(c, cl.plan, L, partial.data);
       std::vector<opmath_t> shares(L.block_x * L.block_y);
       for (int64_t bx = 0; bx < L.grid_x; ++bx) {
         const int64_t iterations = t.iterations({bx, 0, 0, 0, L.grid_x, 1, L.block_x, L.block_y});
@@ -257,11 +253,9 @@ void run_norm_emulated(const NormCall& c) {
     });
   }
   if (c.dweight == nullptr) return;
-  const auto sum = [&]<typename opmath_t>(std::type_identity<opmath_t>) {
-    const cuda::WeightGradSum<opmath_t, EmulatedMemory> t{static_cast<const opmath_t*>(partial_data),
-                                                          static_cast<opmath_t*>(c.dweight->mutable_data_ptr()),
-                                                          cl.plan.weight_len, L.groups > 0 ? L.grid_x : 0, L.block_y, L.partial};
-    const int64_t block = cuda::kMaxThreads, grid = (cl.plan.weight_len + block - 1) / block;
+  cuda::dispatch_weight_grad_sum(c, cl, partial.data, [&](const auto& sum, int64_t grid) {
+    const auto t = sum.template with_memory<EmulatedMemory>();
+    const int64_t block = cuda::kMaxThreads;
     for (int64_t bx = 0; bx < grid; ++bx)
       for (int64_t tx = 0; tx < block; ++tx) {
         const cuda::ThreadCoord g{bx, 0, tx, 0, grid, 1, block, 1};
@@ -269,8 +263,7 @@ void run_norm_emulated(const NormCall& c) {
         t(g);
       }
     if (g_traffic) g_traffic->flush();
-  };
-  stat == ScalarType::Double ? sum(std::type_identity<double>{}) : sum(std::type_identity<float>{});
+  });
 }
 
 std::vector<int64_t> as_list(const RotaryLaunch& L) {
