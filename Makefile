@@ -7,7 +7,7 @@ PIP := $(PYTHON) -m pip
 SOURCES := setup.py pyproject.toml CMakeLists.txt $(wildcard cmake/*) $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
 STAMP := build/.installed
 
-.PHONY: setup test bench lint abi-audit dist-check wheel-check cuda-check gpu-check gpu-build gpu-rehearse sanitize gtest cpp-test cpp-example clean FORCE
+.PHONY: setup test engine-pythons bench lint abi-audit dist-check wheel-check cuda-check gpu-check gpu-build gpu-rehearse sanitize gtest cpp-test cpp-example clean FORCE
 
 setup: $(STAMP)
 
@@ -27,6 +27,17 @@ FORCE:
 
 test: setup
 	$(PYTHON) -m pytest -q tests
+
+# The form engine's pure-Python tests (tests/test_engine.py: no torch, no build) under the other
+# Pythons rope_ext supports (requires-python >= 3.10), run as a script: pyenv's 3.10 and 3.13 here
+# (ENGINE_PYTHONS to change; a missing one is an error, not a skip). About 2 s.
+ENGINE_PYTHONS ?= 3.10 3.13
+engine-pythons:
+	@for v in $(ENGINE_PYTHONS); do \
+	  py=$$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/$$v.*/bin/python 2>/dev/null | tail -1); \
+	  [ -n "$$py" ] || py=$$(command -v python$$v) || { echo "engine-pythons: no Python $$v found"; exit 1; }; \
+	  out=$$($$py tests/test_engine.py 2>&1) || { echo "$$out"; exit 1; }; echo "$$out" | tail -1; \
+	done
 
 bench: setup
 	$(PYTHON) benchmarks/bench_rope.py --quick

@@ -56,11 +56,8 @@ def _one_site_per_fingerprint():
 
 
 def _function_nodes(name, qualname):
-    import ast
-
     tree, _ = rope_diffusers._parsed(name)
-    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
-    return functions, dict(_engine.function_defs(tree))[qualname]
+    return _engine.module_definitions(tree), dict(_engine.function_defs(tree))[qualname]
 
 
 SITES = _one_site_per_fingerprint()

@@ -8,12 +8,13 @@ form is refused."""
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import form_checks
 import pytest
 import torch
 
-from rope_ext.integrations import _hf_forms
+from rope_ext.integrations import _engine, _hf_forms
 from rope_ext.integrations import transformers as rope_hf
 
 pytest.importorskip("transformers")
@@ -21,16 +22,18 @@ pytest.importorskip("transformers")
 B, S, HQ, HK, D = 2, 5, 4, 2, 16
 
 
-def _one_family_per_form():
+def _one_family_per_fingerprint():
+    """One function per fingerprint the installed transformers has with a form: every code that
+    maps to a form is compared with its own original, even where two codes map to one form."""
     seen = {}
     for family, report in rope_hf.survey().items():
         for fn in report.functions:
-            if fn.form is not None and fn.form not in seen.values():
-                seen[f"{family}.{fn.name}"] = fn.form
-    return seen
+            if fn.form is not None:
+                seen.setdefault(fn.fingerprint, (f"{family}.{fn.name}", fn.form))
+    return dict(seen.values())
 
 
-FORMS = _one_family_per_form()
+FORMS = _one_family_per_fingerprint()
 
 
 _rand = form_checks.rand
@@ -185,8 +188,8 @@ def test_every_family_is_classified():
             assert (fn.form is None) != (fn.reason is None), (family, fn)
         assert report.patchable or report.reason, family
     assert sum(r.patchable for r in reports.values()) >= 150
-    used = {fn.form for r in reports.values() for fn in r.functions}
-    assert set(_hf_forms.KNOWN.values()) <= used, "a known form no installed family uses"
+    # every fingerprint of the table is one an installed family has (so FORMS tests each of them)
+    assert set(_hf_forms.KNOWN) == {fn.fingerprint for r in reports.values() for fn in r.functions if fn.form}
 
 
 def test_same_text_different_helpers_are_different_forms():
@@ -260,6 +263,16 @@ def test_unknown_code_is_refused_by_name(tmp_path, monkeypatch, fresh_cache):
     with pytest.raises(ValueError, match=r"cannot patch 'fakefam': apply_rotary_pos_emb: its code \(fingerprint"):
         rope_hf.patch(["fakefam"])
     assert rope_hf.patched_families() == []
+    # patching everything leaves it stock, and says so once (or refuses, with strict=True)
+    monkeypatch.setattr(_engine, "_warned", set())
+    with pytest.warns(_engine.RefusedWarning, match=r"1 RoPE site\(s\) of the installed transformers keep their own "
+                      r"code: fakefam: apply_rotary_pos_emb: its code \(fingerprint"):
+        assert rope_hf.patch() == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rope_hf.patch() == []  # once per process
+    with pytest.raises(ValueError, match=r"keep their own code: fakefam: .* \(strict=True: nothing was patched\)"):
+        rope_hf.patch(strict=True)
 
 
 def test_listing(capsys):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from rope_ext._validate import require_tensor
-from rope_ext.integrations._engine import Form, rotate
+from rope_ext.integrations._rotate import Form, rotate
 
 __all__ = ["apply_rotary_emb"]
 

@@ -16,7 +16,7 @@ import torch
 
 from rope_ext.compat.diffusers import apply_rotary_emb as _shared_apply_rotary_emb
 from rope_ext.compat.diffusers import complex_parts, rotate_complex
-from rope_ext.integrations._engine import Form, rotate
+from rope_ext.integrations._rotate import Form, rotate
 
 
 def _matrix_tables(freqs: torch.Tensor):

@@ -1,28 +1,32 @@
 """The form engine the integrations share: recognise a library's RoPE functions from their source,
-rebuild them on rope_ext's op, and patch them in and out.
+and patch their replacements in and out. Pure Python (no torch import), so that its tests run under
+every Python rope_ext supports without a build; the math the replacements share is ``_rotate``.
 
-A *form* (:class:`Form`) is what a RoPE function computes: the pairing its rotation uses, how it
-reads its tables, which columns it rotates and its dtype rule, plus its calling convention (a
-``signature`` key that each integration's table of forms maps to a builder). A function is
-recognised by :func:`fingerprint`: a hash of its syntax tree together with the module-level helpers
-it calls (so a file whose ``rotate_half`` pairs differently, or turns the other way, gets another
-fingerprint), with docstrings, comments, annotations and neutral decorators left out. Each
-integration keeps its own table mapping the fingerprints it has tested to forms; any other code is
-refused, never patched on a guess.
+A *form* (``_rotate.Form``) is what a RoPE function computes: the pairing its rotation uses, how it
+reads its tables, which columns it rotates and its dtype rule, plus its calling convention. A
+function is recognised by :func:`fingerprint`: a hash of its syntax tree together with the
+module-level helpers and values it names (so a file whose ``rotate_half`` pairs differently, or
+turns the other way, gets another fingerprint), with docstrings, comments, annotations and neutral
+decorators left out. Each integration keeps its own table mapping the fingerprints it has tested to
+forms; any other code is refused, never patched on a guess.
 
 - ``_hf_forms``: transformers' model files;
 - ``_diffusers_forms``: diffusers' model files and its shared ``apply_rotary_emb``;
 - ``_timm_forms``: timm's ``apply_rot_embed*`` and EVA's attention.
 
-Every replacement computes ``x * cos + R(x) * sin`` on the tables exactly as given (rope_ext's op
-reads one table entry per column, as the eager formula does), so it is exact for any tables, not
-only for consistent ones.
-
 Patching (:class:`Patcher`) is a list of attribute assignments per group (a family, a model file),
-undone in reverse: a module-level function is replaced in its module; a function defined inside a
-method (diffusers' attention processors define theirs in ``__call__``) is replaced by swapping its
-code object, inside the method's code, for a trampoline that calls the replacement, so the rest of
-the method runs exactly as written.
+undone in reverse, each followed by :func:`forget_compiled` so that compiled models see it:
+
+- a module-level function is replaced in its module;
+- a function defined inside a method (diffusers' attention processors define theirs in
+  ``__call__``) is replaced by swapping its code object, inside the method's code, for a
+  trampoline that calls the replacement (:func:`trampoline_plan`), so the rest of the method runs
+  exactly as written;
+- statements of a method are rewritten (:func:`method_rewrite_plan`), the method recompiled from its
+  file's source inside its class's blocks and checked to match the running code first.
+
+Generated code has a source: tracebacks, ``inspect`` and debuggers show the trampoline, or the file's
+text with the rewritten statements in place (``<rope_ext rewrite: path>``).
 """
 
 from __future__ import annotations
@@ -30,15 +34,13 @@ import __future__
 
 import ast
 import copy
-import dataclasses
 import dis
 import hashlib
+import linecache
+import sys
 import threading
 import types
-
-import torch
-
-from rope_ext._ops import _rotate_each
+import warnings
 
 # --- fingerprints ---------------------------------------------------------------------------------
 
@@ -81,22 +83,41 @@ def _canonical(node) -> str:
     return "(" + " ".join(parts) + ")"
 
 
-def fingerprint(functions: dict[str, ast.FunctionDef], node: ast.FunctionDef | str) -> str:
-    """A short hash of a function (``node``, or ``functions[node]`` for a name) and, recursively, of
-    the module-level functions (``functions``: the module's, by name) it names."""
+def module_definitions(tree: ast.Module) -> dict:
+    """What a module's top level binds, by name, for :func:`fingerprint`: each function's
+    ``def`` node, and for a name given a value there (``SCALE = 2.0``, ``_ROT = rotate_half``) the
+    list of its assignments."""
+    out: dict = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            out[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for name in {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}:
+                previous = out.get(name)
+                out[name] = (previous if isinstance(previous, list) else []) + [node]
+    return out
+
+
+def fingerprint(definitions: dict, node: ast.FunctionDef | str) -> str:
+    """A short hash of a function (``node``, or ``definitions[node]`` for a name) and, recursively,
+    of the module-level functions and values it names (``definitions``: the module's, from
+    :func:`module_definitions`). A name the module imports is hashed by name: its own file is
+    another module's business."""
     name = node if isinstance(node, str) else node.name
     seen: set[str] = set()
 
     def text(fn_name, fn):
         seen.add(fn_name)
         out = _canonical(fn)
-        called = sorted({n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id in functions} - seen)
-        for helper in called:
+        nodes = fn if isinstance(fn, list) else [fn]
+        named = {n.id for part in nodes for n in ast.walk(part) if isinstance(n, ast.Name) and n.id in definitions}
+        for helper in sorted(named - seen):
             if helper not in seen:
-                out += f"|{helper}:" + text(helper, functions[helper])
+                out += f"|{helper}:" + text(helper, definitions[helper])
         return out
 
-    return hashlib.sha256(text(name, functions[node] if isinstance(node, str) else node).encode()).hexdigest()[:16]
+    return hashlib.sha256(text(name, definitions[node] if isinstance(node, str) else node).encode()).hexdigest()[:16]
 
 
 def refusal(key: str, what: str = "its code") -> str:
@@ -122,152 +143,6 @@ def function_defs(tree: ast.Module):
     yield from walk(tree, "")
 
 
-# --- forms ----------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Form:
-    """What one RoPE function computes, in rope_ext's terms.
-
-    Attributes:
-        name: a short name for listings.
-        signature: the calling convention: a key of the integration's table of builders, which
-            turns the call's arguments into tensors and tables for :func:`rotate`.
-        interleaved: the pairing of the function's rotation.
-        tables: ``"full"``: one entry per rotated column, used as given; ``"first_half"``: the
-            first half of a full table gives one angle per pair; ``"half"``: the tables are
-            already one angle per pair; ``"complex"``: a complex ``freqs_cis`` per pair (its real
-            and imaginary parts are half tables).
-        span: which columns rotate: ``"whole"`` head (the table width must equal it),
-            ``"prefix"`` (the first table-width columns; the rest pass through) or ``"suffix"``.
-        dtype: ``"promote"``: computes and returns in the promotion of x's and the tables' dtypes;
-            ``"cast_back"``: computes so, returns x's dtype; ``"float32"``: x cast to float32
-            (``x.float()``, which narrows float64 too), computed in the promotion of float32 and
-            the tables' dtype, returned in x's dtype; ``"float32_tables"``: the same with the
-            tables cast to float32 as well, so always computed in float32; ``"float64"``: x and
-            the tables cast to float64 (complex128), returned in x's dtype.
-        cast_to_q: k's result is cast to q's dtype too (``original_dtype = q.dtype``).
-        returns: a dtype name the result is always cast to (``"bfloat16"``), whatever x's.
-        negate_sin: the rotation turns the other way (``cat(x2, -x1)``).
-        deinterleave_output: the output lists each pair's first members, then its second ones
-            (DeepSeek's MLA ``apply_rotary_pos_emb_interleave``).
-    """
-
-    name: str
-    signature: str
-    interleaved: bool = False
-    tables: str = "full"
-    span: str = "whole"
-    dtype: str = "promote"
-    cast_to_q: bool = False
-    returns: str | None = None
-    negate_sin: bool = False
-    deinterleave_output: bool = False
-
-    def describe(self) -> str:
-        parts = ["interleaved" if self.interleaved else "half-split"]
-        if self.tables != "full":
-            parts.append({"first_half": "first-half tables", "half": "half-width tables",
-                          "complex": "complex freqs_cis"}[self.tables])
-        if self.span != "whole":
-            parts.append(f"partial ({self.span})")
-        if self.dtype != "promote":
-            parts.append({"cast_back": "cast back", "float32": "x in float32, cast back",
-                          "float32_tables": "float32 compute, cast back",
-                          "float64": "float64 compute, cast back"}[self.dtype]
-                         + (" to q's dtype" if self.cast_to_q else ""))
-        if self.returns:
-            parts.append(f"returns {self.returns}")
-        if self.negate_sin:
-            parts.append("rotation by -theta")
-        if self.deinterleave_output:
-            parts.append("de-interleaved output")
-        return f"{self.signature}: " + ", ".join(parts)
-
-
-# --- the math every form shares -------------------------------------------------------------------
-
-
-def _full_tables(form: Form, cos: torch.Tensor, sin: torch.Tensor):
-    """cos and sin in the op's full form: one entry per rotated column."""
-    if form.tables == "first_half":
-        half = cos.shape[-1] // 2
-        cos, sin = cos[..., :half], sin[..., :half]
-    if form.tables != "full":
-        if form.interleaved:
-            cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
-        else:
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-    if form.negate_sin:
-        sin = -sin
-    return cos, sin
-
-
-def _dtypes(form: Form, x: torch.Tensor, cos: torch.Tensor, q_dtype: torch.dtype):
-    """(the dtype the original computes in, the dtype it returns) for x and these tables."""
-    if form.dtype == "float32_tables":
-        compute = torch.float32
-    elif form.dtype == "float64":
-        compute = torch.float64
-    elif form.dtype == "float32":
-        compute = torch.promote_types(torch.float32, cos.dtype)
-    else:
-        compute = torch.promote_types(x.dtype, cos.dtype)
-    if form.returns:
-        return compute, getattr(torch, form.returns)
-    if form.dtype == "promote":
-        return compute, compute
-    return compute, (q_dtype if form.cast_to_q else x.dtype)
-
-
-def _check_width(form: Form, x: torch.Tensor, width: int):
-    if form.span == "whole" and width != x.shape[-1]:
-        raise ValueError(
-            f"rope_ext: this RoPE form ({form.describe()}) rotates the whole head, so the table width must "
-            f"equal the head dim {x.shape[-1]}; got tables of width {width}"
-        )
-    if width > x.shape[-1]:
-        raise ValueError(f"rope_ext: the table width {width} exceeds the head dim {x.shape[-1]}")
-
-
-def rotate(form: Form, xs, cos, sin, cos_k=None, sin_k=None):
-    """The form's result for each tensor in xs (one or two of them; the second takes cos_k/sin_k
-    when given), in one op call when both share a dtype. The tables are as the form's ``tables``
-    says, and broadcast against each x as the op's do (``x.shape[:-1] + (width,)``)."""
-    cos, sin = _full_tables(form, cos, sin)
-    if cos_k is not None:
-        cos_k, sin_k = _full_tables(form, cos_k, sin_k)
-    width = cos.shape[-1]
-    jobs = []  # (the op's input, the dtype it computes in, the dtype returned)
-    for x in xs:
-        original_dtype = x.dtype
-        _check_width(form, x, width)
-        compute, out_dtype = _dtypes(form, x, cos, xs[0].dtype)
-        if form.dtype in ("float32", "float32_tables") and x.dtype == torch.float64:
-            x = x.float()  # the original's x.float() rounds float64 x to float32 first
-        if form.span == "suffix" and width < x.shape[-1]:
-            x = x[..., -width:]
-        elif form.span == "prefix" and width < x.shape[-1] and x.dtype != original_dtype:
-            x = x[..., :width]  # the pass-through columns keep x's own precision (joined below)
-        # the op computes in x's dtype, or in float32 for 16-bit x
-        computes = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        direct = out_dtype == x.dtype and compute == computes
-        jobs.append((x if direct else x.to(compute), compute, out_dtype))
-    outs = _rotate_each([j[0] for j in jobs], [j[1] for j in jobs], cos, sin, cos_k, sin_k,
-                        interleaved=form.interleaved)
-    results = []
-    for original, out, (_, _, out_dtype) in zip(xs, outs, jobs, strict=True):
-        out = out.to(out_dtype)
-        if form.deinterleave_output:
-            out = out.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
-        if form.span == "suffix" and width < original.shape[-1]:
-            out = torch.cat((original[..., :-width], out), dim=-1)
-        elif out.shape[-1] < original.shape[-1]:
-            out = torch.cat((out, original[..., width:]), dim=-1)
-        results.append(out)
-    return results
-
-
 # --- patching -------------------------------------------------------------------------------------
 
 _MISSING = object()
@@ -291,6 +166,19 @@ class Patched(list):
 # Module globals the engine adds for trampolines and rewritten methods to call: they stay after an
 # unpatch, so a call already running in patched code when another thread unpatches still finds them.
 HOLDER_PREFIX = "_rope_ext_"
+
+
+def forget_compiled():
+    """Drop what torch.compile has cached, so that compiled models trace the code as patched now.
+
+    Dynamo guards the globals a graph reads (a replaced module-level function is seen), but not the
+    code of the methods it inlines: a model compiled before a method's code was rewritten would keep
+    its stock graph, and one compiled while patched would keep running rope_ext after an unpatch.
+    ``torch.compiler.reset()`` makes every compiled model trace again on its next call (a recompile,
+    once per patch or unpatch, never a wrong graph). Without torch imported nothing was compiled."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "compiler"):
+        torch.compiler.reset()
 
 
 class Patcher:
@@ -322,6 +210,8 @@ class Patcher:
                 setattr(obj, attr, value)
                 if group not in done and group not in already:
                     done.append(group)
+        if plan:
+            forget_compiled()
         return done
 
     def restore(self, groups=None) -> list[str]:
@@ -335,10 +225,37 @@ class Patcher:
                         setattr(obj, attr, original)
                     elif not attr.startswith(HOLDER_PREFIX):
                         delattr(obj, attr)
+        if restored:
+            forget_compiled()
         return restored
 
     def groups(self) -> list[str]:
         return list(self._originals)
+
+
+class RefusedWarning(UserWarning):
+    """Some of a library's RoPE code keeps running as written: a ``patch()`` of everything skipped
+    the code whose fingerprint matches no tested form (most often: the library changed it)."""
+
+
+_warned: set = set()
+
+
+def patchable_or_warn(library: str, refused: dict[str, str], patchable: list[str], strict: bool) -> list[str]:
+    """What a ``patch()`` of everything switches: ``patchable``. The names ``refused`` (name ->
+    why) stay as the library wrote them: with ``strict`` that is an error, otherwise a
+    :class:`RefusedWarning` naming them, once per process for the same names."""
+    if refused:
+        listed = "; ".join(f"{name}: {why}" for name, why in refused.items())
+        text = (f"rope_ext: {len(refused)} RoPE site(s) of the installed {library} keep their own code: "
+                f"{listed}")
+        if strict:
+            raise ValueError(text + " (strict=True: nothing was patched)")
+        key = (library, tuple(refused))
+        if key not in _warned:
+            _warned.add(key)
+            warnings.warn(text + " (patch(strict=True) makes this an error)", RefusedWarning, stacklevel=3)
+    return patchable
 
 
 def group_names(groups, what: str) -> list[str]:
@@ -379,12 +296,19 @@ def inner_code(method, name: str):
     return found[0] if len(found) == 1 else None
 
 
+def register_source(filename: str, lines: list[str]):
+    """Make ``lines`` the source of code compiled under ``filename`` for tracebacks, ``inspect`` and
+    debuggers (linecache keeps an entry with no file time until the process ends)."""
+    linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+
+
 def trampoline_plan(group: str, module, method, name: str, replacement, patcher: Patcher):
     """The assignments that make ``method``'s inner function ``name`` call ``replacement``: a module
     global holding the replacement, and method's code with the inner function's code object swapped
-    for a trampoline's (``def name(*args, **kwargs): return <global>(*args, **kwargs)``). Everything
-    else in the method's code stays as written. Raises ValueError where the inner function closes
-    over the method's variables (a trampoline could not stand in for it)."""
+    for a trampoline's (``def name(*args, **kwargs): return <global>(*args, **kwargs)``), whose
+    source is registered as ``<rope_ext trampoline: module.Class.method.name>``. Everything else in
+    the method's code stays as written. Raises ValueError where the inner function closes over the
+    method's variables (a trampoline could not stand in for it)."""
     original = patcher.original(group, method, "__code__")
     inner = inner_code(types.SimpleNamespace(__code__=original), name)
     if inner is None:
@@ -392,8 +316,14 @@ def trampoline_plan(group: str, module, method, name: str, replacement, patcher:
     if inner.co_freevars:
         raise ValueError(f"{method.__qualname__}.{name} closes over {inner.co_freevars}")
     holder = f"{HOLDER_PREFIX}{method.__qualname__.replace('.', '_')}_{name}"
+    filename = f"<rope_ext trampoline: {module.__name__}.{method.__qualname__}.{name}>"
+    lines = [f"# rope_ext: {name} as {original.co_filename} defines it (line {inner.co_firstlineno}) is replaced;\n",
+             f"# calls go to rope_ext's {replacement.__module__}.{replacement.__qualname__}\n",
+             f"def {name}(*args, **kwargs):\n",
+             f"    return {holder}(*args, **kwargs)\n"]
     namespace: dict = {}
-    exec(f"def {name}(*args, **kwargs):\n    return {holder}(*args, **kwargs)\n", namespace)
+    exec(compile("".join(lines), filename, "exec"), namespace)
+    register_source(filename, lines)
     code = namespace[name].__code__
     if hasattr(code, "co_qualname"):
         code = code.replace(co_qualname=inner.co_qualname)
@@ -401,41 +331,73 @@ def trampoline_plan(group: str, module, method, name: str, replacement, patcher:
     return [(group, module, holder, replacement), (group, method, "__code__", original.replace(co_consts=consts))]
 
 
+def rewrite_method(node: ast.FunctionDef, qualname: str, filename: str, original: types.CodeType,
+                   rewrite_block) -> types.CodeType:
+    """The code of a method (``node``, as its file ``filename`` defines it, ``qualname`` its
+    ``Class.method``) with some of its statements rewritten and everything else as written, line
+    numbers included. ``rewrite_block(stmts)`` edits one statement list of the method in place
+    (every body, ``else`` and ``finally`` block); the new statements take the positions of the ones
+    they replace. The code's file is ``<rope_ext rewrite: filename>``, registered as the file's
+    text with the rewritten statements in place of the originals, so tracebacks show what runs.
 
-def rewrite_method(node: ast.FunctionDef, filename: str, original: types.CodeType, rewrite_block) -> types.CodeType:
-    """The code of a method (``node``, as its file defines it) with some of its statements
-    rewritten and everything else as written, line numbers included. ``rewrite_block(stmts)``
-    edits one statement list of the method in place (every body, ``else`` and ``finally`` block);
-    the new statements take the positions of the ones they replace. Raises ValueError where the
-    rewritten code would close over other variables than the original (``original``: the method's
-    code now)."""
-    def compiled(fn):
+    The method is compiled inside its class's ``class`` blocks, so that ``super()``, names mangled
+    by the class (``self.__x``) and the qualified names of lambdas and inner functions come out as
+    in the file. Raises ValueError where the source, compiled so, is not the code that runs now
+    (``original``: the file changed since it was imported), or where the rewrite would close over
+    other variables than the original."""
+    classes = qualname.split(".")[:-1]
+
+    def compiled(fn, name):
         fn.decorator_list = []
-        module = ast.Module(body=[fn], type_ignores=[])
+        body: list = [fn]
+        for cls in reversed(classes):
+            body = [ast.ClassDef(name=cls, bases=[], keywords=[], body=body, decorator_list=[],
+                                 **({"type_params": []} if "type_params" in ast.ClassDef._fields else {}))]
+        module = ast.Module(body=body, type_ignores=[])
         ast.fix_missing_locations(module)
         flags = original.co_flags & __future__.annotations.compiler_flag  # the file's own future import
-        out = compile(module, filename, "exec", flags=flags, dont_inherit=True)
-        return next(c for c in out.co_consts if isinstance(c, types.CodeType) and c.co_name == node.name)
+        code = compile(module, name, "exec", flags=flags, dont_inherit=True)
+        for part in classes + [node.name]:
+            code = next(c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == part)
+        return code
 
-    # The source as parsed must compile to the code that runs: not so where the file changed since
-    # it was imported, or the method needs its class's scope (super(), name mangling of self.__x).
-    baseline = compiled(copy.deepcopy(node))
+    baseline = compiled(copy.deepcopy(node), filename)
     if _instructions(baseline) != _instructions(original) or (baseline.co_names, baseline.co_freevars) != (
             original.co_names, original.co_freevars):
-        raise ValueError(f"{node.name}'s source, compiled alone, is not the code that runs "
-                         "(the file changed since it was imported, or the method needs its class's scope)")
+        raise ValueError(f"{qualname}'s source, compiled, is not the code that runs "
+                         "(the file changed since it was imported?)")
     fn = copy.deepcopy(node)
+    before = {id(n) for n in ast.walk(fn)}
     for parent in list(ast.walk(fn)):
         for field in ("body", "orelse", "finalbody"):
             stmts = getattr(parent, field, None)
             if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
                 rewrite_block(stmts)
-    code = compiled(fn)
+    new = [n for n in ast.walk(fn) if isinstance(n, ast.stmt) and id(n) not in before]
+    rewritten = f"<rope_ext rewrite: {filename}>"
+    code = compiled(fn, rewritten)
     if code.co_freevars != original.co_freevars:
-        raise ValueError(f"{node.name}'s code closes over {original.co_freevars}; a rewrite cannot keep them")
+        raise ValueError(f"{qualname}'s code closes over {original.co_freevars}; a rewrite cannot keep them")
+    register_source(rewritten, _rewritten_lines(linecache.getlines(filename), new))
     if hasattr(code, "co_qualname"):
         code = code.replace(co_qualname=original.co_qualname)
     return code
+
+
+def _rewritten_lines(lines: list[str], new: list[ast.stmt]) -> list[str]:
+    """A file's lines with the new statements (placed by :func:`located`) written in place of the
+    ones they replace, at the same line numbers (later lines of a replaced statement left blank)."""
+    lines = list(lines)
+    at: dict[int, list[ast.stmt]] = {}
+    outermost = [s for s in new if not any(s is not o and s in ast.walk(o) for o in new)]
+    for stmt in outermost:
+        at.setdefault(stmt.lineno, []).append(stmt)
+    for lineno, stmts in sorted(at.items()):
+        end = max(s.end_lineno or s.lineno for s in stmts)
+        indent = " " * stmts[0].col_offset
+        text = indent + "; ".join(ast.unparse(s).replace("\n", "\n" + indent) for s in stmts)
+        lines[lineno - 1:end] = [text + "  # rope_ext\n"] + ["\n"] * (end - lineno)
+    return lines
 
 
 def _instructions(code: types.CodeType):
@@ -466,7 +428,7 @@ def method_rewrite_plan(group: str, module, qualname: str, node: ast.FunctionDef
         raise ValueError(f"{module.__name__}.{qualname} is not the method its file defines "
                          "(was it replaced by another patch?)")
     holder = f"{HOLDER_PREFIX}{cls_name}_{method_name}"
-    code = rewrite_method(node, module.__file__, original, lambda stmts: rewrite_block(stmts, holder))
+    code = rewrite_method(node, qualname, module.__file__, original, lambda stmts: rewrite_block(stmts, holder))
     return [(group, module, holder, replacement), (group, method, "__code__", code)]
 
 
@@ -480,7 +442,7 @@ def located(new_stmts, old: ast.stmt):
 # --- listings -------------------------------------------------------------------------------------
 
 
-def site_text(name: str, form: Form | None, reason: str | None) -> str:
+def site_text(name: str, form, reason: str | None) -> str:
     """One RoPE function in a listing: its form, or why it is refused."""
     return f"{name}: " + (f"'{form.name}' form ({form.describe()})" if form else reason)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rope_ext.integrations._engine import Form, rotate
+from rope_ext.integrations._rotate import Form, rotate
 
 # The module-level function names transformers gives its RoPE application.
 ROPE_FUNCTIONS = (

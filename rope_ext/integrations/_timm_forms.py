@@ -26,7 +26,8 @@ import dataclasses
 
 import torch
 
-from rope_ext.integrations._engine import Form, located, rotate
+from rope_ext.integrations._engine import located
+from rope_ext.integrations._rotate import Form, rotate
 
 # The module-level functions of timm.layers.pos_embed_sincos that apply RoPE.
 ROPE_FUNCTIONS = ("apply_rot_embed", "apply_rot_embed_list", "apply_rot_embed_cat")

@@ -47,7 +47,7 @@ import os
 import re
 import threading
 
-from rope_ext.integrations import _diffusers_forms, _engine
+from rope_ext.integrations import _diffusers_forms, _engine, _rotate
 
 __all__ = ["ModelFileReport", "RopeFunction", "model_report", "patch", "patched_models", "survey", "unpatch"]
 
@@ -76,7 +76,7 @@ class RopeFunction:
     module: str
     name: str
     kind: str
-    form: _engine.Form | None
+    form: _rotate.Form | None
     reason: str | None = None
 
     @property
@@ -151,6 +151,7 @@ def _sites(name: str) -> tuple[list[RopeFunction], set[str]]:
     """A file's own RoPE sites, and the classes (by name) whose methods use RoPE."""
     tree, module = _parsed(name)
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    definitions = _engine.module_definitions(tree)
     sites, rope_classes = [], set()
     defs = list(_engine.function_defs(tree))
     for qualname, node in defs:
@@ -158,7 +159,7 @@ def _sites(name: str) -> tuple[list[RopeFunction], set[str]]:
         is_method_inner = depth == 2 and not isinstance(functions.get(qualname.split(".")[0]), ast.FunctionDef)
         if not _ROPE_NAME.match(node.name) or not (depth == 0 or is_method_inner):
             continue
-        key = _engine.fingerprint(functions, node)
+        key = _engine.fingerprint(definitions, node)
         form = _diffusers_forms.KNOWN.get(key)
         sites.append(RopeFunction(module, qualname, "function" if depth == 0 else "inner", form,
                                   None if form else _engine.refusal(key)))
@@ -170,7 +171,7 @@ def _sites(name: str) -> tuple[list[RopeFunction], set[str]]:
     # rotation written inline in methods (`q = q * cos + _rotate_half(q) * sin`), with only a
     # rotate_half helper at module level
     for helper in (n for n in functions if _ROTATE_HALF.match(n)):
-        key = _engine.fingerprint(functions, helper)
+        key = _engine.fingerprint(definitions, helper)
         helper_form = _diffusers_forms.KNOWN.get(key)
         for qualname, node in defs:
             if qualname.count(".") != 1 or not any(isinstance(c, ast.Name) and c.id == helper for c in ast.walk(node)):
@@ -229,7 +230,7 @@ def _inline_rotations(method: ast.FunctionDef, helper: str) -> int:
     return len(rotations) if len(calls) == len(rotations) else 0
 
 
-def _shared_form(local: str) -> _engine.Form | None:
+def _shared_form(local: str) -> _rotate.Form | None:
     """The form of the embeddings function an import binds (None when embeddings' code is refused)."""
     report = next((f for f in _site_table("embeddings")[0] if f.name in _SHARED and f.name == local), None)
     return None if report is None else report.form
@@ -337,13 +338,16 @@ def _inline_plan(name: str, fn: RopeFunction, module):
     return _engine.method_rewrite_plan(name, module, fn.name, node, rewrite_block, fn.replacement, _patcher)
 
 
-def patch(models=None) -> _engine.Patched:
+def patch(models=None, *, strict: bool = False) -> _engine.Patched:
     """Switch diffusers model files onto rope_ext.
 
     Args:
         models: model file names (see the module docstring; ``python -m rope_ext.integrations.diffusers``
             lists them), or None for every file of the installed diffusers whose RoPE rope_ext can
             express. A file that reaches RoPE through another file's processor switches that file.
+            Files refused then keep diffusers' code, named in a ``_engine.RefusedWarning`` once
+            per process.
+        strict: with ``models=None``, make a refused file an error instead of a warning.
 
     Returns:
         The files this call switched, and the files named that reach RoPE only through them (a
@@ -356,7 +360,9 @@ def patch(models=None) -> _engine.Patched:
             file's own. Nothing is patched then: all checks run before any change.
     """
     if models is None:
-        names = [n for n, r in survey().items() if r.patchable]
+        reports = survey()
+        names = _engine.patchable_or_warn("diffusers", {n: r.reason for n, r in reports.items() if not r.patchable},
+                                          [n for n, r in reports.items() if r.patchable], strict)
     else:
         names = _engine.group_names(models, "models")
     plan, closures = [], {}

@@ -37,7 +37,7 @@ import importlib.util
 import os
 import sys
 
-from rope_ext.integrations import _engine, _timm_forms
+from rope_ext.integrations import _engine, _rotate, _timm_forms
 
 __all__ = ["RopeCode", "main", "patch", "patched_names", "survey", "unpatch"]
 
@@ -60,7 +60,7 @@ class RopeCode:
     name: str
     module: str
     qualname: str
-    form: _engine.Form | None
+    form: _rotate.Form | None
     reason: str | None = None
 
     @property
@@ -83,15 +83,14 @@ def _parse(module: str):
         return None, None, {}
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), filename=path)
-    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
-    return path, tree, functions
+    return path, tree, _engine.module_definitions(tree)
 
 
-def _classify(module: str, qualname: str, node, functions) -> RopeCode:
+def _classify(module: str, qualname: str, node, definitions) -> RopeCode:
     name = qualname.split(".", 1)[1] if qualname.count(".") > 1 else qualname
     if node is None:
         return RopeCode(name, module, qualname, None, "not found in the installed timm")
-    key = _engine.fingerprint(functions, node)
+    key = _engine.fingerprint(definitions, node)
     form = _timm_forms.KNOWN.get(key)
     reason = None if form else _engine.refusal(key)
     return RopeCode(name, module, qualname, form, reason)
@@ -180,12 +179,14 @@ def _plan_method(code: RopeCode):
     return plan
 
 
-def patch(names=None) -> _engine.Patched:
+def patch(names=None, *, strict: bool = False) -> _engine.Patched:
     """Switch timm's RoPE onto rope_ext.
 
     Args:
         names: keys of :func:`survey` (``"apply_rot_embed_cat"``, ``"EvaAttention.forward"``, ...),
-            or None for every one the installed timm has that rope_ext can express.
+            or None for every one the installed timm has that rope_ext can express; the others
+            keep timm's code, named in a ``_engine.RefusedWarning`` once per process.
+        strict: with ``names=None``, make a refused one an error instead of a warning.
 
     Returns:
         The keys this call switched (a list, usable as a context manager, which unpatches them on
@@ -198,7 +199,8 @@ def patch(names=None) -> _engine.Patched:
     """
     codes = survey()
     if names is None:
-        chosen = [n for n, c in codes.items() if c.form is not None]
+        chosen = _engine.patchable_or_warn("timm", {n: c.reason for n, c in codes.items() if c.form is None},
+                                           [n for n, c in codes.items() if c.form is not None], strict)
     else:
         chosen = _engine.group_names(names, "names")
     plan = []
@@ -223,7 +225,7 @@ def patched_names() -> list[str]:
     return _patcher.groups()
 
 
-def _describe(form: _engine.Form) -> str:
+def _describe(form: _rotate.Form) -> str:
     return f"'{form.name}' form ({form.describe()}; half=True: half-split)"
 
 

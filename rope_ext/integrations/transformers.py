@@ -33,7 +33,7 @@ import functools
 import importlib
 import os
 
-from rope_ext.integrations import _engine, _hf_forms
+from rope_ext.integrations import _engine, _hf_forms, _rotate
 
 __all__ = ["FamilyReport", "RopeFunction", "family_report", "patch", "patched_families", "survey", "unpatch"]
 
@@ -47,12 +47,14 @@ class RopeFunction:
         name: the function's name in it.
         form: the recognised form, or None.
         reason: why it is refused (None when it has a form).
+        fingerprint: its code's (see ``_engine.fingerprint``).
     """
 
     module: str
     name: str
-    form: _engine.Form | None
+    form: _rotate.Form | None
     reason: str | None = None
+    fingerprint: str | None = None
 
     @property
     def replacement(self):
@@ -87,14 +89,15 @@ def _classify_file(path: str, module: str) -> list[RopeFunction]:
         return []
     tree = ast.parse(source, filename=path)
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    definitions = _engine.module_definitions(tree)
     found = []
     for name in _hf_forms.ROPE_FUNCTIONS:
         if name not in functions:
             continue
-        key = _engine.fingerprint(functions, name)
+        key = _engine.fingerprint(definitions, name)
         form = _hf_forms.KNOWN.get(key)
         reason = None if form else _engine.refusal(key)
-        found.append(RopeFunction(module, name, form, reason))
+        found.append(RopeFunction(module, name, form, reason, key))
     return found
 
 
@@ -133,13 +136,17 @@ def survey() -> dict[str, FamilyReport]:
 _patcher = _engine.Patcher()
 
 
-def patch(model_types=None) -> _engine.Patched:
+def patch(model_types=None, *, strict: bool = False) -> _engine.Patched:
     """Switch transformers model families onto rope_ext.
 
     Args:
         model_types: family names (``config.model_type``, e.g. ``"llama"``), or None for every
             family of the installed transformers whose RoPE rope_ext can express (see
             :func:`survey`; this imports those families' model files, a few seconds in all).
+            Families refused then (code that matches no tested form, most often a transformers
+            release that changed it) keep transformers' code, named in a
+            ``_engine.RefusedWarning`` once per process.
+        strict: with ``model_types=None``, make a refused family an error instead of a warning.
 
     Returns:
         The families this call switched (a list, usable as a context manager, which unpatches
@@ -147,13 +154,15 @@ def patch(model_types=None) -> _engine.Patched:
         ``with patch(...)`` inside a longer patch leaves the outer one in place.
 
     Raises:
-        ValueError: a requested family has no RoPE function in the installed transformers, or one
-            of its functions is refused (its code matches no tested form), or the function found
-            at run time is not the one in its model file (someone else replaced it). Nothing is
-            patched then: all checks run before any change.
+        ValueError: a requested family (with ``strict``, any family) has no RoPE function in the
+            installed transformers, or one of its functions is refused (its code matches no tested
+            form), or the function found at run time is not the one in its model file (someone else
+            replaced it). Nothing is patched then: all checks run before any change.
     """
     if model_types is None:
-        families = [f for f, r in survey().items() if r.patchable]
+        reports = survey()
+        refused = {f: r.reason for f, r in reports.items() if not r.patchable}
+        families = _engine.patchable_or_warn("transformers", refused, [f for f in reports if f not in refused], strict)
     else:
         families = _engine.group_names(model_types, "model_types")
     plan = []
