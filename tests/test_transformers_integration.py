@@ -1,6 +1,8 @@
 """rope_ext.integrations.transformers on tiny, randomly initialised models of every supported family
 (no downloads): the patched model gives the unpatched model's logits, gradients, training curve
-and greedy generations, and really runs rope_ext's op."""
+and greedy generations, and really runs rope_ext's op. These hold the RoPE switch alone
+(``qk_norm=False``), which is bit-exact; the QK-norm fusion, which rounds differently, is
+tests/test_qk_norm_fusion.py's."""
 from __future__ import annotations
 
 import contextlib
@@ -64,7 +66,7 @@ def test_logits_and_gradients_match(family):
     model = _model(family)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     ref_logits, ref_grads = _forward_backward(model, ids)
-    with rope_hf.patch([family]) as patched, RopeOpSpy() as spy:
+    with rope_hf.patch([family], qk_norm=False) as patched, RopeOpSpy() as spy:
         assert patched == [family]
         logits, grads = _forward_backward(model, ids)
     assert rope_hf.patched_families() == []  # the context manager restored transformers' function
@@ -93,7 +95,7 @@ def _train(model, ids, steps=20):
 def test_training_curve_matches(family):
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(2))
     ref = _train(_model(family), ids)
-    with rope_hf.patch([family]):
+    with rope_hf.patch([family], qk_norm=False):
         ours = _train(_model(family), ids)
     assert ref[-1] < ref[0] - 0.5, "the tiny model should learn the fixed batch"
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), **TRAIN)
@@ -106,7 +108,7 @@ def test_greedy_generation_with_kv_cache_matches(family):
     kwargs = dict(max_new_tokens=20, do_sample=False, use_cache=True, pad_token_id=0)
     with torch.no_grad():
         ref = model.generate(ids, **kwargs)
-        with rope_hf.patch([family]), RopeOpSpy() as spy:
+        with rope_hf.patch([family], qk_norm=False), RopeOpSpy() as spy:
             ours = model.generate(ids, **kwargs)
     assert ref.shape == (2, 27) and torch.equal(ours, ref)
     assert len(spy.calls) >= 2 * 20, "decode steps must run through rope_ext"
@@ -280,7 +282,7 @@ def _parity(model, family, run):
     results = []
     for patched in (False, True):
         model.zero_grad(set_to_none=True)
-        with (rope_hf.patch([family]) if patched else contextlib.nullcontext()), RopeOpSpy() as spy:
+        with (rope_hf.patch([family], qk_norm=False) if patched else contextlib.nullcontext()), RopeOpSpy() as spy:
             out = run(model)
             _weighted(out).backward()
         assert bool(spy.calls) == patched, "the patched model must run rope_ext's op, the stock one not"
@@ -306,7 +308,7 @@ def test_causal_lm_family_matches(model_type):
     kwargs = dict(max_new_tokens=10, do_sample=False, use_cache=True, pad_token_id=0)
     with torch.no_grad():
         ref = model.generate(ids[:, :6], **kwargs)
-        with rope_hf.patch([family]), RopeOpSpy() as spy:
+        with rope_hf.patch([family], qk_norm=False), RopeOpSpy() as spy:
             ours = model.generate(ids[:, :6], **kwargs)
     assert ref.shape == (2, 16) and torch.equal(ours, ref)
     assert len(spy.calls) >= 10, "decode steps must run through rope_ext"

@@ -73,7 +73,7 @@ def _canonical(node) -> str:
     for field, value in ast.iter_fields(node):
         if field in _SKIPPED_FIELDS:
             continue
-        if field == "body" and isinstance(node, ast.FunctionDef) and value and _is_docstring(value[0]):
+        if field == "body" and isinstance(node, (ast.FunctionDef, ast.ClassDef)) and value and _is_docstring(value[0]):
             value = value[1:]
         if field == "decorator_list":
             value = [d for d in value if not _is_neutral(d)]
@@ -368,11 +368,7 @@ def rewrite_method(node: ast.FunctionDef, qualname: str, filename: str, original
                          "(the file changed since it was imported?)")
     fn = copy.deepcopy(node)
     before = {id(n) for n in ast.walk(fn)}
-    for parent in list(ast.walk(fn)):
-        for field in ("body", "orelse", "finalbody"):
-            stmts = getattr(parent, field, None)
-            if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
-                rewrite_block(stmts)
+    rewrite_each_block(fn, rewrite_block)
     new = [n for n in ast.walk(fn) if isinstance(n, ast.stmt) and id(n) not in before]
     rewritten = f"<rope_ext rewrite: {filename}>"
     code = compiled(fn, rewritten)
@@ -382,6 +378,16 @@ def rewrite_method(node: ast.FunctionDef, qualname: str, filename: str, original
     if hasattr(code, "co_qualname"):
         code = code.replace(co_qualname=original.co_qualname)
     return code
+
+
+def rewrite_each_block(fn: ast.FunctionDef, rewrite_block):
+    """Call ``rewrite_block(stmts)`` on each statement list of fn (every body, ``else`` and
+    ``finally`` block), which it may edit in place."""
+    for parent in list(ast.walk(fn)):
+        for field in ("body", "orelse", "finalbody"):
+            stmts = getattr(parent, field, None)
+            if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
+                rewrite_block(stmts)
 
 
 def _rewritten_lines(lines: list[str], new: list[ast.stmt]) -> list[str]:
@@ -401,13 +407,13 @@ def _rewritten_lines(lines: list[str], new: list[ast.stmt]) -> list[str]:
 
 
 def _instructions(code: types.CodeType):
-    """code's instructions as what they do: jump offsets left out, and the forms the compiler picks
+    """code's instructions as what they do: jump targets left out, and the forms the compiler picks
     for one and the same step by the route it compiled (a method call's LOAD_METHOD or LOAD_ATTR in
     3.11) made one."""
     skip = {"CACHE", "PRECALL", "EXTENDED_ARG", "NOP"}
 
     def arg(i):
-        if "JUMP" in i.opname:
+        if "JUMP" in i.opname or i.opcode in dis.hasjrel or i.opcode in dis.hasjabs:  # FOR_ITER, SEND too
             return None
         return _instructions(i.argval) if isinstance(i.argval, types.CodeType) else repr(i.argval)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from rope_ext.integrations._qk_norm_fusion import NormForm
 from rope_ext.integrations._rotate import Form, rotate
 
 # The module-level function names transformers gives its RoPE application.
@@ -251,4 +252,39 @@ KNOWN: dict[str, Form] = {
     "30fa8bdd4fe24dc3": Form(
         "deepseek-v2 complex", "complex freqs_cis, unsqueeze(1)", interleaved=True, tables="complex", dtype="float32"
     ),
+}
+
+
+# --- QK-norm + RoPE ---------------------------------------------------------------------------------
+
+# How each two-tensor signature's calls give (cos, sin, unsqueeze_dim) to the fused QK-norm + RoPE
+# (``_qk_norm_fusion.fused``); other signatures keep the norms and the RoPE apart.
+FUSED_ARGS = {
+    "qk": lambda cos, sin, unsqueeze_dim=1: (cos, sin, unsqueeze_dim),
+    "qk+position_ids": lambda cos, sin, position_ids=None, unsqueeze_dim=1: (cos, sin, unsqueeze_dim),
+    "vision": lambda cos, sin: (cos, sin, -2),
+    "vision, 2-D tables": lambda cos, sin: (cos, sin, 1),
+}
+
+# The attributes an attention's __init__ binds its q and k norms to.
+NORM_ATTRIBUTE = r"^(q|k|query|key)_?(layer_?)?norm$"
+
+# The RMS norm classes read in transformers 5.23's model files, by ``_qk_norm_fusion.norm_fingerprint``
+# (the class block, its name left out); the comment names one family with it. Every one is tested
+# against the class itself (tests/test_qk_norm_fusion.py).
+KNOWN_NORMS: dict[str, NormForm] = {
+    # qwen3 (Qwen3RMSNorm): weight * normalized.to(x.dtype)
+    "4d22ce1965e79881": NormForm("qwen3", "variance_epsilon", output="promote"),
+    # olmoe (OlmoeRMSNorm): qwen3's with another default eps
+    "37e4a2efe074e97c": NormForm("qwen3", "variance_epsilon", output="promote"),
+    # idefics (IdeficsRMSNorm): weight * normalized, cast to a 16-bit weight's dtype first
+    "67a3a6c4c5a9ed60": NormForm("idefics", "variance_epsilon", output="promote"),
+    # olmo2 (Olmo2RMSNorm): (weight * normalized).to(x.dtype), in float32
+    "a6dd56b6dac40ce8": NormForm("olmo2", "variance_epsilon"),
+    # gemma3 (Gemma3RMSNorm): normalized * (1 + weight), in float32
+    "e2137060dcb90c46": NormForm("gemma", "eps", offset=1.0),
+    # gemma3n (Gemma3nRMSNorm): normalized * weight if with_scale, in float32
+    "8b52c2c6cf81a572": NormForm("gemma3n", "eps", weight_if="with_scale"),
+    # nanochat (NanoChatRMSNorm): no weight
+    "64421151a7603109": NormForm("no weight", "eps", weight=None),
 }

@@ -32,8 +32,9 @@ import dataclasses
 import functools
 import importlib
 import os
+import re
 
-from rope_ext.integrations import _engine, _hf_forms, _rotate
+from rope_ext.integrations import _engine, _hf_forms, _qk_norm_fusion, _rotate
 
 __all__ = ["FamilyReport", "RopeFunction", "family_report", "patch", "patched_families", "survey", "unpatch"]
 
@@ -64,10 +65,12 @@ class RopeFunction:
 
 @dataclasses.dataclass(frozen=True)
 class FamilyReport:
-    """A model family's RoPE functions; it is patchable when every one of them has a form."""
+    """A model family's RoPE functions (it is patchable when every one of them has a form) and its
+    attention methods that normalize q and k and apply RoPE (``qk_norms``: fused, or why not)."""
 
     family: str
     functions: tuple[RopeFunction, ...]
+    qk_norms: tuple[_qk_norm_fusion.FusionSite, ...] = ()
 
     @property
     def patchable(self) -> bool:
@@ -78,15 +81,20 @@ class FamilyReport:
         refused = [f"{f.name}: {f.reason}" for f in self.functions if f.form is None]
         return "; ".join(refused) or None
 
+    @property
+    def qk_norm_fused(self) -> bool | None:
+        """Whether every QK-norm of the family is fused (None: it has none)."""
+        return all(site.fused for site in self.qk_norms) if self.qk_norms else None
+
 
 _replacement = functools.lru_cache(maxsize=None)(_hf_forms.replacement)
 
 
-def _classify_file(path: str, module: str) -> list[RopeFunction]:
+def _classify_file(path: str, module: str) -> tuple[list[RopeFunction], list[_qk_norm_fusion.FusionSite]]:
     with open(path, encoding="utf-8") as f:
         source = f.read()
     if not any(f"def {name}(" in source for name in _hf_forms.ROPE_FUNCTIONS):
-        return []
+        return [], []
     tree = ast.parse(source, filename=path)
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     definitions = _engine.module_definitions(tree)
@@ -98,7 +106,9 @@ def _classify_file(path: str, module: str) -> list[RopeFunction]:
         form = _hf_forms.KNOWN.get(key)
         reason = None if form else _engine.refusal(key)
         found.append(RopeFunction(module, name, form, reason, key))
-    return found
+    sites = _qk_norm_fusion.find_sites(tree, module, {f.name: f.form for f in found}, _hf_forms.KNOWN_NORMS,
+                                       re.compile(_hf_forms.NORM_ATTRIBUTE), _hf_forms.FUSED_ARGS)
+    return found, sites
 
 
 def _models_root() -> str:
@@ -114,11 +124,13 @@ def family_report(family: str) -> FamilyReport | None:
     folder = os.path.join(_models_root(), family)
     if not family.isidentifier() or not os.path.isdir(folder):
         return None
-    functions = []
+    functions, sites = [], []
     for file in sorted(os.listdir(folder)):
         if file.startswith("modeling_") and file.endswith(".py"):
-            functions += _classify_file(os.path.join(folder, file), f"transformers.models.{family}.{file[:-3]}")
-    return FamilyReport(family, tuple(functions)) if functions else None
+            more, more_sites = _classify_file(os.path.join(folder, file), f"transformers.models.{family}.{file[:-3]}")
+            functions += more
+            sites += more_sites
+    return FamilyReport(family, tuple(functions), tuple(sites)) if functions else None
 
 
 def survey() -> dict[str, FamilyReport]:
@@ -136,7 +148,7 @@ def survey() -> dict[str, FamilyReport]:
 _patcher = _engine.Patcher()
 
 
-def patch(model_types=None, *, strict: bool = False) -> _engine.Patched:
+def patch(model_types=None, *, strict: bool = False, qk_norm: bool = True) -> _engine.Patched:
     """Switch transformers model families onto rope_ext.
 
     Args:
@@ -147,6 +159,11 @@ def patch(model_types=None, *, strict: bool = False) -> _engine.Patched:
             release that changed it) keep transformers' code, named in a
             ``_engine.RefusedWarning`` once per process.
         strict: with ``model_types=None``, make a refused family an error instead of a warning.
+        qk_norm: also fuse each attention's q/k RMS norms into its RoPE call, one
+            :func:`rope_ext.qk_norm_rotary` call for q and k, where the family's ``qk_norms``
+            say it is fused (Qwen3, Gemma 3, OLMo 2, ...; see the listing). Each call checks that
+            the attention's norms are still the file's classes, unhooked, and runs transformers'
+            own code where they are not.
 
     Returns:
         The families this call switched (a list, usable as a context manager, which unpatches
@@ -184,7 +201,38 @@ def patch(model_types=None, *, strict: bool = False) -> _engine.Patched:
                     "its model file defines (was it replaced by another patch?)"
                 )
             plan.append((family, module, fn.name, fn.replacement))
+        for site in report.qk_norms if qk_norm else ():
+            if site.fused:
+                plan += _fusion_plan(family, report, site)
     return _patcher.apply(plan, unpatch)
+
+
+def _fusion_plan(family: str, report: FamilyReport, site: _qk_norm_fusion.FusionSite) -> list:
+    """The rewrite of one attention method's norms and RoPE call into one fused call."""
+    module = importlib.import_module(site.module)
+    norms = {}
+    for attr, cls_name in site.norms:
+        cls = getattr(module, cls_name, None)
+        forward = getattr(cls, "forward", None)
+        if getattr(getattr(forward, "__code__", None), "co_filename", None) != module.__file__:
+            raise ValueError(f"rope_ext: cannot patch {family!r}: {site.module}.{cls_name}.forward is not the one "
+                             "its model file defines (was it replaced by another patch?)")
+        norms[attr] = (cls, site.norm_form, forward)
+    fn = next(f for f in report.functions if f.module == site.module and f.name == site.site.rope)
+    ropes = (_patcher.original(family, module, fn.name), fn.replacement)
+    call = _qk_norm_fusion.fused(fn.form, norms, ropes, _hf_forms.FUSED_ARGS[fn.form.signature])
+    call.__qualname__ = f"fused_qk_norm_rope[{site.method}]"
+    with open(module.__file__, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=module.__file__)
+    node = dict(_engine.function_defs(tree))[site.method]
+    rewrite_block, found, _ = _qk_norm_fusion.fusion_rewrite({fn.name}, set(norms))
+    try:
+        plan = _engine.method_rewrite_plan(family, module, site.method, node, rewrite_block, call, _patcher)
+    except ValueError as e:
+        raise ValueError(f"rope_ext: cannot patch {family!r}: {e}") from None
+    if found != [site.site]:
+        raise ValueError(f"rope_ext: cannot patch {family!r}: {site.method} changed since it was classified")
+    return plan
 
 
 def unpatch(model_types=None) -> list[str]:
@@ -198,14 +246,21 @@ def patched_families() -> list[str]:
 
 
 def main() -> None:
-    """Print every family of the installed transformers with its RoPE form, patched or why not."""
+    """Print every family of the installed transformers with its RoPE form, patched or why not, and
+    its QK-norms, fused or why not."""
     import transformers
 
     reports = survey()
     patched = _engine.print_listing(
-        reports, lambda report: [_engine.site_text(fn.name, fn.form, fn.reason) for fn in report.functions])
+        reports, lambda report: [_engine.site_text(fn.name, fn.form, fn.reason) for fn in report.functions]
+        + [_qk_norm_fusion.site_text(site) for site in report.qk_norms])
+    with_norms = [r for r in reports.values() if r.qk_norms]
     print(f"\ntransformers {transformers.__version__}: {len(reports)} families with RoPE; "
           f"{patched} patched, {len(reports) - patched} refused")
+    print(f"{len(with_norms)} normalize q and k with a module of their attention and apply RoPE: "
+          f"{sum(bool(r.qk_norm_fused) for r in with_norms)} fused in every attention, "
+          f"{sum(r.qk_norm_fused is False and any(s.fused for s in r.qk_norms) for r in with_norms)} in some, "
+          f"{sum(not any(s.fused for s in r.qk_norms) for r in with_norms)} in none")
 
 
 if __name__ == "__main__":

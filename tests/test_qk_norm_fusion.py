@@ -1,0 +1,363 @@
+"""QK-norm + RoPE fused in transformers' attention (rope_ext.integrations.transformers.patch's
+``qk_norm``): each norm form against the class it stands for, whole tiny models against stock in
+float32 and bfloat16 (outputs and every parameter's gradient), the fused op seen once per attention
+layer, the fallbacks, the refusals, and one graph under torch.compile."""
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import os
+import re
+
+import pytest
+import torch
+from conftest import RopeOpSpy
+
+from rope_ext import qk_norm_rotary
+from rope_ext.integrations import _engine, _hf_forms, _qk_norm_fusion
+from rope_ext.integrations import transformers as rope_hf
+
+T = pytest.importorskip("transformers")
+from test_transformers_integration import _tiny, _weighted  # noqa: E402  (after the importorskip)
+
+# --- the norm forms ---------------------------------------------------------------------------------
+
+
+@functools.cache
+def _norm_classes() -> dict:
+    """fingerprint -> (module name, class name): one class of the installed transformers for each
+    norm fingerprint of the table."""
+    root = os.path.dirname(T.models.__file__)
+    found = {}
+    for family in sorted(os.listdir(root)):
+        folder = os.path.join(root, family)
+        for file in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+            if not (file.startswith("modeling_") and file.endswith(".py")):
+                continue
+            with open(os.path.join(folder, file), encoding="utf-8") as f:
+                source = f.read()
+            if "RMSNorm" not in source:
+                continue
+            tree = ast.parse(source)
+            definitions = _engine.module_definitions(tree)
+            for node in tree.body:
+                if isinstance(node, ast.ClassDef) and "Norm" in node.name:
+                    key = _qk_norm_fusion.norm_fingerprint(definitions, node)
+                    if key in _hf_forms.KNOWN_NORMS:
+                        found.setdefault(key, (f"transformers.models.{family}.{file[:-3]}", node.name))
+    return found
+
+
+def test_every_norm_fingerprint_is_in_the_installed_transformers():
+    assert set(_norm_classes()) == set(_hf_forms.KNOWN_NORMS)
+
+
+def _norm(key, dim, weight_dtype, gen):
+    import importlib
+
+    module, name = _norm_classes()[key]
+    cls = getattr(importlib.import_module(module), name)
+    try:
+        norm = cls(dim, eps=1e-5)
+    except TypeError:
+        norm = cls(eps=1e-5)  # no weight, no size
+    for p in norm.parameters():
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5 + 0.3)
+    return norm.to(weight_dtype)
+
+
+NORM_CASES = [(key, x, w) for key in _hf_forms.KNOWN_NORMS
+              for x, w in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                           (torch.bfloat16, torch.float32), (torch.float16, torch.float16))]
+
+
+@pytest.mark.parametrize("key,x_dtype,w_dtype", NORM_CASES)
+def test_norm_form_matches_its_class(key, x_dtype, w_dtype):
+    """The fused op with the table's NormForm (identity tables: cos 1, sin 0), against the class
+    itself, where the fusion takes it: where the class returns x's dtype (elsewhere the fusion
+    declines, and test_fallbacks_run_transformers_code sees the model's own code run). Bound: the op rounds once from float32; the class rounds
+    its normalized value and then its product with the weight to x's dtype (Qwen3's form), or
+    computes in float32 and rounds once (the others): two roundings of x's dtype between them,
+    2 * 2^-8 relative for bfloat16, 2 * 2^-11 for float16, and float32 reassociation (4 * 2^-24)."""
+    form = _hf_forms.KNOWN_NORMS[key]
+    gen = torch.Generator().manual_seed(0)
+    dim = 32
+    norm = _norm(key, dim, w_dtype, gen)
+    x = (torch.randn(3, 5, 4, dim, generator=gen, dtype=torch.float64) * 3).to(x_dtype)
+    expected = norm(x)
+    weight = _qk_norm_fusion._norm_weight(norm, form)
+    # the fusion takes exactly the pairs where the class returns x's dtype
+    assert _qk_norm_fusion._weight_ok(weight, form, x, dim) == (expected.dtype == x_dtype)
+    if expected.dtype != x_dtype:
+        return
+    ones, zeros = torch.ones(5, dim, dtype=x_dtype), torch.zeros(5, dim, dtype=x_dtype)
+    ours, _ = qk_norm_rotary(x, x, weight, weight, ones.unsqueeze(1), zeros.unsqueeze(1),
+                             eps=getattr(norm, form.eps), weight_offset=form.offset)
+    ulp = {torch.float32: 4 * 2**-24, torch.bfloat16: 2 * 2**-8, torch.float16: 2 * 2**-11}[x_dtype]
+    scale = expected.double().abs().amax(-1, keepdim=True)
+    assert ((ours.double() - expected.double()).abs() <= ulp * scale).all()
+
+
+def test_norm_form_with_scale_off():
+    """Gemma 3n's norms without a weight (with_scale=False) are a plain RMS norm."""
+    key = next(k for k, f in _hf_forms.KNOWN_NORMS.items() if f.weight_if)
+    form = _hf_forms.KNOWN_NORMS[key]
+    module, name = _norm_classes()[key]
+    import importlib
+
+    norm = getattr(importlib.import_module(module), name)(16, eps=1e-6, with_scale=False)
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(1))
+    assert _qk_norm_fusion._norm_weight(norm, form) is None
+    ours, _ = qk_norm_rotary(x, x, None, None, torch.ones(3, 16), torch.zeros(3, 16), eps=norm.eps)
+    torch.testing.assert_close(ours, norm(x), atol=0, rtol=4 * 2**-24)
+
+
+# --- whole models -----------------------------------------------------------------------------------
+
+# model_type -> (family, config overrides). Qwen3: per head, its rounding; Gemma 3: (1 + w);
+# OLMo 2: across heads; GLM-4-MoE: norms under `if self.use_qk_norm:`, transposed after, and
+# partial rotary (half the head).
+MODELS = {
+    "qwen3": ("qwen3", {}),
+    "gemma3_text": ("gemma3", {}),
+    "olmo2": ("olmo2", {}),
+    "glm4_moe": ("glm4_moe", {"use_qk_norm": True}),
+}
+
+
+def _model(model_type):
+    family, overrides = MODELS[model_type]
+    config = _tiny(model_type)
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config).float().eval()
+    gen = torch.Generator().manual_seed(3)
+    for name, p in model.named_parameters():  # weights that matter: a norm without its weight would show
+        if re.search(r"\.(q|k)_norm\.", name):
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (0.0 if family == "gemma3" else 1.0))
+    return family, model
+
+
+def _run(model, family, ids, mode):
+    """Logits and every parameter's gradient (float64, flattened), and the rope_ext ops seen:
+    mode None (stock), "rope" (the RoPE switch alone) or "fused"."""
+    model.zero_grad(set_to_none=True)
+    patch = contextlib.nullcontext() if mode is None else rope_hf.patch([family], qk_norm=mode == "fused")
+    with patch, RopeOpSpy() as spy:
+        out = model(input_ids=ids).logits
+        _weighted(out).backward()
+    grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach().double(), grads, spy.names
+
+
+def _max_rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _norm_rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _check_parity(model_type, dtype):
+    """Raises AssertionError where the fused model is off the bound (see the tests)."""
+    family, model = _model(model_type)
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    truth, truth_grads, _ = _run(model, family, ids, None)  # float32 stock: the reference
+    model = model.to(dtype)
+    stock, stock_grads, _ = _run(model, family, ids, None)
+    fused, grads, ops = _run(model, family, ids, "fused")
+    layers = model.config.num_hidden_layers
+    assert ops.count("qk_norm_rotary") == layers and "rotary_qk" not in ops, ops
+    assert grads.keys() == stock_grads.keys()
+    if dtype == torch.float32:
+        assert _max_rel(fused, stock) <= 2**-16, _max_rel(fused, stock)
+        for name in grads:
+            assert _max_rel(grads[name], stock_grads[name]) <= 2**-16, name
+        return
+    # bfloat16: as close to the float32 model as stock bfloat16 is, within 25%
+    assert _max_rel(fused, truth) <= 1.25 * _max_rel(stock, truth), (_max_rel(fused, truth), _max_rel(stock, truth))
+    flat = lambda g: torch.cat([g[n].flatten() for n in sorted(g)])  # noqa: E731
+    assert _norm_rel(flat(grads), flat(truth_grads)) <= 1.25 * _norm_rel(flat(stock_grads), flat(truth_grads))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("model_type", MODELS)
+def test_model_matches_stock(model_type, dtype):
+    """Outputs and every parameter's gradient of a tiny model with its q/k norms fused, against
+    transformers' own model.
+
+    float32: within 2^-16 of the largest value. The fused op computes the norm and the rotation in
+    float32 and rounds once; transformers rounds after each step; the difference is a few float32
+    roundings (2^-24 each) per element of q and k, which two layers, softmax and the LM head
+    amplify by far less than 2^8 (measured: 2e-7 to 6e-7 of the largest value, 2^-16 is 1.5e-5).
+
+    bfloat16: the model's error against the float32 model, no more than 1.25 times stock bfloat16's.
+    The fused op rounds q and k once where transformers rounds three or four times, so it is not
+    less exact; the rest of the model rounds the same way in both, so their errors are close
+    (measured ratios 0.8 to 1.11); 1.25 leaves room for where the roundings land."""
+    _check_parity(model_type, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_the_bound_can_fail(monkeypatch, dtype):
+    """The same check on a fusion that drops the norms' weights fails."""
+    import rope_ext._ops
+
+    real = rope_ext._ops.qk_norm_rotary
+
+    def without_weights(q, k, q_weight, k_weight, *args, **kwargs):
+        return real(q, k, None, None, *args, **kwargs)
+
+    monkeypatch.setattr(rope_ext._ops, "qk_norm_rotary", without_weights)
+    with pytest.raises(AssertionError):
+        _check_parity("qwen3", dtype)
+
+
+def test_fused_op_runs_once_per_layer_and_never_after_unpatch():
+    family, model = _model("qwen3")
+    ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        with rope_hf.patch([family]), RopeOpSpy() as spy:
+            model(input_ids=ids)
+        assert spy.names == ["qk_norm_rotary"] * model.config.num_hidden_layers
+        with RopeOpSpy() as spy:
+            model(input_ids=ids)
+        assert spy.names == []
+
+
+def test_fallbacks_run_transformers_code():
+    """Where a check fails the attention runs its own norms, then the RoPE function the name holds:
+    a hook on a norm, a norm class replaced on the instance, bfloat16 weights with float32
+    activations (which the op does not take). The results are the RoPE switch's alone, or stock's."""
+    family, model = _model("qwen3")
+    ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(2))
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad(), rope_hf.patch([family], qk_norm=False):
+        rope_only = model(input_ids=ids).logits
+    cases = {
+        "hook": lambda: attn.q_norm.register_forward_hook(lambda *a: None),
+        "replaced": lambda: _replace(attn, "k_norm", torch.nn.RMSNorm(attn.head_dim, eps=attn.k_norm.variance_epsilon)),
+    }
+    for name, make in cases.items():
+        undo = make()
+        try:
+            with torch.no_grad(), rope_hf.patch([family]), RopeOpSpy() as spy:
+                out = model(input_ids=ids).logits
+        finally:
+            undo.remove()
+        # layer 0 falls back (the RoPE switch's rotary_qk), layer 1 is fused
+        assert spy.names == ["rotary_qk", "qk_norm_rotary"], (name, spy.names)
+        if name == "hook":
+            torch.testing.assert_close(out, rope_only, atol=2e-6, rtol=2e-6)
+    for layer in model.model.layers:  # Qwen3's norm returns float32 for float32 x and bfloat16 weights
+        layer.self_attn.q_norm.bfloat16()
+    with torch.no_grad(), rope_hf.patch([family]), RopeOpSpy() as spy:
+        out = model(input_ids=ids).logits
+    assert spy.names == ["rotary_qk"] * model.config.num_hidden_layers
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(input_ids=ids).logits, atol=2e-6, rtol=2e-6)
+
+
+class _Undo:
+    def __init__(self, fn):
+        self.remove = fn
+
+
+def _replace(module, attr, new):
+    old = getattr(module, attr)
+    new.weight.data.copy_(old.weight.data)
+    setattr(module, attr, new)
+    return _Undo(lambda: setattr(module, attr, old))
+
+
+def test_patched_decoder_layer_compiles_to_one_graph():
+    family, model = _model("qwen3")
+    layer = model.model.layers[0]
+    hidden = torch.randn(2, 7, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    position_ids = torch.arange(7).expand(2, 7)
+    embeddings = model.model.rotary_emb(hidden, position_ids)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad(), rope_hf.patch([family]):
+        eager = layer(hidden, position_embeddings=embeddings, attention_mask=None)
+        compiled = torch.compile(layer, backend=backend, fullgraph=True)
+        out = compiled(hidden, position_embeddings=embeddings, attention_mask=None)
+    assert len(graphs) == 1
+    code = graphs[0].code
+    # one fused call; rsqrt only in the layer's own two norms (input and post-attention)
+    assert code.count("rope_ext.qk_norm_rotary") == 1 and code.count("torch.rsqrt(") == 2, code
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+# --- refusals ---------------------------------------------------------------------------------------
+
+
+def _sites(source: str):
+    tree = ast.parse(source)
+    rope_forms = {"apply_rotary_pos_emb": _hf_forms.KNOWN[next(k for k, f in _hf_forms.KNOWN.items()
+                                                               if f.name == "llama")]}
+    return {s.method: s for s in _qk_norm_fusion.find_sites(tree, "m", rope_forms, _hf_forms.KNOWN_NORMS,
+                                                            re.compile(_hf_forms.NORM_ATTRIBUTE), _hf_forms.FUSED_ARGS)}
+
+
+@functools.cache
+def _qwen3_source() -> str:
+    from transformers.models.qwen3 import modeling_qwen3
+
+    with open(modeling_qwen3.__file__, encoding="utf-8") as f:
+        return f.read()
+
+
+def test_qwen3_source_is_fused():
+    assert _sites(_qwen3_source())["Qwen3Attention.forward"].fused
+
+
+def test_an_altered_norm_is_refused_by_name():
+    source = _qwen3_source().replace("variance + self.variance_epsilon", "variance + 2 * self.variance_epsilon")
+    site = _sites(source)["Qwen3Attention.forward"]
+    assert not site.fused
+    assert re.search(r"self\.[qk]_norm's class Qwen3RMSNorm \(fingerprint \w+\) matches no tested RMS norm form",
+                     site.reason)
+
+
+def test_norms_after_rope_are_refused():
+    rope = "        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)\n"
+    source = _qwen3_source()
+    assert rope in source
+    source = source.replace(rope, rope + "        query_states = self.q_norm(query_states)\n"
+                            "        key_states = self.k_norm(key_states)\n")
+    source = re.sub(r"self\.([qk])_norm\((self\.[qk]_proj\(hidden_states\)\.view\(hidden_shape\))\)", r"\2", source)
+    site = _sites(source)["Qwen3Attention.forward"]
+    assert not site.fused and "normalized after RoPE" in site.reason
+
+
+def test_a_read_between_norm_and_rope_is_refused():
+    rope = "        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)\n"
+    source = _qwen3_source().replace(rope, "        self.seen = query_states.sum()\n" + rope)
+    site = _sites(source)["Qwen3Attention.forward"]
+    assert not site.fused and "query_states is set or read by `self.seen = query_states.sum()`" in site.reason
+
+
+def test_listing_says_which_are_fused(capsys):
+    rope_hf.main()
+    out = capsys.readouterr().out
+    assert re.search(r"qk-norm Qwen3Attention\.forward: fused, qwen3: .*over each head", out)
+    assert re.search(r"qk-norm Olmo2Attention\.forward: fused, olmo2: .*over all heads of a token", out)
+    assert re.search(r"qk-norm CohereAttention\.forward: not fused: self\.k_norm's class CohereLayerNorm", out)
+    counts = re.search(r"(\d+) normalize q and k .*: (\d+) fused in every attention, (\d+) in some", out)
+    assert int(counts[2]) + int(counts[3]) >= 40
+
+
+def test_family_counts():
+    reports = rope_hf.survey()
+    fused = [f for f, r in reports.items() if any(s.fused for s in r.qk_norms)]
+    assert len(fused) >= 40, len(fused)
+    assert {"qwen3", "gemma3", "olmo2", "glm4_moe"} <= set(fused)
