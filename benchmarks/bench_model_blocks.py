@@ -1,0 +1,199 @@
+"""Step time (forward + backward) of real model blocks on the CPU: stock, RoPE switched to rope_ext,
+and q/k norms + RoPE fused into one rope_ext call (issue 39).
+
+    python benchmarks/bench_model_blocks.py            # every block, bfloat16 and float32 (about 3 minutes)
+    python benchmarks/bench_model_blocks.py --quick    # bfloat16, fewer rounds
+
+Blocks (random weights, the models' own classes from the installed transformers and diffusers):
+  qwen3  a Qwen3 decoder layer: hidden 1024, 16 query and 8 key/value heads of 128, MLP 3072,
+         1 x 512 tokens, tables from Qwen3RotaryEmbedding.
+  flux   bench_diffusers.py's Flux double-stream block (4 heads of 128, 1024 image and 128 text
+         tokens, FluxPosEmbed's tables).
+  wan    bench_diffusers.py's Wan block (4 heads of 128, q/k normalized across heads, 1024 video and
+         128 text tokens, WanRotaryPosEmbed's tables).
+Variants:
+  stock   the library's code as installed;
+  rope    rope_ext.integrations.<library>.patch(qk_norm=False): RoPE on rope_ext's op;
+  fused   patch(): the q/k norms and RoPE in one rope_ext.qk_norm_rotary call (transformers only
+          so far; the diffusers fusion is not built yet, and its row says so);
+  none    the q/k norms and RoPE removed (norms swapped for nn.Identity, no RoPE tables), to give
+          the share of the stock step that norm and RoPE take: (stock - none) / stock.
+One step: zero grads, forward, backward of the output's sum into every parameter and the input.
+Variants run interleaved, one step each per round, after warm-up rounds; the table gives medians
+and ratios of medians, all from one run. Each variant's output is checked against stock first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import time
+
+import bench_diffusers
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+# --- the blocks ---------------------------------------------------------------------------------------
+
+
+def qwen3_block(dtype):
+    from transformers import Qwen3Config
+    from transformers.models.qwen3 import modeling_qwen3 as mq
+
+    from rope_ext.integrations import transformers as rope_hf
+
+    config = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+                         head_dim=128, num_hidden_layers=1, vocab_size=128)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    layer = mq.Qwen3DecoderLayer(config, 0).to(dtype)
+    x = torch.randn(1, 512, 1024, dtype=dtype, requires_grad=True)
+    positions = torch.arange(512).unsqueeze(0)
+    embeddings = mq.Qwen3RotaryEmbedding(config)(x, positions)
+
+    def step(tables=embeddings):
+        return layer(x, position_embeddings=tables, attention_mask=None)
+
+    def none():
+        attn = layer.self_attn
+        saved = attn.q_norm, attn.k_norm, mq.apply_rotary_pos_emb
+        attn.q_norm = attn.k_norm = torch.nn.Identity()
+        mq.apply_rotary_pos_emb = lambda q, k, cos, sin, unsqueeze_dim=1: (q, k)
+        try:
+            yield
+        finally:
+            attn.q_norm, attn.k_norm, mq.apply_rotary_pos_emb = saved
+
+    variants = {
+        "stock": contextlib.nullcontext,
+        "rope": lambda: rope_hf.patch(["qwen3"], qk_norm=False),
+        "fused": lambda: rope_hf.patch(["qwen3"]),
+        "none": contextlib.contextmanager(none),
+    }
+    return layer, x, step, variants
+
+
+def _identity_norms(attentions):
+    @contextlib.contextmanager
+    def swap():
+        saved = [(a, a.norm_q, a.norm_k) for a in attentions]
+        for a in attentions:
+            a.norm_q = a.norm_k = torch.nn.Identity()
+        try:
+            yield
+        finally:
+            for a, q, k in saved:
+                a.norm_q, a.norm_k = q, k
+
+    return swap
+
+
+def _diffusers_block(build, attention):
+    """A block of bench_diffusers.py (the same sizes and inputs as its figures), as a step and its
+    variants; ``attention(module)``: its self-attention, whose norms the none variant removes."""
+    from rope_ext.integrations import diffusers as rope_diffusers
+
+    def make(dtype):
+        block = build(dtype)
+        module, (x, *rest, tables) = block.module, block.args
+        x = x.detach().requires_grad_()
+        state = {"tables": tables}
+
+        @contextlib.contextmanager
+        def none():
+            with _identity_norms([attention(module)])():
+                state["tables"] = None
+                try:
+                    yield
+                finally:
+                    state["tables"] = tables
+
+        variants = {
+            "stock": contextlib.nullcontext,
+            "rope": lambda: rope_diffusers.patch([block.name]),
+            "none": none,
+        }
+        return module, x, lambda: _first(module(x, *rest, state["tables"])), variants
+
+    return make
+
+
+def _first(out):
+    return out[1] if isinstance(out, tuple) else out  # Flux returns (text, image)
+
+
+BLOCKS = {
+    "qwen3": qwen3_block,
+    "flux": _diffusers_block(bench_diffusers.flux_block, lambda m: m.attn),
+    "wan": _diffusers_block(bench_diffusers.wan_block, lambda m: m.attn1),
+}
+
+
+# --- timing -------------------------------------------------------------------------------------------
+
+
+def time_step(module, x, step) -> float:
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    start = time.perf_counter()
+    out = step()
+    out.float().sum().backward()
+    return time.perf_counter() - start
+
+
+def run_block(name, dtype, rounds, warmup):
+    module, x, step, variants = BLOCKS[name](dtype)
+    with torch.no_grad():
+        reference = step().float()
+    for variant, context in variants.items():  # each variant against stock first (none is expected to differ)
+        with torch.no_grad(), context():
+            out = step().float()
+        err = ((out - reference).abs().max() / reference.abs().max()).item()
+        if variant != "none" and err > (2e-2 if dtype == torch.bfloat16 else 1e-4):
+            raise SystemExit(f"{name} {variant}: output off stock by {err:.2e} of its largest value")
+    times = {v: [] for v in variants}
+    for r in range(warmup + rounds):
+        for variant, context in variants.items():
+            with context():
+                t = time_step(module, x, step)
+            if r >= warmup:
+                times[variant].append(t)
+    return {v: statistics.median(ts) for v, ts in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="bfloat16 only, 5 rounds")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--blocks", default=",".join(BLOCKS))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float32]
+    rounds, warmup = (5, 2) if args.quick else (15, 3)
+    import diffusers
+    import transformers
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, diffusers {diffusers.__version__}, "
+          f"CPU {platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), "
+          f"{args.threads} threads; medians of {rounds} interleaved rounds")
+    print(f"{'block':<6} {'dtype':<9} {'stock ms':>9} {'rope ms':>8} {'fused ms':>9} {'none ms':>8} "
+          f"{'rope/stock':>10} {'fused/stock':>11} {'norm+RoPE share':>15}")
+    for name in args.blocks.split(","):
+        for dtype in dtypes:
+            med = run_block(name, dtype, rounds, warmup)
+            stock = med["stock"]
+            fused = f"{med['fused'] * 1e3:9.1f}" if "fused" in med else f"{'not yet':>9}"
+            fused_ratio = f"{med['fused'] / stock:11.3f}" if "fused" in med else f"{'-':>11}"
+            dname = str(dtype).removeprefix("torch.")
+            print(f"{name:<6} {dname:<9} {stock * 1e3:9.1f} {med['rope'] * 1e3:8.1f} {fused} "
+                  f"{med['none'] * 1e3:8.1f} {med['rope'] / stock:10.3f} {fused_ratio} "
+                  f"{(stock - med['none']) / stock:15.1%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
