@@ -112,7 +112,8 @@ def test_rewrite_of_a_method_with_lambda_comprehension_inner_def_super_and_mangl
     module, node = _attn(tmp_path)
     assert module.Attn().forward(1) == 10 + 6
     patcher = engine.Patcher()
-    plan = engine.method_rewrite_plan("attn", module, "Attn.forward", node, _rewrite_y, lambda y, s: -y * s, patcher)
+    plan = engine.method_rewrite_plan("attn", module, "Attn.forward", node, engine.per_block(_rewrite_y),
+                                      lambda y, s: -y * s, patcher)
     patcher.apply(plan, undo=None)
     try:
         assert module.Attn().forward(3) == -30
@@ -126,7 +127,8 @@ def test_a_method_changed_since_import_is_refused(tmp_path):
     changed = ast.parse(textwrap.dedent(_CLASS).replace("v + 1", "v + 2"))
     node = dict(engine.function_defs(changed))["Attn.forward"]
     try:
-        engine.method_rewrite_plan("attn", module, "Attn.forward", node, _rewrite_y, abs, engine.Patcher())
+        engine.method_rewrite_plan("attn", module, "Attn.forward", node, engine.per_block(_rewrite_y), abs,
+                                   engine.Patcher())
     except ValueError as e:
         assert "is not the code that runs" in str(e)
     else:
@@ -146,7 +148,7 @@ def test_a_rewritten_method_shows_the_code_that_runs(tmp_path):
     under a file name that says it is rope_ext's rewrite of that file."""
     module, node = _attn(tmp_path)
     patcher = engine.Patcher()
-    patcher.apply(engine.method_rewrite_plan("attn", module, "Attn.forward", node, _rewrite_y,
+    patcher.apply(engine.method_rewrite_plan("attn", module, "Attn.forward", node, engine.per_block(_rewrite_y),
                                              lambda y, s: y / 0, patcher), undo=None)
     try:
         frame = _traceback_of(module.Attn().forward, 1)[1]

@@ -58,7 +58,7 @@ def _rewrite(stmts, holder):
 def _plans(module, tree, patcher):
     node = dict(_engine.function_defs(tree))["Inner.forward"]
     return {
-        "method rewrite": _engine.method_rewrite_plan("m", module, "Inner.forward", node, _rewrite,
+        "method rewrite": _engine.method_rewrite_plan("m", module, "Inner.forward", node, _engine.per_block(_rewrite),
                                                       lambda x: x + 100, patcher),
         "module function": [("m", module, "scale", lambda x: x * 3)],
     }

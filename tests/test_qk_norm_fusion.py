@@ -77,7 +77,8 @@ NORM_CASES = [(key, x, w) for key in _hf_forms.KNOWN_NORMS
 def test_norm_form_matches_its_class(key, x_dtype, w_dtype):
     """The fused op with the table's NormForm (identity tables: cos 1, sin 0), against the class
     itself, where the fusion takes it: where the class returns x's dtype (elsewhere the fusion
-    declines, and test_fallbacks_run_transformers_code sees the model's own code run). Bound: the op rounds once from float32; the class rounds
+    declines, and test_fallbacks_run_transformers_code sees the model's own code run).
+    Bound: the op rounds once from float32; the class rounds
     its normalized value and then its product with the weight to x's dtype (Qwen3's form), or
     computes in float32 and rounds once (the others): two roundings of x's dtype between them,
     2 * 2^-8 relative for bfloat16, 2 * 2^-11 for float16, and float32 reassociation (4 * 2^-24)."""
@@ -305,7 +306,7 @@ def _sites(source: str):
     rope_forms = {"apply_rotary_pos_emb": _hf_forms.KNOWN[next(k for k, f in _hf_forms.KNOWN.items()
                                                                if f.name == "llama")]}
     return {s.method: s for s in _qk_norm_fusion.find_sites(tree, "m", rope_forms, _hf_forms.KNOWN_NORMS,
-                                                            re.compile(_hf_forms.NORM_ATTRIBUTE), _hf_forms.FUSED_ARGS)}
+                                                            re.compile(_hf_forms.NORM_ATTRIBUTE), _hf_forms.FUSED_TABLES)}
 
 
 @functools.cache
@@ -343,7 +344,8 @@ def test_a_read_between_norm_and_rope_is_refused():
     rope = "        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)\n"
     source = _qwen3_source().replace(rope, "        self.seen = query_states.sum()\n" + rope)
     site = _sites(source)["Qwen3Attention.forward"]
-    assert not site.fused and "query_states is set or read by `self.seen = query_states.sum()`" in site.reason
+    assert not site.fused and site.reason == ("`self.seen = query_states.sum()` reads, sets or changes query_states or "
+                                              "key_states between their norms and RoPE")
 
 
 def test_listing_says_which_are_fused(capsys):

@@ -367,7 +367,8 @@ def test_rewrite_finds_the_statements_once():
     block, found = _timm_forms.prefix_rewrite()
     tree = ast.parse(open(eva.__file__, encoding="utf-8").read())
     node = dict(_engine.function_defs(tree))["EvaAttention.forward"]
-    code = _engine.rewrite_method(node, eva.__file__, eva.EvaAttention.forward.__code__, lambda st: block(st, "h"))
+    code = _engine.rewrite_method(node, "EvaAttention.forward", eva.__file__, eva.EvaAttention.forward.__code__,
+                                  lambda fn: _engine.rewrite_each_block(fn, lambda st: block(st, "h")))
     assert len(found) == 1 and "h" in code.co_names and "apply_rot_embed_cat" not in code.co_names
     block, found = _timm_forms.prefix_rewrite()
     block(ast.parse("def forward(self, q, k, v, rope):\n    return q\n").body[0].body, "h")

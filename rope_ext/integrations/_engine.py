@@ -332,12 +332,12 @@ def trampoline_plan(group: str, module, method, name: str, replacement, patcher:
 
 
 def rewrite_method(node: ast.FunctionDef, qualname: str, filename: str, original: types.CodeType,
-                   rewrite_block) -> types.CodeType:
+                   rewrite) -> types.CodeType:
     """The code of a method (``node``, as its file ``filename`` defines it, ``qualname`` its
     ``Class.method``) with some of its statements rewritten and everything else as written, line
-    numbers included. ``rewrite_block(stmts)`` edits one statement list of the method in place
-    (every body, ``else`` and ``finally`` block); the new statements take the positions of the ones
-    they replace. The code's file is ``<rope_ext rewrite: filename>``, registered as the file's
+    numbers included. ``rewrite(fn)`` edits a copy of node in place (:func:`per_block` makes one
+    from an edit of each statement list); the new statements take the positions of the ones they
+    replace (:func:`located`). The code's file is ``<rope_ext rewrite: filename>``, registered as the file's
     text with the rewritten statements in place of the originals, so tracebacks show what runs.
 
     The method is compiled inside its class's ``class`` blocks, so that ``super()``, names mangled
@@ -368,16 +368,29 @@ def rewrite_method(node: ast.FunctionDef, qualname: str, filename: str, original
                          "(the file changed since it was imported?)")
     fn = copy.deepcopy(node)
     before = {id(n) for n in ast.walk(fn)}
-    rewrite_each_block(fn, rewrite_block)
+    rewrite(fn)
     new = [n for n in ast.walk(fn) if isinstance(n, ast.stmt) and id(n) not in before]
     rewritten = f"<rope_ext rewrite: {filename}>"
     code = compiled(fn, rewritten)
     if code.co_freevars != original.co_freevars:
         raise ValueError(f"{qualname}'s code closes over {original.co_freevars}; a rewrite cannot keep them")
-    register_source(rewritten, _rewritten_lines(linecache.getlines(filename), new))
+    _REWRITTEN.setdefault(filename, {})[qualname] = new
+    register_source(rewritten, _rewritten_lines(linecache.getlines(filename),
+                                                [s for stmts in _REWRITTEN[filename].values() for s in stmts]))
     if hasattr(code, "co_qualname"):
         code = code.replace(co_qualname=original.co_qualname)
     return code
+
+
+# file -> method -> the statements a rewrite put in it: one registered source per file shows them all
+_REWRITTEN: dict[str, dict[str, list]] = {}
+
+
+def per_block(rewrite_block):
+    """A rewrite for :func:`method_rewrite_plan` that calls ``rewrite_block(stmts, holder)`` on each
+    statement list of the method (every body, ``else`` and ``finally`` block), which it may edit in
+    place."""
+    return lambda fn, holder: rewrite_each_block(fn, lambda stmts: rewrite_block(stmts, holder))
 
 
 def rewrite_each_block(fn: ast.FunctionDef, rewrite_block):
@@ -421,12 +434,12 @@ def _instructions(code: types.CodeType):
             for i in dis.get_instructions(code) if i.opname not in skip]
 
 
-def method_rewrite_plan(group: str, module, qualname: str, node: ast.FunctionDef, rewrite_block, replacement,
+def method_rewrite_plan(group: str, module, qualname: str, node: ast.FunctionDef, rewrite, replacement,
                         patcher: Patcher):
     """The assignments that rewrite a method (``Class.method`` of module, ``node`` as its file
-    defines it) by ``rewrite_block`` (see :func:`rewrite_method`), whose new statements call
-    ``replacement`` as the module global this returns as its last element's name. Raises
-    ValueError where the method found is not the one its file defines."""
+    defines it): ``rewrite(fn, holder)`` edits a copy of node in place (see :func:`rewrite_method`),
+    its new statements calling ``replacement`` as the module global ``holder``. Raises ValueError
+    where the method found is not the one its file defines."""
     cls_name, method_name = qualname.split(".")
     method = getattr(getattr(module, cls_name, None), method_name, None)
     original = patcher.original(group, method, "__code__", None)
@@ -434,7 +447,7 @@ def method_rewrite_plan(group: str, module, qualname: str, node: ast.FunctionDef
         raise ValueError(f"{module.__name__}.{qualname} is not the method its file defines "
                          "(was it replaced by another patch?)")
     holder = f"{HOLDER_PREFIX}{cls_name}_{method_name}"
-    code = rewrite_method(node, qualname, module.__file__, original, lambda stmts: rewrite_block(stmts, holder))
+    code = rewrite_method(node, qualname, module.__file__, original, lambda fn: rewrite(fn, holder))
     return [(group, module, holder, replacement), (group, method, "__code__", code)]
 
 

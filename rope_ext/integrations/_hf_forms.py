@@ -257,13 +257,18 @@ KNOWN: dict[str, Form] = {
 
 # --- QK-norm + RoPE ---------------------------------------------------------------------------------
 
-# How each two-tensor signature's calls give (cos, sin, unsqueeze_dim) to the fused QK-norm + RoPE
-# (``_qk_norm_fusion.fused``); other signatures keep the norms and the RoPE apart.
-FUSED_ARGS = {
-    "qk": lambda cos, sin, unsqueeze_dim=1: (cos, sin, unsqueeze_dim),
-    "qk+position_ids": lambda cos, sin, position_ids=None, unsqueeze_dim=1: (cos, sin, unsqueeze_dim),
-    "vision": lambda cos, sin: (cos, sin, -2),
-    "vision, 2-D tables": lambda cos, sin: (cos, sin, 1),
+# How each two-tensor signature's calls give their tables to the fused QK-norm + RoPE
+# (``_qk_norm_fusion.fused``'s ``tables_of``); other signatures keep the norms and the RoPE apart.
+def _unsqueezed(form):
+    return lambda x, cos, sin, unsqueeze_dim=1: (form, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
+
+
+FUSED_TABLES = {
+    "qk": _unsqueezed,
+    "qk+position_ids": lambda form: (lambda x, cos, sin, position_ids=None, unsqueeze_dim=1:
+                                     _unsqueezed(form)(x, cos, sin, unsqueeze_dim)),
+    "vision": lambda form: (lambda x, cos, sin: (form, cos.unsqueeze(-2), sin.unsqueeze(-2))),
+    "vision, 2-D tables": lambda form: (lambda x, cos, sin: (form, cos[:, None, :], sin[:, None, :])),
 }
 
 # The attributes an attention's __init__ binds its q and k norms to.

@@ -1,31 +1,34 @@
 """QK-norm + RoPE fused in a library's attention: the statements that normalize q and k and then
 rotate them become one :func:`rope_ext.qk_norm_rotary` call.
 
-What is recognised (from the method's source, as the RoPE forms are):
+What is recognised, from the method's source as the RoPE forms are (``O`` is the attention module:
+``self`` in transformers' attention, the ``attn`` argument of a diffusers processor):
 
-    Q = self.<q_norm>(E_q)<.transpose(i, j) ...>          # "head": the norm's row is the head
-    K = self.<k_norm>(E_k)<.transpose(i, j) ...>
-    ...                                                    # nothing else reads or sets Q or K
-    Q2, K2 = <rope function>(Q, K, cos, sin, ...)
-
-or, for a norm across all of a token's heads (OLMo 2, MiniMax-M2, Wan),
-
-    Q = self.<q_norm>(E_q)                                 # "heads": (..., heads * head_dim) rows
+    Q = O.<q_norm>(E_q)[.transpose(1, 2)]         # or: if O.<q_norm> is not None: Q = O.<q_norm>(Q)
+    K = O.<k_norm>(E_k)[.transpose(1, 2)]         # (or both under one `if cond:`)
+    [Q = Q.transpose(1, 2)]                       # layout statements: per head the norm commutes
+    [Q = Q.view(hidden_shape).transpose(1, 2)]    #   with them; a view or unflatten to heads makes
+    [Q = Q.unflatten(2, (O.heads, -1))]           #   it a norm across all heads of a token
     ...
-    Q = Q.view(hidden_shape).transpose(1, 2)               # hidden_shape = (*input_shape, -1, self.head_dim)
-    Q2, K2 = <rope function>(Q, K, cos, sin, ...)
+    Q, K = <rope>(Q, K, ...)                      # or: Q = <rope>(Q, ...) then K = <rope>(K, ...)
 
-The rewrite drops the two norm calls (``Q = E_q<.transpose...>``) and turns the RoPE statement into
-``Q2, K2 = <holder>(self, "<q_norm>", "<k_norm>", "<mode>", <rope function>, Q, K, cos, sin, ...)``:
-the rest of the method runs as written (see ``_engine.method_rewrite_plan``).
+The norms are *deferred*: the rewrite drops the two norm calls (``Q = E_q[...]``) and sets a flag;
+the RoPE statement, wherever it sits in the method, becomes one call of the fused replacement (norms
+and rotation together while the flag is set, the rotation alone once it is not); and before any other
+statement that reads or sets Q or K, or changes what the norms read in place, the rewrite inserts
+``if <flag>: Q, K = <the norms alone>``. So every path through the method computes what the model's
+code computes: a block that reads q in between (Flux's text tokens, OLMoE's ``clamp_``) gets the
+norms there, and the RoPE after it runs alone; a path that skips RoPE (a cross-attention) gets the
+norms where q is next read. Nothing is refused for what lies between; it only decides whether the
+fused call runs.
 
-At each call :func:`fused` checks, per attention instance, what it cannot see in the source: that
-``self.<q_norm>`` and ``self.<k_norm>`` are instances of the norm classes the file defines, with the
-tested norm form (:class:`NormForm`), unchanged class code, no instance ``forward`` and no hooks;
-that the RoPE function the name holds is the library's or rope_ext's; that the dtypes are ones where
-the fused op returns what the eager code returns (the same dtype, one rounding instead of several).
-Where any check fails, it runs the model's own code: ``rope(q_norm(Q), k_norm(K), ...)``. All of
-these are Python checks on types, attributes and dtypes: static under ``torch.compile``.
+At each call :func:`fused` checks, per attention instance, what the source cannot say: that the
+norms are instances of tested norm classes (:class:`NormForm`) with their code unchanged, no instance
+``forward`` and no hooks; that the RoPE function the name holds is the library's or rope_ext's; and
+that the dtypes are ones where the fused op returns what the eager code returns (the same dtype, one
+rounding instead of several). Where a check fails it runs the model's own norms, then its RoPE
+function. All of these are Python checks on types, attributes and dtypes: static under
+``torch.compile``.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ import functools
 
 import torch
 
-from rope_ext.integrations._engine import fingerprint, located, module_definitions, rewrite_each_block
-from rope_ext.integrations._rotate import Form, _dtypes, _full_tables
+from rope_ext.integrations._engine import fingerprint, located, module_definitions
+from rope_ext.integrations._rotate import _dtypes, _full_tables
 
 HIDDEN_SHAPE = "hidden_shape = (*input_shape, -1, self.head_dim)"
-GUARD = "_rope_ext_qk_norm_on"  # the local a rewrite keeps the norms' condition in
+PENDING = "_rope_ext_qk_norm_pending"  # the local flag: the norms of q and k are still to run
+MODES = ("head", "heads_bhsd", "heads_bshd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +58,11 @@ class NormForm:
         weight: the weight's attribute, or None (no weight).
         weight_if: an attribute that says whether the weight is applied (Gemma 3n's ``with_scale``).
         offset: the op's ``weight_offset`` (1.0 for ``(1 + w)``).
-        output: the dtype the norm returns: ``"input"`` (x's, the result cast back), or
-            ``"promote"`` (``weight * x_normed.to(x.dtype)``: the promotion of the weight's and x's).
+        output: the dtype the norm returns: ``"input"`` (x's, the result cast back); ``"promote"``
+            (``weight * x_normed.to(x.dtype)``: the promotion of the weight's and x's); ``"weight"``
+            (diffusers' RMSNorm: a 16-bit weight's dtype, else float32).
+        eps_none: what a None eps means: ``"finfo"``, x's dtype's machine epsilon (torch's RMSNorm).
+        bias: an attribute that must be None (a norm with a bias is not this form).
     """
 
     name: str
@@ -64,12 +71,15 @@ class NormForm:
     weight_if: str | None = None
     offset: float = 0.0
     output: str = "input"
+    eps_none: str | None = None
+    bias: str | None = None
 
     def describe(self) -> str:
         parts = [f"eps from .{self.eps}"]
         parts.append("no weight" if self.weight is None else
                      ("(1 + w)" if self.offset == 1.0 else "w") + (f" if .{self.weight_if}" if self.weight_if else ""))
-        parts.append({"input": "returns x's dtype", "promote": "returns w's and x's promotion"}[self.output])
+        parts.append({"input": "returns x's dtype", "promote": "returns w's and x's promotion",
+                      "weight": "returns a 16-bit w's dtype, else float32"}[self.output])
         return f"{self.name}: " + ", ".join(parts)
 
 
@@ -91,221 +101,345 @@ def _renamed(node: ast.ClassDef) -> ast.ClassDef:
 
 @dataclasses.dataclass(frozen=True)
 class Site:
-    """One fused QK-norm + RoPE in a method: the norm attributes, the RoPE function's name and the
-    mode (``"head"`` or ``"heads"``)."""
+    """A fused QK-norm + RoPE in a method.
 
+    Attributes:
+        owner: the name of the attention module in the method (``self``, ``attn``).
+        q_norm, k_norm: the norms' attributes on it.
+        rope: the RoPE function's name.
+        pair: q and k rotated by one call each (``Q = rope(Q, ...)``, ``K = rope(K, ...)``) rather
+            than by one call for both.
+        mode: ``"head"`` (the norm's row is the last dim at the RoPE call), ``"heads_bhsd"`` (across
+            all heads of a token, q a ``(B, H, S, D)`` view of ``(B, S, H * D)`` rows) or
+            ``"heads_bshd"`` (across heads, q ``(B, S, H, D)``).
+    """
+
+    owner: str
     q_norm: str
     k_norm: str
     rope: str
+    pair: bool
     mode: str
 
 
-def _self_call(expr, attrs) -> ast.Call | None:
-    """``self.<attr>(E)`` with attr in attrs, one positional argument and no keywords, or None."""
+def _names(node) -> set[str]:
+    nodes = node if isinstance(node, list) else [node]
+    return {n.id for part in nodes for n in ast.walk(part) if isinstance(n, ast.Name)}
+
+
+def _text(node) -> str:
+    return ast.unparse(node)
+
+
+def _attr_call(expr, owner: str, attrs) -> ast.Call | None:
+    """``<owner>.<attr>(E)`` with attr in attrs, one positional argument and no keywords, or None."""
     if (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and isinstance(expr.func.value, ast.Name)
-            and expr.func.value.id == "self" and expr.func.attr in attrs and len(expr.args) == 1
+            and expr.func.value.id == owner and expr.func.attr in attrs and len(expr.args) == 1
             and not expr.keywords and not isinstance(expr.args[0], ast.Starred)):
         return expr
     return None
 
 
-def _norm_call(expr, attrs) -> ast.Call | None:
-    """The norm call of ``self.<attr>(E)`` followed by ``.transpose(i, j)`` calls (constant dims,
-    neither the last), or None."""
-    while isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr == "transpose":
-        dims = expr.args
-        if (len(dims) != 2 or expr.keywords or not all(isinstance(d, ast.Constant) and isinstance(d.value, int)
-                                                      and d.value >= 0 for d in dims)):
-            return None
-        expr = expr.func.value
-    return _self_call(expr, attrs)
-
-
-def _names(node) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-
-
-def _assigns(stmt, name: str):
-    """The value of ``name = value``, or None."""
-    if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-            and stmt.targets[0].id == name):
-        return stmt.value
+def _assign(stmt) -> tuple[str, ast.expr] | None:
+    """``name = value`` as (name, value), or None."""
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+        return stmt.targets[0].id, stmt.value
     return None
 
 
-def _transposes(value, name: str) -> bool:
-    """Whether value is ``name.transpose(i, j)...`` (constant dims, neither the last)."""
-    return (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "transpose"
-            and _norm_call(value, ()) is None and _chain_root(value) == name)
+def _is_transpose12(expr) -> bool:
+    return (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr == "transpose"
+            and not expr.keywords and [_text(a) for a in expr.args] == ["1", "2"])
 
 
-def _chain_root(value):
-    while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "transpose":
-        dims = value.args
-        if len(dims) != 2 or value.keywords or not all(isinstance(d, ast.Constant) and isinstance(d.value, int)
-                                                      and d.value >= 0 for d in dims):
-            return None
-        value = value.func.value
-    return value.id if isinstance(value, ast.Name) else None
+_RESHAPES = {"view", "reshape", "unflatten", "flatten", "transpose", "permute", "movedim", "swapaxes", "split",
+             "chunk", "unbind", "contiguous"}
 
 
-def _guarded_norm(stmt, name: str, attrs):
-    """``if <cond>:`` holding exactly the two norm statements (``Q = self.<q_norm>(Q...)``, the
-    same for K) and no ``else``: the norm call of name's, or None."""
-    if not (isinstance(stmt, ast.If) and not stmt.orelse and len(stmt.body) == 2):
+def _reshapes(expr) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr in _RESHAPES for n in ast.walk(expr))
+
+
+@dataclasses.dataclass
+class _Norm:
+    """A norm statement of the method's top level: what it does for one name (or two, guarded)."""
+
+    index: int
+    attr: str
+    arg: ast.expr | None  # E of Q = O.attr(E); None for the guarded forms (the argument is Q itself)
+    transposed: bool = False  # Q = O.attr(E).transpose(1, 2)
+    guard: ast.expr | None = None  # `if cond:` around both norms
+
+
+def _norm_statement(stmt, name: str, owner: str, attrs) -> _Norm | None:
+    """stmt as the norm of ``name``: ``name = O.attr(E)[.transpose(1, 2)]``, ``if O.attr is not
+    None: name = O.attr(name)``, or ``if cond:`` holding exactly ``name = O.attr(name)`` and the
+    other tensor's norm of the same shape (index left 0: the caller sets it)."""
+    found = _assign(stmt)
+    if found and found[0] == name:
+        value, transposed = found[1], False
+        if _is_transpose12(value):
+            value, transposed = value.func.value, True
+        call = _attr_call(value, owner, attrs)
+        return _Norm(0, call.func.attr, call.args[0], transposed) if call else None
+    if not (isinstance(stmt, ast.If) and not stmt.orelse):
         return None
-    calls = {}
-    for inner in stmt.body:
-        if isinstance(inner, ast.Assign) and len(inner.targets) == 1 and isinstance(inner.targets[0], ast.Name):
-            calls[inner.targets[0].id] = _norm_call(inner.value, attrs)
-    return calls.get(name) if len(calls) == 2 and all(calls.values()) else None
-
-
-def _source(stmts, i: int, name: str, attrs):
-    """How ``name`` was set before statement i: ``(mode, norm statement index, norm call, guarded)``,
-    or a reason it is not a fusable norm. Between the norm and statement i, only a reshape to
-    heads (``name = name.view(hidden_shape).transpose(1, 2)``, or ``view(*hidden_shape)``: the norm
-    is across heads) or, for a norm per head, transposes of other dims (``name = name.transpose(1,
-    2)``) may touch it. The norms may sit in an ``if <cond>:`` of their own (GLM-4-MoE's ``if
-    self.use_qk_norm:``)."""
-    reshape = transposed = None
-    for j in range(i - 1, -1, -1):
-        if name not in _names(stmts[j]):
-            continue
-        text = ast.unparse(stmts[j])
-        guarded = _guarded_norm(stmts[j], name, attrs)
-        value = _assigns(stmts[j], name)
-        if value is None and guarded is None:
-            return f"{name} is set or read by `{text[:80]}` before the RoPE call"
-        if value is not None and reshape is None and text in (f"{name} = {name}.view({shape}).transpose(1, 2)"
-                                                              for shape in ("hidden_shape", "*hidden_shape")):
-            reshape = j
-            continue
-        if value is not None and reshape is None and _transposes(value, name):
-            transposed = j
-            continue
-        call = guarded or (_norm_call(value, attrs) if reshape is None else _self_call(value, attrs))
-        if call is None or (reshape is not None and _self_call(call, attrs) is not call):
-            return f"{name} comes from `{text[:80]}`, not from one of the attention's q/k norms"
-        if reshape is not None and transposed is not None:
-            return f"{name} is transposed after its reshape to heads"
-        if reshape is not None and not any(ast.unparse(s) == HIDDEN_SHAPE for s in stmts[:j]):
-            return f"{name} is reshaped by a hidden_shape other than `{HIDDEN_SHAPE}`"
-        return ("head" if reshape is None else "heads"), j, call, guarded is not None
-    return f"{name} is not set in the RoPE call's block"
-
-
-def _rope_call(stmt, rope_names):
-    """The call of ``Q2, K2 = <rope>(Q, K, ...)`` (or ``Q2, K2 = ...``'s value), or None."""
-    if (isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Name)
-            and stmt.value.func.id in rope_names):
-        return stmt.value
+    inner = [_assign(s) for s in stmt.body]
+    calls = {n: _attr_call(v, owner, attrs) for n, v in (i for i in inner if i)}
+    if len(inner) != len(calls) or name not in calls or calls[name] is None or _text(calls[name].args[0]) != name:
+        return None
+    attr = calls[name].func.attr
+    if len(inner) == 1 and _text(stmt.test) == f"{owner}.{attr} is not None":
+        return _Norm(0, attr, None)  # optional: the call checks for None
+    if len(inner) == 2 and all(c is not None and _text(c.args[0]) == n for n, c in calls.items()):
+        return _Norm(0, attr, None, guard=stmt.test)
     return None
 
 
-def fusion_rewrite(rope_names, norm_attrs):
-    """(rewrite_block, found, refused): a rewrite (see ``_engine.method_rewrite_plan``) of each
-    ``Q2, K2 = <rope>(Q, K, ...)`` statement (rope in rope_names) whose Q and K come from norms
-    (``self.<attr>``, attr in norm_attrs) as the module docstring says, in the same block or in an
-    ``if`` block it is the top of (``if cond: Q2, K2 = <rope>(...)``: the norms then run alone on
-    the other branch). ``found`` lists the :class:`Site` of each one rewritten; ``refused`` says
-    why for each RoPE call of q and k that is not (norms after RoPE, other statements between,
-    other shapes)."""
-    found: list[Site] = []
-    refused: list[str] = []
-    done: set[int] = set()
+def _layout(stmt, name: str, owner: str, hidden_shape: bool) -> str | None:
+    """A layout statement of name: ``"t"`` (``name = name.transpose(1, 2)``), ``"v"`` (``name =
+    name.view(hidden_shape).transpose(1, 2)``) or ``"u"`` (``name = name.unflatten(2, (O.heads,
+    -1))``); None for any other statement."""
+    found = _assign(stmt)
+    if not found or found[0] != name:
+        return None
+    text = _text(found[1])
+    if text == f"{name}.transpose(1, 2)":
+        return "t"
+    views = (f"{name}.view({shape}).transpose(1, 2)" for shape in ("hidden_shape", "*hidden_shape"))
+    if hidden_shape and text in views:
+        return "v"
+    if text == f"{name}.unflatten(2, ({owner}.heads, -1))":
+        return "u"
+    return None
 
-    def holder_call(holder, site, mode, rope, args, keywords):
-        return ast.Call(func=ast.Name(holder, ast.Load()),
-                        args=[ast.Name("self", ast.Load()), ast.Constant(site.q_norm), ast.Constant(site.k_norm),
-                              mode, rope, *args], keywords=keywords)
 
-    def match(stmts, i, stmt, before):
-        """Site, norm statements' indices and calls for the RoPE statement stmt, whose q and k are
-        set in stmts[:i]; ``before``: statements between stmts[i] and stmt (an if's test and body
-        above it), which must not touch q or k. A reason where it does not match."""
-        call = stmt.value
-        args = call.args
-        if len(args) < 2 or not all(isinstance(a, ast.Name) for a in args[:2]) or any(
-                isinstance(a, ast.Starred) for a in args) or args[0].id == args[1].id:
-            return f"`{ast.unparse(stmt)[:80]}` does not rotate two named tensors q and k"
-        q, k = args[0].id, args[1].id
-        if any(_self_call(n, norm_attrs) for later in stmts[i + 1:] for n in ast.walk(later)):
-            return "q and k are normalized after RoPE (the fused op normalizes first)"
-        if any({q, k} & _names(b) for b in before):
-            return f"{q} or {k} is read between the norms and the RoPE call"
-        sources = [_source(stmts, i, q, norm_attrs), _source(stmts, i, k, norm_attrs)]
-        reasons = [s for s in sources if isinstance(s, str)]
-        if reasons:
-            return "; ".join(reasons)
-        (q_mode, jq, q_call, q_guard), (k_mode, jk, k_call, k_guard) = sources
-        if q_mode != k_mode:
-            return f"{q} is normalized per {q_mode}, {k} per {k_mode}"
-        if (q_guard or k_guard) and jq != jk:
-            return f"{q}'s and {k}'s norms are not under one condition"
-        if k in _names(q_call.args[0]) or q in _names(k_call.args[0]):
-            return f"the norm of {q} reads {k}, or the other way round"
-        site = Site(q_call.func.attr, k_call.func.attr, call.func.id, q_mode)
-        return site, ((jq, q_call), (jk, k_call)), (q, k), q_guard
+def _mutates(stmt, watched: set[str]) -> bool:
+    """Whether stmt changes in place a tensor that a name in watched holds: ``x.op_(...)``,
+    ``x[...] = ...``, ``x += ...`` (what a deferred norm reads must not change before it runs)."""
+    def root(node):
+        while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+            node = node.func if isinstance(node, ast.Call) else node.value
+        return node.id if isinstance(node, ast.Name) else None
 
-    def rewrite_block(stmts, holder):
-        for i, stmt in enumerate(stmts):
-            guard = None
-            if isinstance(stmt, ast.If) and not isinstance(stmt.body[0], ast.If):
-                inner = [(m, s) for m, s in enumerate(stmt.body) if _rope_call(s, rope_names)]
-                if len(inner) != 1:
-                    continue
-                guard, (m, target) = stmt, inner[0]
-                before = [stmt.test, *stmt.body[:m]]
-            elif _rope_call(stmt, rope_names) is not None and id(stmt) not in done:
-                target, before = stmt, []
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr.endswith("_") and not node.func.attr.startswith("_") and root(node.func.value) in watched:
+                return True
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            if isinstance(node, ast.AugAssign) and root(t) in watched:
+                return True
+            if isinstance(t, (ast.Subscript, ast.Attribute)) and root(t) in watched:
+                return True
+    return False
+
+
+def _rope_sites(fn, rope_names):
+    """Every RoPE statement of fn: ``(block, index, kind, q, k, call)``; kind ``"qk"`` for ``Q, K =
+    rope(Q, K, ...)``, ``"pair"`` for ``Q = rope(Q, *rest)`` directly followed by ``K = rope(K,
+    *rest)`` with the same rest (its index is the first's)."""
+    def rope_call(value):
+        if (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in rope_names
+                and len(value.args) >= 1 and isinstance(value.args[0], ast.Name)):
+            return value
+        return None
+
+    found = []
+    for block in _blocks(fn):
+        for i, stmt in enumerate(block):
+            if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Tuple)
+                    and rope_call(stmt.value) and len(stmt.value.args) >= 2 and isinstance(stmt.value.args[1], ast.Name)
+                    and [_text(t) for t in stmt.targets[0].elts] == [_text(a) for a in stmt.value.args[:2]]
+                    and stmt.value.args[0].id != stmt.value.args[1].id):
+                found.append((block, i, "qk", stmt.value.args[0].id, stmt.value.args[1].id, stmt.value))
+            first, second = _assign(stmt), _assign(block[i + 1]) if i + 1 < len(block) else None
+            if first and second and rope_call(first[1]) and rope_call(second[1]):
+                a, b = first[1], second[1]
+                rest_a, rest_b = (_text(ast.Call(c.func, c.args[1:], c.keywords)) for c in (a, b))
+                if (first[0] == a.args[0].id and second[0] == b.args[0].id and first[0] != second[0]
+                        and rest_a == rest_b):
+                    found.append((block, i, "pair", first[0], second[0], a))
+    return found
+
+
+def _blocks(fn):
+    """Every statement list of fn, its own body first; not those of functions or classes it defines."""
+    stack = [fn]
+    while stack:
+        node = stack.pop(0)
+        lists = [getattr(node, f, None) for f in ("body", "orelse", "finalbody")]
+        lists += [h.body for h in getattr(node, "handlers", ())]
+        for stmts in lists:
+            if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
+                yield stmts
+                stack += [s for s in stmts if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+
+
+def _top_index(fn, block, i) -> int:
+    """The index in fn.body of the statement holding block[i]."""
+    target = block[i]
+    for j, stmt in enumerate(fn.body):
+        if stmt is target or any(n is target for n in ast.walk(stmt)):
+            return j
+    raise AssertionError("statement not in the function")
+
+
+def _header(stmt) -> list | None:
+    """The expressions a compound statement evaluates before its blocks (None: not one whose
+    blocks the rewrite enters)."""
+    if isinstance(stmt, (ast.If, ast.While)):
+        return [stmt.test]
+    if isinstance(stmt, ast.For):
+        return [stmt.target, stmt.iter]
+    if isinstance(stmt, ast.With):
+        return [n for item in stmt.items for n in (item.context_expr, item.optional_vars) if n is not None]
+    return None
+
+
+def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, holder: str) -> Site | str:
+    """Rewrite fn (edited in place) so that its q/k norms (``<owner>.<attr>``, attr in norm_attrs)
+    are deferred to its RoPE calls (``rope_names``), as the module docstring says; the fused call is
+    ``<holder>(owner, q_norm, k_norm, mode or None, rope or None, Q, K, *rope's other arguments)``.
+    Returns the :class:`Site`, or the reason there is none (fn is then unchanged in what it runs)."""
+    sites = _rope_sites(fn, rope_names)
+    if not sites:
+        return "no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names"
+    keys = {(kind, q, k, call.func.id) for _, _, kind, q, k, call in sites}
+    if len(keys) != 1:
+        return "its RoPE calls rotate different tensors or call different functions"
+    (kind, q, k, rope), = keys
+    first_top = min(_top_index(fn, block, i) for block, i, *_ in sites)
+    norms = {}
+    for name in (q, k):
+        for j in range(first_top - 1, -1, -1):
+            norm = _norm_statement(fn.body[j], name, owner, norm_attrs)
+            if norm is not None:
+                norm.index = j
+                norms[name] = norm
+                break
+        else:
+            if any(_norm_statement(s, name, owner, norm_attrs) for s in fn.body[first_top:]):
+                return "q and k are normalized after RoPE (the fused op normalizes first)"
+            return f"{name} is not normalized by {owner}.<{'|'.join(sorted(norm_attrs))}> before its RoPE call"
+    nq, nk = norms[q], norms[k]
+    if (nq.guard is None) != (nk.guard is None) or (nq.guard is not None and nq.index != nk.index):
+        return "q's and k's norms are not under one condition"
+    lo, hi = sorted((nq.index, nk.index))
+    if any({q, k} & _names(s) for s in fn.body[lo + 1:hi]):
+        return f"{q} or {k} is read between their two norms"
+    watched = (_names([n.arg for n in (nq, nk) if n.arg is not None]) - {owner}) | {q, k}
+    if any(name in _names(n.arg) for name, n in ((k, nq), (q, nk)) if n.arg is not None):
+        return f"the norm of {q} reads {k}, or the other way round"
+    # the layout statements right after the norms
+    hidden_shape = any(_text(s) == HIDDEN_SHAPE for s in fn.body[:lo])
+    layouts, j = {q: [], k: []}, hi + 1
+    while j < first_top:
+        stmt = fn.body[j]
+        kinds = {name: _layout(stmt, name, owner, hidden_shape) for name in (q, k)}
+        hit = [name for name, what in kinds.items() if what]
+        if hit:
+            layouts[hit[0]].append((j, kinds[hit[0]]))
+        elif {q, k} & _names(stmt) or _mutates(stmt, watched):
+            break
+        j += 1
+    mode = _mode(nq, nk, [w for _, w in layouts[q]], [w for _, w in layouts[k]])
+    if mode not in MODES:
+        return mode
+    skip = {id(fn.body[i]) for name in (q, k) for i, _ in layouts[name]}
+    for stmt in fn.body[hi + 1:first_top]:  # on every path between the norms and RoPE: never fused
+        header = _header(stmt)
+        touched = {q, k} & _names(stmt) or _mutates(stmt, watched)
+        if id(stmt) not in skip and touched and (header is None or any(
+                {q, k} & _names(n) or _mutates(n, watched) for n in header)):
+            return f"`{_text(stmt)[:80]}` reads, sets or changes {q} or {k} between their norms and RoPE"
+    site = Site(owner, nq.attr, nk.attr, rope, kind == "pair", mode)
+    if not _apply(fn, site, q, k, nq, nk, sites, skip, watched, holder):
+        return f"every path to its RoPE call reads {q} or {k} after their norms"
+    return site
+
+
+def _mode(nq: _Norm, nk: _Norm, lq: list, lk: list) -> str:
+    """The site's mode from its norms and layout statements, or a reason."""
+    if lq != lk:
+        return "q and k are reshaped differently after their norms"
+    heads = [w for w in lq if w in "vu"]
+    if not heads:
+        return "head"
+    if len(heads) > 1 or nq.transposed or nk.transposed or "t" in lq:
+        return "q is transposed as well as reshaped to heads after its norm"
+    if any(n.arg is None or _reshapes(n.arg) for n in (nq, nk)):
+        return "a norm across heads whose input is not the projection's flat rows"
+    return "heads_bhsd" if heads[0] == "v" else "heads_bshd"
+
+
+def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watched, holder) -> int:
+    """The rewrite of fusion_rewrite; returns how many RoPE statements became fused calls."""
+    # the RoPE statements themselves, before step 1 moves the top level's indices
+    targets = [(block[i], block[i + 1] if kind == "pair" else None, kind, call) for block, i, kind, _, _, call in sites]
+    def parse(text, at):
+        return located(ast.parse(text).body, at)
+
+    norms_call = (f"{q}, {k} = {holder}({site.owner}, {site.q_norm!r}, {site.k_norm!r}, {site.mode!r}, None, "
+                  f"{q}, {k})")
+    materialize = f"if {PENDING}:\n    {norms_call}\n    {PENDING} = False"
+    # 1. the norms: dropped, the flag set
+    if nq.guard is not None:
+        fn.body[nq.index] = parse(f"{PENDING} = {_text(nq.guard)}", fn.body[nq.index])[0]
+    else:
+        for n, name in ((nq, q), (nk, k)):
+            old = fn.body[n.index]
+            if n.arg is None:  # `if O.attr is not None: Q = O.attr(Q)`: the call checks for None
+                fn.body[n.index] = parse("pass", old)[0]
             else:
-                continue
-            matched = match(stmts, i, target, before)
-            if isinstance(matched, str):
-                refused.append(matched)
-                continue
-            site, norms, (q, k), guarded = matched
-            mode = ast.Constant(site.mode)
-            if guarded:  # `if cond:` around the norms becomes `<flag> = cond`; the call passes mode or None
-                j = norms[0][0]
-                stmts[j] = located(ast.parse(f"{GUARD} = {ast.unparse(stmts[j].test)}").body, stmts[j])[0]
-                mode = ast.IfExp(ast.Name(GUARD, ast.Load()), mode, ast.Constant(None))
-            for j, norm in () if guarded else norms:
-                new = _Unwrap(norm).visit(ast.parse(ast.unparse(stmts[j])).body[0])
-                stmts[j] = located([new], stmts[j])[0]
-            call = target.value
-            fused_stmt = located([ast.Assign(targets=target.targets, value=holder_call(
-                holder, site, mode, ast.Name(site.rope, ast.Load()), call.args, call.keywords))], target)[0]
-            done.add(id(fused_stmt))
-            if guard is None:
-                stmts[i] = fused_stmt
+                fn.body[n.index] = parse(f"{name} = {_text(n.arg)}" + (".transpose(1, 2)" if n.transposed else ""),
+                                         old)[0]
+        last = max(nq.index, nk.index)
+        fn.body[last:last + 1] = [fn.body[last], *parse(f"{PENDING} = True", fn.body[last])]
+        skip = skip | {id(fn.body[last + 1])}
+    # 2. the RoPE statements
+    replaced = {}
+    for stmt, second, kind, call in targets:
+        rest = ", ".join([_text(a) for a in call.args[2 if kind == "qk" else 1:]] + [_text(w) for w in call.keywords])
+        fused_call = (f"{q}, {k} = {holder}({site.owner}, {site.q_norm!r}, {site.k_norm!r}, "
+                      f"{site.mode!r} if {PENDING} else None, {site.rope}, {q}, {k}" + (f", {rest})" if rest else ")"))
+        replaced[id(stmt)] = parse(fused_call, stmt)
+        if second is None:
+            replaced[id(stmt)] += parse(f"{PENDING} = False", stmt)
+        else:
+            replaced[id(second)] = parse(f"{PENDING} = False", second)
+
+    # 3. every other statement after the norms that reads or sets q or k, or changes what the norms
+    #    read: the norms alone first, if still pending (inside compound statements whose header is clean)
+    emitted = []
+
+    def touches(node) -> bool:
+        return bool({q, k} & _names(node)) or _mutates(node, watched)
+
+    def process(stmts):
+        out = []
+        for stmt in stmts:
+            header = _header(stmt)
+            if id(stmt) in replaced:
+                out += replaced[id(stmt)]
+                emitted.append(id(stmt))
+            elif id(stmt) in skip or not touches(stmt):
+                out.append(stmt)
+            elif header is not None and not any(touches(n) for n in header):
+                for field in ("body", "orelse"):
+                    if getattr(stmt, field, None):
+                        setattr(stmt, field, process(getattr(stmt, field)))
+                out.append(stmt)
             else:
-                guard.body[m] = fused_stmt
-                # the other branch: the norms alone (the holder with no RoPE function)
-                norms_only = ast.Assign(targets=[ast.Tuple([ast.Name(q, ast.Store()), ast.Name(k, ast.Store())],
-                                                           ast.Store())],
-                                        value=holder_call(holder, site, mode, ast.Constant(None),
-                                                          [ast.Name(q, ast.Load()), ast.Name(k, ast.Load())], []))
-                guard.orelse = located([norms_only], guard) + guard.orelse
-            found.append(site)
+                out += parse(materialize, stmt) + [stmt]
+        return out
 
-    return rewrite_block, found, refused
+    start = max(nq.index, nk.index) + 1
+    fn.body[start:] = process(fn.body[start:])
+    return sum(1 for stmt, *_ in targets if id(stmt) in emitted)
 
-
-class _Unwrap(ast.NodeTransformer):
-    """Replaces the norm call (compared by its text) with its argument."""
-
-    def __init__(self, call):
-        self.text = ast.unparse(call)
-
-    def visit_Call(self, node):
-        if ast.unparse(node) == self.text:
-            return node.args[0]
-        return self.generic_visit(node)
-
-
-# --- where they are ---------------------------------------------------------------------------------
+# --- where they are (transformers) ------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,8 +449,9 @@ class FusionSite:
     Attributes:
         module: the module's import name.
         method: ``Class.method``.
-        norms: ``(attribute, class name)`` of each norm the method calls.
-        norm_form: the norms' :class:`NormForm` (None when refused).
+        norms: ``(attribute, class name)`` of each q/k norm the class binds (transformers), or ()
+            where the norms' classes are checked only at run time (diffusers' processors).
+        norm_form: the norms' :class:`NormForm` (None when refused, or checked at run time).
         site: what the rewrite fuses (None when refused).
         reason: why it is not fused (None when it is).
     """
@@ -353,13 +488,18 @@ def _norm_bindings(init: ast.FunctionDef, attribute) -> dict[str, set[str]]:
     return out
 
 
+def probe(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs) -> Site | str:
+    """:func:`fusion_rewrite` on a copy of fn: the site it would fuse, or why not."""
+    return fusion_rewrite(copy.deepcopy(fn), owner, rope_names, norm_attrs, "_")
+
+
 def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dict, attribute,
                fused_signatures) -> list[FusionSite]:
-    """The methods of a model file (``tree``, imported as ``module``) that call one of its q/k
-    norms (attributes matching ``attribute``, a compiled regex) and one of its RoPE functions
-    (``rope_forms``: name -> Form, None where refused), fused or with the reason they are not.
-    ``known_norms``: norm fingerprint -> NormForm; ``fused_signatures``: the RoPE signatures a
-    fusion can stand in for."""
+    """The attention methods (``forward``) of a transformers model file (``tree``, imported as
+    ``module``) that call one of their q/k norms (attributes matching ``attribute``, a compiled
+    regex, bound in ``__init__``) and one of the file's RoPE functions (``rope_forms``: name ->
+    Form, None where refused), fused or with the reason they are not. ``known_norms``: norm
+    fingerprint -> NormForm; ``fused_signatures``: the RoPE signatures a fusion can stand in for."""
     definitions = module_definitions(tree)
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     sites = []
@@ -368,7 +508,7 @@ def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dic
         if init is None or forward is None:
             continue
         bindings = _norm_bindings(init, attribute)
-        called = {n.func.attr for n in ast.walk(forward) if _self_call(n, bindings)}
+        called = {n.func.attr for n in ast.walk(forward) if _attr_call(n, "self", bindings)}
         ropes = {n.func.id for n in ast.walk(forward)
                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in rope_forms}
         if not called or not ropes:
@@ -396,22 +536,17 @@ def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dic
         if reason is not None:
             sites.append(site(None, None, reason))
             continue
-        rewrite_block, found, refused = fusion_rewrite(ropes, set(called))
-        rewrite_each_block(copy.deepcopy(forward), lambda stmts, rb=rewrite_block: rb(stmts, "_"))
-        if refused or not found:
-            sites.append(site(None, None, "; ".join(refused) or "no RoPE call of two normalized tensors"))
-        elif len({(f.rope, f.mode) for f in found}) != 1:
-            sites.append(site(None, None, "it fuses more than one RoPE function or mode"))
-        else:
-            sites.append(site(forms.pop(), found[0]))
+        found = probe(forward, "self", ropes, set(called))
+        sites.append(site(None, None, found) if isinstance(found, str) else site(forms.pop(), found))
     return sites
 
 
 def site_text(site: FusionSite) -> str:
     """One fusion site in a listing: fused with what, or why not."""
     if site.fused:
-        across = "each head" if site.site.mode == "head" else "all heads of a token"
-        return f"qk-norm {site.method}: fused, {site.norm_form.describe()}, over {across}"
+        across = {"head": "each head", "heads_bhsd": "all heads of a token", "heads_bshd": "all heads of a token"}
+        what = f"{site.norm_form.describe()}, " if site.norm_form else ""
+        return f"qk-norm {site.method}: fused, {what}over {across[site.site.mode]}"
     return f"qk-norm {site.method}: not fused: {site.reason}"
 
 
@@ -420,8 +555,9 @@ def site_text(site: FusionSite) -> str:
 
 def _hooked(module) -> bool:
     hooks = torch.nn.modules.module
-    return bool(module._forward_hooks or module._forward_pre_hooks or hooks._global_forward_hooks
-                or hooks._global_forward_pre_hooks or "forward" in module.__dict__)
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks or "forward" in module.__dict__)
 
 
 def _norm_weight(norm, form: NormForm):
@@ -430,40 +566,90 @@ def _norm_weight(norm, form: NormForm):
     return getattr(norm, form.weight)
 
 
+def _eps(norm, form: NormForm, x: torch.Tensor):
+    eps = getattr(norm, form.eps)
+    if eps is None and form.eps_none == "finfo":
+        return torch.finfo(x.dtype).eps
+    return eps
+
+
 def _weight_ok(weight, form: NormForm, x: torch.Tensor, n: int) -> bool:
+    """Whether the op takes this weight and returns what the norm returns (x's dtype)."""
     if weight is None:
         return True
     if not isinstance(weight, torch.Tensor) or weight.shape != (n,) or weight.device != x.device:
         return False
     if form.output == "promote" and torch.promote_types(weight.dtype, x.dtype) != x.dtype:
         return False
+    if form.output == "weight" and weight.dtype != x.dtype:
+        return False
     return weight.dtype in (x.dtype, torch.float32)
 
 
-def fused(form: Form, norms: dict, ropes: tuple, args_of):
-    """The replacement a fusion's holder calls, for a RoPE function of form ``form`` whose calls
-    ``args_of(*args, **kwargs)`` turns into ``(cos, sin, unsqueeze_dim)``. ``norms``: norm
-    attribute -> (the norm class its file defines, its :class:`NormForm`, its class's forward as
-    patched); ``ropes``: the RoPE functions the name may hold for the fused path to stand in for
-    it (the library's own and rope_ext's replacement)."""
-    from rope_ext._ops import qk_norm_rotary
+def norms_alone(module, q_attr, k_attr, mode, q, k):
+    """The model's own norms of q and k, in the layout mode says (a norm that is None leaves its
+    tensor as it is, as ``if attn.norm_q is not None:`` does)."""
+    out = []
+    for x, attr in ((q, q_attr), (k, k_attr)):
+        norm = getattr(module, attr)
+        if norm is None:
+            out.append(x)
+        elif mode == "heads_bhsd":  # (B, H, S, D), a view of the (B, S, H * D) rows normalized
+            out.append(norm(x.transpose(1, 2).flatten(-2)).unflatten(-1, x.shape[-3::2]).transpose(1, 2))
+        elif mode == "heads_bshd":
+            out.append(norm(x.flatten(-2)).unflatten(-1, x.shape[-2:]))
+        else:
+            out.append(norm(x))
+    return tuple(out)
 
-    def plan(module, q_attr, k_attr, mode, rope, q, k, cos, sin, unsqueeze_dim):
+
+def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
+    """The replacement a fusion's rewritten method calls: ``call(module, q_attr, k_attr, mode, rope,
+    q, k, *args, **kwargs)``, where ``rope(q, k, *args, **kwargs)`` (``pair``: ``rope(q, ...)`` and
+    ``rope(k, ...)``) is the model's RoPE call, mode None means the norms already ran (or are off),
+    and rope None means the norms alone.
+
+    Args:
+        norms: norm class -> (its :class:`NormForm`, its ``forward`` as patched): the classes whose
+            instances the fused op may stand in for.
+        ropes: the functions the RoPE name may hold for the fused op to stand in for it (the
+            library's and rope_ext's), or None where the rewritten method defines it itself.
+        tables_of: ``tables_of(x, *args, **kwargs)`` -> ``(Form, cos, sin)`` for the RoPE call's
+            arguments (cos and sin as ``_rotate.rotate`` takes them for x), or None where the call's
+            tables are not ones the fused op takes.
+    """
+    from rope_ext import _ops
+
+    def rotated(rope, q, k, args, kwargs):
+        if pair:
+            return rope(q, *args, **kwargs), rope(k, *args, **kwargs)
+        return rope(q, k, *args, **kwargs)
+
+    def plan(module, q_attr, k_attr, mode, rope, q, k, args, kwargs):
         """The op's arguments, or None where the model's own code must run."""
-        if rope not in ropes or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
+        if ropes is not None and rope not in ropes:
+            return None
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)) or q.dtype != k.dtype:
+            return None
+        if q.dim() != k.dim() or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return None
         qn, kn = getattr(module, q_attr), getattr(module, k_attr)
         found = []
-        for norm, attr in ((qn, q_attr), (kn, k_attr)):
-            cls, norm_form, forward = norms[attr]
-            if type(norm) is not cls or cls.forward is not forward or _hooked(norm):
+        for norm in (qn, kn):
+            entry = norms.get(type(norm))
+            if entry is None or type(norm).forward is not entry[1] or _hooked(norm):
                 return None
-            found.append(norm_form)
-        if found[0] != found[1] or getattr(qn, found[0].eps) != getattr(kn, found[0].eps):
-            return None
+            if entry[0].bias is not None and getattr(norm, entry[0].bias) is not None:
+                return None
+            found.append(entry[0])
         norm_form = found[0]
-        if q.dtype != k.dtype or q.dim() != k.dim() or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        eps = _eps(qn, norm_form, q)
+        if found[1] != norm_form or _eps(kn, norm_form, k) != eps or eps is None:
             return None
+        tables = tables_of(q, *args, **kwargs)
+        if tables is None:
+            return None
+        form, cos, sin = tables
         if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.dtype != sin.dtype:
             return None
         compute, out = _dtypes(form, q, cos, q.dtype)
@@ -471,37 +657,36 @@ def fused(form: Form, norms: dict, ropes: tuple, args_of):
             return None
         if form.span == "suffix" or form.deinterleave_output or form.returns:
             return None
-        cos, sin = _full_tables(form, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
+        cos, sin = _full_tables(form, cos, sin)
         width, head_dim = cos.shape[-1], q.shape[-1]
-        if width > head_dim or (form.span == "whole" and width != head_dim) or width % 2:
+        if width > head_dim or (form.span == "whole" and width != head_dim) or width % 2 or cos.device != q.device:
             return None
-        if mode == "heads":
-            # q is (B, H, S, D), a view of the (B, S, H * D) rows the model normalizes
-            if unsqueeze_dim != 1 or q.dim() != 4:
+        if mode == "heads_bhsd":  # the op normalizes across dims -2 and -1: the (B, S, H, D) view
+            if q.dim() != 4 or cos.dim() != 4:
                 return None
             q, k, cos, sin = q.transpose(1, 2), k.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2)
         wq, wk = _norm_weight(qn, norm_form), _norm_weight(kn, norm_form)
-        rows = (lambda x: x.shape[-2] * x.shape[-1]) if mode == "heads" else (lambda x: x.shape[-1])
+        across = mode != "head"
+        if across and (wq is None or wk is None):  # the weights' size is what shows the norm's row
+            return None
+        rows = (lambda x: x.shape[-2] * x.shape[-1]) if across else (lambda x: x.shape[-1])
         if not (_weight_ok(wq, norm_form, q, rows(q)) and _weight_ok(wk, norm_form, k, rows(k))):
             return None
-        return q, k, wq, wk, cos, sin, dict(eps=float(getattr(qn, norm_form.eps)), weight_offset=norm_form.offset,
-                                            norm_over=mode, interleaved=form.interleaved)
+        return q, k, wq, wk, cos, sin, dict(eps=float(eps), weight_offset=norm_form.offset,
+                                            norm_over="heads" if across else "head", interleaved=form.interleaved)
 
     def call(module, q_attr, k_attr, mode, rope, q, k, *args, **kwargs):
-        if mode is None:  # the model's condition turned its norms off
-            return (q, k) if rope is None else rope(q, k, *args, **kwargs)
-        op_args = None if rope is None else plan(module, q_attr, k_attr, mode, rope, q, k, *args_of(*args, **kwargs))
-        if op_args is None:  # the model's own code (with rope None: the norms alone)
-            qn, kn = getattr(module, q_attr), getattr(module, k_attr)
-            if mode == "heads":
-                q = qn(q.transpose(1, 2).flatten(-2)).unflatten(-1, q.shape[-3::2]).transpose(1, 2)
-                k = kn(k.transpose(1, 2).flatten(-2)).unflatten(-1, k.shape[-3::2]).transpose(1, 2)
-            else:
-                q, k = qn(q), kn(k)
-            return (q, k) if rope is None else rope(q, k, *args, **kwargs)
+        if rope is None:  # the norms alone
+            return norms_alone(module, q_attr, k_attr, mode, q, k)
+        if mode is None:  # the norms already ran, or the model's condition turned them off
+            return rotated(rope, q, k, args, kwargs)
+        op_args = plan(module, q_attr, k_attr, mode, rope, q, k, args, kwargs)
+        if op_args is None:  # the model's own code
+            q, k = norms_alone(module, q_attr, k_attr, mode, q, k)
+            return rotated(rope, q, k, args, kwargs)
         *tensors, options = op_args
-        q_out, k_out = qk_norm_rotary(*tensors, **options)
-        if mode == "heads":
+        q_out, k_out = _ops.qk_norm_rotary(*tensors, **options)
+        if mode == "heads_bhsd":
             q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)
         return q_out, k_out
 

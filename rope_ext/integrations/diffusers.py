@@ -335,7 +335,8 @@ def _inline_plan(name: str, fn: RopeFunction, module):
                 target, x, cos, sin = names
                 stmts[i] = _engine.located(ast.parse(f"{target} = {holder}({x}, {cos}, {sin})").body, stmt)[0]
 
-    return _engine.method_rewrite_plan(name, module, fn.name, node, rewrite_block, fn.replacement, _patcher)
+    return _engine.method_rewrite_plan(name, module, fn.name, node, _engine.per_block(rewrite_block), fn.replacement,
+                                       _patcher)
 
 
 def patch(models=None, *, strict: bool = False) -> _engine.Patched:

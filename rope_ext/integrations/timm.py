@@ -169,7 +169,7 @@ def _plan_method(code: RopeCode):
     node = dict(_engine.function_defs(tree))[code.qualname]
     rewrite_block, found = _timm_forms.prefix_rewrite()
     try:
-        plan = _engine.method_rewrite_plan(code.name, module, code.qualname, node, rewrite_block,
+        plan = _engine.method_rewrite_plan(code.name, module, code.qualname, node, _engine.per_block(rewrite_block),
                                            _replacement(code.form), _patcher)
     except ValueError as e:
         raise ValueError(f"rope_ext: cannot patch {code.name!r}: {e}") from None

@@ -107,7 +107,7 @@ def _classify_file(path: str, module: str) -> tuple[list[RopeFunction], list[_qk
         reason = None if form else _engine.refusal(key)
         found.append(RopeFunction(module, name, form, reason, key))
     sites = _qk_norm_fusion.find_sites(tree, module, {f.name: f.form for f in found}, _hf_forms.KNOWN_NORMS,
-                                       re.compile(_hf_forms.NORM_ATTRIBUTE), _hf_forms.FUSED_ARGS)
+                                       re.compile(_hf_forms.NORM_ATTRIBUTE), _hf_forms.FUSED_TABLES)
     return found, sites
 
 
@@ -201,33 +201,39 @@ def patch(model_types=None, *, strict: bool = False, qk_norm: bool = True) -> _e
                     "its model file defines (was it replaced by another patch?)"
                 )
             plan.append((family, module, fn.name, fn.replacement))
-        for site in report.qk_norms if qk_norm else ():
-            if site.fused:
-                plan += _fusion_plan(family, report, site)
+        if qk_norm and family not in _patcher.groups():  # a family an earlier call patched stays as it made it
+            for site in report.qk_norms:
+                if site.fused:
+                    plan += _fusion_plan(family, report, site)
     return _patcher.apply(plan, unpatch)
 
 
 def _fusion_plan(family: str, report: FamilyReport, site: _qk_norm_fusion.FusionSite) -> list:
-    """The rewrite of one attention method's norms and RoPE call into one fused call."""
+    """The rewrite of one attention method's norms and RoPE call into one fused call; [] where its
+    norm classes are no longer the file's (another library replaced them: its norms then run as
+    that library made them, with rope_ext's RoPE)."""
     module = importlib.import_module(site.module)
     norms = {}
-    for attr, cls_name in site.norms:
+    for _, cls_name in site.norms:
         cls = getattr(module, cls_name, None)
         forward = getattr(cls, "forward", None)
         if getattr(getattr(forward, "__code__", None), "co_filename", None) != module.__file__:
-            raise ValueError(f"rope_ext: cannot patch {family!r}: {site.module}.{cls_name}.forward is not the one "
-                             "its model file defines (was it replaced by another patch?)")
-        norms[attr] = (cls, site.norm_form, forward)
+            return []
+        norms[cls] = (site.norm_form, forward)
     fn = next(f for f in report.functions if f.module == site.module and f.name == site.site.rope)
     ropes = (_patcher.original(family, module, fn.name), fn.replacement)
-    call = _qk_norm_fusion.fused(fn.form, norms, ropes, _hf_forms.FUSED_ARGS[fn.form.signature])
+    call = _qk_norm_fusion.fused(norms, ropes, _hf_forms.FUSED_TABLES[fn.form.signature](fn.form), pair=False)
     call.__qualname__ = f"fused_qk_norm_rope[{site.method}]"
     with open(module.__file__, encoding="utf-8") as f:
         tree = ast.parse(f.read(), filename=module.__file__)
     node = dict(_engine.function_defs(tree))[site.method]
-    rewrite_block, found, _ = _qk_norm_fusion.fusion_rewrite({fn.name}, set(norms))
+    found = []
+
+    def rewrite(fn_node, holder):
+        found.append(_qk_norm_fusion.fusion_rewrite(fn_node, "self", {fn.name}, {a for a, _ in site.norms}, holder))
+
     try:
-        plan = _engine.method_rewrite_plan(family, module, site.method, node, rewrite_block, call, _patcher)
+        plan = _engine.method_rewrite_plan(family, module, site.method, node, rewrite, call, _patcher)
     except ValueError as e:
         raise ValueError(f"rope_ext: cannot patch {family!r}: {e}") from None
     if found != [site.site]:
