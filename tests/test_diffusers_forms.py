@@ -374,9 +374,11 @@ def test_patch_switches_every_kind_of_site_and_restores():
 
 
 def test_a_file_reaching_rope_unpatches_by_its_name():
-    with rope_diffusers.patch(["hunyuan_video_framepack"]) as done:
+    with rope_diffusers.patch(["hunyuan_video_framepack"], qk_norm=False) as done:
         assert done == ["embeddings", "hunyuan_video_framepack"]
         assert rope_diffusers.patched_models() == done
+    with rope_diffusers.patch(["hunyuan_video_framepack"]) as done:  # and the fusion in HunyuanVideo's processor
+        assert set(done) == {"hunyuan_video", "embeddings", "hunyuan_video_framepack"}
     with rope_diffusers.patch("cogvideox_transformer_3d"):
         assert rope_diffusers.unpatch(["cogvideox_transformer_3d"])[0] == "cogvideox_transformer_3d"
         assert rope_diffusers.patched_models() == []
@@ -466,7 +468,7 @@ def test_unknown_code_is_refused_by_name(monkeypatch):
     import ast
 
     monkeypatch.setattr(rope_diffusers, "_parsed", lambda name: (ast.parse(source), module))
-    for cached in (rope_diffusers.model_report, rope_diffusers._site_table):
+    for cached in (rope_diffusers.model_report, rope_diffusers._site_table, rope_diffusers._fusion_sites):
         cached.cache_clear()
     try:
         refused = rope_diffusers.model_report("wan")
@@ -477,7 +479,7 @@ def test_unknown_code_is_refused_by_name(monkeypatch):
         assert rope_diffusers.patched_models() == []
     finally:
         monkeypatch.undo()
-        for cached in (rope_diffusers.model_report, rope_diffusers._site_table):
+        for cached in (rope_diffusers.model_report, rope_diffusers._site_table, rope_diffusers._fusion_sites):
             cached.cache_clear()
 
 

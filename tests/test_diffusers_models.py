@@ -185,7 +185,7 @@ def _forward_backward(model, run, name=None):
     """The output and every parameter's gradient, with `name` patched (or stock), and the rope_ext
     ops that ran."""
     model.zero_grad(set_to_none=True)
-    with (rope_diffusers.patch([name]) if name else contextlib.nullcontext()), RopeOpSpy() as spy:
+    with (rope_diffusers.patch([name], qk_norm=False) if name else contextlib.nullcontext()), RopeOpSpy() as spy:
         out = run(model)
         _weighted(out).backward()
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, spy.names
@@ -236,7 +236,7 @@ def test_a_slightly_wrong_rope_shows(name):
     model, run = _build(name)
     with torch.no_grad():
         ref = run(model)
-        with rope_diffusers.patch([name]), _Nudge():
+        with rope_diffusers.patch([name], qk_norm=False), _Nudge():
             nudged = run(model)
     assert not torch.equal(nudged, ref)
 
@@ -302,7 +302,7 @@ def test_compiled_flux_block_is_one_graph():
         return [o.detach() for o in out], x.grad, {n: p.grad for n, p in block.named_parameters()}
 
     torch._dynamo.reset()
-    with rope_diffusers.patch(["flux"]):
+    with rope_diffusers.patch(["flux"], qk_norm=False):
         with RopeOpSpy() as spy:  # (Dynamo does not trace under a dispatch mode)
             eager = run(block)
         assert spy.calls

@@ -305,8 +305,9 @@ def _sites(source: str):
     tree = ast.parse(source)
     rope_forms = {"apply_rotary_pos_emb": _hf_forms.KNOWN[next(k for k, f in _hf_forms.KNOWN.items()
                                                                if f.name == "llama")]}
-    return {s.method: s for s in _qk_norm_fusion.find_sites(tree, "m", rope_forms, _hf_forms.KNOWN_NORMS,
-                                                            re.compile(_hf_forms.NORM_ATTRIBUTE), _hf_forms.FUSED_TABLES)}
+    found = _qk_norm_fusion.find_sites(tree, "m", rope_forms, _hf_forms.KNOWN_NORMS,
+                                       re.compile(_hf_forms.NORM_ATTRIBUTE), _hf_forms.FUSED_TABLES)
+    return {s.method: s for s in found}
 
 
 @functools.cache

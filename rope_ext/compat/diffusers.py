@@ -73,6 +73,13 @@ def apply_rotary_emb(
     if not use_real:
         require_tensor(freqs_cis, "freqs_cis")
         return rotate_complex(x, freqs_cis, 2)
+    form, cos, sin = real_tables(x, freqs_cis, use_real_unbind_dim, sequence_dim)
+    return rotate(form, (x,), cos, sin)[0]
+
+
+def real_tables(x: torch.Tensor, freqs_cis, use_real_unbind_dim: int = -1, sequence_dim: int = 2):
+    """``(form, cos, sin)`` of :func:`apply_rotary_emb` with ``use_real``: the pairing's form and
+    the ``(cos, sin)`` tables broadcast against x (``sequence_dim`` 1 or 2), on x's device."""
     pair = isinstance(freqs_cis, (tuple, list)) or (isinstance(freqs_cis, torch.Tensor) and freqs_cis.dim() >= 1)
     if not pair or len(freqs_cis) != 2:
         raise TypeError(
@@ -95,4 +102,4 @@ def apply_rotary_emb(
         form = _HALF_SPLIT
     else:
         raise ValueError(f"rope_ext: use_real_unbind_dim must be -1 or -2, got {use_real_unbind_dim!r}")
-    return rotate(form, (x,), cos.to(x.device), sin.to(x.device))[0]
+    return form, cos.to(x.device), sin.to(x.device)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from rope_ext.compat.diffusers import _COMPLEX, complex_parts, real_tables, rotate_complex
 from rope_ext.compat.diffusers import apply_rotary_emb as _shared_apply_rotary_emb
-from rope_ext.compat.diffusers import complex_parts, rotate_complex
+from rope_ext.integrations._qk_norm_fusion import NormForm
 from rope_ext.integrations._rotate import Form, rotate
 
 
@@ -414,4 +415,67 @@ KNOWN: dict[str, Form] = {
     "1872421fe1e254e3": Form("inline rotate_half", "inline x * cos + rotate_half(x) * sin"),
     # nucleusmoe_image _apply_rotary_emb_nucleus
     "ef7d458fea886203": Form("qwen", "qwen", interleaved=True, dtype="float32"),
+}
+
+
+# --- QK-norm + RoPE ---------------------------------------------------------------------------------
+
+# How the calls of each signature give their tables to the fused QK-norm + RoPE: tables_of(x,
+# *the call's other arguments) -> (Form, cos, sin) as _rotate.rotate takes them for x, the same
+# entries the replacement above reads (None: tables the fused op does not take; the model's own
+# code runs). Signatures missing here keep the norms and the RoPE apart.
+def _complex_tables(freqs_cis, dim):
+    """rotate_complex's tables for complex freqs_cis unsqueezed at dim (None for real ones, which
+    scale the pairs)."""
+    if not (isinstance(freqs_cis, torch.Tensor) and freqs_cis.is_complex()):
+        return None
+    cos, sin = complex_parts(freqs_cis)
+    return _COMPLEX, cos.unsqueeze(dim), sin.unsqueeze(dim)
+
+
+def _shared_tables(form):
+    def tables_of(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
+        if not use_real:
+            return _complex_tables(freqs_cis, 2)
+        return real_tables(x, freqs_cis, use_real_unbind_dim, sequence_dim)
+
+    return tables_of
+
+
+def _qwen_tables(form):
+    def tables_of(x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
+        return real_tables(x, freqs_cis, use_real_unbind_dim, 2) if use_real else _complex_tables(freqs_cis, 1)
+
+    return tables_of
+
+
+FUSED_TABLES = {
+    "diffusers": _shared_tables,
+    "qwen": _qwen_tables,
+    "strided cos/sin": lambda form: (lambda x, freqs_cos, freqs_sin: (form, *_strided_half(freqs_cos, freqs_sin))),
+    "cat(cos, sin), strided": lambda form: (lambda x, freqs_cis: (form, *_strided_half(
+        *freqs_cis.unsqueeze(-2).chunk(2, dim=-1)))),
+    "complex unsqueeze(2)": lambda form: (lambda x, freqs_cis: (form, *(t.unsqueeze(2)
+                                                                        for t in complex_parts(freqs_cis)))),
+    "mochi": lambda form: (lambda x, freqs_cos, freqs_sin: (form, freqs_cos, freqs_sin)),
+    "flattened heads": lambda form: (lambda x, freqs: (form, *freqs)),
+    "(cos, sin) per row": lambda form: (lambda x, rope: (form, rope[0][None, :, None].to(x.device),
+                                                           rope[1][None, :, None].to(x.device))),
+    "cos, sin in x's dtype": lambda form: (lambda x, cos, sin: (form, cos.to(x.dtype)[None, :, None, :],
+                                                                  sin.to(x.dtype)[None, :, None, :])),
+    "angles, prefix": lambda form: (lambda x, freqs_cis: (form, torch.cos(freqs_cis).to(x.dtype),
+                                                          torch.sin(freqs_cis).to(x.dtype))),
+    "2x2 matrices, to x's device": lambda form: (lambda x, freqs_cis: (form, *_matrix_tables(
+        freqs_cis.to(device=x.device)))),
+}
+# (Every entry's tables depend on x only through its dtype and device, which q and k share: one
+# table serves both. Stable Audio 3's, which takes rows by x's length, is not here.)
+
+# The q/k norm classes a diffusers attention may hold, with what they compute. torch's RMSNorm is
+# taken as torch ships it; diffusers' own by the fingerprint of its class block (a diffusers release
+# that changes it is not fused). Each is tested against the class itself (tests/test_diffusers_qk_norm.py).
+TORCH_RMS_NORM = NormForm("torch.nn.RMSNorm", "eps", eps_none="finfo")
+KNOWN_NORMS: dict[str, NormForm] = {
+    # diffusers.models.normalization.RMSNorm: a 16-bit weight's dtype, else float32; a bias is not this form
+    "ee1f23e5d030faaf": NormForm("diffusers RMSNorm", "eps", output="weight", bias="bias"),
 }

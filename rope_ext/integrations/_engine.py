@@ -327,8 +327,13 @@ def trampoline_plan(group: str, module, method, name: str, replacement, patcher:
     code = namespace[name].__code__
     if hasattr(code, "co_qualname"):
         code = code.replace(co_qualname=inner.co_qualname)
-    consts = tuple(code if c is inner else c for c in original.co_consts)
-    return [(group, module, holder, replacement), (group, method, "__code__", original.replace(co_consts=consts))]
+    return [(group, module, holder, replacement), (group, method, "__code__", with_inner(original, name, code))]
+
+
+def with_inner(code: types.CodeType, name: str, inner: types.CodeType) -> types.CodeType:
+    """code with the code object of its inner function ``name`` swapped for inner."""
+    old = inner_code(types.SimpleNamespace(__code__=code), name)
+    return code.replace(co_consts=tuple(inner if c is old else c for c in code.co_consts))
 
 
 def rewrite_method(node: ast.FunctionDef, qualname: str, filename: str, original: types.CodeType,

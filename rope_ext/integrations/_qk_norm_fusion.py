@@ -306,10 +306,15 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
     sites = _rope_sites(fn, rope_names)
     if not sites:
         return "no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names"
+    # the tensors the norms normalize (QwenImage rotates its text tokens too, normalized by other norms)
+    normalized = {name for stmt in fn.body for name in _names(stmt)
+                  if _norm_statement(stmt, name, owner, norm_attrs) is not None}
     keys = {(kind, q, k, call.func.id) for _, _, kind, q, k, call in sites}
+    keys = {key for key in keys if {key[1], key[2]} <= normalized} or keys
     if len(keys) != 1:
         return "its RoPE calls rotate different tensors or call different functions"
     (kind, q, k, rope), = keys
+    sites = [site for site in sites if (site[2], site[3], site[4], site[5].func.id) == (kind, q, k, rope)]
     first_top = min(_top_index(fn, block, i) for block, i, *_ in sites)
     norms = {}
     for name in (q, k):

@@ -46,8 +46,9 @@ import importlib
 import os
 import re
 import threading
+import types
 
-from rope_ext.integrations import _diffusers_forms, _engine, _rotate
+from rope_ext.integrations import _diffusers_forms, _engine, _qk_norm_fusion, _rotate
 
 __all__ = ["ModelFileReport", "RopeFunction", "model_report", "patch", "patched_models", "survey", "unpatch"]
 
@@ -87,13 +88,15 @@ class RopeFunction:
 
 @dataclasses.dataclass(frozen=True)
 class ModelFileReport:
-    """A model file's RoPE sites, and the other files whose RoPE its processors call; it is
-    patchable when every site, its own and those it reaches, has a form."""
+    """A model file's RoPE sites, and the other files whose RoPE its processors call (it is
+    patchable when every site, its own and those it reaches, has a form), and its processors that
+    normalize q and k and apply RoPE (``qk_norms``: fused, or why not)."""
 
     name: str
     module: str
     functions: tuple[RopeFunction, ...]
     reaches: tuple[str, ...] = ()
+    qk_norms: tuple[_qk_norm_fusion.FusionSite, ...] = ()
 
     @property
     def patchable(self) -> bool:
@@ -268,13 +271,125 @@ def model_report(name: str) -> ModelFileReport | None:
     reaches = _reaches(name)
     if not sites and not reaches:
         return None
-    return ModelFileReport(name, _parsed(name)[1], tuple(sites), reaches)
+    return ModelFileReport(name, _parsed(name)[1], tuple(sites), reaches, _fusion_sites(name))
 
 
 def survey() -> dict[str, ModelFileReport]:
     """Every model file of the installed diffusers with a RoPE site or reaching one, classified from
     its source (nothing is imported), by name."""
     return {n: r for n in _files() if (r := model_report(n)) is not None}
+
+
+# --- QK-norm + RoPE -----------------------------------------------------------------------------------
+
+_QK_NORM = re.compile(r"^norm_[qk]$|^[qk]_norm$")
+
+
+def _processor_ropes(name: str, qualname: str, fn: ast.FunctionDef) -> dict:
+    """The RoPE functions a processor method can call by name -> their forms: the file's own and
+    imported ones, the method's inner ones, and embeddings' shared one imported inside it."""
+    own = _site_table(name)[0]
+    ropes = {f.name: f.form for f in own if f.kind in ("function", "import")}
+    ropes.update({f.name.rsplit(".", 1)[1]: f.form for f in own
+                  if f.kind == "inner" and f.name.rsplit(".", 1)[0] == qualname})
+    for node in ast.walk(fn):
+        if isinstance(node, ast.ImportFrom):
+            ropes.update({local: _shared_form(local) for local in _imports_shared(node)})
+    return ropes
+
+
+@functools.cache
+def _fusion_sites(name: str) -> tuple[_qk_norm_fusion.FusionSite, ...]:
+    """The processors (``Class.__call__(self, attn, ...)``) of a file that call ``attn.norm_q`` /
+    ``norm_k`` (or ``q_norm`` / ``k_norm``) and a RoPE function, fused or with the reason not."""
+    tree, module = _parsed(name)
+    inline = {f.name for f in _site_table(name)[0] if f.kind == "inline"}
+    sites = []
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__call__"):
+            if len(fn.args.args) < 2:
+                continue
+            owner, qualname = fn.args.args[1].arg, f"{cls.name}.__call__"
+            attrs = {n.func.attr for n in ast.walk(fn) if isinstance(n, ast.Call)
+                     and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+                     and n.func.value.id == owner and _QK_NORM.match(n.func.attr)}
+            ropes = _processor_ropes(name, qualname, fn)
+            called = {n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                      and n.func.id in ropes}
+            if not attrs or not (called or qualname in inline):
+                continue
+            site = functools.partial(_qk_norm_fusion.FusionSite, module, qualname, (), None)
+            reason = "its RoPE is written inline (x * cos + _rotate_half(x) * sin)" if qualname in inline else None
+            for rope in sorted(called):
+                form = ropes[rope]
+                if reason is None and (form is None or form.signature not in _diffusers_forms.FUSED_TABLES):
+                    reason = (f"{rope} is refused" if form is None else
+                              f"{rope}'s signature ({form.signature}) has no fused call yet")
+            found = reason or _qk_norm_fusion.probe(fn, owner, called, attrs)
+            sites.append(site(None, found) if isinstance(found, str) else site(found))
+    return tuple(sites)
+
+
+@functools.cache
+def _fused_norms() -> dict:
+    """norm class -> (NormForm, forward): the q/k norm classes the fused op may stand in for."""
+    import torch
+    from diffusers.models import normalization
+
+    norms = {torch.nn.RMSNorm: (_diffusers_forms.TORCH_RMS_NORM, torch.nn.RMSNorm.forward)}
+    tree = ast.parse(open(normalization.__file__, encoding="utf-8").read())
+    node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RMSNorm"), None)
+    key = node and _qk_norm_fusion.norm_fingerprint(_engine.module_definitions(tree), node)
+    form = _diffusers_forms.KNOWN_NORMS.get(key)
+    cls = normalization.RMSNorm
+    code = getattr(cls.forward, "__code__", None)
+    if form is not None and code is not None and code.co_filename == normalization.__file__:
+        norms[cls] = (form, cls.forward)
+    return norms
+
+
+@functools.cache
+def _fused_call(name: str, method: str, allowed, form, pair: bool):
+    """One replacement per processor for the process's life: a call already running it when
+    another thread unpatches still finds it (as the trampolines' holders)."""
+    call = _qk_norm_fusion.fused(_fused_norms(), allowed, _diffusers_forms.FUSED_TABLES[form.signature](form),
+                                 pair=pair)
+    call.__qualname__ = f"fused_qk_norm_rope[{method}]"
+    return call
+
+
+def _fusion_plan(name: str, site: _qk_norm_fusion.FusionSite, module, plan: list) -> list:
+    """The rewrite of one processor's norms and RoPE calls into fused calls. Where the RoPE function
+    is the method's own inner one, the rewritten code keeps the trampoline ``plan`` gave it."""
+    rope = site.site.rope
+    ropes = _processor_ropes(name, site.method, dict(_engine.function_defs(_parsed(name)[0]))[site.method])
+    form = ropes[rope]
+    inner = any(f.kind == "inner" and f.name == f"{site.method}.{rope}" for f in model_report(name).functions)
+    allowed = None
+    if not inner:
+        stock = getattr(module, rope, None)
+        allowed = (stock, _replacement(form)) if stock is not None else None
+        if stock is None:  # imported when called: embeddings' function, or rope_ext's stand-in for it
+            embeddings = importlib.import_module("diffusers.models.embeddings")
+            allowed = (_patcher.original("embeddings", embeddings, rope), _replacement(form))
+    call = _fused_call(name, site.method, allowed, form, site.site.pair)
+    node = dict(_engine.function_defs(_parsed(name)[0]))[site.method]
+    found = []
+
+    def rewrite(fn, holder):
+        found.append(_qk_norm_fusion.fusion_rewrite(fn, site.site.owner, {rope}, {site.site.q_norm, site.site.k_norm},
+                                                   holder))
+
+    cls_name, method_name = site.method.split(".")
+    method = getattr(getattr(module, cls_name), method_name)
+    fused = _engine.method_rewrite_plan(name, module, site.method, node, rewrite, call, _patcher)
+    if found != [site.site]:
+        raise ValueError(f"{site.method} changed since it was classified")
+    trampolined = [v for g, o, a, v in plan if o is method and a == "__code__"]
+    if inner and trampolined:  # the RoPE patch's trampoline, in the fused code too
+        fused[-1] = (*fused[-1][:3], _engine.with_inner(fused[-1][3], rope, _engine.inner_code(
+            types.SimpleNamespace(__code__=trampolined[-1]), rope)))
+    return fused
 
 
 _patcher = _engine.Patcher()
@@ -339,7 +454,7 @@ def _inline_plan(name: str, fn: RopeFunction, module):
                                        _patcher)
 
 
-def patch(models=None, *, strict: bool = False) -> _engine.Patched:
+def patch(models=None, *, strict: bool = False, qk_norm: bool = True) -> _engine.Patched:
     """Switch diffusers model files onto rope_ext.
 
     Args:
@@ -349,6 +464,11 @@ def patch(models=None, *, strict: bool = False) -> _engine.Patched:
             Files refused then keep diffusers' code, named in a ``_engine.RefusedWarning`` once
             per process.
         strict: with ``models=None``, make a refused file an error instead of a warning.
+        qk_norm: also fuse each processor's q/k RMS norms into its RoPE calls, one
+            :func:`rope_ext.qk_norm_rotary` call for q and k, where the file's ``qk_norms`` say it
+            is fused (Flux, Wan, QwenImage, HunyuanVideo, LTX, ...; see the listing). Each call
+            checks that the attention's norms are torch's or diffusers' RMSNorm, unhooked, and runs
+            diffusers' own code where they are not.
 
     Returns:
         The files this call switched, and the files named that reach RoPE only through them (a
@@ -379,10 +499,16 @@ def patch(models=None, *, strict: bool = False) -> _engine.Patched:
         closures[requested] = _closure([requested])
         for name in closures[requested]:
             sites = model_report(name).functions
-            module = importlib.import_module(model_report(name).module) if sites else None
+            fusions = [f for f in model_report(name).qk_norms if f.fused] if qk_norm else []
+            module = importlib.import_module(model_report(name).module) if sites or fusions else None
             for fn in sites:
                 try:
                     plan += _plan_site(name, fn, module)
+                except ValueError as e:
+                    raise ValueError(f"rope_ext: cannot patch {requested!r}: {e}") from None
+            for site in fusions if name not in _patcher.groups() else ():  # an earlier call's patch stays as it is
+                try:
+                    plan += _fusion_plan(name, site, module, plan)
                 except ValueError as e:
                     raise ValueError(f"rope_ext: cannot patch {requested!r}: {e}") from None
     if any("embeddings" in closure for closure in closures.values()):
