@@ -572,19 +572,25 @@ def patched_models() -> list[str]:
 
 
 def main() -> None:
-    """Print every model file of the installed diffusers with RoPE: its sites' forms, patched or why not."""
+    """Print every model file of the installed diffusers with RoPE: its sites' forms, patched or why
+    not, and its processors' QK-norms, fused or why not."""
     import diffusers
 
     reports = survey()
 
     def lines(report):
         out = [_engine.site_text(fn.name, fn.form, fn.reason) for fn in report.functions]
+        out += [_qk_norm_fusion.site_text(site) for site in report.qk_norms]
         return out + ([f"through {', '.join(report.reaches)}"] if report.reaches else [])
 
     patched = _engine.print_listing(reports, lines)
     own = sum(1 for r in reports.values() if any(f.kind != "import" for f in r.functions))
     print(f"\ndiffusers {diffusers.__version__}: {len(reports)} model files with RoPE ({own} with their own "
           f"function); {patched} patched, {len(reports) - patched} refused")
+    with_norms = [r for r in reports.values() if r.qk_norms]
+    fused = [r for r in with_norms if any(site.fused for site in r.qk_norms)]
+    print(f"{len(with_norms)} have processors that normalize q and k and apply RoPE; {len(fused)} fuse them in at "
+          "least one (where the norms are torch's or diffusers' RMSNorm and the tables ones the op takes)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,230 @@
+"""QK-norm + RoPE fused in diffusers' processors (rope_ext.integrations.diffusers.patch's ``qk_norm``):
+the norm classes against themselves, tiny Flux, Wan, HunyuanVideo, LTX and QwenImage models against
+stock in float32 and bfloat16 (outputs and every parameter's gradient), the fused op seen where it
+must run and nowhere after unpatch, and a compiled Flux block as one graph."""
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+import torch
+from conftest import RopeOpSpy
+
+from rope_ext import qk_norm_rotary
+from rope_ext.integrations import _diffusers_forms, _qk_norm_fusion
+from rope_ext.integrations import diffusers as rope_diffusers
+
+pytest.importorskip("diffusers")
+from test_diffusers_models import _build, _randn, _weighted  # noqa: E402  (after the importorskip)
+
+# --- the norm classes -------------------------------------------------------------------------------
+
+
+def _norm_classes():
+    from diffusers.models.normalization import RMSNorm
+
+    return {"torch": (torch.nn.RMSNorm, lambda n, eps, affine: torch.nn.RMSNorm(n, eps=eps, elementwise_affine=affine)),
+            "diffusers": (RMSNorm, lambda n, eps, affine: RMSNorm(n, eps=eps, elementwise_affine=affine))}
+
+
+NORM_CASES = [(kind, eps, affine, x, w) for kind in ("torch", "diffusers") for eps in (1e-6, None)
+              for affine in (True, False)
+              for x, w in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                           (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16))
+              if not (kind == "diffusers" and eps is None) and (affine or x == w)]
+
+
+@pytest.mark.parametrize("kind,eps,affine,x_dtype,w_dtype", NORM_CASES)
+def test_norm_class_matches_its_form(kind, eps, affine, x_dtype, w_dtype):
+    """The fused op with the class's NormForm (identity tables), against the class itself, where the
+    fusion takes it: only where the class returns x's dtype. Bound: two roundings of x's dtype
+    (the class may round its normalized value and its product with the weight; the op rounds once);
+    in float32, each is within about three roundings of the float64 value (the mean of 32 squares
+    summed in another order, rsqrt, the products: measured 2.3 ulps each, 4.1 apart), so 8 * 2^-24."""
+    cls, make = _norm_classes()[kind]
+    entry = rope_diffusers._fused_norms().get(cls)
+    assert entry is not None and entry[1] is cls.forward
+    form = entry[0]
+    gen = torch.Generator().manual_seed(0)
+    norm = make(32, eps, affine)
+    if affine:
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(32, generator=gen, dtype=torch.float64) * 0.5 + 0.3)
+    norm = norm.to(w_dtype)
+    x = (torch.randn(3, 5, 4, 32, generator=gen, dtype=torch.float64) * 3).to(x_dtype)
+    expected = norm(x)
+    weight = _qk_norm_fusion._norm_weight(norm, form)
+    takes = _qk_norm_fusion._weight_ok(weight, form, x, 32)
+    # never where the class returns another dtype (it may decline more: the op takes a weight in x's
+    # dtype or float32 only, so a bfloat16 weight with float32 x runs torch's own norm)
+    assert not takes or expected.dtype == x_dtype
+    assert takes or expected.dtype != x_dtype or (weight.dtype, x_dtype) == (torch.bfloat16, torch.float32)
+    if not takes:
+        return
+    ones, zeros = torch.ones(5, 32, dtype=x_dtype), torch.zeros(5, 32, dtype=x_dtype)
+    ours, _ = qk_norm_rotary(x, x, weight, weight, ones.unsqueeze(1), zeros.unsqueeze(1),
+                             eps=_qk_norm_fusion._eps(norm, form, x), weight_offset=form.offset)
+    ulp = {torch.float32: 8 * 2**-24, torch.bfloat16: 2 * 2**-8}[x_dtype]
+    scale = expected.double().abs().amax(-1, keepdim=True)
+    assert ((ours.double() - expected.double()).abs() <= ulp * scale).all()
+
+
+# --- whole models -----------------------------------------------------------------------------------
+
+# The attention layers of each tiny model whose norms and RoPE run fused. Flux's double-stream block
+# and HunyuanVideo's concatenate the text tokens (normalized by other norms) into q and k between
+# the norms and RoPE: there the norms run alone where q is read, and RoPE after them unfused.
+FUSED_LAYERS = {"flux": 1, "wan": 2, "hunyuan_video": 1, "ltx": 2, "qwenimage": 2}
+
+
+def _run(model, run, name, mode):
+    model.zero_grad(set_to_none=True)
+    patch = contextlib.nullcontext() if mode is None else rope_diffusers.patch([name], qk_norm=mode == "fused")
+    with patch, RopeOpSpy() as spy:
+        out = run(model)
+        _weighted(out).backward()
+    grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach().double(), grads, spy.names
+
+
+def _max_rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _norm_rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _randomize_norms(model):
+    gen = torch.Generator().manual_seed(3)
+    for name, p in model.named_parameters():
+        if re.search(r"\.norm_[qk]\.", name):
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + 1.0)
+
+
+def _check_parity(name, dtype):
+    model, run = _build(name)
+    _randomize_norms(model)
+    truth, truth_grads, _ = _run(model, run, name, None)
+    model, run = _build(name, dtype)
+    _randomize_norms(model)
+    stock, stock_grads, _ = _run(model, run, name, None)
+    fused, grads, ops = _run(model, run, name, "fused")
+    assert ops.count("qk_norm_rotary") == FUSED_LAYERS[name], ops
+    assert grads.keys() == stock_grads.keys()
+    flat = lambda g: torch.cat([g[n].flatten() for n in sorted(g)])  # noqa: E731
+    if dtype == torch.float32:
+        # gradients against the largest of all: some are rounding noise around zero in both (a bias
+        # whose gradient is zero but for rounding, in a layer without RoPE)
+        assert _max_rel(fused, stock) <= 2**-16, _max_rel(fused, stock)
+        assert _max_rel(flat(grads), flat(stock_grads)) <= 2**-16, _max_rel(flat(grads), flat(stock_grads))
+        return
+    assert _max_rel(fused, truth) <= 1.25 * _max_rel(stock, truth), (_max_rel(fused, truth), _max_rel(stock, truth))
+    assert _norm_rel(flat(grads), flat(truth_grads)) <= 1.25 * _norm_rel(flat(stock_grads), flat(truth_grads))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", FUSED_LAYERS)
+def test_model_matches_stock(name, dtype):
+    """A tiny model with its q/k norms fused, against diffusers' own, output and every parameter's
+    gradient. The bounds are tests/test_qk_norm_fusion.py's, for the same reasons: float32 within
+    2^-16 of the largest value (a few float32 roundings per element of q and k, measured 1e-7 to
+    3e-7); bfloat16 no less exact than stock bfloat16 against the float32 model, within 25%. Wan's
+    cross-attention and every unrotated path run the norms alone, through the same check."""
+    _check_parity(name, dtype)
+
+
+def test_the_bound_can_fail(monkeypatch):
+    """A fusion that drops the norms' weights fails the float32 bound."""
+    import rope_ext._ops
+
+    real = rope_ext._ops.qk_norm_rotary
+    monkeypatch.setattr(rope_ext._ops, "qk_norm_rotary",
+                        lambda q, k, wq, wk, *a, **kw: real(q, k, None, None, *a, **kw))
+    with pytest.raises(AssertionError):
+        _check_parity("wan", torch.float32)
+
+
+def test_unpatched_model_runs_no_op():
+    model, run = _build("wan")
+    with torch.no_grad():
+        with rope_diffusers.patch(["wan"]), RopeOpSpy() as spy:
+            run(model)
+        assert spy.names.count("qk_norm_rotary") == 2
+        with RopeOpSpy() as spy:
+            run(model)
+        assert spy.names == []
+
+
+def test_a_hooked_norm_runs_diffusers_code():
+    model, run = _build("wan")
+    attn = model.blocks[0].attn1
+    with torch.no_grad(), rope_diffusers.patch(["wan"], qk_norm=False):
+        rope_only = run(model)
+    handle = attn.norm_q.register_forward_hook(lambda *a: None)
+    try:
+        with torch.no_grad(), rope_diffusers.patch(["wan"]), RopeOpSpy() as spy:
+            out = run(model)
+    finally:
+        handle.remove()
+    assert spy.names.count("qk_norm_rotary") == 1  # the other block's layer
+    torch.testing.assert_close(out, rope_only, atol=1e-6, rtol=1e-6)
+
+
+def test_compiled_flux_single_block_is_one_graph():
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed, FluxSingleTransformerBlock
+
+    torch.manual_seed(0)
+    block = FluxSingleTransformerBlock(dim=32, num_attention_heads=2, attention_head_dim=16).eval()
+    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(6.0), indexing="ij"), -1)
+    rotary = FluxPosEmbed(theta=10000, axes_dim=[4, 6, 6])(ids.reshape(24, 3))
+    args = (_randn(2, 19, 32, seed=1), _randn(2, 5, 32, seed=2), _randn(2, 32, seed=3), rotary)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad(), rope_diffusers.patch(["flux"]):
+        eager = block(*args)
+        out = torch.compile(block, backend=backend, fullgraph=True)(*args)
+    assert len(graphs) == 1 and graphs[0].code.count("rope_ext.qk_norm_rotary") == 1
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+def test_listing_says_which_are_fused(capsys):
+    rope_diffusers.main()
+    out = capsys.readouterr().out
+    assert re.search(r"qk-norm WanAttnProcessor\.__call__: fused, over all heads of a token", out)
+    assert re.search(r"qk-norm FluxAttnProcessor\.__call__: fused, over each head", out)
+    assert re.search(r"qk-norm Cosmos3AttnProcessor\.__call__: not fused: its RoPE is written inline", out)
+    counts = re.search(r"(\d+) have processors that normalize q and k and apply RoPE; (\d+) fuse them", out)
+    assert int(counts[2]) >= 30
+
+
+def test_fused_tables_read_what_the_replacements_read():
+    """Each signature's tables_of gives the tables its replacement rotates with: rotating by them
+    equals the replacement, for the shared function in both pairings and the complex form."""
+    from rope_ext.integrations._rotate import rotate
+
+    gen = torch.Generator().manual_seed(5)
+    bshd, bhsd = torch.randn(2, 6, 3, 16, generator=gen), torch.randn(2, 3, 6, 16, generator=gen)
+    angles = torch.randn(6, 8, generator=gen)
+    full = torch.cat((angles, angles), -1)
+    strided = angles.repeat_interleave(2, -1)[None, :, None]
+    cases = {
+        "diffusers": [(bhsd, (full.cos(), full.sin())), (bshd, (full.cos(), full.sin()), True, -2, 1),
+                      (bshd, torch.polar(torch.ones(2, 6, 8), angles.expand(2, 6, 8)), False)],
+        "strided cos/sin": [(bshd, strided.cos(), strided.sin())],
+    }
+    for signature, calls in cases.items():
+        form = next(f for f in _diffusers_forms.KNOWN.values() if f.signature == signature)
+        replacement = _diffusers_forms.replacement(form)
+        tables_of = _diffusers_forms.FUSED_TABLES[signature](form)
+        for x, *args in calls:
+            got = tables_of(x, *args)
+            assert got is not None, (signature, args)
+            table_form, cos, sin = got
+            torch.testing.assert_close(rotate(table_form, (x,), cos, sin)[0], replacement(x, *args), atol=0, rtol=0)
