@@ -1,21 +1,22 @@
 """Step time (forward + backward) of real model blocks on the CPU: stock, RoPE switched to rope_ext,
 and q/k norms + RoPE fused into one rope_ext call (issue 39).
 
-    python benchmarks/bench_model_blocks.py            # every block, bfloat16 and float32 (about 3 minutes)
+    python benchmarks/bench_model_blocks.py            # every block, bfloat16 and float32 (about 4 minutes)
     python benchmarks/bench_model_blocks.py --quick    # bfloat16, fewer rounds
 
 Blocks (random weights, the models' own classes from the installed transformers and diffusers):
   qwen3  a Qwen3 decoder layer: hidden 1024, 16 query and 8 key/value heads of 128, MLP 3072,
          1 x 512 tokens, tables from Qwen3RotaryEmbedding.
   flux   bench_diffusers.py's Flux double-stream block (4 heads of 128, 1024 image and 128 text
-         tokens, FluxPosEmbed's tables).
+         tokens, FluxPosEmbed's tables): its text tokens join q and k between norm and RoPE, so
+         its norms run alone and the fused row is RoPE alone (the listing says why);
+  flux-single  the same sizes in a single-stream block (text and image in one sequence), fused.
   wan    bench_diffusers.py's Wan block (4 heads of 128, q/k normalized across heads, 1024 video and
          128 text tokens, WanRotaryPosEmbed's tables).
 Variants:
   stock   the library's code as installed;
   rope    rope_ext.integrations.<library>.patch(qk_norm=False): RoPE on rope_ext's op;
-  fused   patch(): the q/k norms and RoPE in one rope_ext.qk_norm_rotary call (transformers only
-          so far; the diffusers fusion is not built yet, and its row says so);
+  fused   patch(): the q/k norms and RoPE in one rope_ext.qk_norm_rotary call;
   none    the q/k norms and RoPE removed (norms swapped for nn.Identity, no RoPE tables), to give
           the share of the stock step that norm and RoPE take: (stock - none) / stock.
 One step: zero grads, forward, backward of the output's sum into every parameter and the input.
@@ -115,7 +116,8 @@ def _diffusers_block(build, attention):
 
         variants = {
             "stock": contextlib.nullcontext,
-            "rope": lambda: rope_diffusers.patch([block.name]),
+            "rope": lambda: rope_diffusers.patch([block.name], qk_norm=False),
+            "fused": lambda: rope_diffusers.patch([block.name]),
             "none": none,
         }
         return module, x, lambda: _first(module(x, *rest, state["tables"])), variants
@@ -127,9 +129,29 @@ def _first(out):
     return out[1] if isinstance(out, tuple) else out  # Flux returns (text, image)
 
 
+def flux_single_block(dtype):
+    """bench_diffusers.py's Flux sizes in a single-stream block: text and image tokens in one
+    sequence, 1152 tokens."""
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed, FluxSingleTransformerBlock
+
+    torch.manual_seed(0)
+    dim = bench_diffusers.DIM
+    block = FluxSingleTransformerBlock(dim=dim, num_attention_heads=bench_diffusers.HEADS,
+                                       attention_head_dim=bench_diffusers.HEAD_DIM)
+    grid, text = bench_diffusers.GRID, bench_diffusers.TEXT_TOKENS
+    rows = torch.arange(grid, dtype=torch.float32)
+    img_ids = torch.stack(torch.meshgrid(torch.zeros(1), rows, rows, indexing="ij"), -1).reshape(grid * grid, 3)
+    tables = FluxPosEmbed(theta=10000, axes_dim=[16, 56, 56])(torch.cat([torch.zeros(text, 3), img_ids]))
+    g = torch.Generator().manual_seed(1)
+    args = (torch.randn(1, grid * grid, dim, generator=g), torch.randn(1, text, dim, generator=g),
+            torch.randn(1, dim, generator=g), tables)
+    return bench_diffusers.Block("flux", block.to(dtype).eval(), bench_diffusers._cast(args, dtype))
+
+
 BLOCKS = {
     "qwen3": qwen3_block,
     "flux": _diffusers_block(bench_diffusers.flux_block, lambda m: m.attn),
+    "flux-single": _diffusers_block(flux_single_block, lambda m: m.attn),
     "wan": _diffusers_block(bench_diffusers.wan_block, lambda m: m.attn1),
 }
 
@@ -181,7 +203,7 @@ def main():
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, diffusers {diffusers.__version__}, "
           f"CPU {platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), "
           f"{args.threads} threads; medians of {rounds} interleaved rounds")
-    print(f"{'block':<6} {'dtype':<9} {'stock ms':>9} {'rope ms':>8} {'fused ms':>9} {'none ms':>8} "
+    print(f"{'block':<11} {'dtype':<9} {'stock ms':>9} {'rope ms':>8} {'fused ms':>9} {'none ms':>8} "
           f"{'rope/stock':>10} {'fused/stock':>11} {'norm+RoPE share':>15}")
     for name in args.blocks.split(","):
         for dtype in dtypes:
@@ -190,7 +212,7 @@ def main():
             fused = f"{med['fused'] * 1e3:9.1f}" if "fused" in med else f"{'not yet':>9}"
             fused_ratio = f"{med['fused'] / stock:11.3f}" if "fused" in med else f"{'-':>11}"
             dname = str(dtype).removeprefix("torch.")
-            print(f"{name:<6} {dname:<9} {stock * 1e3:9.1f} {med['rope'] * 1e3:8.1f} {fused} "
+            print(f"{name:<11} {dname:<9} {stock * 1e3:9.1f} {med['rope'] * 1e3:8.1f} {fused} "
                   f"{med['none'] * 1e3:8.1f} {med['rope'] / stock:10.3f} {fused_ratio} "
                   f"{(stock - med['none']) / stock:15.1%}", flush=True)
 
