@@ -487,9 +487,10 @@ def test_listing(capsys):
     rope_diffusers.main()
     out = capsys.readouterr().out.splitlines()
     reports = rope_diffusers.survey()
-    firsts = [line.split()[:2] for line in out if line and not line.startswith((" ", "diffusers "))]
+    firsts = [line.split()[:2] for line in out if line and not line.startswith((" ", "diffusers "))
+              and not line[0].isdigit()]  # the summary lines
     assert [f for f, _ in firsts] == list(reports)
     assert all(status == ("patched" if reports[f].patchable else "refused") for f, status in firsts)
     assert any("WanAttnProcessor.__call__.apply_rotary_emb: 'wan' form" in line for line in out)
     patched = sum(r.patchable for r in reports.values())
-    assert out[-1].endswith(f"{patched} patched, {len(reports) - patched} refused")
+    assert out[-2].endswith(f"{patched} patched, {len(reports) - patched} refused")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import re
 
+import fusion_checks
 import pytest
 import torch
 from conftest import RopeOpSpy
@@ -16,7 +17,7 @@ from rope_ext.integrations import _diffusers_forms, _qk_norm_fusion
 from rope_ext.integrations import diffusers as rope_diffusers
 
 pytest.importorskip("diffusers")
-from test_diffusers_models import _build, _randn, _weighted  # noqa: E402  (after the importorskip)
+from test_diffusers_models import _build, _randn  # noqa: E402  (after the importorskip)
 
 # --- the norm classes -------------------------------------------------------------------------------
 
@@ -79,21 +80,8 @@ FUSED_LAYERS = {"flux": 1, "wan": 2, "hunyuan_video": 1, "ltx": 2, "qwenimage": 
 
 
 def _run(model, run, name, mode):
-    model.zero_grad(set_to_none=True)
     patch = contextlib.nullcontext() if mode is None else rope_diffusers.patch([name], qk_norm=mode == "fused")
-    with patch, RopeOpSpy() as spy:
-        out = run(model)
-        _weighted(out).backward()
-    grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
-    return out.detach().double(), grads, spy.names
-
-
-def _max_rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
-def _norm_rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
+    return fusion_checks.step(model, run, patch)
 
 
 def _randomize_norms(model):
@@ -107,32 +95,21 @@ def _randomize_norms(model):
 def _check_parity(name, dtype):
     model, run = _build(name)
     _randomize_norms(model)
-    truth, truth_grads, _ = _run(model, run, name, None)
+    truth = _run(model, run, name, None)
     model, run = _build(name, dtype)
     _randomize_norms(model)
-    stock, stock_grads, _ = _run(model, run, name, None)
-    fused, grads, ops = _run(model, run, name, "fused")
-    assert ops.count("qk_norm_rotary") == FUSED_LAYERS[name], ops
-    assert grads.keys() == stock_grads.keys()
-    flat = lambda g: torch.cat([g[n].flatten() for n in sorted(g)])  # noqa: E731
-    if dtype == torch.float32:
-        # gradients against the largest of all: some are rounding noise around zero in both (a bias
-        # whose gradient is zero but for rounding, in a layer without RoPE)
-        assert _max_rel(fused, stock) <= 2**-16, _max_rel(fused, stock)
-        assert _max_rel(flat(grads), flat(stock_grads)) <= 2**-16, _max_rel(flat(grads), flat(stock_grads))
-        return
-    assert _max_rel(fused, truth) <= 1.25 * _max_rel(stock, truth), (_max_rel(fused, truth), _max_rel(stock, truth))
-    assert _norm_rel(flat(grads), flat(truth_grads)) <= 1.25 * _norm_rel(flat(stock_grads), flat(truth_grads))
+    stock = _run(model, run, name, None)
+    fused = _run(model, run, name, "fused")
+    assert fused[2].count("qk_norm_rotary") == FUSED_LAYERS[name], fused[2]
+    fusion_checks.assert_parity(dtype, fused[:2], stock[:2], truth[:2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", FUSED_LAYERS)
 def test_model_matches_stock(name, dtype):
     """A tiny model with its q/k norms fused, against diffusers' own, output and every parameter's
-    gradient. The bounds are tests/test_qk_norm_fusion.py's, for the same reasons: float32 within
-    2^-16 of the largest value (a few float32 roundings per element of q and k, measured 1e-7 to
-    3e-7); bfloat16 no less exact than stock bfloat16 against the float32 model, within 25%. Wan's
-    cross-attention and every unrotated path run the norms alone, through the same check."""
+    gradient, within fusion_checks.assert_parity's bounds. Wan's cross-attention and every unrotated
+    path run the norms alone, through the same check."""
     _check_parity(name, dtype)
 
 

@@ -15,12 +15,14 @@ What is recognised, from the method's source as the RoPE forms are (``O`` is the
 The norms are *deferred*: the rewrite drops the two norm calls (``Q = E_q[...]``) and sets a flag;
 the RoPE statement, wherever it sits in the method, becomes one call of the fused replacement (norms
 and rotation together while the flag is set, the rotation alone once it is not); and before any other
-statement that reads or sets Q or K, or changes what the norms read in place, the rewrite inserts
-``if <flag>: Q, K = <the norms alone>``. So every path through the method computes what the model's
+statement that uses Q or K, or a name whose tensor they may share (``x`` of ``Q = O.q_norm(x)``),
+the rewrite inserts ``if <flag>: Q, K = <the norms alone>``; ``with`` blocks are not entered (their
+context must not wrap norms the code ran outside it). So every path through the method computes what the model's
 code computes: a block that reads q in between (Flux's text tokens, OLMoE's ``clamp_``) gets the
 norms there, and the RoPE after it runs alone; a path that skips RoPE (a cross-attention) gets the
-norms where q is next read. Nothing is refused for what lies between; it only decides whether the
-fused call runs.
+norms where q is next read. A site is refused only where that cannot hold (a function the method
+defines reads q, the RoPE call's tables read it) or where the fused call could never run (q is used
+on every path between norm and RoPE).
 
 At each call :func:`fused` checks, per attention instance, what the source cannot say: that the
 norms are instances of tested norm classes (:class:`NormForm`) with their code unchanged, no instance
@@ -214,26 +216,20 @@ def _layout(stmt, name: str, owner: str, hidden_shape: bool) -> str | None:
     return None
 
 
-def _mutates(stmt, watched: set[str]) -> bool:
-    """Whether stmt changes in place a tensor that a name in watched holds: ``x.op_(...)``,
-    ``x[...] = ...``, ``x += ...`` (what a deferred norm reads must not change before it runs)."""
-    def root(node):
-        while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
-            node = node.func if isinstance(node, ast.Call) else node.value
-        return node.id if isinstance(node, ast.Name) else None
-
-    for node in ast.walk(stmt):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            if node.func.attr.endswith("_") and not node.func.attr.startswith("_") and root(node.func.value) in watched:
-                return True
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, (ast.AugAssign, ast.AnnAssign)) else []
-        for t in targets:
-            if isinstance(node, ast.AugAssign) and root(t) in watched:
-                return True
-            if isinstance(t, (ast.Subscript, ast.Attribute)) and root(t) in watched:
-                return True
-    return False
+def _alias_root(expr, owner: str) -> str | None:
+    """The name whose tensor expr may share memory with: ``x`` of ``x``, ``x.view(...)``,
+    ``x[...]``, ``x.transpose(1, 2)`` and other method chains on x; None where expr makes a new
+    tensor (a call of the attention's own module, ``O.to_q(h)``, or of a function)."""
+    while True:
+        if isinstance(expr, ast.Name):
+            return None if expr.id == owner else expr.id
+        if isinstance(expr, ast.Subscript):
+            expr = expr.value
+        elif isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and not (
+                isinstance(expr.func.value, ast.Name) and expr.func.value.id == owner):
+            expr = expr.func.value
+        else:
+            return None
 
 
 def _rope_sites(fn, rope_names):
@@ -293,9 +289,7 @@ def _header(stmt) -> list | None:
         return [stmt.test]
     if isinstance(stmt, ast.For):
         return [stmt.target, stmt.iter]
-    if isinstance(stmt, ast.With):
-        return [n for item in stmt.items for n in (item.context_expr, item.optional_vars) if n is not None]
-    return None
+    return None  # not `with`: its context (no_grad, autocast) must not wrap norms the code ran outside it
 
 
 def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, holder: str) -> Site | str:
@@ -332,11 +326,24 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
     if (nq.guard is None) != (nk.guard is None) or (nq.guard is not None and nq.index != nk.index):
         return "q's and k's norms are not under one condition"
     lo, hi = sorted((nq.index, nk.index))
-    if any({q, k} & _names(s) for s in fn.body[lo + 1:hi]):
-        return f"{q} or {k} is read between their two norms"
-    watched = (_names([n.arg for n in (nq, nk) if n.arg is not None]) - {owner}) | {q, k}
-    if any(name in _names(n.arg) for name, n in ((k, nq), (q, nk)) if n.arg is not None):
-        return f"the norm of {q} reads {k}, or the other way round"
+    # what the deferred norms read: q and k, and a tensor they may share memory with (q = O.q_norm(x)
+    # makes q hold x's tensor until the norm runs: x read or changed, in place or through another
+    # name, means the norms run first)
+    roots = {_alias_root(n.arg, owner) for n in (nq, nk) if n.arg is not None} - {None}
+    watch = {q, k} | roots
+    if any(watch & _names(s) for s in fn.body[lo + 1:hi]):
+        return f"{q}, {k} or what their norms read is used between their two norms"
+    (first, first_name), (later, _) = sorted(((nq, q), (nk, k)), key=lambda pair: pair[0].index)
+    if later.arg is not None and first.index != later.index and (
+            {first_name, _alias_root(first.arg, owner) if first.arg is not None else None} & _names(later.arg)):
+        return f"the second norm reads {first_name} or what its norm reads"
+    closures = [n for n in ast.walk(fn) if isinstance(n, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef))
+                and n is not fn and watch & _names(n)]
+    if closures:
+        return f"a function the method defines reads {', '.join(sorted(watch & _names(closures[0])))}"
+    for _, _, _, _, _, call in sites:
+        if watch & _names(call.args[2 if kind == "qk" else 1:] + [w.value for w in call.keywords]):
+            return f"its RoPE call's tables read {q}, {k} or what their norms read"
     # the layout statements right after the norms
     hidden_shape = any(_text(s) == HIDDEN_SHAPE for s in fn.body[:lo])
     layouts, j = {q: [], k: []}, hi + 1
@@ -346,7 +353,7 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
         hit = [name for name, what in kinds.items() if what]
         if hit:
             layouts[hit[0]].append((j, kinds[hit[0]]))
-        elif {q, k} & _names(stmt) or _mutates(stmt, watched):
+        elif watch & _names(stmt):
             break
         j += 1
     mode = _mode(nq, nk, [w for _, w in layouts[q]], [w for _, w in layouts[k]])
@@ -355,12 +362,11 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
     skip = {id(fn.body[i]) for name in (q, k) for i, _ in layouts[name]}
     for stmt in fn.body[hi + 1:first_top]:  # on every path between the norms and RoPE: never fused
         header = _header(stmt)
-        touched = {q, k} & _names(stmt) or _mutates(stmt, watched)
-        if id(stmt) not in skip and touched and (header is None or any(
-                {q, k} & _names(n) or _mutates(n, watched) for n in header)):
-            return f"`{_text(stmt)[:80]}` reads, sets or changes {q} or {k} between their norms and RoPE"
+        if id(stmt) not in skip and watch & _names(stmt) and (header is None or any(
+                watch & _names(n) for n in header)):
+            return f"`{_text(stmt)[:80]}` uses {q}, {k} or what their norms read between the norms and RoPE"
     site = Site(owner, nq.attr, nk.attr, rope, kind == "pair", mode)
-    if not _apply(fn, site, q, k, nq, nk, sites, skip, watched, holder):
+    if not _apply(fn, site, q, k, nq, nk, sites, skip, watch, holder):
         return f"every path to its RoPE call reads {q} or {k} after their norms"
     return site
 
@@ -379,7 +385,7 @@ def _mode(nq: _Norm, nk: _Norm, lq: list, lk: list) -> str:
     return "heads_bhsd" if heads[0] == "v" else "heads_bshd"
 
 
-def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watched, holder) -> int:
+def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watch, holder) -> int:
     """The rewrite of fusion_rewrite; returns how many RoPE statements became fused calls."""
     # the RoPE statements themselves, before step 1 moves the top level's indices
     targets = [(block[i], block[i + 1] if kind == "pair" else None, kind, call) for block, i, kind, _, _, call in sites]
@@ -420,7 +426,7 @@ def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watched, hol
     emitted = []
 
     def touches(node) -> bool:
-        return bool({q, k} & _names(node)) or _mutates(node, watched)
+        return bool(watch & _names(node))
 
     def process(stmts):
         out = []

@@ -209,9 +209,9 @@ def patch(model_types=None, *, strict: bool = False, qk_norm: bool = True) -> _e
 
 
 @functools.cache
-def _fused_call(module: str, method: str, norms: tuple, ropes: tuple, form):
+def _fused_call(module: str, method: str, norms: tuple, ropes: tuple, form, pair: bool):
     """One replacement per attention method for the process's life (see ``_engine.HOLDER_PREFIX``)."""
-    call = _qk_norm_fusion.fused(dict(norms), ropes, _hf_forms.FUSED_TABLES[form.signature](form), pair=False)
+    call = _qk_norm_fusion.fused(dict(norms), ropes, _hf_forms.FUSED_TABLES[form.signature](form), pair=pair)
     call.__qualname__ = f"fused_qk_norm_rope[{method}]"
     return call
 
@@ -230,7 +230,7 @@ def _fusion_plan(family: str, report: FamilyReport, site: _qk_norm_fusion.Fusion
         norms[cls] = (site.norm_form, forward)
     fn = next(f for f in report.functions if f.module == site.module and f.name == site.site.rope)
     ropes = (_patcher.original(family, module, fn.name), fn.replacement)
-    call = _fused_call(site.module, site.method, tuple(norms.items()), ropes, fn.form)
+    call = _fused_call(site.module, site.method, tuple(norms.items()), ropes, fn.form, site.site.pair)
     with open(module.__file__, encoding="utf-8") as f:
         tree = ast.parse(f.read(), filename=module.__file__)
     node = dict(_engine.function_defs(tree))[site.method]
