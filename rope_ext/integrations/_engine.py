@@ -290,8 +290,9 @@ def resolve(module, qualname: str):
 
 
 def inner_code(method, name: str):
-    """The code object of the function ``name`` that method's body defines, or None."""
-    code = getattr(method, "__code__", None)
+    """The code object of the function ``name`` that method's body (a function or its code)
+    defines, or None."""
+    code = method if isinstance(method, types.CodeType) else getattr(method, "__code__", None)
     found = [c for c in (code.co_consts if code else ()) if isinstance(c, types.CodeType) and c.co_name == name]
     return found[0] if len(found) == 1 else None
 
@@ -310,7 +311,7 @@ def trampoline_plan(group: str, module, method, name: str, replacement, patcher:
     the method's code stays as written. Raises ValueError where the inner function closes over the
     method's variables (a trampoline could not stand in for it)."""
     original = patcher.original(group, method, "__code__")
-    inner = inner_code(types.SimpleNamespace(__code__=original), name)
+    inner = inner_code(original, name)
     if inner is None:
         raise ValueError(f"{method.__qualname__} defines no single inner function {name!r}")
     if inner.co_freevars:
@@ -332,7 +333,7 @@ def trampoline_plan(group: str, module, method, name: str, replacement, patcher:
 
 def with_inner(code: types.CodeType, name: str, inner: types.CodeType) -> types.CodeType:
     """code with the code object of its inner function ``name`` swapped for inner."""
-    old = inner_code(types.SimpleNamespace(__code__=code), name)
+    old = inner_code(code, name)
     return code.replace(co_consts=tuple(inner if c is old else c for c in code.co_consts))
 
 

@@ -266,7 +266,7 @@ def _unsqueezed(form):
 FUSED_TABLES = {
     "qk": _unsqueezed,
     "qk+position_ids": lambda form: (lambda x, cos, sin, position_ids=None, unsqueeze_dim=1:
-                                     _unsqueezed(form)(x, cos, sin, unsqueeze_dim)),
+                                     (form, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))),
     "vision": lambda form: (lambda x, cos, sin: (form, cos.unsqueeze(-2), sin.unsqueeze(-2))),
     "vision, 2-D tables": lambda form: (lambda x, cos, sin: (form, cos[:, None, :], sin[:, None, :])),
 }

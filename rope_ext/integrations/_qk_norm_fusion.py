@@ -42,7 +42,7 @@ import functools
 
 import torch
 
-from rope_ext.integrations._engine import fingerprint, located, module_definitions
+from rope_ext.integrations._engine import fingerprint, located, method_rewrite_plan, module_definitions
 from rope_ext.integrations._rotate import _dtypes, _full_tables
 
 HIDDEN_SHAPE = "hidden_shape = (*input_shape, -1, self.head_dim)"
@@ -550,6 +550,22 @@ def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dic
         found = probe(forward, "self", ropes, set(called))
         sites.append(site(None, None, found) if isinstance(found, str) else site(forms.pop(), found))
     return sites
+
+
+def rewrite_plan(group: str, module, node: ast.FunctionDef, site: FusionSite, call, patcher) -> list:
+    """The assignments (``_engine.method_rewrite_plan``'s) that rewrite site's method, ``node`` as
+    its file defines it, into calls of ``call``. Raises ValueError where the method is not the
+    file's, or no longer holds the site it was classified with."""
+    found = []
+
+    def rewrite(fn, holder):
+        s = site.site
+        found.append(fusion_rewrite(fn, s.owner, {s.rope}, {s.q_norm, s.k_norm}, holder))
+
+    plan = method_rewrite_plan(group, module, site.method, node, rewrite, call, patcher)
+    if found != [site.site]:
+        raise ValueError(f"{site.method} changed since it was classified")
+    return plan
 
 
 def site_text(site: FusionSite) -> str:

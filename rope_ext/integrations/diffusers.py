@@ -46,7 +46,6 @@ import importlib
 import os
 import re
 import threading
-import types
 
 from rope_ext.integrations import _diffusers_forms, _engine, _qk_norm_fusion, _rotate
 
@@ -362,8 +361,8 @@ def _fusion_plan(name: str, site: _qk_norm_fusion.FusionSite, module, plan: list
     """The rewrite of one processor's norms and RoPE calls into fused calls. Where the RoPE function
     is the method's own inner one, the rewritten code keeps the trampoline ``plan`` gave it."""
     rope = site.site.rope
-    ropes = _processor_ropes(name, site.method, dict(_engine.function_defs(_parsed(name)[0]))[site.method])
-    form = ropes[rope]
+    node = dict(_engine.function_defs(_parsed(name)[0]))[site.method]
+    form = _processor_ropes(name, site.method, node)[rope]
     inner = any(f.kind == "inner" and f.name == f"{site.method}.{rope}" for f in model_report(name).functions)
     allowed = None
     if not inner:
@@ -373,22 +372,11 @@ def _fusion_plan(name: str, site: _qk_norm_fusion.FusionSite, module, plan: list
             embeddings = importlib.import_module("diffusers.models.embeddings")
             allowed = (_patcher.original("embeddings", embeddings, rope), _replacement(form))
     call = _fused_call(name, site.method, allowed, form, site.site.pair)
-    node = dict(_engine.function_defs(_parsed(name)[0]))[site.method]
-    found = []
-
-    def rewrite(fn, holder):
-        found.append(_qk_norm_fusion.fusion_rewrite(fn, site.site.owner, {rope}, {site.site.q_norm, site.site.k_norm},
-                                                   holder))
-
-    cls_name, method_name = site.method.split(".")
-    method = getattr(getattr(module, cls_name), method_name)
-    fused = _engine.method_rewrite_plan(name, module, site.method, node, rewrite, call, _patcher)
-    if found != [site.site]:
-        raise ValueError(f"{site.method} changed since it was classified")
+    fused = _qk_norm_fusion.rewrite_plan(name, module, node, site, call, _patcher)
+    method = _engine.resolve(module, site.method)
     trampolined = [v for g, o, a, v in plan if o is method and a == "__code__"]
     if inner and trampolined:  # the RoPE patch's trampoline, in the fused code too
-        fused[-1] = (*fused[-1][:3], _engine.with_inner(fused[-1][3], rope, _engine.inner_code(
-            types.SimpleNamespace(__code__=trampolined[-1]), rope)))
+        fused[-1] = (*fused[-1][:3], _engine.with_inner(fused[-1][3], rope, _engine.inner_code(trampolined[-1], rope)))
     return fused
 
 

@@ -234,18 +234,10 @@ def _fusion_plan(family: str, report: FamilyReport, site: _qk_norm_fusion.Fusion
     with open(module.__file__, encoding="utf-8") as f:
         tree = ast.parse(f.read(), filename=module.__file__)
     node = dict(_engine.function_defs(tree))[site.method]
-    found = []
-
-    def rewrite(fn_node, holder):
-        found.append(_qk_norm_fusion.fusion_rewrite(fn_node, "self", {fn.name}, {a for a, _ in site.norms}, holder))
-
     try:
-        plan = _engine.method_rewrite_plan(family, module, site.method, node, rewrite, call, _patcher)
+        return _qk_norm_fusion.rewrite_plan(family, module, node, site, call, _patcher)
     except ValueError as e:
         raise ValueError(f"rope_ext: cannot patch {family!r}: {e}") from None
-    if found != [site.site]:
-        raise ValueError(f"rope_ext: cannot patch {family!r}: {site.method} changed since it was classified")
-    return plan
 
 
 def unpatch(model_types=None) -> list[str]:
