@@ -9,6 +9,7 @@ CPython's code objects, whose layout changes between versions; these tests are w
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import inspect
 import linecache
@@ -133,6 +134,116 @@ def test_a_method_changed_since_import_is_refused(tmp_path):
         assert "is not the code that runs" in str(e)
     else:
         raise AssertionError("a method whose file changed since import was rewritten")
+
+
+_DECORATED = """
+import functools
+
+def renames(old, new):  # transformers 5.24's @deprecate_kwarg, in short: a functools.wraps wrapper
+    def wrapper(func):
+        @functools.wraps(func)
+        def wrapped(*args, **kwargs):
+            if old in kwargs:
+                kwargs[new] = kwargs.pop(old)
+            return func(*args, **kwargs)
+        return wrapped
+    return wrapper
+
+class Attn:
+    @renames("v", "y")
+    def forward(self, y, scale=10):
+        squares = [i * i for i in range(3)]
+        inner = lambda t: t - 5
+        y = y * scale + inner(sum(squares))
+        return y
+"""
+
+
+def _rewrite(module, node, patcher=None):
+    patcher = patcher or engine.Patcher()
+    return patcher, engine.method_rewrite_plan("attn", module, "Attn.forward", node, engine.per_block(_rewrite_y),
+                                               lambda y, s: -y * s, patcher)
+
+
+def _refused(module, node, words: str):
+    try:
+        _rewrite(module, node)
+    except ValueError as e:
+        assert words in str(e), str(e)
+    else:
+        raise AssertionError(f"rewritten, not refused ({words})")
+
+
+def test_a_decorated_method_is_rewritten_beneath_its_wrapper(tmp_path):
+    """The class attribute is the decorator's wrapper; the file's function is its __wrapped__,
+    which the wrapper calls: its code is rewritten, and the wrapper still runs around it."""
+    module, tree = _module_from(tmp_path, "engine_case_decorated", _DECORATED)
+    node = dict(engine.function_defs(tree))["Attn.forward"]
+    wrapper = module.Attn.forward
+    patcher, plan = _rewrite(module, node)
+    assert [(obj, attr) for _, obj, attr, _ in plan][1] == (wrapper.__wrapped__, "__code__")
+    patcher.apply(plan, undo=None)
+    try:
+        assert module.Attn.forward is wrapper
+        assert module.Attn().forward(3) == -30 and module.Attn().forward(v=3) == -30  # the wrapper renames v
+    finally:
+        patcher.restore()
+    assert module.Attn().forward(v=1) == 10
+
+
+def test_wrappers_that_are_not_exact_are_refused_by_name(tmp_path):
+    module, tree = _module_from(tmp_path, "engine_case_wrapped", _DECORATED)
+    node = dict(engine.function_defs(tree))["Attn.forward"]
+    wrapper = module.Attn.forward
+    # a wrapper naming the file's function as __wrapped__ but calling a copy of it
+    copy_of = type(wrapper.__wrapped__)(wrapper.__wrapped__.__code__, module.__dict__)
+
+    def calls_a_copy(*args, **kwargs):
+        return copy_of(*args, **kwargs)
+
+    calls_a_copy.__wrapped__ = wrapper.__wrapped__
+    module.Attn.forward = calls_a_copy
+    _refused(module, node, "does not hold the function it names as __wrapped__")
+    # one more wrapper than the file writes decorators (someone else's)
+    module.Attn.forward = functools.wraps(wrapper)(lambda *a, **k: wrapper(*a, **k))
+    _refused(module, node, "is wrapped 2 times, and its file writes 1 decorators on it")
+    module.Attn.forward = lambda self, y: y
+    _refused(module, node, "is not the method its file defines")
+
+
+def test_import_watch_runs_after_the_module_and_only_for_names_it_wants(tmp_path):
+    (tmp_path / "watched_pkg").mkdir()
+    (tmp_path / "watched_pkg" / "__init__.py").write_text("")
+    for name in ("mod_a", "mod_b", "mod_c"):
+        (tmp_path / "watched_pkg" / f"{name}.py").write_text(f"VALUE = {name!r}\n")
+    seen = []
+
+    def callback(module):
+        seen.append((module.__name__, module.VALUE))
+        if module.__name__.endswith("mod_c"):
+            raise RuntimeError("a failing switch")
+
+    watch = engine.ImportWatch(lambda name: name in ("watched_pkg.mod_a", "watched_pkg.mod_c"), callback)
+    sys.path.insert(0, str(tmp_path))
+    watch.install()
+    try:
+        import importlib
+        import warnings
+
+        importlib.import_module("watched_pkg.mod_a")
+        importlib.import_module("watched_pkg.mod_b")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert importlib.import_module("watched_pkg.mod_c").VALUE == "mod_c"  # the import goes on
+        assert seen == [("watched_pkg.mod_a", "mod_a"), ("watched_pkg.mod_c", "mod_c")]
+        assert len(caught) == 1 and "switching watched_pkg.mod_c failed" in str(caught[0].message)
+        assert inspect.getsource(sys.modules["watched_pkg.mod_a"]) == "VALUE = 'mod_a'\n"
+    finally:
+        watch.remove()
+        sys.path.remove(str(tmp_path))
+        for name in [m for m in sys.modules if m.startswith("watched_pkg")]:
+            del sys.modules[name]
+    assert watch not in sys.meta_path
 
 
 def _traceback_of(fn, *args) -> list[traceback.FrameSummary]:

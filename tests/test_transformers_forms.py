@@ -8,6 +8,8 @@ form is refused."""
 from __future__ import annotations
 
 import importlib
+import itertools
+import sys
 import warnings
 
 import form_checks
@@ -200,12 +202,21 @@ def test_same_text_different_helpers_are_different_forms():
     assert len(set(forms.values())) == 3
 
 
+_FAKE_NAMES = itertools.count()
+
+
 def _fake_family(tmp_path, monkeypatch, rotate_half_body, decorator=""):
-    """A models folder with one family 'fakefam' whose model file is llama's RoPE with the given
-    rotate_half body; the classifier reads it instead of the installed transformers."""
-    folder = tmp_path / "fakefam"
+    """A models folder with one family ``fakefam<n>`` (a new name each time, so that
+    family_report's cache never holds another's) whose model file is llama's RoPE with the given
+    rotate_half body; the classifier reads that folder instead of the installed transformers', and
+    it imports as ``transformers.models.fakefam<n>.modeling_fakefam<n>``."""
+    import transformers.models
+
+    name = f"fakefam{next(_FAKE_NAMES)}"
+    folder = tmp_path / name
     folder.mkdir(parents=True)
-    (folder / "modeling_fakefam.py").write_text(
+    (folder / "__init__.py").write_text("")
+    (folder / f"modeling_{name}.py").write_text(
         "import torch\n\n"
         "def rotate_half(x):\n"
         f"    {rotate_half_body}\n\n"
@@ -219,21 +230,26 @@ def _fake_family(tmp_path, monkeypatch, rotate_half_body, decorator=""):
         "    return q_embed, k_embed\n"
     )
     monkeypatch.setattr(rope_hf, "_models_root", lambda: str(tmp_path))
-    rope_hf.family_report.cache_clear()
-    return rope_hf.survey()["fakefam"]
+    monkeypatch.setattr(transformers.models, "__path__", [*transformers.models.__path__, str(tmp_path)])
+    return rope_hf.survey()[name]
 
 
 @pytest.fixture
-def fresh_cache():
-    yield
-    rope_hf.family_report.cache_clear()
+def fake_family(tmp_path, monkeypatch):
+    """_fake_family(tmp_path / folder, ...), the fake modules imported forgotten after the test."""
+    yield lambda *args, folder=".", **kwargs: _fake_family(tmp_path / folder, monkeypatch, *args, **kwargs)
+    for name in [m for m in sys.modules if m.startswith("transformers.models.fakefam")]:
+        del sys.modules[name]
 
 
-def test_llama_form_written_afresh_is_recognised(tmp_path, monkeypatch, fresh_cache):
-    llama = rope_hf.survey()["llama"].functions[0].form
-    report = _fake_family(tmp_path, monkeypatch,
-                          "x1 = x[..., : x.shape[-1] // 2]\n    x2 = x[..., x.shape[-1] // 2 :]\n"
-                          "    return torch.cat((-x2, x1), dim=-1)")
+def _import(report):
+    return importlib.import_module(report.functions[0].module)
+
+
+def test_llama_form_written_afresh_is_recognised(fake_family):
+    llama = rope_hf.family_report("llama").functions[0].form
+    report = fake_family("x1 = x[..., : x.shape[-1] // 2]\n    x2 = x[..., x.shape[-1] // 2 :]\n"
+                         "    return torch.cat((-x2, x1), dim=-1)")
     assert report.patchable and report.functions[0].form == llama
 
 
@@ -241,38 +257,60 @@ _LLAMA_ROTATE_HALF = ("x1 = x[..., : x.shape[-1] // 2]\n    x2 = x[..., x.shape[
                       "    return torch.cat((-x2, x1), dim=-1)")
 
 
-def test_decorators_count_except_the_kernels_hook(tmp_path, monkeypatch, fresh_cache):
+def test_decorators_count_except_the_kernels_hook(fake_family):
     """transformers' use_kernel_forward_from_hub leaves the maths alone; any other decorator (here
     an autocast, which would change the dtype) makes the code unknown."""
-    llama = rope_hf.survey()["llama"].functions[0].form
-    hook = _fake_family(tmp_path / "a", monkeypatch, _LLAMA_ROTATE_HALF,
-                        decorator='@use_kernel_forward_from_hub("rotary_pos_emb")\n')
+    llama = rope_hf.family_report("llama").functions[0].form
+    hook = fake_family(_LLAMA_ROTATE_HALF, folder="a",
+                       decorator='@use_kernel_forward_from_hub("rotary_pos_emb")\n')
     assert hook.functions[0].form == llama
-    other = _fake_family(tmp_path / "b", monkeypatch, _LLAMA_ROTATE_HALF,
-                         decorator='@torch.autocast("cpu", dtype=torch.bfloat16)\n')
+    other = fake_family(_LLAMA_ROTATE_HALF, folder="b",
+                        decorator='@torch.autocast("cpu", dtype=torch.bfloat16)\n')
     assert other.functions[0].form is None
 
 
-def test_unknown_code_is_refused_by_name(tmp_path, monkeypatch, fresh_cache):
+def test_a_family_is_switched_when_its_module_is_imported(fake_family):
+    """patch() before the module exists switches it as it is imported (the hook), the returned list
+    grows, and unpatch() restores it and takes the hook out."""
+    report = fake_family(_LLAMA_ROTATE_HALF)
+    patched = rope_hf.patch()
+    try:
+        assert report.family not in patched and rope_hf._watch in sys.meta_path
+        module = _import(report)
+        assert patched[-1] == report.family
+        assert module.apply_rotary_pos_emb is report.functions[0].replacement
+        assert module.__loader__.get_source(module.__name__).startswith("import torch")  # the loader's own
+    finally:
+        assert report.family in rope_hf.unpatch(patched)
+    assert module.apply_rotary_pos_emb.__module__ == module.__name__
+    assert rope_hf._watch not in sys.meta_path
+
+
+def test_unknown_code_is_refused_by_name(fake_family, monkeypatch):
     # rotate_half scaled by 2: no tested form computes that
-    report = _fake_family(tmp_path, monkeypatch,
-                          "x1 = x[..., : x.shape[-1] // 2]\n    x2 = x[..., x.shape[-1] // 2 :]\n"
-                          "    return torch.cat((-2 * x2, x1), dim=-1)")
+    report = fake_family("x1 = x[..., : x.shape[-1] // 2]\n    x2 = x[..., x.shape[-1] // 2 :]\n"
+                         "    return torch.cat((-2 * x2, x1), dim=-1)")
+    name = report.family
     assert not report.patchable
     assert "matches no form rope_ext is tested on" in report.reason
-    with pytest.raises(ValueError, match=r"cannot patch 'fakefam': apply_rotary_pos_emb: its code \(fingerprint"):
-        rope_hf.patch(["fakefam"])
+    with pytest.raises(ValueError, match=rf"cannot patch '{name}': apply_rotary_pos_emb: its code \(fingerprint"):
+        rope_hf.patch([name])
     assert rope_hf.patched_families() == []
-    # patching everything leaves it stock, and says so once (or refuses, with strict=True)
+    # patching everything leaves it stock, and says so when it is imported, once (or refuses at once,
+    # with strict=True)
     monkeypatch.setattr(_engine, "_warned", set())
-    with pytest.warns(_engine.RefusedWarning, match=r"1 RoPE site\(s\) of the installed transformers keep their own "
-                      r"code: fakefam: apply_rotary_pos_emb: its code \(fingerprint"):
-        assert rope_hf.patch() == []
+    with rope_hf.patch() as patched:
+        with pytest.warns(_engine.RefusedWarning, match=r"1 RoPE site\(s\) of the installed transformers keep their "
+                          rf"own code: {name}: apply_rotary_pos_emb: its code \(fingerprint"):
+            module = _import(report)
+        assert name not in patched and module.apply_rotary_pos_emb.__module__ == module.__name__
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert rope_hf.patch() == []  # once per process
-    with pytest.raises(ValueError, match=r"keep their own code: fakefam: .* \(strict=True: nothing was patched\)"):
+        with rope_hf.patch() as patched:  # imported already: refused at once, and not said again
+            assert name not in patched
+    with pytest.raises(ValueError, match=rf"keep their own code: {name}: .* \(strict=True: nothing was patched\)"):
         rope_hf.patch(strict=True)
+    assert rope_hf._watch not in sys.meta_path
 
 
 def test_listing(capsys):

@@ -6,6 +6,7 @@ tests/test_qk_norm_fusion.py's."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 
 import pytest
@@ -114,6 +115,16 @@ def test_greedy_generation_with_kv_cache_matches(family):
     assert len(spy.calls) >= 2 * 20, "decode steps must run through rope_ext"
 
 
+def _import_every_family():
+    """Import the modeling modules of every family with RoPE (those not imported yet are switched by
+    the hook as they run)."""
+    import importlib
+
+    for report in rope_hf.survey().values():
+        for module in sorted({fn.module for fn in report.functions}):
+            importlib.import_module(module)
+
+
 def test_patch_all_unpatch_and_refusals():
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
     from transformers.models.llama import modeling_llama
@@ -122,6 +133,8 @@ def test_patch_all_unpatch_and_refusals():
     originals = (ds.apply_rotary_pos_emb, ds.apply_rotary_pos_emb_interleave)
     patched = rope_hf.patch()
     try:
+        assert {"llama", "deepseek_v3"} <= set(patched)  # imported before: switched at once
+        _import_every_family()  # the others as they are imported
         assert set(patched) == {f for f, r in rope_hf.survey().items() if r.patchable}
         assert len(patched) >= 150
         assert modeling_llama.apply_rotary_pos_emb is not original
@@ -133,6 +146,98 @@ def test_patch_all_unpatch_and_refusals():
     with pytest.raises(ValueError, match=r"cannot patch 'bert': the installed transformers has no model family"):
         rope_hf.patch(["llama", "bert"])
     assert rope_hf.patched_families() == []  # nothing half-patched
+
+
+def test_a_family_that_fails_to_install_leaves_every_other_switched(monkeypatch, capsys):
+    """Qwen3's fused method fails to rewrite (forced) and llama's function was replaced by someone
+    else: patch() switches every other family, Qwen3's RoPE without its fusion, and names both
+    refusals in one warning, in the listing, and (strict) in its error."""
+    import warnings
+
+    from transformers.models.gemma3 import modeling_gemma3
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from rope_ext.integrations import _engine, _qk_norm_fusion
+
+    real = _qk_norm_fusion.rewrite_plan
+
+    def failing(group, *args, **kwargs):
+        if group == "qwen3":
+            raise RuntimeError("forced")
+        return real(group, *args, **kwargs)
+
+    monkeypatch.setattr(_qk_norm_fusion, "rewrite_plan", failing)
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", lambda q, k, cos, sin, unsqueeze_dim=1: (q, k))
+    monkeypatch.setattr(_engine, "_warned", set())
+    _import_every_family()
+    def code(cls):  # the file's function, beneath transformers 5.24's @deprecate_kwarg wrapper
+        return inspect.unwrap(cls.forward).__code__
+
+    stock = (code(modeling_qwen3.Qwen3Attention), code(modeling_gemma3.Gemma3Attention))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patched = rope_hf.patch()
+    try:
+        others = {f for f, r in rope_hf.survey().items() if r.patchable} - {"llama"}
+        assert set(patched) == others and len(others) >= 150
+        refusals = [str(w.message) for w in caught if issubclass(w.category, _engine.RefusedWarning)]
+        assert len(refusals) == 1, refusals
+        assert "2 RoPE site(s)" in refusals[0]
+        assert "llama: apply_rotary_pos_emb: transformers.models.llama" in refusals[0]
+        assert ("qwen3 (qk-norm Qwen3Attention.forward): rope_ext could not rewrite it: RuntimeError: forced"
+                in refusals[0])
+        assert modeling_qwen3.apply_rotary_pos_emb is rope_hf.family_report("qwen3").functions[0].replacement
+        assert code(modeling_qwen3.Qwen3Attention) is stock[0]  # Qwen3's RoPE alone
+        assert code(modeling_gemma3.Gemma3Attention) is not stock[1]  # Gemma 3's fused
+    finally:
+        rope_hf.unpatch()
+    assert code(modeling_gemma3.Gemma3Attention) is stock[1]
+    report = rope_hf.installed_report("qwen3")
+    assert report.patchable and "rope_ext could not rewrite it: RuntimeError: forced" in report.qk_norms[0].reason
+    assert not rope_hf.installed_report("llama").patchable
+    with pytest.raises(ValueError, match=r"keep their own code: .*llama: apply_rotary_pos_emb: .*qwen3 "
+                       r"\(qk-norm Qwen3Attention.forward\): rope_ext could not rewrite it: .*\(strict=True: "
+                       r"nothing was patched\)"):
+        rope_hf.patch(strict=True)
+    assert rope_hf.patched_families() == []
+
+
+_COLD = """
+import inspect, sys, torch, transformers
+from rope_ext.integrations import transformers as rope_hf
+patched = rope_hf.patch()
+assert patched == [] and not [m for m in sys.modules if ".modeling_" in m], "patch() imported a model file"
+torch.manual_seed(0)
+config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+model = transformers.AutoModelForCausalLM.from_config(config).eval()  # modeling_qwen3 imported: switched
+from transformers.models.qwen3 import modeling_qwen3
+assert patched == ["qwen3"], patched
+assert modeling_qwen3.apply_rotary_pos_emb.__module__ == "rope_ext.integrations._hf_forms"
+forward = inspect.unwrap(modeling_qwen3.Qwen3Attention.forward)  # (5.24 wraps it in @deprecate_kwarg)
+assert forward.__code__.co_filename.startswith("<rope_ext rewrite:")
+ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    fused = model(input_ids=ids).logits
+    rope_hf.unpatch(patched)
+    stock = model(input_ids=ids).logits
+assert forward.__code__.co_filename == modeling_qwen3.__file__
+torch.testing.assert_close(fused, stock, atol=2**-16 * stock.abs().max().item(), rtol=0)
+print("ok")
+"""
+
+
+def test_a_cold_patch_imports_nothing_and_switches_the_model_built_after_it():
+    """In a fresh process: patch() before any model file is imported (as a training script does)
+    imports none, and the model built afterwards runs rope_ext's RoPE and its QK-norm fusion (float32,
+    within tests/fusion_checks.py's bound of stock)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _COLD], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
 def test_one_family_by_name():
@@ -152,6 +257,7 @@ def test_one_family_by_name():
 
 def test_nested_patch_keeps_the_outer_one():
     from transformers.models.llama import modeling_llama
+    from transformers.models.mistral import modeling_mistral  # noqa: F401  (imported: switched at once)
 
     original = modeling_llama.apply_rotary_pos_emb
     outer = rope_hf.patch(["llama"])

@@ -159,7 +159,7 @@ class Patched(list):
         return self
 
     def __exit__(self, *exc):
-        self._undo(list(self))
+        self._undo(self)
         return False
 
 
@@ -197,9 +197,11 @@ class Patcher:
                 return value
         return getattr(obj, attr, default)
 
-    def apply(self, plan, undo) -> Patched:
+    def apply(self, plan, undo, forget: bool = True) -> Patched:
         """Make each ``(group, obj, attr, value)`` assignment of plan, remembering what was there.
-        Returns the groups switched by this call, which ``undo`` (the integration's unpatch) restores."""
+        Returns the groups switched by this call, which ``undo`` (the integration's unpatch) restores.
+        ``forget=False`` skips :func:`forget_compiled`: for code no compiled graph can hold yet (a
+        module patched as it is imported)."""
         done = Patched(undo=undo)
         with self._lock:
             already = set(self._originals)
@@ -210,7 +212,7 @@ class Patcher:
                 setattr(obj, attr, value)
                 if group not in done and group not in already:
                     done.append(group)
-        if plan:
+        if plan and forget:
             forget_compiled()
         return done
 
@@ -234,11 +236,27 @@ class Patcher:
 
 
 class RefusedWarning(UserWarning):
-    """Some of a library's RoPE code keeps running as written: a ``patch()`` of everything skipped
-    the code whose fingerprint matches no tested form (most often: the library changed it)."""
+    """Some of a library's RoPE code keeps running as written: a ``patch()`` skipped the code whose
+    fingerprint matches no tested form (most often: the library changed it), or code it could not
+    rewrite or install."""
 
 
 _warned: set = set()
+
+
+def refusal_text(library: str, refused: dict[str, str]) -> str:
+    listed = "; ".join(f"{name}: {why}" for name, why in refused.items())
+    return f"rope_ext: {len(refused)} RoPE site(s) of the installed {library} keep their own code: {listed}"
+
+
+def warn_refused(library: str, refused: dict[str, str], stacklevel: int = 3) -> None:
+    """A :class:`RefusedWarning` naming each of ``refused`` (name -> why) not named before in this
+    process with the same reason."""
+    new = {name: why for name, why in refused.items() if (library, name, why) not in _warned}
+    if new:
+        _warned.update((library, name, why) for name, why in new.items())
+        warnings.warn(refusal_text(library, new) + " (patch(strict=True) makes this an error)", RefusedWarning,
+                      stacklevel=stacklevel + 1)
 
 
 def patchable_or_warn(library: str, refused: dict[str, str], patchable: list[str], strict: bool) -> list[str]:
@@ -246,16 +264,72 @@ def patchable_or_warn(library: str, refused: dict[str, str], patchable: list[str
     why) stay as the library wrote them: with ``strict`` that is an error, otherwise a
     :class:`RefusedWarning` naming them, once per process for the same names."""
     if refused:
-        listed = "; ".join(f"{name}: {why}" for name, why in refused.items())
-        text = (f"rope_ext: {len(refused)} RoPE site(s) of the installed {library} keep their own code: "
-                f"{listed}")
         if strict:
-            raise ValueError(text + " (strict=True: nothing was patched)")
-        key = (library, tuple(refused))
-        if key not in _warned:
-            _warned.add(key)
-            warnings.warn(text + " (patch(strict=True) makes this an error)", RefusedWarning, stacklevel=3)
+            raise ValueError(refusal_text(library, refused) + " (strict=True: nothing was patched)")
+        warn_refused(library, refused, stacklevel=4)
     return patchable
+
+
+class ImportWatch:
+    """A ``sys.meta_path`` finder that calls ``callback(module)`` right after each module whose
+    name ``wanted(name)`` accepts has run its code, before the import statement returns: patching
+    there is patching a module nothing has used yet. Other imports pass through at the cost of one
+    call of ``wanted``. A failing callback is turned into a warning: an import never fails
+    because of rope_ext."""
+
+    def __init__(self, wanted, callback):
+        self._wanted = wanted
+        self._callback = callback
+
+    def install(self) -> None:
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def remove(self) -> None:
+        while self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+    def find_spec(self, name, path, target=None):
+        if not self._wanted(name):
+            return None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _AfterExec(spec.loader, self._after)
+                return spec
+        return None
+
+    def _after(self, module) -> None:
+        try:
+            self._callback(module)
+        except Exception as e:  # noqa: BLE001  (the user's import goes on, with the library's own code)
+            warnings.warn(f"rope_ext: switching {module.__name__} failed and it keeps its own code: "
+                          f"{type(e).__name__}: {e}", RefusedWarning, stacklevel=2)
+
+
+class _AfterExec:
+    """A module loader that runs the module, then ``after(module)``; the rest of the loader's
+    interface (``get_source``, resources) is the wrapped loader's."""
+
+    def __init__(self, loader, after):
+        self._loader = loader
+        self._after = after
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        self._after(module)
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_loader", "_after"):
+            raise AttributeError(name)
+        return getattr(self._loader, name)
 
 
 def group_names(groups, what: str) -> list[str]:
@@ -447,14 +521,50 @@ def method_rewrite_plan(group: str, module, qualname: str, node: ast.FunctionDef
     its new statements calling ``replacement`` as the module global ``holder``. Raises ValueError
     where the method found is not the one its file defines."""
     cls_name, method_name = qualname.split(".")
-    method = getattr(getattr(module, cls_name, None), method_name, None)
-    original = patcher.original(group, method, "__code__", None)
-    if original is None or original.co_filename != module.__file__ or original.co_name != method_name:
-        raise ValueError(f"{module.__name__}.{qualname} is not the method its file defines "
-                         "(was it replaced by another patch?)")
+    method = defined_function(getattr(getattr(module, cls_name, None), method_name, None), module, qualname, node,
+                              lambda fn: patcher.original(group, fn, "__code__", None))
+    original = patcher.original(group, method, "__code__")
     holder = f"{HOLDER_PREFIX}{cls_name}_{method_name}"
     code = rewrite_method(node, qualname, module.__file__, original, lambda fn: rewrite(fn, holder))
     return [(group, module, holder, replacement), (group, method, "__code__", code)]
+
+
+def defined_function(obj, module, qualname: str, node: ast.FunctionDef,
+                     code_of=lambda fn: getattr(fn, "__code__", None)):
+    """The function object that runs the code module's file defines as ``qualname`` (``node``):
+    ``obj`` itself, or the function beneath the ``functools.wraps`` wrappers the file's decorators
+    made of it (transformers 5.24 wraps every attention ``forward`` in ``@deprecate_kwarg``).
+    Rewriting that function's code changes what the wrappers run only where each wrapper holds in
+    its closure the very function it names as ``__wrapped__`` (so that is what it calls), and
+    there are no more wrappers than the file writes decorators (more would be someone else's).
+    ``code_of(fn)``: fn's code as its file made it (a patcher's record, where it rewrote it).
+    Raises ValueError saying which of these fails."""
+    name = qualname.rsplit(".", 1)[-1]
+    fn, layers = obj, 0
+    while True:
+        code = code_of(fn)
+        if code is not None and code.co_filename == module.__file__ and code.co_name == name:
+            break
+        wrapped = getattr(fn, "__wrapped__", None)
+        if code is None or wrapped is None:
+            raise ValueError(f"{module.__name__}.{qualname} is not the method its file defines "
+                             "(was it replaced by another patch?)")
+        if not any(_cell_holds(cell, wrapped) for cell in fn.__closure__ or ()):
+            raise ValueError(f"{module.__name__}.{qualname} is a wrapper ({code.co_name} of {code.co_filename}) "
+                             "that does not hold the function it names as __wrapped__: a rewrite of that "
+                             "function might not be what it runs")
+        fn, layers = wrapped, layers + 1
+    if layers > len(node.decorator_list):
+        raise ValueError(f"{module.__name__}.{qualname} is wrapped {layers} times, and its file writes "
+                         f"{len(node.decorator_list)} decorators on it (was it wrapped by another patch?)")
+    return fn
+
+
+def _cell_holds(cell, obj) -> bool:
+    try:
+        return cell.cell_contents is obj
+    except ValueError:  # an empty cell
+        return False
 
 
 def located(new_stmts, old: ast.stmt):

@@ -2,8 +2,8 @@
 
     from rope_ext.integrations import transformers as rope_hf
 
-    patched = rope_hf.patch()            # every family of the installed transformers rope_ext can express
-    ...
+    patched = rope_hf.patch()            # every family of the installed transformers rope_ext can express,
+    ...                                  # switched as its modeling module is imported
     rope_hf.unpatch()                    # back to transformers' own functions
 
     with rope_hf.patch(["llama"]):       # or for a block only
@@ -33,6 +33,8 @@ import functools
 import importlib
 import os
 import re
+import sys
+import threading
 
 from rope_ext.integrations import _engine, _hf_forms, _qk_norm_fusion, _rotate
 
@@ -90,6 +92,13 @@ class FamilyReport:
 _replacement = functools.lru_cache(maxsize=None)(_hf_forms.replacement)
 
 
+def _modeling_file(file: str) -> bool:
+    """A model file of torch code: ``modeling_*.py``, without 4.x's TensorFlow (``modeling_tf_``)
+    and Flax (``modeling_flax_``) twins, which torch models never run."""
+    return file.startswith("modeling_") and file.endswith(".py") and not file.startswith(("modeling_tf_",
+                                                                                         "modeling_flax_"))
+
+
 def _classify_file(path: str, module: str) -> tuple[list[RopeFunction], list[_qk_norm_fusion.FusionSite]]:
     with open(path, encoding="utf-8") as f:
         source = f.read()
@@ -117,17 +126,27 @@ def _models_root() -> str:
     return os.path.dirname(transformers.models.__file__)
 
 
+def _failure(e: Exception) -> str:
+    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+
+
 @functools.cache
 def family_report(family: str) -> FamilyReport | None:
     """The RoPE functions of one family of the installed transformers, classified from its source;
-    None when it has none (or no such family exists)."""
+    None when it has none (or no such family exists). A model file rope_ext fails to read or
+    classify is a refused function (named by its file) with the failure as its reason."""
     folder = os.path.join(_models_root(), family)
     if not family.isidentifier() or not os.path.isdir(folder):
         return None
     functions, sites = [], []
     for file in sorted(os.listdir(folder)):
-        if file.startswith("modeling_") and file.endswith(".py"):
-            more, more_sites = _classify_file(os.path.join(folder, file), f"transformers.models.{family}.{file[:-3]}")
+        if _modeling_file(file):
+            module = f"transformers.models.{family}.{file[:-3]}"
+            try:
+                more, more_sites = _classify_file(os.path.join(folder, file), module)
+            except Exception as e:  # noqa: BLE001  (a file written for another Python, a classifier bug)
+                more = [RopeFunction(module, file, None, f"rope_ext could not classify it: {_failure(e)}")]
+                more_sites = []
             functions += more
             sites += more_sites
     return FamilyReport(family, tuple(functions), tuple(sites)) if functions else None
@@ -145,20 +164,177 @@ def survey() -> dict[str, FamilyReport]:
     return reports
 
 
+# --- switching families as their modeling modules are imported ---------------------------------------
+#
+# ``patch()`` classifies and switches only the families whose modeling modules are imported already;
+# the others are switched by an import hook right after their module runs, before the importer gets
+# it. A cold ``patch()`` costs what the imported families cost, not the ~200 families' imports.
+
 _patcher = _engine.Patcher()
+_MODULE = re.compile(r"transformers\.models\.(\w+)\.(modeling_\w+)")
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    """What one ``patch()`` call asked for: ``families`` (None: every family), less those unpatched
+    by name since; ``switched`` is the list it returned."""
+
+    families: set | None
+    qk_norm: bool
+    switched: _engine.Patched
+    excluded: set = dataclasses.field(default_factory=set)
+
+    def wants(self, family: str) -> bool:
+        return family not in self.excluded and (self.families is None or family in self.families)
+
+
+_lock = threading.RLock()  # guards _requests and _holders; never held while importing
+_requests: list[_Request] = []  # the calls still waiting for some family's import, oldest first
+_holders: dict[str, _Request] = {}  # family -> the call that switched it (it switches the family's later modules)
+
+
+def _family_of(name: str) -> str | None:
+    match = _MODULE.fullmatch(name)
+    return match[1] if match and _modeling_file(match[2] + ".py") else None
+
+
+def _watched(name: str) -> bool:
+    family = _family_of(name)
+    return family is not None and (family in _holders or any(r.wants(family) for r in _requests))
+
+
+def _plan(family: str, modules, qk_norm: bool) -> tuple[list, FamilyReport | None]:
+    """The assignments that switch the given imported modeling modules of a family, and the family's
+    report as installing them leaves it: a function found replaced at run time is refused there,
+    and so is a fused method whose rewrite fails (the family's RoPE is switched without it), each
+    with the reason. Nothing is assigned."""
+    report = family_report(family)
+    if report is None or not report.patchable:
+        return [], report
+    plan, functions, sites = [], list(report.functions), list(report.qk_norms)
+    for i, fn in enumerate(functions):
+        if fn.module in modules:
+            module = sys.modules[fn.module]
+            current = _patcher.original(family, module, fn.name, None)
+            if _engine.defined_here(current, module, fn.name):
+                plan.append((family, module, fn.name, fn.replacement))
+            else:
+                functions[i] = dataclasses.replace(fn, form=None, reason=(
+                    f"{fn.module}.{fn.name} is {current!r}, not the function its model file defines "
+                    "(was it replaced by another patch?)"))
+    report = dataclasses.replace(report, functions=tuple(functions))
+    if not report.patchable:
+        return [], report
+    for i, site in enumerate(sites):
+        if qk_norm and site.fused and site.module in modules:
+            try:
+                plan += _fusion_plan(family, report, site)
+            except Exception as e:  # noqa: BLE001  (any failure to rewrite one method refuses that method)
+                sites[i] = dataclasses.replace(site, norm_form=None, site=None, reason=(
+                    f"rope_ext could not rewrite it: {_failure(e)}"))
+    return plan, dataclasses.replace(report, qk_norms=tuple(sites))
+
+
+def _refusals(family: str, before: FamilyReport, after: FamilyReport) -> dict[str, str]:
+    """What is refused of a family (``before``: as classified, ``after``: as installing it leaves
+    it, see :func:`_plan`): the family, or the fused methods installing refused."""
+    if not after.patchable:
+        return {family: after.reason}
+    return {f"{family} (qk-norm {s.method})": s.reason
+            for s, was in zip(after.qk_norms, before.qk_norms, strict=True) if was.fused and not s.fused}
+
+
+def _switch(request: _Request, modules: dict[str, list[str]], forget: bool, named: bool = False) -> dict[str, str]:
+    """Switch the given imported modules (family -> module names) for request, ``_lock`` held, each
+    family as installing it allows, and return the refusals by name; with ``named``, a refused
+    family raises ValueError before anything is switched."""
+    plans, refused = {}, {}
+    for family, names in modules.items():
+        plan, report = _plan(family, set(names), request.qk_norm)
+        if report is None:
+            continue
+        if named and not report.patchable:
+            raise ValueError(f"rope_ext: cannot patch {family!r}: {report.reason}")
+        refused.update(_refusals(family, family_report(family), report))
+        if report.patchable:
+            plans[family] = plan
+    for family in plans:
+        holder = _holders.setdefault(family, request)
+        if family not in holder.switched:
+            holder.switched.append(family)
+    _patcher.apply([a for plan in plans.values() for a in plan], unpatch, forget=forget)
+    return refused
+
+
+def _imported(module) -> None:
+    """The import hook's callback: switch the module's family where a patch() call wants it."""
+    family = _family_of(module.__name__)
+    with _lock:
+        request = _holders.get(family) or next((r for r in _requests if r.wants(family)), None)
+        if request is None:
+            return
+        refused = _switch(request, {family: [module.__name__]}, forget=False)
+        _prune()
+    _engine.warn_refused("transformers", refused)
+
+
+_watch = _engine.ImportWatch(_watched, _imported)
+
+
+def _prune() -> None:
+    """Drop the calls that wait for nothing more, and the hook once nothing waits (``_lock`` held)."""
+    _requests[:] = [r for r in _requests if r.families is None or any(r.wants(f) and f not in _holders
+                                                                    for f in r.families)]
+    if _requests or _holders:
+        _watch.install()
+    else:
+        _watch.remove()
+
+
+def _imported_modules(wanted) -> dict[str, list[str]]:
+    """family -> the names of its modeling modules imported now, for the families ``wanted`` accepts."""
+    out: dict[str, list[str]] = {}
+    for name in list(sys.modules):
+        family = _family_of(name)
+        if family is not None and wanted(family):
+            out.setdefault(family, []).append(name)
+    return out
+
+
+def installed_report(family: str, qk_norm: bool = True) -> FamilyReport | None:
+    """The family's report as ``patch()`` would leave it: :func:`family_report`, with its modeling
+    modules imported and each function and fused method checked as installing them checks (a
+    function someone else replaced, a method whose rewrite fails: refused, with the reason).
+    Nothing is patched."""
+    report = family_report(family)
+    if report is None or not report.patchable:
+        return report
+    modules = {fn.module for fn in report.functions} | {s.module for s in report.qk_norms}
+    for name in sorted(modules):
+        importlib.import_module(name)
+    with _lock:
+        return _plan(family, modules, qk_norm)[1]
 
 
 def patch(model_types=None, *, strict: bool = False, qk_norm: bool = True) -> _engine.Patched:
     """Switch transformers model families onto rope_ext.
 
+    A family is switched at once where its modeling module is imported already, and otherwise right
+    after it is imported (an import hook), before any model of it exists; each family's code is
+    classified from its source (see :func:`family_report`) when it is switched. So ``patch()``
+    before building a model costs no imports, and a model built afterwards runs rope_ext.
+
     Args:
         model_types: family names (``config.model_type``, e.g. ``"llama"``), or None for every
-            family of the installed transformers whose RoPE rope_ext can express (see
-            :func:`survey`; this imports those families' model files, a few seconds in all).
-            Families refused then (code that matches no tested form, most often a transformers
-            release that changed it) keep transformers' code, named in a
-            ``_engine.RefusedWarning`` once per process.
-        strict: with ``model_types=None``, make a refused family an error instead of a warning.
+            family of the installed transformers whose RoPE rope_ext can express. A family refused
+            then (code that matches no tested form, most often a transformers release that changed
+            it, or a function found replaced) keeps transformers' code, named in a
+            ``_engine.RefusedWarning`` once per process when it is met; so does an attention
+            method whose QK-norm fusion rope_ext fails to rewrite, its family's RoPE switched all
+            the same.
+        strict: make any refusal an error instead, found before anything is patched: the families
+            named (every family, with ``model_types=None``) are classified and their modeling
+            modules imported now (seconds, for all of them).
         qk_norm: also fuse each attention's q/k RMS norms into its RoPE call, one
             :func:`rope_ext.qk_norm_rotary` call for q and k, where the family's ``qk_norms``
             say it is fused (Qwen3, Gemma 3, OLMo 2, ...; see the listing). Each call checks that
@@ -166,24 +342,20 @@ def patch(model_types=None, *, strict: bool = False, qk_norm: bool = True) -> _e
             own code where they are not.
 
     Returns:
-        The families this call switched (a list, usable as a context manager, which unpatches
-        them on exit); families an earlier call patched stay with that call, so nesting a
-        ``with patch(...)`` inside a longer patch leaves the outer one in place.
+        The families this call switched: a list that grows as further modeling modules are
+        imported. As a context manager it unpatches them on exit, and the call stops switching
+        families. A family an earlier call switched or waits for stays with that call, so nesting
+        a ``with patch(...)`` inside a longer patch leaves the outer one in place. A switch of
+        code already imported, and an unpatch, call ``torch.compiler.reset()`` (every compiled
+        model recompiles once; see ``_engine.forget_compiled``); a switch at import does not.
 
     Raises:
-        ValueError: a requested family (with ``strict``, any family) has no RoPE function in the
-            installed transformers, or one of its functions is refused (its code matches no tested
-            form), or the function found at run time is not the one in its model file (someone else
-            replaced it). Nothing is patched then: all checks run before any change.
+        ValueError: a requested family has no RoPE function in the installed transformers, or one of
+            its functions is refused, or (imported already) is not the function its model file
+            defines; with ``strict``, any refusal. Nothing is patched then.
     """
-    if model_types is None:
-        reports = survey()
-        refused = {f: r.reason for f, r in reports.items() if not r.patchable}
-        families = _engine.patchable_or_warn("transformers", refused, [f for f in reports if f not in refused], strict)
-    else:
-        families = _engine.group_names(model_types, "model_types")
-    plan = []
-    for family in families:
+    families = None if model_types is None else _engine.group_names(model_types, "model_types")
+    for family in families or ():
         report = family_report(family)
         if report is None:
             raise ValueError(
@@ -192,20 +364,20 @@ def patch(model_types=None, *, strict: bool = False, qk_norm: bool = True) -> _e
             )
         if not report.patchable:
             raise ValueError(f"rope_ext: cannot patch {family!r}: {report.reason}")
-        for fn in report.functions:
-            module = importlib.import_module(fn.module)
-            current = _patcher.original(family, module, fn.name, None)
-            if not _engine.defined_here(current, module, fn.name):
-                raise ValueError(
-                    f"rope_ext: cannot patch {family!r}: {fn.module}.{fn.name} is {current!r}, not the function "
-                    "its model file defines (was it replaced by another patch?)"
-                )
-            plan.append((family, module, fn.name, fn.replacement))
-        if qk_norm and family not in _patcher.groups():  # a family an earlier call patched stays as it made it
-            for site in report.qk_norms:
-                if site.fused:
-                    plan += _fusion_plan(family, report, site)
-    return _patcher.apply(plan, unpatch)
+    if strict:
+        refused = {}
+        for family in survey() if families is None else families:
+            refused.update(_refusals(family, family_report(family), installed_report(family, qk_norm)))
+        _engine.patchable_or_warn("transformers", refused, [], strict=True)
+    request = _Request(None if families is None else set(families), qk_norm, _engine.Patched(undo=unpatch))
+    request.switched.request = request
+    with _lock:
+        modules = _imported_modules(lambda f: request.wants(f) and f not in _holders)
+        refused = _switch(request, modules, forget=True, named=families is not None)
+        _requests.append(request)
+        _prune()
+    _engine.warn_refused("transformers", refused)
+    return request.switched
 
 
 @functools.cache
@@ -217,16 +389,17 @@ def _fused_call(module: str, method: str, norms: tuple, ropes: tuple, form, pair
 
 
 def _fusion_plan(family: str, report: FamilyReport, site: _qk_norm_fusion.FusionSite) -> list:
-    """The rewrite of one attention method's norms and RoPE call into one fused call; [] where its
-    norm classes are no longer the file's (another library replaced them: its norms then run as
-    that library made them, with rope_ext's RoPE)."""
-    module = importlib.import_module(site.module)
+    """The rewrite of one attention method's norms and RoPE call into one fused call. Raises
+    ValueError where its norm classes are no longer the file's (another library replaced them),
+    or the method is not the file's."""
+    module = sys.modules[site.module]
     norms = {}
     for _, cls_name in site.norms:
         cls = getattr(module, cls_name, None)
         forward = getattr(cls, "forward", None)
         if getattr(getattr(forward, "__code__", None), "co_filename", None) != module.__file__:
-            return []
+            raise ValueError(f"{site.module}.{cls_name} is {cls!r} with forward {forward!r}, not the norm class "
+                             "its file defines (replaced by another library?)")
         norms[cls] = (site.norm_form, forward)
     fn = next(f for f in report.functions if f.module == site.module and f.name == site.site.rope)
     ropes = (_patcher.original(family, module, fn.name), fn.replacement)
@@ -234,15 +407,29 @@ def _fusion_plan(family: str, report: FamilyReport, site: _qk_norm_fusion.Fusion
     with open(module.__file__, encoding="utf-8") as f:
         tree = ast.parse(f.read(), filename=module.__file__)
     node = dict(_engine.function_defs(tree))[site.method]
-    try:
-        return _qk_norm_fusion.rewrite_plan(family, module, node, site, call, _patcher)
-    except ValueError as e:
-        raise ValueError(f"rope_ext: cannot patch {family!r}: {e}") from None
+    return _qk_norm_fusion.rewrite_plan(family, module, node, site, call, _patcher)
 
 
 def unpatch(model_types=None) -> list[str]:
-    """Restore transformers' own functions for the given families (default: all patched ones)."""
-    return _patcher.restore(None if model_types is None else _engine.group_names(model_types, "model_types"))
+    """Restore transformers' own code for the given families (default: every family), which later
+    imports then leave alone too. Given the list a ``patch()`` returned: that call's families, and
+    the call stops switching families at import. Returns the families restored."""
+    with _lock:
+        request = getattr(model_types, "request", None)
+        if model_types is None:
+            _requests.clear()
+            names = None
+        else:
+            if request in _requests:
+                _requests.remove(request)
+            names = _engine.group_names(model_types, "model_types")
+            for r in _requests:
+                r.excluded.update(names)
+        restored = _patcher.restore(names)
+        for family in list(_holders) if names is None else names:
+            _holders.pop(family, None)
+        _prune()
+    return restored
 
 
 def patched_families() -> list[str]:
@@ -252,10 +439,11 @@ def patched_families() -> list[str]:
 
 def main() -> None:
     """Print every family of the installed transformers with its RoPE form, patched or why not, and
-    its QK-norms, fused or why not."""
+    its QK-norms, fused or why not: what ``patch()`` does, its checks at install included (this
+    imports every family's modeling modules: seconds)."""
     import transformers
 
-    reports = survey()
+    reports = {family: installed_report(family) for family in survey()}
     patched = _engine.print_listing(
         reports, lambda report: [_engine.site_text(fn.name, fn.form, fn.reason) for fn in report.functions]
         + [_qk_norm_fusion.site_text(site) for site in report.qk_norms])
