@@ -50,17 +50,23 @@ def _norm_classes() -> dict:
     return found
 
 
+# transformers 4.57.6 has every norm form of the table but Gemma 3n's (its Gemma3nRMSNorm differs from
+# 5.x's); so the 5.x runs test every form against its class, and 4.57.6's run the forms it has.
+_NOT_IN_4X = {key for key, form in _hf_forms.KNOWN_NORMS.items() if form.name == "gemma3n"}
+
+
 def test_every_norm_fingerprint_is_in_the_installed_transformers():
-    assert set(_norm_classes()) == set(_hf_forms.KNOWN_NORMS)
+    expected = set(_hf_forms.KNOWN_NORMS) - (_NOT_IN_4X if T.__version__.startswith("4.") else set())
+    assert set(_norm_classes()) == expected
 
 
-def _norm(key, dim, weight_dtype, gen):
+def _norm(key, dim, weight_dtype, gen, **options):
     import importlib
 
     module, name = _norm_classes()[key]
     cls = getattr(importlib.import_module(module), name)
     try:
-        norm = cls(dim, eps=1e-5)
+        norm = cls(dim, eps=1e-5, **options)
     except TypeError:
         norm = cls(eps=1e-5)  # no weight, no size
     for p in norm.parameters():
@@ -69,13 +75,17 @@ def _norm(key, dim, weight_dtype, gen):
     return norm.to(weight_dtype)
 
 
-NORM_CASES = [(key, x, w) for key in _hf_forms.KNOWN_NORMS
+# (key, options of the class): Gemma 3n's norms also without their weight (with_scale=False)
+NORM_CLASSES = [(key, options) for key, form in _hf_forms.KNOWN_NORMS.items()
+                if not (key in _NOT_IN_4X and T.__version__.startswith("4."))
+                for options in ([{}, {form.weight_if: False}] if form.weight_if else [{}])]
+NORM_CASES = [(key, options, x, w) for key, options in NORM_CLASSES
               for x, w in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                            (torch.bfloat16, torch.float32), (torch.float16, torch.float16))]
 
 
-@pytest.mark.parametrize("key,x_dtype,w_dtype", NORM_CASES)
-def test_norm_form_matches_its_class(key, x_dtype, w_dtype):
+@pytest.mark.parametrize("key,options,x_dtype,w_dtype", NORM_CASES)
+def test_norm_form_matches_its_class(key, options, x_dtype, w_dtype):
     """The fused op with the table's NormForm (identity tables: cos 1, sin 0), against the class
     itself, where the fusion takes it: where the class returns x's dtype (elsewhere the fusion
     declines, and test_fallbacks_run_transformers_code sees the model's own code run).
@@ -86,10 +96,11 @@ def test_norm_form_matches_its_class(key, x_dtype, w_dtype):
     form = _hf_forms.KNOWN_NORMS[key]
     gen = torch.Generator().manual_seed(0)
     dim = 32
-    norm = _norm(key, dim, w_dtype, gen)
+    norm = _norm(key, dim, w_dtype, gen, **options)
     x = (torch.randn(3, 5, 4, dim, generator=gen, dtype=torch.float64) * 3).to(x_dtype)
     expected = norm(x)
     weight = _qk_norm_fusion._norm_weight(norm, form)
+    assert (weight is None) == (form.weight is None or bool(options))
     # the fusion takes exactly the pairs where the class returns x's dtype
     assert _qk_norm_fusion._weight_ok(weight, form, x, dim) == (expected.dtype == x_dtype)
     if expected.dtype != x_dtype:
@@ -100,20 +111,6 @@ def test_norm_form_matches_its_class(key, x_dtype, w_dtype):
     ulp = {torch.float32: 4 * 2**-24, torch.bfloat16: 2 * 2**-8, torch.float16: 2 * 2**-11}[x_dtype]
     scale = expected.double().abs().amax(-1, keepdim=True)
     assert ((ours.double() - expected.double()).abs() <= ulp * scale).all()
-
-
-def test_norm_form_with_scale_off():
-    """Gemma 3n's norms without a weight (with_scale=False) are a plain RMS norm."""
-    key = next(k for k, f in _hf_forms.KNOWN_NORMS.items() if f.weight_if)
-    form = _hf_forms.KNOWN_NORMS[key]
-    module, name = _norm_classes()[key]
-    import importlib
-
-    norm = getattr(importlib.import_module(module), name)(16, eps=1e-6, with_scale=False)
-    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(1))
-    assert _qk_norm_fusion._norm_weight(norm, form) is None
-    ours, _ = qk_norm_rotary(x, x, None, None, torch.ones(3, 16), torch.zeros(3, 16), eps=norm.eps)
-    torch.testing.assert_close(ours, norm(x), atol=0, rtol=4 * 2**-24)
 
 
 # --- whole models -----------------------------------------------------------------------------------
@@ -325,13 +322,21 @@ def test_listing_says_which_are_fused(capsys):
     assert re.search(r"qk-norm Olmo2Attention\.forward: fused, olmo2: .*over all heads of a token", out)
     assert re.search(r"qk-norm CohereAttention\.forward: not fused: self\.k_norm's class CohereLayerNorm", out)
     counts = re.search(r"(\d+) normalize q and k .*: (\d+) fused in every attention, (\d+) in some", out)
-    assert int(counts[2]) + int(counts[3]) >= 40
+    assert int(counts[2]) + int(counts[3]) == len(_fused_families())
+
+
+def _fused_families() -> list[str]:
+    return [f for f, r in rope_hf.survey().items() if any(s.fused for s in r.qk_norms)]
+
+
+# The fewest families fused, by transformers' major release (measured: 16 on 4.57.6, 45 on 5.23.0
+# and 46 on 5.24.0): a fusion lost to a classifier change shows here.
+FUSED_AT_LEAST = {"4": 16, "5": 45}
 
 
 def test_family_counts():
-    reports = rope_hf.survey()
-    fused = [f for f, r in reports.items() if any(s.fused for s in r.qk_norms)]
-    assert len(fused) >= 40, len(fused)
+    fused = _fused_families()
+    assert len(fused) >= FUSED_AT_LEAST[T.__version__.split(".")[0]], len(fused)
     assert {"qwen3", "gemma3", "olmo2", "glm4_moe"} <= set(fused)
 
 

@@ -18,8 +18,9 @@ import torch
 
 from rope_ext.integrations import _engine, _hf_forms
 from rope_ext.integrations import transformers as rope_hf
+from rope_ext.integrations._rotate import Form
 
-pytest.importorskip("transformers")
+T = pytest.importorskip("transformers")
 
 B, S, HQ, HK, D = 2, 5, 4, 2, 16
 
@@ -51,15 +52,27 @@ def _inputs(form, x_dtype, table_dtype, layout, gen, k_dtype=None):
     """(args, kwargs, names of the differentiable args) for a call of this form's signature."""
     sig = form.signature
     w = _table_width(form, D)
-    if sig in ("qk", "qk+position_ids", "qk, k optional", "q, k=None", "qk, q on the last rows", "x"):
+    if sig in ("qk", "qk+position_ids", "qk, k optional", "q, k=None", "qk, q on the last rows", "x", "x+position_ids",
+               "qk, tables by position_ids"):
         sq = 3 if sig == "qk, q on the last rows" else S
         shape = (lambda h, s: (B, h, s, D)) if layout == "bhsd" else (lambda h, s: (B, s, h, D))
         q, k = _rand(*shape(HQ, sq), dtype=x_dtype, gen=gen), _rand(*shape(HK, S), dtype=k_dtype or x_dtype, gen=gen)
         cos, sin = _rand(B, S, w, dtype=table_dtype, gen=gen), _rand(B, S, w, dtype=table_dtype, gen=gen)
         kw = {"unsqueeze_dim": 1 if layout == "bhsd" else 2}
-        if sig == "x":
+        if sig.startswith("x"):
             return (q, cos, sin), kw, (0,)
+        if sig == "qk, tables by position_ids":  # tables of 9 positions, rows gathered per token
+            positions = torch.randint(0, 9, (B, S), generator=gen)
+            cos, sin = (_rand(9, w, dtype=table_dtype, gen=gen) for _ in range(2))
+            return (q, k, cos, sin, positions), kw, (0, 1)
         return (q, k, cos, sin), kw, (0, 1)
+    if sig == "x, rows of 4-D tables":  # tables for S + 3 positions, of which the first S apply
+        x = _rand(B, HQ, S, D, dtype=x_dtype, gen=gen)
+        cos, sin = (_rand(1, 1, S + 3, w, dtype=table_dtype, gen=gen) for _ in range(2))
+        return (x, cos, sin), {}, (0,)
+    if sig == "vision, angles":  # x (1, S, H, D); float32 angles (S, D/2), as the model's, of a long context's size
+        x = _rand(1, S, HQ, D, dtype=x_dtype, gen=gen)
+        return (x, _rand(S, D // 2, dtype=torch.float32, gen=gen) * 1000), {}, (0,)
     if sig == "gptj":
         t = _rand(B, S, HQ, D, dtype=x_dtype, gen=gen)
         sin, cos = (_rand(B, S, D // 2, dtype=table_dtype, gen=gen) for _ in range(2))
@@ -98,7 +111,8 @@ _outputs, _loss, _wide, _within_rounding = (form_checks.outputs, form_checks.los
 
 
 # Signatures with an unsqueeze_dim take both layouts (except the one slicing rows along dim -2).
-_TWO_LAYOUTS = {"qk", "qk+position_ids", "qk, k optional", "q, k=None", "x"}
+_TWO_LAYOUTS = {"qk", "qk+position_ids", "qk, k optional", "q, k=None", "x", "x+position_ids",
+                "qk, tables by position_ids"}
 CASES = [(key, layout) for key, form in FORMS.items()
          for layout in (("bhsd", "bshd") if form.signature in _TWO_LAYOUTS else ("bhsd",))]
 
@@ -119,7 +133,8 @@ def test_form_matches_transformers(key, layout, dtypes):
     _check(key, layout, *dtypes)
 
 
-@pytest.mark.parametrize("key", [key for key, form in FORMS.items() if form.signature in _TWO_LAYOUTS - {"x"}])
+@pytest.mark.parametrize("key", [key for key, form in FORMS.items()
+                                 if form.signature in _TWO_LAYOUTS - {"x", "x+position_ids"}])
 def test_form_with_q_and_k_of_different_dtypes(key):
     """Not what transformers' models do, but where the forms' dtype rules differ most: some cast
     both results to q's dtype, some each to its own, some return the promoted dtype."""
@@ -161,8 +176,9 @@ def _check(key, layout, x_dtype, table_dtype, k_dtype=None):
 
 
 def _families_by_text():
-    """The families whose model files define a RoPE function, found by plain text search (not by
-    the classifier under test)."""
+    """The families whose torch model files define a RoPE function, found by plain text search (not
+    by the classifier under test); 4.x's TensorFlow and Flax files (``modeling_tf_*``,
+    ``modeling_flax_*``) are not torch's."""
     import os
 
     import transformers.models
@@ -174,7 +190,8 @@ def _families_by_text():
         if not os.path.isdir(folder):
             continue
         for file in os.listdir(folder):
-            if file.startswith("modeling_") and file.endswith(".py"):
+            if file.startswith("modeling_") and file.endswith(".py") and not file.startswith(("modeling_tf_",
+                                                                                             "modeling_flax_")):
                 with open(os.path.join(folder, file), encoding="utf-8") as f:
                     text = f.read()
                 if any(f"\ndef {name}(" in text for name in _hf_forms.ROPE_FUNCTIONS):
@@ -183,23 +200,21 @@ def _families_by_text():
 
 
 def test_every_family_is_classified():
+    """On the releases rope_ext is tested with (4.57.6, 5.23.0, 5.24.0) every family's RoPE has a
+    form, and every fingerprint of the table is one the releases have: 4.x's table (KNOWN_4X) the
+    4.57.6 run's, the rest exactly the 5.x runs'. So FORMS, run under each release, tests each."""
     reports = rope_hf.survey()
     assert set(reports) == _families_by_text()
     for family, report in reports.items():
         for fn in report.functions:
             assert (fn.form is None) != (fn.reason is None), (family, fn)
-        assert report.patchable or report.reason, family
-    assert sum(r.patchable for r in reports.values()) >= 150
-    # every fingerprint of the table is one an installed family has (so FORMS tests each of them)
-    assert set(_hf_forms.KNOWN) == {fn.fingerprint for r in reports.values() for fn in r.functions if fn.form}
-
-
-def test_same_text_different_helpers_are_different_forms():
-    """llama, blt and nanochat share apply_rotary_pos_emb's text; their rotate_half pairs or turns
-    differently, so they are different forms."""
-    forms = {f: rope_hf.survey()[f].functions[0].form for f in ("llama", "blt", "nanochat")}
-    assert not forms["llama"].interleaved and forms["blt"].interleaved and forms["nanochat"].negate_sin
-    assert len(set(forms.values())) == 3
+    refused = {family: report.reason for family, report in reports.items() if not report.patchable}
+    assert not refused, refused
+    found = {fn.fingerprint for r in reports.values() for fn in r.functions}
+    if T.__version__.startswith("4."):
+        assert set(_hf_forms.KNOWN_4X) <= found <= set(_hf_forms.KNOWN)
+    else:
+        assert found == set(_hf_forms.KNOWN) - set(_hf_forms.KNOWN_4X)
 
 
 _FAKE_NAMES = itertools.count()
@@ -246,24 +261,38 @@ def _import(report):
     return importlib.import_module(report.functions[0].module)
 
 
+_LLAMA = Form("llama", "qk")
+
+
 def test_llama_form_written_afresh_is_recognised(fake_family):
-    llama = rope_hf.family_report("llama").functions[0].form
     report = fake_family("x1 = x[..., : x.shape[-1] // 2]\n    x2 = x[..., x.shape[-1] // 2 :]\n"
                          "    return torch.cat((-x2, x1), dim=-1)")
-    assert report.patchable and report.functions[0].form == llama
+    assert report.patchable and report.functions[0].form == _LLAMA
 
 
 _LLAMA_ROTATE_HALF = ("x1 = x[..., : x.shape[-1] // 2]\n    x2 = x[..., x.shape[-1] // 2 :]\n"
                       "    return torch.cat((-x2, x1), dim=-1)")
 
 
+def test_same_text_different_helpers_are_different_forms(fake_family):
+    """llama's apply_rotary_pos_emb text with blt's rotate_half (interleaved pairs) and with
+    nanochat's (the rotation by -theta), as those families' files write them, are other forms."""
+    blt = fake_family("# Split and rotate. Note that this function is different from e.g. Llama.\n"
+                      "    x1 = x[..., ::2]\n    x2 = x[..., 1::2]\n"
+                      "    rot_x = torch.stack([-x2, x1], dim=-1).flatten(-2)\n    return rot_x", folder="blt")
+    nanochat = fake_family('"""Rotates half the hidden dims of the input with flipped signs for NanoChat."""\n'
+                           "    x1 = x[..., : x.shape[-1] // 2]\n    x2 = x[..., x.shape[-1] // 2 :]\n"
+                           "    return torch.cat((x2, -x1), dim=-1)", folder="nanochat")
+    assert blt.functions[0].form == Form("blt", "qk", interleaved=True)
+    assert nanochat.functions[0].form == Form("nanochat", "qk", negate_sin=True)
+
+
 def test_decorators_count_except_the_kernels_hook(fake_family):
     """transformers' use_kernel_forward_from_hub leaves the maths alone; any other decorator (here
     an autocast, which would change the dtype) makes the code unknown."""
-    llama = rope_hf.family_report("llama").functions[0].form
     hook = fake_family(_LLAMA_ROTATE_HALF, folder="a",
                        decorator='@use_kernel_forward_from_hub("rotary_pos_emb")\n')
-    assert hook.functions[0].form == llama
+    assert hook.functions[0].form == _LLAMA
     other = fake_family(_LLAMA_ROTATE_HALF, folder="b",
                         decorator='@torch.autocast("cpu", dtype=torch.bfloat16)\n')
     assert other.functions[0].form is None
@@ -324,6 +353,6 @@ def test_listing(capsys):
 
     assert [f for f, _ in firsts] == list(reports)
     assert all(status == ("patched" if reports[f].patchable else "refused") for f, status in firsts)
-    assert any("apply_rotary_pos_emb_interleave: 'deepseek mla' form" in line for line in out)
+    assert any("apply_rotary_pos_emb_interleave: 'deepseek mla" in line for line in out)
     patched = sum(r.patchable for r in reports.values())
     assert out[-2].endswith(f"{len(reports)} families with RoPE; {patched} patched, {len(reports) - patched} refused")

@@ -1,5 +1,6 @@
 """transformers' RoPE forms: the calling conventions of its model files' RoPE functions, and the
-fingerprints read in transformers 5.23 (see ``_engine`` for what a form and a fingerprint are).
+fingerprints read in transformers 5.23.0, 5.24.0 and 4.57.6 (see ``_engine`` for what a form and a
+fingerprint are).
 Every form here is tested against transformers' own function."""
 
 from __future__ import annotations
@@ -82,6 +83,49 @@ def _single(form):
     return apply_rotary_pos_emb
 
 
+def _single_position_ids(form):
+    """(x, cos, sin, position_ids=None, unsqueeze_dim=1): transformers 4.x's Gemma 3n."""
+
+    def apply_rotary_pos_emb(x, cos, sin, position_ids=None, unsqueeze_dim=1):
+        return rotate(form, (x,), cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))[0]
+
+    return apply_rotary_pos_emb
+
+
+def _single_rows_of_4d_tables(form):
+    """(x, cos, sin): x (B, H, S, D), tables (1, 1, S_max, D) of which the first S rows apply
+    (transformers 4.x's ESM)."""
+
+    def apply_rotary_pos_emb(x, cos, sin):
+        rows = x.shape[-2]
+        return rotate(form, (x,), cos[:, :, :rows, :], sin[:, :, :rows, :])[0]
+
+    return apply_rotary_pos_emb
+
+
+def _qk_gathered(form):
+    """(q, k, cos, sin, position_ids, unsqueeze_dim=1): the tables' rows gathered by position_ids
+    (transformers 4.x's IDEFICS, PhiMoE)."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim=1):
+        q, k = rotate(form, (q, k), cos[position_ids].unsqueeze(unsqueeze_dim),
+                      sin[position_ids].unsqueeze(unsqueeze_dim))
+        return q, k
+
+    return apply_rotary_pos_emb
+
+
+def _vision_angles(form):
+    """(tensor, freqs): tensor (1, S, H, D), freqs (S, D/2) the angles, cos and sin taken of them in
+    freqs' dtype, then as float32 (transformers 4.x's Qwen2.5-Omni vision tower)."""
+
+    def apply_rotary_pos_emb_vision(tensor, freqs):
+        cos, sin = freqs.cos().float()[None, :, None, :], freqs.sin().float()[None, :, None, :]
+        return rotate(form, (tensor,), cos, sin)[0]
+
+    return apply_rotary_pos_emb_vision
+
+
 def _gptj(form):
     """GPT-J / CodeGen: (tensor, sin, cos), tensor (batch, seq, heads, r), tables (batch, seq, r/2)."""
 
@@ -157,6 +201,10 @@ _SIGNATURES = {
     "q, k=None": _q_then_optional_k,
     "qk, q on the last rows": _q_last_rows,
     "x": _single,
+    "x+position_ids": _single_position_ids,
+    "x, rows of 4-D tables": _single_rows_of_4d_tables,
+    "qk, tables by position_ids": _qk_gathered,
+    "vision, angles": _vision_angles,
     "gptj": _gptj,
     "vision": _vision,
     "vision, 2-D tables": _vision_2d_tables,
@@ -175,8 +223,9 @@ def replacement(form: Form):
     return fn
 
 
-# The forms read in transformers 5.23's model files, by fingerprint; the comment names the first
-# family seen with each. Every one is tested against transformers' own function.
+# The forms read in transformers 5.23.0's model files (5.24.0's are the same), by fingerprint; the
+# comment names the first family seen with each. Every one is tested against transformers' own
+# function, under 5.23.0 and 5.24.0 (and under 4.57.6, those it has too).
 KNOWN: dict[str, Form] = {
     # llama
     "b34db4f566ee21e4": Form("llama", "qk"),
@@ -253,6 +302,47 @@ KNOWN: dict[str, Form] = {
         "deepseek-v2 complex", "complex freqs_cis, unsqueeze(1)", interleaved=True, tables="complex", dtype="float32"
     ),
 }
+
+
+# The forms read in transformers 4.57.6 (the last 4.x) and in no 5.x release, by fingerprint; the
+# comment names the first family seen with each. Most take an unused ``position_ids`` before
+# ``unsqueeze_dim``. Every one is tested against transformers' own function, under 4.57.6.
+KNOWN_4X: dict[str, Form] = {
+    # apertus (and 57 more)
+    "3e1db443b4fe139f": Form("llama", "qk+position_ids"),
+    # blt
+    "86934f494624e2cd": Form("blt", "qk+position_ids", interleaved=True),
+    # cohere
+    "0b08c13c845e0156": Form("cohere", "qk+position_ids", interleaved=True, dtype="float32", cast_to_q=True),
+    # deepseek_v3 (MLA: the columns de-interleaved, then a half-split rotation on the full tables)
+    "8d97ed8b42348d75": Form("deepseek mla 4.x", "qk+position_ids", deinterleave_input=True),
+    # ernie4_5
+    "9f2fce4086f559c3": Form("ernie4.5", "qk+position_ids", interleaved=True, tables="first_half", dtype="float32",
+                             cast_to_q=True),
+    # esm
+    "73cfe2e7fbc2fa55": Form("esm 4.x", "x, rows of 4-D tables"),
+    # flex_olmo
+    "a8f3edf29c2833f9": Form("olmo", "qk+position_ids", dtype="cast_back"),
+    # gemma3n
+    "4925e0ca17752841": Form("gemma3n", "x+position_ids"),
+    # glm
+    "354b98a6dea43740": Form("glm", "qk+position_ids", interleaved=True, tables="first_half", span="prefix"),
+    # gpt_oss
+    "850d8aa7b4ce13f4": Form("gpt-oss", "qk+position_ids", tables="half"),
+    # helium
+    "b05d915b32cb6aa6": Form("helium", "qk+position_ids", interleaved=True, tables="first_half"),
+    # idefics
+    "25e451484195d1b1": Form("idefics", "qk, tables by position_ids"),
+    # nemotron
+    "18b34c5b868ac545": Form("nemotron", "qk+position_ids", span="prefix"),
+    # phi3
+    "d5527ced60780781": Form("phi3", "qk+position_ids", span="prefix"),
+    # qwen2_5_omni (its own interleaved rotate_half inside)
+    "d905da01a48d9ef7": Form("qwen2.5-omni codec", "qk+position_ids", interleaved=True),
+    # qwen2_5_omni
+    "39902ff997b91a7b": Form("vision, angles", "vision, angles", tables="half", dtype="float32_tables"),
+}
+KNOWN.update(KNOWN_4X)
 
 
 # --- QK-norm + RoPE ---------------------------------------------------------------------------------

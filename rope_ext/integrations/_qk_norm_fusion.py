@@ -682,7 +682,7 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
         compute, out = _dtypes(form, q, cos, q.dtype)
         if out != q.dtype or compute not in (q.dtype, torch.float32) or cos.dtype not in (q.dtype, torch.float32):
             return None
-        if form.span == "suffix" or form.deinterleave_output or form.returns:
+        if form.span == "suffix" or form.deinterleave_output or form.deinterleave_input or form.returns:
             return None
         cos, sin = _full_tables(form, cos, sin)
         width, head_dim = cos.shape[-1], q.shape[-1]

@@ -43,6 +43,9 @@ class Form:
         negate_sin: the rotation turns the other way (``cat(x2, -x1)``).
         deinterleave_output: the output lists each pair's first members, then its second ones
             (DeepSeek's MLA ``apply_rotary_pos_emb_interleave``).
+        deinterleave_input: x's columns are taken in that order (its even columns, then its odd
+            ones) before a half-split rotation: the same pairs, each column with its own table
+            entry (transformers 4.x's MLA ``apply_rotary_pos_emb_interleave``).
     """
 
     name: str
@@ -55,6 +58,7 @@ class Form:
     returns: str | None = None
     negate_sin: bool = False
     deinterleave_output: bool = False
+    deinterleave_input: bool = False
 
     def describe(self) -> str:
         parts = ["interleaved" if self.interleaved else "half-split"]
@@ -74,6 +78,8 @@ class Form:
             parts.append("rotation by -theta")
         if self.deinterleave_output:
             parts.append("de-interleaved output")
+        if self.deinterleave_input:
+            parts.append("de-interleaved input")
         return f"{self.signature}: " + ", ".join(parts)
 
 
@@ -134,6 +140,8 @@ def rotate(form: Form, xs, cos, sin, cos_k=None, sin_k=None):
     for x in xs:
         original_dtype = x.dtype
         _check_width(form, x, width)
+        if form.deinterleave_input:
+            x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
         compute, out_dtype = _dtypes(form, x, cos, xs[0].dtype)
         if form.dtype in ("float32", "float32_tables") and x.dtype == torch.float64:
             x = x.float()  # the original's x.float() rounds float64 x to float32 first
