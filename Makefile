@@ -7,7 +7,7 @@ PIP := $(PYTHON) -m pip
 SOURCES := setup.py pyproject.toml CMakeLists.txt $(wildcard cmake/*) $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
 STAMP := build/.installed
 
-.PHONY: setup test engine-pythons bench lint abi-audit dist-check wheel-check cuda-check gpu-check gpu-build gpu-rehearse sanitize gtest cpp-test cpp-example clean FORCE
+.PHONY: setup test engine-pythons releases-check bench lint abi-audit dist-check wheel-check cuda-check gpu-check gpu-build gpu-rehearse sanitize gtest cpp-test cpp-example clean FORCE
 
 setup: $(STAMP)
 
@@ -38,6 +38,12 @@ engine-pythons:
 	  [ -n "$$py" ] || py=$$(command -v python$$v) || { echo "engine-pythons: no Python $$v found"; exit 1; }; \
 	  out=$$($$py tests/test_engine.py 2>&1) || { echo "$$out"; exit 1; }; echo "$$out" | tail -1; \
 	done
+
+# The integrations under the library releases users run beside the suite's (transformers 4.57.6 and
+# 5.24.0, diffusers 0.41.0), each installed --no-deps into build/releases/<name>, first on the path:
+# their forms tests, and transformers' QK-norm fusion tests. See tools/releases_check.sh.
+releases-check: setup
+	PYTHON=$(PYTHON) bash tools/releases_check.sh
 
 bench: setup
 	$(PYTHON) benchmarks/bench_rope.py --quick

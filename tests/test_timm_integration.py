@@ -34,6 +34,14 @@ attention = pytest.importorskip("timm.layers.attention")
 
 B, H, N, D = 2, 3, 7, 16
 
+# The implementations held to the installed timm's code: what patch() puts in for it ("patched"), and
+# rope_ext.compat.timm, timm 1.0.31's drop-in, where the installed timm's forms are 1.0.31's.
+_SURVEY = rope_timm.survey()
+IMPLS = {"patched": lambda name: _timm_forms.replacement(_SURVEY[name].form)}
+if all(_SURVEY[name].form in _timm_forms.KNOWN_1_0_31.values() for name in _timm_forms.ROPE_FUNCTIONS):
+    IMPLS["compat"] = lambda name: getattr(compat, name)
+_PREFIX_METHOD = "EvaAttention.forward"
+
 
 @pytest.fixture(autouse=True)
 def _unpatched():
@@ -90,7 +98,8 @@ def _run(impl, fn_name, x, sin, cos, half):
 @pytest.mark.parametrize("dtypes", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("half", HALF.values(), ids=HALF.keys())
 @pytest.mark.parametrize("fn_name", _timm_forms.ROPE_FUNCTIONS)
-def test_function_matches_timm(fn_name, half, dtypes, tables):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_function_matches_timm(impl, fn_name, half, dtypes, tables):
     """Outputs, output dtypes and the gradients of x and both tables, against timm's function: bit
     for bit in float32 (both round each product and the sum once, in the same order), within one
     rounding of the float64 truth otherwise (timm rounds each bfloat16 product to bfloat16, rope_ext
@@ -99,10 +108,10 @@ def test_function_matches_timm(fn_name, half, dtypes, tables):
     gen = torch.Generator().manual_seed(0)
     x = _rand(B, H, N, D, dtype=x_dtype, gen=gen)[:, :, 1:]  # a strided view, as EVA passes it
     sin, cos = (_rand(*TABLES[tables](N - 1), dtype=t_dtype, gen=gen) for _ in range(2))
-    ours, our_grads = _run(getattr(compat, fn_name), fn_name, x, sin, cos, half)
+    ours, our_grads = _run(IMPLS[impl](fn_name), fn_name, x, sin, cos, half)
     theirs, their_grads = _run(getattr(sincos, fn_name), fn_name, x, sin, cos, half)
     truth, true_grads = _run(getattr(sincos, fn_name), fn_name, _wide(x), _wide(sin), _wide(cos), half)
-    assert [o.dtype for o in ours] == [o.dtype for o in theirs] == [x_dtype] * len(ours)
+    assert [o.dtype for o in ours] == [o.dtype for o in theirs]
     assert [o.shape for o in ours] == [o.shape for o in theirs]
     # each table entry's gradient sums this many products, none larger than max|x| (|weights| <= 1)
     summed = len(ours) * x.numel() // sin.numel()
@@ -126,7 +135,8 @@ TABLES_KV = [(t, kv) for t in (*TABLES, "broadcast tokens") for kv in (H, 1) if 
 @pytest.mark.parametrize("npt", PREFIX.values(), ids=PREFIX.keys())
 @pytest.mark.parametrize("dtypes", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("half", HALF.values(), ids=HALF.keys())
-def test_prefix_rotation_matches_eva(half, dtypes, npt, tables, kv_heads):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_prefix_rotation_matches_eva(impl, half, dtypes, npt, tables, kv_heads):
     """rot_embed_cat_after_prefix against EVA's statements
     ``q = torch.cat([q[:, :, :npt, :], apply_rot_embed_cat(q[:, :, npt:, :], rope, half=half)], dim=2)``
     (and k's): the prefix tokens bit-identical, the rest as in test_function_matches_timm, and the
@@ -148,7 +158,8 @@ def test_prefix_rotation_matches_eva(half, dtypes, npt, tables, kv_heads):
         cat = sincos.apply_rot_embed_cat
         return tuple(torch.cat([x[:, :, :npt, :], cat(x[:, :, npt:, :], emb, half=half)], dim=2) for x in (q, k))
 
-    ours = run(lambda q, k, e: compat.rot_embed_cat_after_prefix(q, k, e, npt, half), q0, k0, emb0)
+    after_prefix = compat.rot_embed_cat_after_prefix if impl == "compat" else IMPLS[impl](_PREFIX_METHOD)
+    ours = run(lambda q, k, e: after_prefix(q, k, e, npt, half), q0, k0, emb0)
     theirs = run(timm_statements, q0, k0, emb0)
     truth = run(timm_statements, _wide(q0), _wide(k0), _wide(emb0))
     # the table's gradient sums at most this many products over q's and k's broadcast dims

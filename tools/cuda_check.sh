@@ -21,7 +21,8 @@
 #     build of step 2, on the CPU (tests that need a CUDA device skip): with `make test` under
 #     torch 2.13.0, the supported range the README states. Beside them the timm integration's
 #     tests, which run here only: timm needs torchvision, whose builds here load beside torch 2.14.1
-#     alone (about 25 s in all: the two installs 7 s, the tests 10 to 20 s).
+#     alone (about 25 s in all: the two installs 7 s, the tests 10 to 20 s), and those tests again
+#     under timm's previous release (about 15 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(realpath -m "${CUDA_VENV:-build/venv-cuda}")
@@ -93,6 +94,11 @@ import pathlib, rope_ext, torch
 assert pathlib.Path('$SITE') in pathlib.Path(rope_ext.__file__).resolve().parents, rope_ext.__file__
 print(f'cuda-check: core tests under torch {torch.__version__}, rope_ext from {rope_ext.__file__}')"
 PYTHONSAFEPATH=1 "$PY" -m pytest -q -p no:cacheprovider $CORE_TESTS tests/test_timm_integration.py
+# The timm tests again under timm's previous release, 1.0.30 (its functions return the promoted
+# dtype, 1.0.31's cast back), installed --no-deps into a folder first on the path.
+"$PY" -m pip install -q --no-deps --target "$OUT/timm-1.0.30" timm==1.0.30
+PYTHONPATH="$OUT/timm-1.0.30" PYTHONSAFEPATH=1 "$PY" -c "import timm; assert timm.__version__ == '1.0.30', timm.__file__"
+PYTHONPATH="$OUT/timm-1.0.30" PYTHONSAFEPATH=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_timm_integration.py
 # 6. The kernels' memory traffic as the host emulator measures it (benchmarks/cuda_traffic.py; goal >= 0.90).
 PYTHONSAFEPATH=1 "$PY" benchmarks/cuda_traffic.py | grep "min sector efficiency" |
   sed 's/^/cuda-check: host-emulated traffic, /'

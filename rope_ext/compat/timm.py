@@ -18,7 +18,7 @@ from rope_ext.integrations import _timm_forms
 
 __all__ = ["apply_rot_embed", "apply_rot_embed_cat", "apply_rot_embed_list", "rot_embed_cat_after_prefix"]
 
-_FORMS = {f.signature: f for f in _timm_forms.KNOWN.values()}
+_FORMS = {f.signature: f for f in _timm_forms.KNOWN_1_0_31.values()}
 _apply = _timm_forms.replacement(_FORMS["x, sin, cos, half"])
 _apply_list = _timm_forms.replacement(_FORMS["list, sin, cos, half"])
 _apply_cat = _timm_forms.replacement(_FORMS["x, cat(sin, cos), half"])

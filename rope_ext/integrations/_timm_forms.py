@@ -1,6 +1,6 @@
 """timm's RoPE forms: the calling conventions of ``timm.layers.pos_embed_sincos``'s RoPE functions
 and of the attention methods that rotate only the tokens after the prefix tokens, with the
-fingerprints read in timm 1.0.31 (see ``_engine`` for what a form and a fingerprint are). Every form
+fingerprints read in timm 1.0.31 and 1.0.30 (see ``_engine`` for what a form and a fingerprint are). Every form
 here is tested against timm's own code.
 
 timm's conventions, as its code reads:
@@ -8,7 +8,7 @@ timm's conventions, as its code reads:
   first. ``half=False`` pairs columns ``(2i, 2i + 1)`` (timm's ``rot``: ``[-x1, x0, -x3, x2, ...]``,
   rope_ext's interleaved pairing); ``half=True`` pairs ``(i, i + D/2)`` (``rope_rotate_half``,
   rope_ext's half split). The tables hold one entry per column, as given. It computes in the
-  promotion of x's and the tables' dtypes and returns x's dtype.
+  promotion of x's and the tables' dtypes and returns x's dtype (1.0.30: that promotion).
 - ``apply_rot_embed_cat(x, emb, half=False)``: the same with one table, ``emb = cat([sin, cos], -1)``,
   sine first (vLLM's is ``[cos, sin]``).
 - ``apply_rot_embed_list(x, sin_emb, cos_emb, half=False)``: each tensor of a list (or one tensor).
@@ -161,10 +161,21 @@ def prefix_rewrite():
     return rewrite_block, found
 
 
-# The forms read in timm 1.0.31, by fingerprint (each function together with the module-level
-# helpers it calls: rot, rope_rotate_half, apply_rot_embed). Every one is tested against timm's code.
+# The forms read in timm 1.0.31 and 1.0.30, by fingerprint (each function together with the
+# module-level helpers it calls: rot, rope_rotate_half, apply_rot_embed). Every one is tested against
+# timm's code under its release. 1.0.31's functions cast the rotation back to x's dtype; 1.0.30's
+# return the promotion of x's and the tables' dtypes. The attention methods, the same code in both,
+# take the dtype rule of the apply_rot_embed_cat they call (timm.survey).
 _TIMM = dict(interleaved=True, dtype="cast_back")
-KNOWN: dict[str, Form] = {
+KNOWN_1_0_30: dict[str, Form] = {
+    # timm.layers.pos_embed_sincos.apply_rot_embed
+    "64b89ca9a31f909c": Form("timm 1.0.30", "x, sin, cos, half", interleaved=True),
+    # timm.layers.pos_embed_sincos.apply_rot_embed_list
+    "33eaa95115eecdaf": Form("timm list 1.0.30", "list, sin, cos, half", interleaved=True),
+    # timm.layers.pos_embed_sincos.apply_rot_embed_cat
+    "294258cd715a857c": Form("timm cat 1.0.30", "x, cat(sin, cos), half", interleaved=True),
+}
+KNOWN_1_0_31: dict[str, Form] = {
     # timm.layers.pos_embed_sincos.apply_rot_embed
     "799326e45bd45d6e": Form("timm", "x, sin, cos, half", **_TIMM),
     # timm.layers.pos_embed_sincos.apply_rot_embed_list
@@ -176,3 +187,4 @@ KNOWN: dict[str, Form] = {
     # timm.layers.attention.AttentionRope.forward
     "58235b4859c53dcd": Form("eva prefix tokens", "attention, prefix tokens pass", **_TIMM),
 }
+KNOWN: dict[str, Form] = {**KNOWN_1_0_31, **KNOWN_1_0_30}

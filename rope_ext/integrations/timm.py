@@ -113,6 +113,8 @@ def survey() -> dict[str, RopeCode]:
             # the rewrite computes what rope_ext's apply_rot_embed_cat does: only right where
             # timm's computes the same
             code = dataclasses.replace(code, form=None, reason="the apply_rot_embed_cat it calls is refused")
+        elif code.form is not None:  # and in the dtype that one returns
+            code = dataclasses.replace(code, form=dataclasses.replace(code.form, dtype=cat.form.dtype))
         found[code.name] = code
     return found
 
