@@ -25,8 +25,13 @@ $(STAMP): $(SOURCES) FORCE
 
 FORCE:
 
+# Two pytest workers (pytest-xdist), each with one OpenMP thread by default: a test run keeps about
+# one core busy, and two runs whose torch each starts a thread per core would spin on each other's
+# cores (a run of the suite took 20 minutes so, 4 with one thread each). Tests that want threads set
+# them (torch.set_num_threads). PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
 test: setup
-	$(PYTHON) -m pytest -q tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) tests
 
 # The form engine's pure-Python tests (tests/test_engine.py: no torch, no build) under the other
 # Pythons rope_ext supports (requires-python >= 3.10), run as a script: pyenv's 3.10 and 3.13 here

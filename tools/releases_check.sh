@@ -12,7 +12,8 @@
 # the tests that hold that library's code: the forms tests (every fingerprint against the library's
 # own function, the classification, the listing) and for transformers the QK-norm fusion's tests
 # (its norm forms and whole tiny models fused against stock); for 5.24.0 the whole-model RoPE tests
-# too. The releases run two at a time (each test run keeps about one core busy).
+# too. The releases run two at a time (each test run keeps about one core busy), each with one
+# OpenMP thread (two runs of two would spin on each other's cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -35,7 +36,7 @@ check() {  # check <name> <packages> <tests>: install, then run; writes $OUT/<na
     { tail -20 "$here/pip.log"; echo "releases-check: FAILED: installing $packages"; return 1; }
   local rc=0
   # shellcheck disable=SC2086
-  PYTHONPATH="$here/site" "$PYTHON" -m pytest -q -p no:cacheprovider $tests > "$here/tests.log" 2>&1 || rc=$?
+  PYTHONPATH="$here/site" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PYTHON" -m pytest -q -p no:cacheprovider $tests > "$here/tests.log" 2>&1 || rc=$?
   echo "releases-check: $name: $(tail -1 "$here/tests.log" | sed 's/^=* *//; s/ *=*$//') ($((SECONDS - t0)) s)"
   [ "$rc" = 0 ] || { tail -40 "$here/tests.log"; echo "releases-check: FAILED: $name"; }
   return "$rc"
