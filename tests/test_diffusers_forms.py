@@ -386,6 +386,52 @@ def test_patch_switches_every_kind_of_site_and_restores():
     assert rope_diffusers.patched_models() == []
 
 
+def test_a_file_that_fails_to_install_leaves_every_other_switched(monkeypatch):
+    """LTX's function was replaced by someone else and Flux's fused processor fails to rewrite
+    (forced): patch() of everything switches every other file, Flux's RoPE without its fusion, and
+    names both in one warning; strict=True raises."""
+    import warnings
+
+    import diffusers.models.transformers.transformer_flux as flux
+    import diffusers.models.transformers.transformer_ltx as ltx
+
+    from rope_ext.integrations import _engine, _qk_norm_fusion
+
+    real = _qk_norm_fusion.rewrite_plan
+
+    def failing(group, *args, **kwargs):
+        if group == "flux":
+            raise RuntimeError("forced")
+        return real(group, *args, **kwargs)
+
+    monkeypatch.setattr(_qk_norm_fusion, "rewrite_plan", failing)
+    monkeypatch.setattr(ltx, "apply_rotary_emb", lambda x, freqs: x)
+    monkeypatch.setattr(_engine, "_warned", set())
+    stock = flux.FluxAttnProcessor.__call__.__code__
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patched = rope_diffusers.patch()
+    try:
+        reaching_ltx = {n for n in rope_diffusers.survey() if "ltx" in rope_diffusers._closure([n])}
+        assert "ltx" in reaching_ltx and not set(patched) & reaching_ltx
+        others = {n for n, r in rope_diffusers.survey().items() if r.patchable} - reaching_ltx
+        assert set(patched) == others and len(others) >= 50
+        # (one warning for them; a release whose code matches no form has had one of its own before)
+        refusals = [str(w.message) for w in caught if issubclass(w.category, _engine.RefusedWarning)
+                    and "ltx" in str(w.message)]
+        assert len(refusals) == 1, refusals
+        assert "ltx: transformer_ltx.apply_rotary_emb is" in refusals[0].replace("diffusers.models.transformers.", "")
+        assert "flux (qk-norm FluxAttnProcessor.__call__): rope_ext could not rewrite it: RuntimeError: forced" \
+            in refusals[0]
+        assert flux.apply_rotary_emb is compat.apply_rotary_emb  # Flux's RoPE switched
+        assert flux.FluxAttnProcessor.__call__.__code__ is stock  # without the fusion
+    finally:
+        rope_diffusers.unpatch()
+    with pytest.raises(ValueError, match=r"keep their own code: .*ltx: .*\(strict=True: nothing was patched\)"):
+        rope_diffusers.patch(strict=True)
+    assert rope_diffusers.patched_models() == []
+
+
 def test_a_file_reaching_rope_unpatches_by_its_name():
     with rope_diffusers.patch(["hunyuan_video_framepack"], qk_norm=False) as done:
         assert done == ["embeddings", "hunyuan_video_framepack"]

@@ -320,6 +320,23 @@ def test_code_replaced_by_someone_else_is_not_patched(monkeypatch):
     with pytest.raises(ValueError, match="neither timm's function nor rope_ext's"):
         rope_timm.patch(["EvaAttention.forward"])
     assert rope_timm.patched_names() == []
+    # patching everything refuses those two alone, says so, and switches the rest
+    import warnings
+
+    from rope_ext.integrations import _engine
+
+    monkeypatch.setattr(_engine, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patched = rope_timm.patch()
+    assert set(patched) == set(rope_timm.survey()) - {"apply_rot_embed", "EvaAttention.forward"}
+    refusals = [str(w.message) for w in caught if issubclass(w.category, _engine.RefusedWarning)]
+    assert len(refusals) == 1 and "apply_rot_embed: timm.layers.pos_embed_sincos.apply_rot_embed is" in refusals[0]
+    assert "EvaAttention.forward: timm.models.eva.apply_rot_embed_cat is" in refusals[0]
+    rope_timm.unpatch()
+    with pytest.raises(ValueError, match=r"2 RoPE site\(s\) .* \(strict=True: nothing was patched\)"):
+        rope_timm.patch(strict=True)
+    assert rope_timm.patched_names() == []
 
 
 @pytest.fixture

@@ -244,6 +244,12 @@ class RefusedWarning(UserWarning):
 _warned: set = set()
 
 
+def failure(e: Exception) -> str:
+    """An exception as a refusal's reason: a ValueError's message (rope_ext's own refusals), any
+    other with its type (a library's code rope_ext failed to read)."""
+    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+
+
 def refusal_text(library: str, refused: dict[str, str]) -> str:
     listed = "; ".join(f"{name}: {why}" for name, why in refused.items())
     return f"rope_ext: {len(refused)} RoPE site(s) of the installed {library} keep their own code: {listed}"

@@ -449,9 +449,11 @@ def patch(models=None, *, strict: bool = False, qk_norm: bool = True) -> _engine
         models: model file names (see the module docstring; ``python -m rope_ext.integrations.diffusers``
             lists them), or None for every file of the installed diffusers whose RoPE rope_ext can
             express. A file that reaches RoPE through another file's processor switches that file.
-            Files refused then keep diffusers' code, named in a ``_engine.RefusedWarning`` once
-            per process.
-        strict: with ``models=None``, make a refused file an error instead of a warning.
+            Files refused then (code that matches no tested form, or, found at run time, is not
+            the file's own) keep diffusers' code, named in a ``_engine.RefusedWarning`` once per
+            process; the other files are switched all the same. So does a processor whose QK-norm
+            fusion rope_ext fails to rewrite, named or not: its file's RoPE is switched without it.
+        strict: with ``models=None``, make a refused file or fusion an error instead of a warning.
         qk_norm: also fuse each processor's q/k RMS norms into its RoPE calls, one
             :func:`rope_ext.qk_norm_rotary` call for q and k, where the file's ``qk_norms`` say it
             is fused (Flux, Wan, QwenImage, HunyuanVideo, LTX, ...; see the listing). Each call
@@ -466,12 +468,14 @@ def patch(models=None, *, strict: bool = False, qk_norm: bool = True) -> _engine
     Raises:
         ValueError: a named file has no RoPE site in the installed diffusers, or one of its sites
             (or of the files it reaches) is refused, or the code found at run time is not the
-            file's own. Nothing is patched then: all checks run before any change.
+            file's own; with ``strict``, any refusal. Nothing is patched then: all checks run
+            before any change.
     """
+    refused = {}  # name -> why, warned (or with strict raised) together once the plan is made
     if models is None:
         reports = survey()
-        names = _engine.patchable_or_warn("diffusers", {n: r.reason for n, r in reports.items() if not r.patchable},
-                                          [n for n, r in reports.items() if r.patchable], strict)
+        refused = {n: r.reason for n, r in reports.items() if not r.patchable}
+        names = [n for n, r in reports.items() if r.patchable]
     else:
         names = _engine.group_names(models, "models")
     plan, closures = [], {}
@@ -484,21 +488,17 @@ def patch(models=None, *, strict: bool = False, qk_norm: bool = True) -> _engine
             )
         if not report.patchable:
             raise ValueError(f"rope_ext: cannot patch {requested!r}: {report.reason}")
+        try:
+            more, lost = _plan_requested(requested, qk_norm, plan)
+        except Exception as e:  # noqa: BLE001  (with models=None, any failure refuses that file alone)
+            if models is not None:
+                raise
+            refused[requested] = _engine.failure(e).removeprefix(f"rope_ext: cannot patch {requested!r}: ")
+            continue
+        plan += more
+        refused.update(lost)
         closures[requested] = _closure([requested])
-        for name in closures[requested]:
-            sites = model_report(name).functions
-            fusions = [f for f in model_report(name).qk_norms if f.fused] if qk_norm else []
-            module = importlib.import_module(model_report(name).module) if sites or fusions else None
-            for fn in sites:
-                try:
-                    plan += _plan_site(name, fn, module)
-                except ValueError as e:
-                    raise ValueError(f"rope_ext: cannot patch {requested!r}: {e}") from None
-            for site in fusions if name not in _patcher.groups() else ():  # an earlier call's patch stays as it is
-                try:
-                    plan += _fusion_plan(name, site, module, plan)
-                except ValueError as e:
-                    raise ValueError(f"rope_ext: cannot patch {requested!r}: {e}") from None
+    _engine.patchable_or_warn("diffusers", refused, [], strict)
     if any("embeddings" in closure for closure in closures.values()):
         _import_binders()
     done = _patcher.apply(plan, unpatch)
@@ -509,6 +509,29 @@ def patch(models=None, *, strict: bool = False, qk_norm: bool = True) -> _engine
                 _aliases[requested] = switched
                 done.append(requested)
     return done
+
+
+def _plan_requested(requested: str, qk_norm: bool, plan: list) -> tuple[list, dict[str, str]]:
+    """The assignments that switch one named file and the files it reaches (``plan``: this call's
+    before them, whose trampolines a fused processor keeps), and the fused processors whose rewrite
+    failed (``"<file> (qk-norm <method>)"`` -> why: they keep diffusers' norms, the file's RoPE is
+    switched all the same). Raises ValueError where a RoPE site is not the file's own."""
+    more, lost = [], {}
+    for name in _closure([requested]):
+        sites = model_report(name).functions
+        fusions = [f for f in model_report(name).qk_norms if f.fused] if qk_norm else []
+        module = importlib.import_module(model_report(name).module) if sites or fusions else None
+        for fn in sites:
+            try:
+                more += _plan_site(name, fn, module)
+            except ValueError as e:
+                raise ValueError(f"rope_ext: cannot patch {requested!r}: {e}") from None
+        for site in fusions if name not in _patcher.groups() else ():  # an earlier call's patch stays as it is
+            try:
+                more += _fusion_plan(name, site, module, plan + more)
+            except Exception as e:  # noqa: BLE001  (a failed rewrite refuses that fusion alone)
+                lost[f"{name} (qk-norm {site.method})"] = f"rope_ext could not rewrite it: {_engine.failure(e)}"
+    return more, lost
 
 
 def _import_binders() -> None:

@@ -187,7 +187,9 @@ def patch(names=None, *, strict: bool = False) -> _engine.Patched:
     Args:
         names: keys of :func:`survey` (``"apply_rot_embed_cat"``, ``"EvaAttention.forward"``, ...),
             or None for every one the installed timm has that rope_ext can express; the others
-            keep timm's code, named in a ``_engine.RefusedWarning`` once per process.
+            (code that matches no tested form, or, found at run time, is not its file's own)
+            keep timm's code, named in a ``_engine.RefusedWarning`` once per process, and the
+            rest is switched all the same.
         strict: with ``names=None``, make a refused one an error instead of a warning.
 
     Returns:
@@ -200,9 +202,10 @@ def patch(names=None, *, strict: bool = False) -> _engine.Patched:
             Nothing is patched then: all checks run before any change.
     """
     codes = survey()
+    refused = {}  # name -> why, warned (or with strict raised) together once the plan is made
     if names is None:
-        chosen = _engine.patchable_or_warn("timm", {n: c.reason for n, c in codes.items() if c.form is None},
-                                           [n for n, c in codes.items() if c.form is not None], strict)
+        refused = {n: c.reason for n, c in codes.items() if c.form is None}
+        chosen = [n for n, c in codes.items() if c.form is not None]
     else:
         chosen = _engine.group_names(names, "names")
     plan = []
@@ -213,7 +216,13 @@ def patch(names=None, *, strict: bool = False) -> _engine.Patched:
                              f"rope_ext knows ({', '.join(codes)})")
         if code.form is None:
             raise ValueError(f"rope_ext: cannot patch {name!r}: {code.reason}")
-        plan += _plan_method(code) if code.is_method else _plan_function(code)
+        try:
+            plan += _plan_method(code) if code.is_method else _plan_function(code)
+        except Exception as e:  # noqa: BLE001  (with names=None, any failure refuses that one alone)
+            if names is not None:
+                raise
+            refused[name] = _engine.failure(e).removeprefix(f"rope_ext: cannot patch {name!r}: ")
+    _engine.patchable_or_warn("timm", refused, [], strict)
     return _patcher.apply(plan, unpatch)
 
 

@@ -126,10 +126,6 @@ def _models_root() -> str:
     return os.path.dirname(transformers.models.__file__)
 
 
-def _failure(e: Exception) -> str:
-    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-
-
 @functools.cache
 def family_report(family: str) -> FamilyReport | None:
     """The RoPE functions of one family of the installed transformers, classified from its source;
@@ -145,7 +141,7 @@ def family_report(family: str) -> FamilyReport | None:
             try:
                 more, more_sites = _classify_file(os.path.join(folder, file), module)
             except Exception as e:  # noqa: BLE001  (a file written for another Python, a classifier bug)
-                more = [RopeFunction(module, file, None, f"rope_ext could not classify it: {_failure(e)}")]
+                more = [RopeFunction(module, file, None, f"rope_ext could not classify it: {_engine.failure(e)}")]
                 more_sites = []
             functions += more
             sites += more_sites
@@ -231,7 +227,7 @@ def _plan(family: str, modules, qk_norm: bool) -> tuple[list, FamilyReport | Non
                 plan += _fusion_plan(family, report, site)
             except Exception as e:  # noqa: BLE001  (any failure to rewrite one method refuses that method)
                 sites[i] = dataclasses.replace(site, norm_form=None, site=None, reason=(
-                    f"rope_ext could not rewrite it: {_failure(e)}"))
+                    f"rope_ext could not rewrite it: {_engine.failure(e)}"))
     return plan, dataclasses.replace(report, qk_norms=tuple(sites))
 
 
