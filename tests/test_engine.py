@@ -237,6 +237,10 @@ def test_import_watch_runs_after_the_module_and_only_for_names_it_wants(tmp_path
             assert importlib.import_module("watched_pkg.mod_c").VALUE == "mod_c"  # the import goes on
         assert seen == [("watched_pkg.mod_a", "mod_a"), ("watched_pkg.mod_c", "mod_c")]
         assert len(caught) == 1 and "switching watched_pkg.mod_c failed" in str(caught[0].message)
+        del sys.modules["watched_pkg.mod_c"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # -W error: the warning raises, and the import still goes on
+            assert importlib.import_module("watched_pkg.mod_c").VALUE == "mod_c"
         assert inspect.getsource(sys.modules["watched_pkg.mod_a"]) == "VALUE = 'mod_a'\n"
     finally:
         watch.remove()
@@ -321,17 +325,19 @@ def test_refused_names_warn_once_or_raise_when_strict():
     refused = {"fam_a": "its code (fingerprint 0123) matches no form"}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert engine.patchable_or_warn("lib-test", refused, ["fam_b"], strict=False) == ["fam_b"]
-        engine.patchable_or_warn("lib-test", refused, ["fam_b"], strict=False)
-    assert len(caught) == 1 and issubclass(caught[0].category, engine.RefusedWarning)
+        engine.refuse("lib-test", refused, strict=False)
+        engine.refuse("lib-test", refused, strict=False)  # said once per process
+        engine.refuse("lib-test", {**refused, "fam_c": "another reason"}, strict=False)  # the new one alone
+    assert len(caught) == 2 and all(issubclass(w.category, engine.RefusedWarning) for w in caught)
     assert "fam_a: its code (fingerprint 0123)" in str(caught[0].message)
+    assert "1 RoPE site(s)" in str(caught[1].message) and "fam_c: another reason" in str(caught[1].message)
     try:
-        engine.patchable_or_warn("lib-test", refused, ["fam_b"], strict=True)
+        engine.refuse("lib-test", refused, strict=True)
     except ValueError as e:
         assert "fam_a" in str(e) and "nothing was patched" in str(e)
     else:
         raise AssertionError("strict=True did not raise")
-    assert engine.patchable_or_warn("lib-test", {}, ["fam_b"], strict=True) == ["fam_b"]
+    engine.refuse("lib-test", {}, strict=True)
 
 
 def test_engine_imports_no_torch():

@@ -8,6 +8,7 @@ form is refused."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import itertools
 import sys
 import warnings
@@ -340,6 +341,58 @@ def test_unknown_code_is_refused_by_name(fake_family, monkeypatch):
     with pytest.raises(ValueError, match=rf"keep their own code: {name}: .* \(strict=True: nothing was patched\)"):
         rope_hf.patch(strict=True)
     assert rope_hf._watch not in sys.meta_path
+    # with warnings made errors (-W error) the refusal is an error of patch(), which then switches and
+    # keeps nothing; and an import the hook refuses still succeeds
+    monkeypatch.setattr(_engine, "_warned", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(_engine.RefusedWarning):
+            rope_hf.patch()
+        assert rope_hf._watch not in sys.meta_path and rope_hf.patched_families() == []
+        del sys.modules[report.functions[0].module]
+        monkeypatch.setattr(_engine, "_warned", set())
+        with rope_hf.patch():
+            module = _import(report)  # refused by the hook: its warning is an error, the import is not
+        assert module.apply_rotary_pos_emb.__module__ == module.__name__
+
+
+def test_a_module_run_again_is_classified_again(fake_family, tmp_path):
+    """importlib.reload of a switched module whose file changed: switched afresh from the new
+    code, or (as here, code no form matches) left stock and no longer held; unpatch puts back the
+    module's own function, not the one from before the reload."""
+    import time
+
+    report = fake_family(_LLAMA_ROTATE_HALF)
+    path = tmp_path / report.family / f"modeling_{report.family}.py"
+    with rope_hf.patch() as patched:
+        module = _import(report)
+        assert report.family in patched and module.apply_rotary_pos_emb is report.functions[0].replacement
+        path.write_text(path.read_text() + "\n\ndef helper():\n    return 1\n")  # still llama's form
+        importlib.reload(module)
+        assert module.apply_rotary_pos_emb is report.functions[0].replacement and module.helper() == 1
+        time.sleep(0.01)
+        path.write_text(path.read_text().replace("torch.cat((-x2, x1), dim=-1)", "torch.cat((-2 * x2, x1), dim=-1)"))
+        with pytest.warns(_engine.RefusedWarning, match=rf"{report.family}: apply_rotary_pos_emb: its code"):
+            importlib.reload(module)
+        assert module.apply_rotary_pos_emb.__module__ == module.__name__  # the new file's own
+        assert report.family not in rope_hf.patched_families()
+    assert module.apply_rotary_pos_emb.__module__ == module.__name__
+    assert "-2 * x2" in inspect.getsource(module.rotate_half)
+
+
+def test_a_list_from_an_earlier_call_restores_only_what_that_call_holds():
+    from transformers.models.llama import modeling_llama
+
+    first = rope_hf.patch(["llama"])
+    assert rope_hf.unpatch("llama") == ["llama"]
+    second = rope_hf.patch(["llama"])
+    try:
+        assert first == second == ["llama"]
+        assert rope_hf.unpatch(first) == []  # llama is the second call's now
+        assert modeling_llama.apply_rotary_pos_emb.__module__ == "rope_ext.integrations._hf_forms"
+    finally:
+        assert rope_hf.unpatch(second) == ["llama"]
+    assert rope_hf.patched_families() == []
 
 
 def test_listing(capsys):

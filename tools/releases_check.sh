@@ -28,34 +28,31 @@ RELEASES=(
   "diffusers-0.41.0|diffusers==0.41.0|tests/test_diffusers_forms.py"
 )
 
-check() {  # check <name> <packages> <tests>: install, then run; writes $OUT/<name>/{pip,tests}.log
-  local name=$1 packages=$2 tests=$3 here=$OUT/$1 t0=$SECONDS
-  rm -rf "$here" && mkdir -p "$here"
+check() {  # check <name> <packages> <tests>: install, then run; writes $OUT/<name>/{pip,tests}.log and
+  # returns nonzero where either fails
+  local name=$1 packages=$2 tests=$3 here=$OUT/$1 t0=$SECONDS rc=0
+  rm -rf "$here" && mkdir -p "$here" || return 1
   # shellcheck disable=SC2086  (the packages are words)
   "$PYTHON" -m pip install -q --no-deps --target "$here/site" $packages > "$here/pip.log" 2>&1 ||
     { tail -20 "$here/pip.log"; echo "releases-check: FAILED: installing $packages"; return 1; }
-  local rc=0
   # shellcheck disable=SC2086
-  PYTHONPATH="$here/site" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PYTHON" -m pytest -q -p no:cacheprovider $tests > "$here/tests.log" 2>&1 || rc=$?
+  PYTHONPATH="$here/site" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PYTHON" -m pytest -q -p no:cacheprovider $tests \
+    > "$here/tests.log" 2>&1 || rc=$?
   echo "releases-check: $name: $(tail -1 "$here/tests.log" | sed 's/^=* *//; s/ *=*$//') ($((SECONDS - t0)) s)"
   [ "$rc" = 0 ] || { tail -40 "$here/tests.log"; echo "releases-check: FAILED: $name"; }
   return "$rc"
 }
 
 t0=$SECONDS
+status=0
 running=0
 for entry in "${RELEASES[@]}"; do
   IFS='|' read -r name packages tests <<< "$entry"
-  [ "$running" -lt 2 ] || { wait -n || true; running=$((running - 1)); }
+  [ "$running" -lt 2 ] || { wait -n || status=1; running=$((running - 1)); }
   check "$name" "$packages" "$tests" > "$OUT/$name.out" 2>&1 &
   running=$((running + 1))
 done
-wait || true
-status=0
-for entry in "${RELEASES[@]}"; do
-  name=${entry%%|*}
-  cat "$OUT/$name.out"
-  grep -q "FAILED" "$OUT/$name.out" && status=1
-done
+while [ "$running" -gt 0 ]; do wait -n || status=1; running=$((running - 1)); done
+for entry in "${RELEASES[@]}"; do cat "$OUT/${entry%%|*}.out"; done
 echo "releases-check: ${#RELEASES[@]} releases in $((SECONDS - t0)) s"
 exit "$status"

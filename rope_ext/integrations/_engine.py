@@ -231,6 +231,15 @@ class Patcher:
             forget_compiled()
         return restored
 
+    def forget(self, group: str, owned) -> None:
+        """Drop, without restoring, what the group changed of the objects ``owned(obj)`` accepts: a
+        module run again (``importlib.reload``) holds new objects, the library's own, and restoring
+        the old ones would put back code its file no longer has."""
+        with self._lock:
+            entries = [e for e in self._originals.get(group, ()) if not owned(e[0])]
+            if group in self._originals:
+                self._originals[group] = entries
+
     def groups(self) -> list[str]:
         return list(self._originals)
 
@@ -255,25 +264,17 @@ def refusal_text(library: str, refused: dict[str, str]) -> str:
     return f"rope_ext: {len(refused)} RoPE site(s) of the installed {library} keep their own code: {listed}"
 
 
-def warn_refused(library: str, refused: dict[str, str], stacklevel: int = 3) -> None:
-    """A :class:`RefusedWarning` naming each of ``refused`` (name -> why) not named before in this
-    process with the same reason."""
+def refuse(library: str, refused: dict[str, str], strict: bool, stacklevel: int = 3) -> None:
+    """Say that the code ``refused`` names (name -> why) keeps the library's own: with ``strict`` a
+    ValueError, before anything is patched; otherwise a :class:`RefusedWarning` naming those not
+    named before in this process with the same reason."""
+    if strict and refused:
+        raise ValueError(refusal_text(library, refused) + " (strict=True: nothing was patched)")
     new = {name: why for name, why in refused.items() if (library, name, why) not in _warned}
     if new:
         _warned.update((library, name, why) for name, why in new.items())
         warnings.warn(refusal_text(library, new) + " (patch(strict=True) makes this an error)", RefusedWarning,
                       stacklevel=stacklevel + 1)
-
-
-def patchable_or_warn(library: str, refused: dict[str, str], patchable: list[str], strict: bool) -> list[str]:
-    """What a ``patch()`` of everything switches: ``patchable``. The names ``refused`` (name ->
-    why) stay as the library wrote them: with ``strict`` that is an error, otherwise a
-    :class:`RefusedWarning` naming them, once per process for the same names."""
-    if refused:
-        if strict:
-            raise ValueError(refusal_text(library, refused) + " (strict=True: nothing was patched)")
-        warn_refused(library, refused, stacklevel=4)
-    return patchable
 
 
 class ImportWatch:
@@ -312,9 +313,14 @@ class ImportWatch:
     def _after(self, module) -> None:
         try:
             self._callback(module)
+        except Warning:  # the callback's own warning, made an error by the warnings filters (-W error):
+            pass  # it changed nothing before it warned; the import goes on
         except Exception as e:  # noqa: BLE001  (the user's import goes on, with the library's own code)
-            warnings.warn(f"rope_ext: switching {module.__name__} failed and it keeps its own code: "
-                          f"{type(e).__name__}: {e}", RefusedWarning, stacklevel=2)
+            try:
+                warnings.warn(f"rope_ext: switching {module.__name__} failed and it keeps its own code: "
+                              f"{type(e).__name__}: {e}", RefusedWarning, stacklevel=2)
+            except Warning:
+                pass
 
 
 class _AfterExec:

@@ -498,7 +498,7 @@ def patch(models=None, *, strict: bool = False, qk_norm: bool = True) -> _engine
         plan += more
         refused.update(lost)
         closures[requested] = _closure([requested])
-    _engine.patchable_or_warn("diffusers", refused, [], strict)
+    _engine.refuse("diffusers", refused, strict)
     if any("embeddings" in closure for closure in closures.values()):
         _import_binders()
     done = _patcher.apply(plan, unpatch)

@@ -222,7 +222,7 @@ def patch(names=None, *, strict: bool = False) -> _engine.Patched:
             if names is not None:
                 raise
             refused[name] = _engine.failure(e).removeprefix(f"rope_ext: cannot patch {name!r}: ")
-    _engine.patchable_or_warn("timm", refused, [], strict)
+    _engine.refuse("timm", refused, strict)
     return _patcher.apply(plan, unpatch)
 
 

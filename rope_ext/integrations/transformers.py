@@ -99,12 +99,29 @@ def _modeling_file(file: str) -> bool:
                                                                                          "modeling_flax_"))
 
 
-def _classify_file(path: str, module: str) -> tuple[list[RopeFunction], list[_qk_norm_fusion.FusionSite]]:
+def _stamp(path: str) -> tuple[int, int]:
+    """What tells one version of a file from another: its modification time and size."""
+    stat = os.stat(path)
+    return stat.st_mtime_ns, stat.st_size
+
+
+@functools.cache
+def _tree(path: str, stamp: tuple[int, int]) -> ast.Module | None:
+    """The file's syntax tree (None where it defines no RoPE function), parsed once per version of
+    the file: classifying it and rewriting its methods read the same tree."""
     with open(path, encoding="utf-8") as f:
         source = f.read()
     if not any(f"def {name}(" in source for name in _hf_forms.ROPE_FUNCTIONS):
-        return [], []
-    tree = ast.parse(source, filename=path)
+        return None
+    return ast.parse(source, filename=path)
+
+
+@functools.cache
+def _classify_file(path: str, module: str, stamp: tuple[int, int]) -> tuple[tuple, tuple]:
+    """(RoPE functions, fusion sites) of one version of a model file (``stamp``: see _stamp)."""
+    tree = _tree(path, stamp)
+    if tree is None:
+        return (), ()
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     definitions = _engine.module_definitions(tree)
     found = []
@@ -117,7 +134,7 @@ def _classify_file(path: str, module: str) -> tuple[list[RopeFunction], list[_qk
         found.append(RopeFunction(module, name, form, reason, key))
     sites = _qk_norm_fusion.find_sites(tree, module, {f.name: f.form for f in found}, _hf_forms.KNOWN_NORMS,
                                        re.compile(_hf_forms.NORM_ATTRIBUTE), _hf_forms.FUSED_TABLES)
-    return found, sites
+    return tuple(found), tuple(sites)
 
 
 def _models_root() -> str:
@@ -126,20 +143,20 @@ def _models_root() -> str:
     return os.path.dirname(transformers.models.__file__)
 
 
-@functools.cache
 def family_report(family: str) -> FamilyReport | None:
-    """The RoPE functions of one family of the installed transformers, classified from its source;
-    None when it has none (or no such family exists). A model file rope_ext fails to read or
-    classify is a refused function (named by its file) with the failure as its reason."""
+    """The RoPE functions of one family of the installed transformers, classified from its source
+    (each version of a file once: a file edited since is classified again); None when it has none
+    (or no such family exists). A model file rope_ext fails to read or classify is a refused
+    function (named by its file) with the failure as its reason."""
     folder = os.path.join(_models_root(), family)
     if not family.isidentifier() or not os.path.isdir(folder):
         return None
     functions, sites = [], []
     for file in sorted(os.listdir(folder)):
         if _modeling_file(file):
-            module = f"transformers.models.{family}.{file[:-3]}"
+            module, path = f"transformers.models.{family}.{file[:-3]}", os.path.join(folder, file)
             try:
-                more, more_sites = _classify_file(os.path.join(folder, file), module)
+                more, more_sites = _classify_file(path, module, _stamp(path))
             except Exception as e:  # noqa: BLE001  (a file written for another Python, a classifier bug)
                 more = [RopeFunction(module, file, None, f"rope_ext could not classify it: {_engine.failure(e)}")]
                 more_sites = []
@@ -173,7 +190,7 @@ _MODULE = re.compile(r"transformers\.models\.(\w+)\.(modeling_\w+)")
 @dataclasses.dataclass(eq=False)
 class _Request:
     """What one ``patch()`` call asked for: ``families`` (None: every family), less those unpatched
-    by name since; ``switched`` is the list it returned."""
+    by name since; ``switched`` is the list it returned: the families it holds."""
 
     families: set | None
     qk_norm: bool
@@ -184,7 +201,10 @@ class _Request:
         return family not in self.excluded and (self.families is None or family in self.families)
 
 
-_lock = threading.RLock()  # guards _requests and _holders; never held while importing
+# Guards _requests and _holders. The import hook's callback takes it while its module's import lock
+# is held, so nothing imports while holding it, but torch.compiler.reset() on unpatch, which may
+# import torch._dynamo the first time (no modeling module: no cycle).
+_lock = threading.RLock()
 _requests: list[_Request] = []  # the calls still waiting for some family's import, oldest first
 _holders: dict[str, _Request] = {}  # family -> the call that switched it (it switches the family's later modules)
 
@@ -199,18 +219,18 @@ def _watched(name: str) -> bool:
     return family is not None and (family in _holders or any(r.wants(family) for r in _requests))
 
 
-def _plan(family: str, modules, qk_norm: bool) -> tuple[list, FamilyReport | None]:
-    """The assignments that switch the given imported modeling modules of a family, and the family's
-    report as installing them leaves it: a function found replaced at run time is refused there,
-    and so is a fused method whose rewrite fails (the family's RoPE is switched without it), each
-    with the reason. Nothing is assigned."""
+def _plan(family: str, modules: dict, qk_norm: bool) -> tuple[list, FamilyReport | None]:
+    """The assignments that switch the given imported modeling modules of a family (name ->
+    module), and the family's report as installing them leaves it: a function found replaced at run
+    time is refused there, and so is a fused method whose rewrite fails (the family's RoPE is
+    switched without it), each with the reason. Nothing is assigned."""
     report = family_report(family)
     if report is None or not report.patchable:
         return [], report
     plan, functions, sites = [], list(report.functions), list(report.qk_norms)
     for i, fn in enumerate(functions):
         if fn.module in modules:
-            module = sys.modules[fn.module]
+            module = modules[fn.module]
             current = _patcher.original(family, module, fn.name, None)
             if _engine.defined_here(current, module, fn.name):
                 plan.append((family, module, fn.name, fn.replacement))
@@ -224,7 +244,7 @@ def _plan(family: str, modules, qk_norm: bool) -> tuple[list, FamilyReport | Non
     for i, site in enumerate(sites):
         if qk_norm and site.fused and site.module in modules:
             try:
-                plan += _fusion_plan(family, report, site)
+                plan += _fusion_plan(family, report, site, modules[site.module])
             except Exception as e:  # noqa: BLE001  (any failure to rewrite one method refuses that method)
                 sites[i] = dataclasses.replace(site, norm_form=None, site=None, reason=(
                     f"rope_ext could not rewrite it: {_engine.failure(e)}"))
@@ -240,13 +260,14 @@ def _refusals(family: str, before: FamilyReport, after: FamilyReport) -> dict[st
             for s, was in zip(after.qk_norms, before.qk_norms, strict=True) if was.fused and not s.fused}
 
 
-def _switch(request: _Request, modules: dict[str, list[str]], forget: bool, named: bool = False) -> dict[str, str]:
-    """Switch the given imported modules (family -> module names) for request, ``_lock`` held, each
-    family as installing it allows, and return the refusals by name; with ``named``, a refused
-    family raises ValueError before anything is switched."""
+def _switch(request: _Request, modules: dict[str, dict], forget: bool, named: bool = False) -> None:
+    """Switch the given imported modules (family -> {name: module}) for request, ``_lock`` held,
+    each family as installing it allows. The refusals are said first (a warning; with ``named``, a
+    refused family is a ValueError), so that where the warnings filters make that an error nothing
+    has changed."""
     plans, refused = {}, {}
     for family, names in modules.items():
-        plan, report = _plan(family, set(names), request.qk_norm)
+        plan, report = _plan(family, names, request.qk_norm)
         if report is None:
             continue
         if named and not report.patchable:
@@ -254,24 +275,30 @@ def _switch(request: _Request, modules: dict[str, list[str]], forget: bool, name
         refused.update(_refusals(family, family_report(family), report))
         if report.patchable:
             plans[family] = plan
+        elif _holders.get(family) is not None:  # switched, then its file edited and run again: now refused
+            _holders.pop(family)
+            _patcher.restore([family])
+    _engine.refuse("transformers", refused, strict=False, stacklevel=4)
     for family in plans:
         holder = _holders.setdefault(family, request)
         if family not in holder.switched:
             holder.switched.append(family)
     _patcher.apply([a for plan in plans.values() for a in plan], unpatch, forget=forget)
-    return refused
 
 
 def _imported(module) -> None:
-    """The import hook's callback: switch the module's family where a patch() call wants it."""
+    """The import hook's callback: switch the module's family where a patch() call wants it. A
+    module run again (``importlib.reload``) is switched afresh: what was switched of its old objects
+    is forgotten, and a file edited since is classified again."""
     family = _family_of(module.__name__)
     with _lock:
         request = _holders.get(family) or next((r for r in _requests if r.wants(family)), None)
         if request is None:
             return
-        refused = _switch(request, {family: [module.__name__]}, forget=False)
+        name = module.__name__
+        _patcher.forget(family, lambda obj: obj is module or getattr(obj, "__module__", None) == name)
+        _switch(request, {family: {name: module}}, forget=False)
         _prune()
-    _engine.warn_refused("transformers", refused)
 
 
 _watch = _engine.ImportWatch(_watched, _imported)
@@ -287,27 +314,35 @@ def _prune() -> None:
         _watch.remove()
 
 
-def _imported_modules(wanted) -> dict[str, list[str]]:
-    """family -> the names of its modeling modules imported now, for the families ``wanted`` accepts."""
-    out: dict[str, list[str]] = {}
-    for name in list(sys.modules):
+def _imported_modules(wanted) -> dict[str, dict]:
+    """family -> {name: module} of its modeling modules imported now, for the families ``wanted``
+    accepts. A module still running its code (another thread imports it) is left to the hook."""
+    out: dict[str, dict] = {}
+    for name, module in list(sys.modules.items()):
         family = _family_of(name)
-        if family is not None and wanted(family):
-            out.setdefault(family, []).append(name)
+        if family is not None and module is not None and wanted(family):
+            if not getattr(getattr(module, "__spec__", None), "_initializing", False):
+                out.setdefault(family, {})[name] = module
     return out
 
 
 def installed_report(family: str, qk_norm: bool = True) -> FamilyReport | None:
     """The family's report as ``patch()`` would leave it: :func:`family_report`, with its modeling
     modules imported and each function and fused method checked as installing them checks (a
-    function someone else replaced, a method whose rewrite fails: refused, with the reason).
-    Nothing is patched."""
+    function someone else replaced, a method whose rewrite fails, a module that fails to import:
+    refused, with the reason). Nothing is patched."""
     report = family_report(family)
     if report is None or not report.patchable:
         return report
-    modules = {fn.module for fn in report.functions} | {s.module for s in report.qk_norms}
-    for name in sorted(modules):
-        importlib.import_module(name)
+    modules = {}
+    for name in sorted({fn.module for fn in report.functions} | {s.module for s in report.qk_norms}):
+        try:
+            modules[name] = importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001  (an optional package it needs is not installed, say)
+            functions = tuple(dataclasses.replace(fn, form=None, reason=f"{name} fails to import: "
+                                                  f"{_engine.failure(e)}") if fn.module == name else fn
+                              for fn in report.functions)
+            return dataclasses.replace(report, functions=functions)
     with _lock:
         return _plan(family, modules, qk_norm)[1]
 
@@ -364,15 +399,21 @@ def patch(model_types=None, *, strict: bool = False, qk_norm: bool = True) -> _e
         refused = {}
         for family in survey() if families is None else families:
             refused.update(_refusals(family, family_report(family), installed_report(family, qk_norm)))
-        _engine.patchable_or_warn("transformers", refused, [], strict=True)
+        _engine.refuse("transformers", refused, strict=True)
     request = _Request(None if families is None else set(families), qk_norm, _engine.Patched(undo=unpatch))
     request.switched.request = request
     with _lock:
-        modules = _imported_modules(lambda f: request.wants(f) and f not in _holders)
-        refused = _switch(request, modules, forget=True, named=families is not None)
+        # the hook first: a module imported from now on is the hook's, one imported before is switched here
         _requests.append(request)
-        _prune()
-    _engine.warn_refused("transformers", refused)
+        _watch.install()
+        try:
+            _switch(request, _imported_modules(lambda f: request.wants(f) and f not in _holders), forget=True,
+                    named=families is not None)
+        except BaseException:  # a refused family named, or a warning made an error: nothing was switched
+            _requests.remove(request)
+            raise
+        finally:
+            _prune()
     return request.switched
 
 
@@ -384,11 +425,10 @@ def _fused_call(module: str, method: str, norms: tuple, ropes: tuple, form, pair
     return call
 
 
-def _fusion_plan(family: str, report: FamilyReport, site: _qk_norm_fusion.FusionSite) -> list:
+def _fusion_plan(family: str, report: FamilyReport, site: _qk_norm_fusion.FusionSite, module) -> list:
     """The rewrite of one attention method's norms and RoPE call into one fused call. Raises
     ValueError where its norm classes are no longer the file's (another library replaced them),
     or the method is not the file's."""
-    module = sys.modules[site.module]
     norms = {}
     for _, cls_name in site.norms:
         cls = getattr(module, cls_name, None)
@@ -400,30 +440,31 @@ def _fusion_plan(family: str, report: FamilyReport, site: _qk_norm_fusion.Fusion
     fn = next(f for f in report.functions if f.module == site.module and f.name == site.site.rope)
     ropes = (_patcher.original(family, module, fn.name), fn.replacement)
     call = _fused_call(site.module, site.method, tuple(norms.items()), ropes, fn.form, site.site.pair)
-    with open(module.__file__, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), filename=module.__file__)
-    node = dict(_engine.function_defs(tree))[site.method]
+    node = dict(_engine.function_defs(_tree(module.__file__, _stamp(module.__file__))))[site.method]
     return _qk_norm_fusion.rewrite_plan(family, module, node, site, call, _patcher)
 
 
 def unpatch(model_types=None) -> list[str]:
     """Restore transformers' own code for the given families (default: every family), which later
-    imports then leave alone too. Given the list a ``patch()`` returned: that call's families, and
-    the call stops switching families at import. Returns the families restored."""
+    imports then leave alone too. Given the list a ``patch()`` returned: the families of it that call
+    still holds (not those unpatched since and switched by a later call), and the call stops
+    switching families at import. Returns the families restored."""
     with _lock:
         request = getattr(model_types, "request", None)
         if model_types is None:
             _requests.clear()
-            names = None
-        else:
+            names = list(_holders)
+        elif request is not None:
             if request in _requests:
                 _requests.remove(request)
+            names = [f for f in list(request.switched) if _holders.get(f) is request]
+        else:
             names = _engine.group_names(model_types, "model_types")
             for r in _requests:
                 r.excluded.update(names)
-        restored = _patcher.restore(names)
-        for family in list(_holders) if names is None else names:
+        for family in names:
             _holders.pop(family, None)
+        restored = _patcher.restore(names)
         _prune()
     return restored
 
