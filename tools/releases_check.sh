@@ -11,8 +11,7 @@
 # folder put first on the path of the suite's own Python (seconds, not a venv per release), and runs
 # the tests that hold that library's code: the forms tests (every fingerprint against the library's
 # own function, the classification, the listing) and for transformers the QK-norm fusion's tests
-# (its norm forms and whole tiny models fused against stock); for 5.24.0 the whole-model RoPE tests
-# too. The releases run two at a time (each test run keeps about one core busy), each with one
+# (its norm forms, whole tiny models fused against stock, a cold patch() in a fresh process). The releases run two at a time (each test run keeps about one core busy), each with one
 # OpenMP thread (two runs of two would spin on each other's cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +22,7 @@ mkdir -p "$OUT"
 # name | the packages | the test files
 # (the longest first)
 RELEASES=(
-  "transformers-5.24.0|transformers==5.24.0|tests/test_transformers_forms.py tests/test_qk_norm_fusion.py tests/test_transformers_integration.py"
+  "transformers-5.24.0|transformers==5.24.0|tests/test_transformers_forms.py tests/test_qk_norm_fusion.py"
   "transformers-4.57.6|transformers==4.57.6 tokenizers==0.22.2 huggingface_hub==0.36.2|tests/test_transformers_forms.py tests/test_qk_norm_fusion.py"
   "diffusers-0.41.0|diffusers==0.41.0|tests/test_diffusers_forms.py"
 )

@@ -27,7 +27,7 @@
 #     used, because with both GCC runtimes loaded libubsan's __sanitizer_set_report_path call binds
 #     to libasan's copy, so UBSan keeps writing to stderr and may redirect ASan's log instead.
 #     pytest runs with --capture=sys, so a report written while a test runs reaches the terminal
-#     and build/sanitize/pytest.log instead of dying with pytest's capture file; any
+#     and build/sanitize/pytest-{a,b}.log instead of dying with pytest's capture file; any
 #     "SUMMARY: AddressSanitizer" / "runtime error:" line there fails the run even if pytest's exit
 #     status does not. Subprocesses inherit the environment, so they run sanitized too (a report
 #     in one whose output a test captures fails that test through its exit status).
@@ -253,10 +253,14 @@ sanitized_pytest "$OUT/canary/pytest.log" "$OUT/canary/test_canary.py" > /dev/nu
 echo "sanitize: canary read past a tensor inside pytest reported, exit $rc"
 
 # The core op tests, the fuzzing, the robustness tests and the bad-input matrix (its forked children
-# inherit the preload and PYTHONPATH, so they run the sanitized build too).
-TESTS=(tests/test_rotary.py tests/test_autograd.py tests/test_qk_and_inplace.py tests/test_errors.py
-       tests/test_cpu_kernel.py tests/test_cpu_fast_path.py tests/test_cuda_emulation.py tests/test_rotary_pos.py tests/test_compat_vllm.py
-       tests/test_fuzz.py tests/test_robustness.py tests/test_bad_inputs.py tests/test_qk_norm.py tests/test_qk_norm_emulation.py)
+# inherit the preload and PYTHONPATH, so they run the sanitized build too), in two pytest runs side by
+# side, each with one OpenMP thread (a run keeps about one core busy; the tests that want threads set
+# them), split to take about as long under the sanitizers: test_robustness.py's tensor past 2^31
+# elements alone takes 194 s of the 446 (AMD EPYC, 2 CPUs), so it and the CUDA emulation are one run.
+TESTS_A=(tests/test_robustness.py tests/test_cuda_emulation.py)
+TESTS_B=(tests/test_rotary.py tests/test_autograd.py tests/test_qk_and_inplace.py tests/test_errors.py
+         tests/test_cpu_kernel.py tests/test_cpu_fast_path.py tests/test_rotary_pos.py tests/test_compat_vllm.py
+         tests/test_fuzz.py tests/test_bad_inputs.py tests/test_qk_norm.py tests/test_qk_norm_emulation.py)
 # Left out, each for its reason:
 DESELECT=(
   # reads the machine code of the build it runs against, to check setup.py's ISA flags and that
@@ -282,13 +286,21 @@ DESELECT=(
 
 t2=$(date +%s)
 rc=0
-sanitized_pytest "$OUT/pytest.log" "${TESTS[@]}" "${DESELECT[@]}" ${SANITIZE_PYTEST_ARGS:-} || rc=$?
+# (a --deselect of a file a run does not collect is ignored)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+sanitized_pytest "$OUT/pytest-a.log" "${TESTS_A[@]}" "${DESELECT[@]}" ${SANITIZE_PYTEST_ARGS:-} > /dev/null &
+lane_a=$!
+sanitized_pytest "$OUT/pytest-b.log" "${TESTS_B[@]}" "${DESELECT[@]}" ${SANITIZE_PYTEST_ARGS:-} > /dev/null || rc=$?
+wait "$lane_a" || rc=$?
 t3=$(date +%s)
-
-if grep -Eq "$REPORT_RE" "$OUT/pytest.log"; then
-  echo "sanitize: FAILED: sanitizer report(s) (build/sanitize/pytest.log):"
-  grep -E "$REPORT_RE" "$OUT/pytest.log"
-  [ "$rc" != 0 ] || rc=1
-fi
+for log in "$OUT/pytest-a.log" "$OUT/pytest-b.log"; do
+  echo "sanitize: ${log#"$ROOT"/}: $(tail -1 "$log" | sed 's/^=* *//; s/ *=*$//')"
+  if grep -Eq "$REPORT_RE" "$log"; then
+    echo "sanitize: FAILED: sanitizer report(s) (${log#"$ROOT"/}):"
+    grep -E "$REPORT_RE" "$log"
+    [ "$rc" != 0 ] || rc=1
+  fi
+done
+[ "$rc" = 0 ] || { tail -40 "$OUT/pytest-a.log"; tail -40 "$OUT/pytest-b.log"; }
 echo "sanitize: build $((t1 - t0)) s, tests under ASan+UBSan $((t3 - t2)) s; exit $rc"
 exit "$rc"
