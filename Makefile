@@ -53,8 +53,9 @@ releases-check: setup
 bench: setup
 	$(PYTHON) benchmarks/bench_rope.py --quick
 
-# The sdist, a wheel built from it, and that wheel installed into a fresh venv and smoke-tested,
-# all under build/dist-check (about 6 minutes). See tools/dist_check.sh.
+# The sdist, a CPU-only wheel built from it, and that wheel installed into a fresh venv and
+# smoke-tested, all under build/dist-check (about 4 minutes). See tools/dist_check.sh; cuda-check
+# runs it for the CUDA wheel (CI runs that one only).
 dist-check:
 	PYTHON=$(PYTHON) bash tools/dist_check.sh
 
@@ -68,8 +69,8 @@ CORE_TESTS := tests/test_rotary.py tests/test_autograd.py tests/test_qk_and_inpl
 wheel-check: setup
 	PYTHON=$(PYTHON) CORE_TESTS="$(CORE_TESTS)" bash tools/wheel_check.sh
 
-# Build the CUDA kernels with nvcc and link them against a CUDA build of torch (in a venv
-# under build/, about 5.5 GB); no GPU needed. See tools/cuda_check.sh.
+# The CUDA wheel: built from the sdist by tools/dist_check.sh (its checks included), nvcc against a
+# CUDA build of torch (in a venv under build/, about 5.5 GB); no GPU needed. See tools/cuda_check.sh.
 cuda-check: setup
 	bash tools/cuda_check.sh
 

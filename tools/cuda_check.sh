@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # `make cuda-check`: build rope_ext's CUDA library on a machine without a GPU, and prove it.
-#  1. a venv with a CUDA build of torch (torch==2.14.1, cu130), cuobjdump and ninja, and the tests'
+#  1. a venv with a CUDA build of torch (torch==2.14.1, cu130), the build tools, cuobjdump, and the tests'
 #     packages (step 5), kept in build/ (CUDA_VENV_ONLY=1 stops after it: CI makes it in the background);
-#  2. a copy of the source tree built into a wheel with ROPE_EXT_CUDA=1 through setup.py's CMake build
-#     (the one build): every .cu file through nvcc for the default arch list (or
-#     TORCH_CUDA_ARCH_LIST), the CUDA runtime linked statically and no CUDA library of torch's, so
-#     that the wheel, build/cuda-check/dist/*.whl, is the one wheel for every torch from 2.10, CPU or
-#     CUDA (make wheel-check runs it under four). Installed into the venv as a user's is, beside
-#     torch in site-packages, with the test hooks' library of `make setup` beside its library (they
-#     are stable-ABI code too; the wheel leaves them out);
+#  2. the wheel, made by tools/dist_check.sh in build/cuda-check with this venv's Python and
+#     ROPE_EXT_CUDA=1: the sdist of this checkout, a wheel built from the unpacked sdist (src/)
+#     through setup.py's CMake build (the one build: every .cu file through nvcc for the default
+#     arch list, or TORCH_CUDA_ARCH_LIST; the CUDA runtime linked statically and no CUDA library of
+#     torch's), dist-check's checks of both, and the wheel smoke-tested in a fresh venv beside
+#     torch 2.13.0's CPU build. That wheel, build/cuda-check/dist/*.whl, is the one wheel for every
+#     torch from 2.10, CPU or CUDA (make wheel-check runs it under four; CI builds no other).
+#     Installed into the venv as a user's is, beside torch in site-packages, with the test hooks'
+#     library of `make setup` beside its library (they are stable-ABI code too; the wheel leaves
+#     them out);
 #  3. tools/cuda_check.py: loads the library under the CUDA torch (every symbol resolves), checks
 #     the CUDA kernels are registered and the fatbin holds SASS for every requested arch, and for
 #     every arch prints the kernels' registers, stack, local memory and parameter bytes (cuobjdump),
@@ -33,10 +36,11 @@ PY="$VENV/bin/python"
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 
 t0=$(date +%s)
-if ! "$PY" -c "import pathlib, torch, ninja, nvidia; assert torch.version.cuda
+# (PYTHONSAFEPATH: the checkout's build/ folder must not pass for the package build)
+if ! PYTHONSAFEPATH=1 "$PY" -c "import pathlib, torch, build, ninja, nvidia; assert torch.version.cuda
 assert any(True for r in nvidia.__path__ for _ in pathlib.Path(r).rglob('nvdisasm'))" 2>/dev/null; then
   python3 -m venv "$VENV"
-  "$PY" -m pip install -q torch==2.14.1 setuptools wheel ninja "nvidia-cuda-cuobjdump>=13,<14" "nvidia-cuda-nvdisasm>=13,<14"
+  "$PY" -m pip install -q torch==2.14.1 "setuptools>=77" wheel build ninja "nvidia-cuda-cuobjdump>=13,<14" "nvidia-cuda-nvdisasm>=13,<14"
 fi
 # Step 5's test dependencies: timm without its optional packages (huggingface_hub, safetensors,
 # pyyaml: for downloads and data loading, which the tests do not do); torchvision pinned to the
@@ -49,13 +53,11 @@ t1=$(date +%s)
 # CUDA_VENV_ONLY=1: step 1 alone (CI makes the venv in the background while earlier steps run).
 [ "${CUDA_VENV_ONLY:-0}" = 1 ] && { echo "cuda-check: venv $VENV ready ($((t1 - t0)) s)"; exit 0; }
 
-rm -rf "$OUT" && mkdir -p "$OUT/src"
-git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C "$OUT/src"
 HOOKS=$(python3 -c "import rope_ext, pathlib; print(pathlib.Path(rope_ext._LIBRARY).with_name('librope_ext_testing.so'))")
 [ -f "$HOOKS" ] || { echo "cuda-check: no test hooks library at $HOOKS: run make setup"; exit 1; }
-( cd "$OUT/src" && ROPE_EXT_CUDA=1 "$PY" -m pip wheel -v --no-build-isolation --no-deps -w "$OUT/dist" . \
-    > "$OUT/build.log" 2>&1 && "$PY" -m pip install --no-deps --force-reinstall "$OUT"/dist/rope_ext-*.whl \
-    >> "$OUT/build.log" 2>&1 ) || { tail -40 "$OUT/build.log"; exit 1; }
+DIST_OUT="$OUT" DIST_BUILD_PYTHON="$PY" DIST_CUDA=1 bash tools/dist_check.sh
+"$PY" -m pip install --no-deps --force-reinstall "$OUT"/dist/rope_ext-*.whl > "$OUT/install.log" 2>&1 ||
+  { tail -40 "$OUT/install.log"; exit 1; }
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 cp "$HOOKS" "$SITE/rope_ext/lib/"
 t2=$(date +%s)
@@ -67,19 +69,19 @@ COMMANDS=$(ls "$OUT"/src/build/cmake-*/compile_commands.json)
 #    nvidia package has it.
 NVRTC=$("$PY" -c 'import nvidia, pathlib; print(next(p for r in nvidia.__path__ for p in sorted(pathlib.Path(r).rglob("libnvrtc.so*"))))')
 PREFIXES="$(PYTHONSAFEPATH=1 "$PY" -c 'import rope_ext; print(rope_ext.cmake_prefix_path)');$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
-{ cmake -S "$OUT/src/examples/cpp" -B "$OUT/example" -G Ninja -DCMAKE_MAKE_PROGRAM="$("$PY" -c 'import ninja, os; print(os.path.join(ninja.BIN_DIR, "ninja"))')" \
+{ cmake -S examples/cpp -B "$OUT/example-cuda" -G Ninja -DCMAKE_MAKE_PROGRAM="$("$PY" -c 'import ninja, os; print(os.path.join(ninja.BIN_DIR, "ninja"))')" \
     -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" -DCUDA_TOOLKIT_ROOT_DIR="$CUDA_HOME" -DCUDA_nvrtc_LIBRARY="$NVRTC" \
-    -DCMAKE_PREFIX_PATH="$PREFIXES" && cmake --build "$OUT/example" && "$OUT/example/rope_example"; } > "$OUT/example.log" 2>&1 &
+    -DCMAKE_PREFIX_PATH="$PREFIXES" && cmake --build "$OUT/example-cuda" && "$OUT/example-cuda/rope_example"; } > "$OUT/example-cuda.log" 2>&1 &
 EXAMPLE=$!
 
 # 3. (step numbers as in the header)
 "$PY" tools/cuda_check.py --site "$SITE" --compile-commands "$COMMANDS" --resource-dir "$OUT" || { kill "$EXAMPLE"; exit 1; }
 
-wait "$EXAMPLE" || { tail -40 "$OUT/example.log"; exit 1; }
+wait "$EXAMPLE" || { tail -40 "$OUT/example-cuda.log"; exit 1; }
 LIB=$(PYTHONSAFEPATH=1 "$PY" -c 'import rope_ext; print(rope_ext._LIBRARY)')
-cmake -DEXE="$OUT/example/rope_example" -DLIB="$LIB" -P tests/cpp/check_linked_library.cmake >> "$OUT/example.log" 2>&1 ||
-  { tail -5 "$OUT/example.log"; echo "cuda-check: the example does not link the installed package's $LIB"; exit 1; }
-echo "cuda-check: examples/cpp built against the installed CUDA package (find_package(rope_ext)) and ran: $(tail -1 "$OUT/example.log")"
+cmake -DEXE="$OUT/example-cuda/rope_example" -DLIB="$LIB" -P tests/cpp/check_linked_library.cmake >> "$OUT/example-cuda.log" 2>&1 ||
+  { tail -5 "$OUT/example-cuda.log"; echo "cuda-check: the example does not link the installed package's $LIB"; exit 1; }
+echo "cuda-check: examples/cpp built against the installed CUDA package (find_package(rope_ext)) and ran: $(tail -1 "$OUT/example-cuda.log")"
 # The CUDA library on torch's stable ABI too (the audit's tools are this machine's Python's)
 LIB="$LIB" bash tools/abi_audit.sh > "$OUT/abi-audit.log" 2>&1 || { cat "$OUT/abi-audit.log"; echo "cuda-check: the CUDA library fails the stable-ABI audit"; exit 1; }
 echo "cuda-check: the CUDA library passes the stable-ABI audit: $(grep 'NEEDED:' "$OUT/abi-audit.log" | sed 's/^abi-audit: //')"
@@ -102,5 +104,5 @@ PYTHONPATH="$OUT/timm-1.0.30" PYTHONSAFEPATH=1 "$PY" -m pytest -q -p no:cachepro
 PYTHONSAFEPATH=1 "$PY" benchmarks/cuda_traffic.py | grep "min sector efficiency" |
   sed 's/^/cuda-check: host-emulated traffic, /'
 t4=$(date +%s)
-echo "cuda-check: CUDA torch venv $((t1 - t0)) s, CUDA build (setup.py -> CMake) $((t2 - t1)) s, C++ example $((t3 - t2)) s," \
+echo "cuda-check: CUDA torch venv $((t1 - t0)) s, sdist, CUDA wheel and dist-check $((t2 - t1)) s, C++ example $((t3 - t2)) s," \
      "timm tests under torch 2.14.1 $((t4 - t3)) s"

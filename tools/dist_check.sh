@@ -15,12 +15,20 @@
 #     outside the checkout: forward, backward, opcheck, torch.compile, RotaryEmbedding. Then
 #     examples/cpp is built against the installed wheel through find_package(rope_ext), as a C++
 #     user would, and run: it links the very file Python loads.
-# Everything lives in build/dist-check; the editable install and the machine's Python are untouched.
+# Everything lives in build/dist-check (DIST_OUT: another folder; its src/ is the unpacked sdist the
+# wheel was built in, its dist/ the sdist and the wheel); the editable install and the machine's
+# Python are untouched.
+#
+# DIST_BUILD_PYTHON and DIST_CUDA=1: `make cuda-check` makes its CUDA wheel through this script, so
+# that CI compiles the library from the sdist once, not once for each wheel. Step 1 then builds with
+# that Python (cuda-check's venv: a CUDA build of torch and the build tools) instead of a fresh venv
+# with torch 2.13.0, and with ROPE_EXT_CUDA=1; steps 2 to 4 are the same, so the CUDA wheel is also
+# the one smoke-tested beside torch 2.13.0's CPU build in a fresh venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PY=${PYTHON:-python3}
-OUT=$ROOT/build/dist-check
+OUT=$(realpath -m "${DIST_OUT:-$ROOT/build/dist-check}")
 TORCH=torch==2.13.0
 # The library's file name and soname carry the release's major.minor (CMakeLists.txt).
 LIBNAME=librope_ext.so.$(sed -n 's/^#define ROPE_EXT_VERSION "\([0-9]*\.[0-9]*\)\..*"$/\1/p' csrc/include/rope_ext/version.h)
@@ -34,10 +42,16 @@ pip_in() {  # pip_in <python> <log name> <pip install arguments>...: quiet, its 
 t0=$(date +%s)
 
 # ---- 1. sdist, then a wheel from it ---------------------------------------------------------------
-"$PY" -m venv "$OUT/build-env"
-B=$OUT/build-env/bin/python
-pip_in "$B" pip-build-env --upgrade pip
-pip_in "$B" pip-build-env-tools "$TORCH" "setuptools>=77" build ninja
+if [ -n "${DIST_BUILD_PYTHON:-}" ]; then
+  B=$DIST_BUILD_PYTHON
+  PYTHONSAFEPATH=1 "$B" -c "import build, ninja, setuptools, torch" || fail "DIST_BUILD_PYTHON=$B lacks torch or a build tool (build, ninja, setuptools)"
+else
+  "$PY" -m venv "$OUT/build-env"
+  B=$OUT/build-env/bin/python
+  pip_in "$B" pip-build-env --upgrade pip
+  pip_in "$B" pip-build-env-tools "$TORCH" "setuptools>=77" build ninja
+fi
+CUDA=${DIST_CUDA:-0}
 "$B" -m build --sdist --no-isolation -o "$OUT/dist" . > "$OUT/sdist.log" 2>&1 || { tail -30 "$OUT/sdist.log"; fail "sdist"; }
 SDIST=$(ls "$OUT"/dist/rope_ext-*.tar.gz)
 tar tzf "$SDIST" > "$OUT/sdist-files.txt"
@@ -45,13 +59,13 @@ for f in csrc/include/rope_ext/version.h csrc/rotary_math.h csrc/cuda/rotary_cud
          cmake/rope_extConfig.cmake.in MANIFEST.in; do
   grep -q "^rope_ext-[^/]*/$f$" "$OUT/sdist-files.txt" || fail "the sdist has no $f"
 done
-mkdir -p "$OUT/unpacked" && tar xzf "$SDIST" -C "$OUT/unpacked"
+mkdir -p "$OUT/src" && tar xzf "$SDIST" -C "$OUT/src" --strip-components=1
 t1=$(date +%s)
-(cd "$OUT"/unpacked/rope_ext-*/ && ROPE_EXT_CUDA=0 "$B" -m build --wheel --no-isolation -o "$OUT/dist" . \
-   > "$OUT/wheel.log" 2>&1) || { tail -30 "$OUT/wheel.log"; fail "the wheel build from the sdist"; }
+(cd "$OUT/src" && ROPE_EXT_CUDA=$CUDA "$B" -m build --wheel --no-isolation -o "$OUT/dist" . \
+   > "$OUT/wheel.log" 2>&1) || { tail -30 "$OUT/wheel.log"; fail "the wheel build from the sdist (ROPE_EXT_CUDA=$CUDA)"; }
 WHEEL=$(ls "$OUT"/dist/rope_ext-*.whl)
 t2=$(date +%s)
-grep -qx "CMAKE_GENERATOR:INTERNAL=Ninja" "$OUT"/unpacked/rope_ext-*/build/cmake-*/CMakeCache.txt ||
+grep -qx "CMAKE_GENERATOR:INTERNAL=Ninja" "$OUT"/src/build/cmake-*/CMakeCache.txt ||
   fail "the wheel was not built by CMake with Ninja"
 [[ $(basename "$WHEEL") == rope_ext-*-py3-none-linux_x86_64.whl ]] || fail "the wheel is not tagged py3-none: $WHEEL"
 "$B" -c 'import sys, zipfile; print("\n".join(zipfile.ZipFile(sys.argv[1]).namelist()))' "$WHEEL" > "$OUT/wheel-files.txt"
@@ -62,7 +76,7 @@ done
 ! grep -q "testing" "$OUT/wheel-files.txt" || fail "the wheel carries the test hooks: $(grep testing "$OUT/wheel-files.txt")"
 [ "$(grep -cE '\.so(\.[0-9]+)*$' "$OUT/wheel-files.txt")" = 1 ] ||
   fail "the wheel has not exactly one library: $(grep -E '\.so(\.[0-9]+)*$' "$OUT/wheel-files.txt")"
-echo "dist-check: $(basename "$SDIST") and $(basename "$WHEEL") (wheel built from the sdist in $((t2 - t1)) s)"
+echo "dist-check: $(basename "$SDIST") and $(basename "$WHEEL") (wheel built from the sdist with ROPE_EXT_CUDA=$CUDA in $((t2 - t1)) s)"
 
 # ---- 2. the wheel requires the stable ABI's oldest torch, with no upper pin -------------------------
 requires=$("$B" - "$WHEEL" <<'PYEOF'
