@@ -12,10 +12,12 @@ wheel is tagged py3-none-<platform> and requires torch>=2.10, one wheel for ever
 every torch release from 2.10 on. (`make wheel-check` builds one and runs the core tests in it under
 torch 2.10, 2.11, 2.13 and 2.15.) Building needs torch 2.10 or newer installed, for its headers.
 
-CUDA: the library also gets the CUDA kernels (csrc/cuda/*.cu) when torch is a CUDA build and nvcc
-is found (CUDA_HOME); otherwise it is CPU-only. The architectures default to sm_80, sm_86, sm_89 and
-sm_90 plus every newer one the installed nvcc supports (PTX for the newest); TORCH_CUDA_ARCH_LIST
-overrides them.
+CUDA: the library also gets the CUDA kernels (csrc/cuda/*.cu) when torch is a CUDA build and a
+complete CUDA toolkit is found (find_cuda_toolkit: CUDA_HOME, else the nvcc on PATH, else
+/usr/local/cuda); otherwise it is CPU-only, and the build says why in one line. lib/build.json
+records what was built and why (`python -m rope_ext.info` prints it). The architectures default
+to sm_80, sm_86, sm_89 and sm_90 plus every newer one the installed nvcc supports (PTX for the
+newest); TORCH_CUDA_ARCH_LIST overrides them.
 
 Platforms: Linux on x86-64, the one that is built and tested; others are refused before anything
 compiles (ROPE_EXT_UNTESTED_PLATFORM=1 tries anyway, for someone porting rope_ext).
@@ -35,6 +37,7 @@ The CMake build directory is build/cmake-<hash of the configuration> in the sour
 with the same torch, options and compilers recompiles only what changed (headers included).
 """
 import hashlib
+import json
 import os
 import platform
 import re
@@ -43,6 +46,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import setuptools
 
@@ -85,7 +89,6 @@ except ImportError:
         "it. Install torch first, then build without isolation: `pip install --no-build-isolation rope_ext` "
         "(or `.`, or `-e .` in a checkout)."
     ) from None
-from torch.utils.cpp_extension import CUDA_HOME  # noqa: E402  (after the torch check)
 
 ROOT = Path(__file__).parent.resolve()
 # The version is written once, in the C++ header that CMake and the compiled code read too, as
@@ -113,21 +116,100 @@ def max_jobs() -> int:
     return int(value)
 
 
-def want_cuda() -> bool:
+# The CUDA toolkit is checked here, before the build chooses CUDA, rather than left to CMake: torch's
+# own guess (torch.utils.cpp_extension.CUDA_HOME) takes the parent of the folder of the first nvcc on
+# PATH, which is /usr/local for a wrapper script in /usr/local/bin, and believes any CUDA_HOME, also
+# one a runtime-only install left behind. CMake then stops deep in torch's package with "Could NOT
+# find CUDA", and `pip install .` fails for a user who never asked for the CUDA kernels.
+CUDA_HINT = ("For the CUDA kernels, set CUDA_HOME to a CUDA toolkit (the folder holding bin/nvcc, "
+             "include/cuda_runtime.h and lib64/libcudart_static.a) and build again.")
+
+
+def nvcc_toolkit(nvcc: str) -> Path | None:
+    """The toolkit an nvcc belongs to, as nvcc itself says (its dry run's TOP), which holds also for a
+    wrapper script or a symlink outside the toolkit; None if it does not say."""
+    try:
+        proc = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    top = re.search(r"^#\$ TOP=(.+)$", proc.stdout + proc.stderr, re.M)
+    return Path(top.group(1).strip()).resolve() if top else None
+
+
+def toolkit_lacks(root: Path) -> list[str]:
+    """What a CUDA build needs of a toolkit and `root` does not hold: nvcc, the runtime's headers, and
+    the runtime library (statically linked into the library; torch's CMake package looks for the
+    shared one)."""
+    def anywhere(*patterns: str) -> bool:
+        return any(any(root.glob(p)) for p in patterns)
+    lacks = [] if os.access(root / "bin" / "nvcc", os.X_OK) else ["bin/nvcc"]
+    if not anywhere("include/cuda_runtime.h", "targets/*/include/cuda_runtime.h"):
+        lacks.append("include/cuda_runtime.h")
+    for lib in ("libcudart_static.a", "libcudart.so"):
+        if not anywhere(f"lib64/{lib}", f"lib/{lib}", f"targets/*/lib/{lib}"):
+            lacks.append(f"lib64/{lib}")
+    return lacks
+
+
+def find_cuda_toolkit() -> tuple[Path | None, str]:
+    """(the toolkit's root, how it was found), or (None, why no usable toolkit was found).
+
+    CUDA_HOME (or CUDA_PATH) when set, and then that folder only: an explicit choice is not replaced
+    by a guess. Otherwise the toolkit of the nvcc on PATH, asked of nvcc, else /usr/local/cuda."""
+    named = next(((v, os.environ[v]) for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)), None)
+    if named is not None:
+        root, source = Path(named[1]), f"{named[0]}={named[1]}"
+    elif nvcc := shutil.which("nvcc"):
+        root, source = nvcc_toolkit(nvcc), f"the nvcc on PATH ({nvcc})"
+        if root is None:
+            return None, f"{source} did not say where its toolkit is (nvcc --dryrun printed no TOP)"
+    elif Path("/usr/local/cuda").is_dir():
+        root, source = Path("/usr/local/cuda"), "/usr/local/cuda"
+    else:
+        return None, "no CUDA toolkit found (CUDA_HOME is not set, no nvcc is on PATH, no /usr/local/cuda)"
+    if not root.is_dir():
+        return None, f"{source}: no such folder"
+    if lacks := toolkit_lacks(root):
+        return None, f"{source} is not a CUDA toolkit: {root} has no {', '.join(lacks)}"
+    return root.resolve(), source
+
+
+class CudaChoice(NamedTuple):
+    """What the build does about the CUDA kernels: the toolkit it builds them with, or None, and why."""
+    toolkit: Path | None
+    reason: str
+    hint: str = ""  # how to get the CUDA kernels where they could be built and are not
+
+    def line(self) -> str:
+        if self.toolkit is not None:
+            return f"rope_ext: CUDA kernels: built with the toolkit at {self.toolkit} ({self.reason})"
+        line = f"rope_ext: CUDA kernels: none, the CPU kernels only: {self.reason}."
+        return f"{line} {self.hint}" if self.hint else line
+
+
+def want_cuda() -> CudaChoice:
+    """The toolkit to build the CUDA kernels with, or why the build is CPU-only. ROPE_EXT_CUDA=1 makes
+    a missing toolkit an error, =0 skips the search."""
     force = env_flag("ROPE_EXT_CUDA")
-    possible = torch.version.cuda is not None and CUDA_HOME is not None
-    if force and not possible:
-        raise SystemExit(f"ROPE_EXT_CUDA=1, but the CUDA build needs a CUDA build of torch (torch.version.cuda = "
-                         f"{torch.version.cuda}) and nvcc (CUDA_HOME = {CUDA_HOME})")
-    return possible if force is None else force
+    if force is False:
+        return CudaChoice(None, "ROPE_EXT_CUDA=0")
+    if torch.version.cuda is None:
+        choice = CudaChoice(None, f"torch {torch.__version__} is a CPU-only build",
+                            "They need a CUDA build of torch.")
+    else:
+        choice = CudaChoice(*find_cuda_toolkit(), CUDA_HINT)
+    if choice.toolkit is None and force:
+        raise SystemExit(f"ROPE_EXT_CUDA=1, but the CUDA kernels cannot be built: {choice.reason}. {choice.hint}")
+    return choice if choice.toolkit is None else choice._replace(hint="")
 
 
 BASE_ARCHS = ["8.0", "8.6", "8.9", "9.0"]
 
 
-def default_arch_list() -> str:
+def default_arch_list(toolkit: Path) -> str:
     """sm_80/86/89/90 and the newer archs this nvcc can target, PTX for the newest."""
-    out = subprocess.run([str(Path(CUDA_HOME) / "bin" / "nvcc"), "--list-gpu-arch"], capture_output=True,
+    out = subprocess.run([str(toolkit / "bin" / "nvcc"), "--list-gpu-arch"], capture_output=True,
                          text=True, check=True).stdout
     supported = sorted({int(m) for m in re.findall(r"compute_(\d+)", out)})
     newer = [f"{a // 10}.{a % 10}" for a in supported if a > 90]
@@ -135,12 +217,19 @@ def default_arch_list() -> str:
     return ";".join(archs[:-1] + [archs[-1] + "+PTX"])
 
 
-def cuda_args() -> list[str]:
-    args = [f"-DCMAKE_CUDA_COMPILER={Path(CUDA_HOME) / 'bin' / 'nvcc'}", f"-DCUDA_TOOLKIT_ROOT_DIR={CUDA_HOME}",
-            f"-DTORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST') or default_arch_list()}"]
+def nvcc_release(toolkit: Path) -> str | None:
+    """nvcc's version, as `nvcc --version` gives it (e.g. 13.0.88)."""
+    out = subprocess.run([str(toolkit / "bin" / "nvcc"), "--version"], capture_output=True, text=True).stdout
+    found = re.search(r"\bV(\d+\.\d+\.\d+)", out)
+    return found.group(1) if found else None
+
+
+def cuda_args(toolkit: Path, archs: str) -> list[str]:
+    args = [f"-DCMAKE_CUDA_COMPILER={toolkit / 'bin' / 'nvcc'}", f"-DCUDA_TOOLKIT_ROOT_DIR={toolkit}",
+            f"-DTORCH_CUDA_ARCH_LIST={archs}"]
     # torch's CMake package wants libnvrtc, which a compiler-only CUDA install lacks; the nvidia
     # wheels that a CUDA build of torch depends on have it.
-    if not list(Path(CUDA_HOME).glob("lib*/libnvrtc.so*")):
+    if not list(toolkit.glob("lib*/libnvrtc.so*")):
         try:
             import nvidia
             nvrtc = next(p for r in nvidia.__path__ for p in sorted(Path(r).rglob("libnvrtc.so*")))
@@ -201,7 +290,10 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext):
         jobs = max_jobs()
         debug = os.environ.get("DEBUG", "0") == "1"  # a common variable: anything else is off, not an error
-        cuda = want_cuda()
+        choice = want_cuda()
+        cuda = choice.toolkit is not None
+        print(choice.line(), flush=True)
+        archs = (os.environ.get("TORCH_CUDA_ARCH_LIST") or default_arch_list(choice.toolkit)) if cuda else ""
         args = [
             f"-DCMAKE_BUILD_TYPE={'Debug' if debug else 'Release'}",
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
@@ -213,7 +305,7 @@ class CMakeBuild(build_ext):
             "-DCMAKE_INSTALL_RPATH=$ORIGIN/../../torch/lib",
             "-DCMAKE_INSTALL_LIBDIR=lib",
             "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
-        ] + generator() + (cuda_args() if cuda else []) + cmake_args()
+        ] + generator() + (cuda_args(choice.toolkit, archs) if cuda else []) + cmake_args()
         # One build directory per configuration: the options, the torch, and what CMake reads from the
         # environment only when it first configures (compilers, flags). It lives in the source tree's
         # build/, not in setuptools' build_temp, which an editable install deletes after each build.
@@ -231,6 +323,15 @@ class CMakeBuild(build_ext):
         # Into the package: build/lib*/rope_ext for a wheel; for an editable install,
         # copy_extensions_to_source installs into the checkout's rope_ext/ as well.
         self._cmake_build_dir = build_dir
+        # What was built and why, installed beside the library as lib/build.json for
+        # `python -m rope_ext.info` (rope_ext/info.py reads it).
+        self._record = {
+            "rope_ext": VERSION,
+            "built_against_torch": torch.__version__,
+            "cuda": {"built": cuda, "reason": choice.reason, "hint": choice.hint,
+                     "toolkit": str(choice.toolkit) if cuda else None,
+                     "nvcc": nvcc_release(choice.toolkit) if cuda else None, "archs": archs or None},
+        }
         self._install(Path(self.get_ext_fullpath(ext.name)).parent.parent)
 
     def _install(self, package_dir: Path):
@@ -243,6 +344,7 @@ class CMakeBuild(build_ext):
             stale.unlink()
         subprocess.run([cmake(), "--install", str(self._cmake_build_dir), "--prefix", str(package_dir)],
                        check=True)
+        (package_dir / "lib" / "build.json").write_text(json.dumps(self._record, indent=1) + "\n")
 
     def copy_extensions_to_source(self):
         # The library, the headers and the CMake package, not only the one file setuptools knows of.

@@ -114,3 +114,122 @@ def test_a_bad_max_jobs_is_refused_before_compiling(value, tmp_path):
     assert proc.returncode != 0
     assert f"MAX_JOBS must be a positive integer, got {value!r}" in proc.stderr, proc.stderr[-2000:]
     assert "rope_ext: CMake build directory" not in proc.stdout
+
+
+# ---- the CUDA toolkit the build would use (setup.py's want_cuda / find_cuda_toolkit) ---------------
+# Each case runs setup.py's functions in a child with a made-up toolkit layout and PATH, and a torch
+# that says it is a CUDA build where the case needs one, so the machine's own toolkit plays no part.
+
+def _fake_toolkit(root: Path, lacks: tuple[str, ...] = ()) -> Path:
+    """A folder laid out as a CUDA toolkit (empty files), without the files in `lacks`."""
+    files = {"bin/nvcc": "#!/bin/sh\nexit 0\n", "include/cuda_runtime.h": "", "lib64/libcudart_static.a": "",
+             "lib64/libcudart.so": ""}
+    root.mkdir(parents=True)
+    for rel, text in files.items():
+        if rel not in lacks:
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text)
+            (root / rel).chmod(0o755)
+    return root
+
+
+def _wrapper(folder: Path, text: str) -> Path:
+    """An nvcc on PATH that is a script outside any toolkit (as /usr/local/bin/nvcc can be)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "nvcc").write_text(text)
+    (folder / "nvcc").chmod(0o755)
+    return folder
+
+
+def _choice(env: dict, torch_cuda: str | None = "13.0") -> subprocess.CompletedProcess:
+    """setup.py's want_cuda() in a child with this environment (PATH, CUDA_HOME, ROPE_EXT_CUDA):
+    prints the toolkit and the reason as JSON."""
+    code = ("import json, runpy, sys, torch\n"
+            f"torch.version.cuda = {torch_cuda!r}\n"
+            "sys.argv = ['setup.py', '--version']\n"
+            "g = runpy.run_path('setup.py')\n"
+            "c = g['want_cuda']()\n"
+            "print(json.dumps({'toolkit': c.toolkit and str(c.toolkit), 'reason': c.reason, 'line': c.line()}))")
+    base = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH", "ROPE_EXT_CUDA")}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**base, "PATH": "/usr/bin:/bin", **env})
+
+
+def _chosen(proc: subprocess.CompletedProcess) -> dict:
+    import json
+
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_wrapper_nvcc_is_asked_for_its_toolkit(tmp_path):
+    """nvcc on PATH only through a wrapper script outside the toolkit, no CUDA_HOME: the toolkit is
+    where nvcc says it is (its dry run's TOP), not the wrapper's folder's parent, as torch guesses."""
+    toolkit = _fake_toolkit(tmp_path / "cuda-13.0")
+    bin_dir = _wrapper(tmp_path / "local" / "bin", f"#!/bin/sh\necho '#$ TOP={toolkit}/bin/..' >&2\n")
+    chosen = _chosen(_choice({"PATH": f"{bin_dir}:/usr/bin:/bin"}))
+    assert chosen["toolkit"] == str(toolkit.resolve())
+    assert chosen["line"].startswith(f"rope_ext: CUDA kernels: built with the toolkit at {toolkit.resolve()}")
+
+
+def test_a_wrapper_that_says_nothing_gives_a_cpu_build_that_says_why(tmp_path):
+    bin_dir = _wrapper(tmp_path / "bin", "#!/bin/sh\nexit 1\n")
+    chosen = _chosen(_choice({"PATH": f"{bin_dir}:/usr/bin:/bin"}))
+    assert chosen["toolkit"] is None
+    assert chosen["reason"] == f"the nvcc on PATH ({bin_dir / 'nvcc'}) did not say where its toolkit is " \
+                               "(nvcc --dryrun printed no TOP)"
+    assert "set CUDA_HOME to a CUDA toolkit" in chosen["line"]
+
+
+@pytest.mark.parametrize("lacks", [("bin/nvcc", "include/cuda_runtime.h", "lib64/libcudart_static.a",
+                                    "lib64/libcudart.so"),  # a folder with no toolkit at all
+                                   ("lib64/libcudart_static.a",),  # a toolkit without the static runtime
+                                   ("include/cuda_runtime.h",)])
+def test_a_cuda_home_that_is_not_a_toolkit_gives_a_cpu_build_that_says_why(tmp_path, lacks):
+    """CUDA_HOME naming a folder without (all of) a toolkit, as a runtime-only install leaves it, and
+    no nvcc on PATH: the CPU kernels, and one line that names what is missing and what to do."""
+    home = _fake_toolkit(tmp_path / "cuda", lacks)
+    chosen = _chosen(_choice({"CUDA_HOME": str(home)}))
+    assert chosen["toolkit"] is None
+    assert chosen["reason"] == f"CUDA_HOME={home} is not a CUDA toolkit: {home} has no {', '.join(lacks)}"
+    assert chosen["line"] == (f"rope_ext: CUDA kernels: none, the CPU kernels only: {chosen['reason']}. For the "
+                              "CUDA kernels, set CUDA_HOME to a CUDA toolkit (the folder holding bin/nvcc, "
+                              "include/cuda_runtime.h and lib64/libcudart_static.a) and build again.")
+
+
+def test_cuda_home_is_taken_over_the_nvcc_on_path(tmp_path):
+    """An explicit CUDA_HOME is the toolkit, or the reason: never replaced by a guess from PATH."""
+    toolkit = _fake_toolkit(tmp_path / "named")
+    other = _fake_toolkit(tmp_path / "other")
+    bin_dir = _wrapper(tmp_path / "bin", f"#!/bin/sh\necho '#$ TOP={other}/bin/..' >&2\n")
+    path = f"{bin_dir}:/usr/bin:/bin"
+    assert _chosen(_choice({"CUDA_HOME": str(toolkit), "PATH": path}))["toolkit"] == str(toolkit.resolve())
+    chosen = _chosen(_choice({"CUDA_HOME": str(tmp_path / "missing"), "PATH": path}))
+    assert (chosen["toolkit"], chosen["reason"]) == (None, f"CUDA_HOME={tmp_path / 'missing'}: no such folder")
+
+
+def test_rope_ext_cuda_1_without_a_toolkit_stops_with_the_same_message(tmp_path):
+    home = _fake_toolkit(tmp_path / "cuda", ("bin/nvcc",))
+    proc = _choice({"CUDA_HOME": str(home), "ROPE_EXT_CUDA": "1"})
+    assert proc.returncode != 0
+    assert (f"ROPE_EXT_CUDA=1, but the CUDA kernels cannot be built: CUDA_HOME={home} is not a CUDA toolkit: "
+            f"{home} has no bin/nvcc. For the CUDA kernels, set CUDA_HOME") in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_cpu_torch_builds_the_cpu_kernels_and_says_so(tmp_path):
+    toolkit = _fake_toolkit(tmp_path / "cuda")
+    chosen = _chosen(_choice({"CUDA_HOME": str(toolkit)}, torch_cuda=None))
+    assert chosen["toolkit"] is None and chosen["reason"].endswith("is a CPU-only build")
+    proc = _choice({"CUDA_HOME": str(toolkit), "ROPE_EXT_CUDA": "1"}, torch_cuda=None)
+    assert proc.returncode != 0 and "They need a CUDA build of torch." in proc.stderr
+    chosen = _chosen(_choice({"CUDA_HOME": str(toolkit), "ROPE_EXT_CUDA": "0"}))
+    assert (chosen["toolkit"], chosen["reason"]) == (None, "ROPE_EXT_CUDA=0")
+
+
+def test_the_license_file_is_the_one_pyproject_names():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert (project["license"], project["license-files"]) == ("BSD-3-Clause", ["LICENSE"])
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("BSD 3-Clause License\n") and "Neither the name of the copyright holder" in text

@@ -31,9 +31,10 @@ cd "$(dirname "$0")/.."
 VENV=$(realpath -m "${CUDA_VENV:-build/venv-cuda}")
 OUT=$(realpath -m build/cuda-check)
 PY="$VENV/bin/python"
-# torch infers CUDA_HOME from `which nvcc`; where nvcc is a symlink in /usr/local/bin that gives
-# /usr/local, whose lib64 has no libcudart. Point it at the toolkit itself.
-if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
+# No CUDA_HOME is set here: the build finds the toolkit as a user's does (setup.py's
+# find_cuda_toolkit: CUDA_HOME if the caller set one, else the toolkit the nvcc on PATH says it
+# belongs to, which on the developers' machines is reached only through a wrapper script in
+# /usr/local/bin, else /usr/local/cuda), and the build's record (lib/build.json) says which.
 
 t0=$(date +%s)
 # (PYTHONSAFEPATH: the checkout's build/ folder must not pass for the package build)
@@ -60,6 +61,11 @@ DIST_OUT="$OUT" DIST_BUILD_PYTHON="$PY" DIST_CUDA=1 bash tools/dist_check.sh
   { tail -40 "$OUT/install.log"; exit 1; }
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 cp "$HOOKS" "$SITE/rope_ext/lib/"
+# What a user asks of the install: the CUDA kernels built, for which architectures, and registered.
+PYTHONSAFEPATH=1 "$PY" -m rope_ext.info > "$OUT/info.txt"
+sed 's/^/cuda-check: rope_ext.info: /' "$OUT/info.txt"
+grep -q "^CUDA kernels: built by nvcc " "$OUT/info.txt" && grep -q "registered with torch's dispatcher: yes" "$OUT/info.txt" ||
+  { echo "cuda-check: FAILED: python -m rope_ext.info does not say the CUDA kernels are built and registered"; exit 1; }
 t2=$(date +%s)
 COMMANDS=$(ls "$OUT"/src/build/cmake-*/compile_commands.json)
 
@@ -67,10 +73,11 @@ COMMANDS=$(ls "$OUT"/src/build/cmake-*/compile_commands.json)
 #    package, built in the background while step 3 reads the SASS (each keeps about one core busy).
 #    torch's CMake package wants libnvrtc, which a compiler-only CUDA install lacks: the torch wheel's
 #    nvidia package has it.
+TOOLKIT=$(PYTHONSAFEPATH=1 "$PY" -c 'import rope_ext.info as i; print(i.build_record()["cuda"]["toolkit"])')
 NVRTC=$("$PY" -c 'import nvidia, pathlib; print(next(p for r in nvidia.__path__ for p in sorted(pathlib.Path(r).rglob("libnvrtc.so*"))))')
 PREFIXES="$(PYTHONSAFEPATH=1 "$PY" -c 'import rope_ext; print(rope_ext.cmake_prefix_path)');$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 { cmake -S examples/cpp -B "$OUT/example-cuda" -G Ninja -DCMAKE_MAKE_PROGRAM="$("$PY" -c 'import ninja, os; print(os.path.join(ninja.BIN_DIR, "ninja"))')" \
-    -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" -DCUDA_TOOLKIT_ROOT_DIR="$CUDA_HOME" -DCUDA_nvrtc_LIBRARY="$NVRTC" \
+    -DCMAKE_CUDA_COMPILER="$TOOLKIT/bin/nvcc" -DCUDA_TOOLKIT_ROOT_DIR="$TOOLKIT" -DCUDA_nvrtc_LIBRARY="$NVRTC" \
     -DCMAKE_PREFIX_PATH="$PREFIXES" && cmake --build "$OUT/example-cuda" && "$OUT/example-cuda/rope_example"; } > "$OUT/example-cuda.log" 2>&1 &
 EXAMPLE=$!
 

@@ -56,7 +56,7 @@ CUDA=${DIST_CUDA:-0}
 SDIST=$(ls "$OUT"/dist/rope_ext-*.tar.gz)
 tar tzf "$SDIST" > "$OUT/sdist-files.txt"
 for f in csrc/include/rope_ext/version.h csrc/rotary_math.h csrc/cuda/rotary_cuda.cu CMakeLists.txt \
-         cmake/rope_extConfig.cmake.in MANIFEST.in; do
+         cmake/rope_extConfig.cmake.in MANIFEST.in LICENSE; do
   grep -q "^rope_ext-[^/]*/$f$" "$OUT/sdist-files.txt" || fail "the sdist has no $f"
 done
 mkdir -p "$OUT/src" && tar xzf "$SDIST" -C "$OUT/src" --strip-components=1
@@ -65,11 +65,13 @@ t1=$(date +%s)
    > "$OUT/wheel.log" 2>&1) || { tail -30 "$OUT/wheel.log"; fail "the wheel build from the sdist (ROPE_EXT_CUDA=$CUDA)"; }
 WHEEL=$(ls "$OUT"/dist/rope_ext-*.whl)
 t2=$(date +%s)
+grep "^rope_ext: CUDA kernels: " "$OUT/wheel.log" | sed 's/^/dist-check: /'
 grep -qx "CMAKE_GENERATOR:INTERNAL=Ninja" "$OUT"/src/build/cmake-*/CMakeCache.txt ||
   fail "the wheel was not built by CMake with Ninja"
 [[ $(basename "$WHEEL") == rope_ext-*-py3-none-linux_x86_64.whl ]] || fail "the wheel is not tagged py3-none: $WHEEL"
 "$B" -c 'import sys, zipfile; print("\n".join(zipfile.ZipFile(sys.argv[1]).namelist()))' "$WHEEL" > "$OUT/wheel-files.txt"
-for f in rope_ext/__init__.py rope_ext/lib/$LIBNAME rope_ext/include/rope_ext/rope.h \
+grep -qx "rope_ext-[^/]*\.dist-info/licenses/LICENSE" "$OUT/wheel-files.txt" || fail "the wheel has no LICENSE"
+for f in rope_ext/__init__.py rope_ext/lib/$LIBNAME rope_ext/lib/build.json rope_ext/include/rope_ext/rope.h \
          rope_ext/include/rope_ext/version.h rope_ext/lib/cmake/rope_ext/rope_extConfig.cmake; do
   grep -qx "$f" "$OUT/wheel-files.txt" || fail "the wheel has no $f"
 done
@@ -106,6 +108,7 @@ echo "dist-check: an isolated build stops with the install-torch-first message"
 # ---- 4. a fresh venv runs the wheel ---------------------------------------------------------------
 pip_in "$R" pip-run-env-wheel "$TORCH" "$WHEEL"
 (cd "$OUT" && "$R" "$ROOT/tools/smoke_test.py") || fail "the smoke test of the installed wheel"
+(cd "$OUT" && "$R" -m rope_ext.info) | sed 's/^/dist-check: rope_ext.info: /' || fail "python -m rope_ext.info"
 t3=$(date +%s)
 SITE_LIB=$(cd "$OUT" && "$R" -c 'import rope_ext; print(rope_ext._LIBRARY)')
 PREFIXES="$(cd "$OUT" && "$R" -c 'import rope_ext, torch; print(rope_ext.cmake_prefix_path + ";" + torch.utils.cmake_prefix_path)')"
