@@ -133,7 +133,7 @@ def nvcc_toolkit(nvcc: str) -> Path | None:
                               capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
-    top = re.search(r"^#\$ TOP=(.+)$", proc.stdout + proc.stderr, re.M)
+    top = re.search(r"^#\$ TOP=(.+)$", proc.stdout + "\n" + proc.stderr, re.M)
     return Path(top.group(1).strip()).resolve() if top else None
 
 

@@ -33,6 +33,8 @@ def build_record() -> dict | None:
             return json.load(f)
     except FileNotFoundError:
         return None
+    except (OSError, ValueError) as e:  # unreadable, or not JSON: said, not raised
+        return {"unreadable": f"{path}: {e}"}
 
 
 def _cuda_registered() -> bool | None:
@@ -68,7 +70,7 @@ def driver() -> dict:
 def report() -> dict:
     """The facts ``python -m rope_ext.info`` prints."""
     record = build_record()
-    cuda_record = (record or {}).get("cuda") or {}
+    cuda_record = (record or {}).get("cuda") or {}  # (an unreadable record has none)
     nvcc = cuda_record.get("nvcc")
     needs = None
     if cuda_record.get("built") and nvcc:
@@ -98,6 +100,9 @@ def lines(facts: dict) -> list[str]:
     if record is None:
         out.append("CUDA kernels: unknown (the library has no lib/build.json: it was not built by rope_ext's setup.py)")
         return out
+    if "unreadable" in record:
+        out.append(f"CUDA kernels: unknown (the build's record cannot be read: {record['unreadable']})")
+        return out
     cuda = record["cuda"]
     if not cuda["built"]:
         out.append(f"CUDA kernels: none (the build was CPU-only: {cuda['reason']})")
@@ -109,12 +114,17 @@ def lines(facts: dict) -> list[str]:
     registered = facts["cuda_registered"]
     if registered is None:
         said = "unknown (this torch cannot say)"
-    elif registered:
+    elif not registered:
+        said = "no"
+    elif facts["torch_cuda"]:
         said = "yes"
-    else:
-        said = "no" + ("" if facts["torch_cuda"] else " (this torch is a CPU-only build)")
+    else:  # (the library registers them whatever torch loads it)
+        said = "yes, but this torch is a CPU-only build: a CUDA build of torch runs them"
     out.append(f"  registered with torch's dispatcher: {said}")
     needs, found = facts["driver_needed"], facts["driver"]
+    if needs is None:  # (the build could not read its nvcc's version)
+        out.append("  the NVIDIA driver they need: unknown (the build recorded no nvcc version)")
+        return out
     out.append(f"  they need an NVIDIA driver for CUDA {needs['cuda']} or newer"
                + (f" ({needs['driver']} or newer)" if needs["driver"] else ""))
     if found["problem"]:

@@ -25,8 +25,10 @@ def test_the_record_is_this_build():
     assert record is not None, "setup.py writes lib/build.json beside the library"
     assert record["rope_ext"] == rope_ext.__version__
     cuda = record["cuda"]
-    if torch.version.cuda is None:  # a CPU torch can only have built the CPU kernels, and says so
-        assert not cuda["built"] and cuda["reason"] == f"torch {record['built_against_torch']} is a CPU-only build"
+    # a CPU torch can only have built the CPU kernels, and says so (unless told not to look)
+    if record["built_against_torch"] == torch.__version__ and torch.version.cuda is None:
+        assert not cuda["built"] and cuda["reason"] in (f"torch {torch.__version__} is a CPU-only build",
+                                                        "ROPE_EXT_CUDA=0")
     assert bool(cuda["archs"]) == bool(cuda["nvcc"]) == bool(cuda["toolkit"]) == cuda["built"]
 
 
@@ -57,8 +59,13 @@ def test_an_old_driver_or_none_is_named():
     assert old[-1] == "  driver found: 570.86.10, for CUDA 12.8: too old for these kernels; update the driver"
     no_driver = {"version": None, "cuda": None, "problem": "no NVIDIA driver: libcuda.so.1 does not load"}
     none = info.lines({**FACTS, "cuda_registered": False, "torch_cuda": None, "driver": no_driver})
-    assert "  registered with torch's dispatcher: no (this torch is a CPU-only build)" in none
+    assert "  registered with torch's dispatcher: no" in none
     assert none[-1] == "  driver found: none (no NVIDIA driver: libcuda.so.1 does not load)"
+    cpu_torch = info.lines({**FACTS, "torch_cuda": None, "driver": no_driver})
+    assert "  registered with torch's dispatcher: yes, but this torch is a CPU-only build: a CUDA build of torch " \
+           "runs them" in cpu_torch
+    unknown = info.lines({**FACTS, "driver_needed": None, "driver": None})
+    assert unknown[-1] == "  the NVIDIA driver they need: unknown (the build recorded no nvcc version)"
 
 
 def test_a_library_without_a_record_says_so(monkeypatch, tmp_path):
@@ -67,6 +74,8 @@ def test_a_library_without_a_record_says_so(monkeypatch, tmp_path):
     assert info.lines(info.report())[-1].startswith("CUDA kernels: unknown (the library has no lib/build.json")
     (tmp_path / "build.json").write_text(json.dumps(FACTS["build"]))
     assert info.build_record() == FACTS["build"]
+    (tmp_path / "build.json").write_text("{not json")
+    assert info.lines(info.report())[-1].startswith("CUDA kernels: unknown (the build's record cannot be read: ")
 
 
 def test_the_driver_is_read_without_cuda():

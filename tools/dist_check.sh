@@ -65,7 +65,8 @@ t1=$(date +%s)
    > "$OUT/wheel.log" 2>&1) || { tail -30 "$OUT/wheel.log"; fail "the wheel build from the sdist (ROPE_EXT_CUDA=$CUDA)"; }
 WHEEL=$(ls "$OUT"/dist/rope_ext-*.whl)
 t2=$(date +%s)
-grep "^rope_ext: CUDA kernels: " "$OUT/wheel.log" | sed 's/^/dist-check: /'
+grep "^rope_ext: CUDA kernels: " "$OUT/wheel.log" | sed 's/^/dist-check: /' ||
+  fail "the build printed no 'rope_ext: CUDA kernels:' line (${OUT#"$ROOT"/}/wheel.log)"
 grep -qx "CMAKE_GENERATOR:INTERNAL=Ninja" "$OUT"/src/build/cmake-*/CMakeCache.txt ||
   fail "the wheel was not built by CMake with Ninja"
 [[ $(basename "$WHEEL") == rope_ext-*-py3-none-linux_x86_64.whl ]] || fail "the wheel is not tagged py3-none: $WHEEL"
@@ -102,7 +103,7 @@ rc=0
 [ "$rc" != 0 ] && grep -q -- "--no-build-isolation" "$OUT/isolated.log" ||
   { tail -30 "$OUT/isolated.log"; fail "an isolated build of the sdist did not stop with the torch message (exit $rc)"; }
 ! grep -q "Building wheel for rope_ext.*done\|Collecting torch" "$OUT/isolated.log" ||
-  fail "the isolated build compiled, or fetched a torch (build/dist-check/isolated.log)"
+  fail "the isolated build compiled, or fetched a torch (${OUT#"$ROOT"/}/isolated.log)"
 echo "dist-check: an isolated build stops with the install-torch-first message"
 
 # ---- 4. a fresh venv runs the wheel ---------------------------------------------------------------

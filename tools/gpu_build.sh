@@ -18,7 +18,7 @@
 # device's torch, 2.11.0 with CUDA 13) as a user's is, its CUDA kernels found registered, and
 # tools/smoke_test.py run on its CPU ops; the carry's size checked against what a device call may
 # send (64 MiB with the working tree).
-# About 1.5 minutes for the venv (a 2.6 GB download) the first time; cuda-check's 8 when it runs.
+# About 1.5 minutes for the venv (a 2.6 GB download) the first time; cuda-check's 10 to 15 when it runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)

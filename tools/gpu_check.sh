@@ -46,7 +46,8 @@ OUT=$(realpath -m "${GPU_CHECK_OUT:-build/gpu-check}")
 BUDGET=${GPU_CHECK_BUDGET:-520}
 CARRY=$ROOT/build/gpu-carry
 export PYTHONUNBUFFERED=1
-# torch infers CUDA_HOME from `which nvcc` (see cuda_check.sh); the device build and sanitizer need it.
+# torch infers CUDA_HOME from `which nvcc` (the parent of its folder: wrong for a wrapper script);
+# the device build and sanitizer need it.
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 
 if ! command -v nvidia-smi > /dev/null 2>&1 || ! nvidia-smi -L > /dev/null 2>&1; then
