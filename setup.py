@@ -52,9 +52,9 @@ import setuptools
 
 # setuptools 77 is the oldest that reads pyproject.toml's `license = "BSD-3-Clause"` (an SPDX
 # expression, PEP 639), and 70.1 the oldest with setuptools.command.bdist_wheel. pyproject.toml's
-# build-system requires says so, but pip does not check it in a build without isolation, the only
-# build rope_ext allows: that uses the environment's own setuptools, and a fresh venv of Python 3.11
-# has 65.5. Say what to install rather than fail on an import or a schema error.
+# build-system requires says so, but pip does not check it in a build without isolation (the fast
+# one, and `make setup`'s): that uses the environment's own setuptools, and a fresh venv of Python
+# 3.11 has 65.5, one of 3.12 none. Say what to install rather than fail on an import or a schema error.
 SETUPTOOLS_MIN = 77
 _setuptools_major = int(re.match(r"\d+", setuptools.__version__).group())
 if _setuptools_major < SETUPTOOLS_MIN:
@@ -84,10 +84,10 @@ try:
     import torch
 except ImportError:
     raise SystemExit(
-        "rope_ext compiles against the torch it will run with, and this build environment has none: torch "
-        "is not installed, or pip is building in an isolated environment (its default), which cannot see "
-        "it. Install torch first, then build without isolation: `pip install --no-build-isolation rope_ext` "
-        "(or `.`, or `-e .` in a checkout)."
+        "rope_ext compiles against torch's headers, and this build environment has no torch: a build "
+        "without isolation (pip's --no-build-isolation) uses the environment's own packages. Install torch "
+        "2.10 or newer first, `pip install \"torch>=2.10\"`, or build with isolation (plain `pip install .`), "
+        "where pip installs a torch of its own for the build."
     ) from None
 
 ROOT = Path(__file__).parent.resolve()
