@@ -1,27 +1,45 @@
-# rope_ext developer commands. `make test` and `make bench` each set up what they need
-# on a fresh machine: torch==2.13.0 (CPU build) if no torch is importable, then an
-# editable build of rope_ext with its test and bench extras and the tests' hook library
-# (ROPE_EXT_TESTING=1). setup.py drives the CMake build with Ninja, MAX_JOBS jobs (default: all CPUs).
+# rope_ext developer commands. From a fresh clone, in a venv: `make setup`, then `make test` (the
+# README's two commands; CI runs them from the README's lines). `make setup` installs what the build
+# needs where it is missing or too old: torch (TORCH, default torch==2.13.0, only when no torch is
+# importable: install another first to use it), setuptools>=77 (a Python 3.12 venv has none, a 3.11
+# venv 65.5), Ninja and CMake; then an editable build of rope_ext with its test and bench extras
+# and the tests' hook library (ROPE_EXT_TESTING=1). setup.py drives the CMake build with Ninja,
+# MAX_JOBS jobs (default: all CPUs); with a CUDA build of torch and a CUDA toolkit it finds, the
+# CUDA kernels too (ROPE_EXT_CUDA=0: the CPU kernels alone, in a fraction of the time).
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
+TORCH ?= torch==2.13.0
 SOURCES := setup.py pyproject.toml CMakeLists.txt $(wildcard cmake/*) $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
 STAMP := build/.installed
 
-.PHONY: setup test engine-pythons releases-check bench lint abi-audit dist-check wheel-check cuda-check gpu-check gpu-build gpu-rehearse sanitize gtest cpp-test cpp-example clean FORCE
+.PHONY: setup build-tools wheel newcomer-check test engine-pythons releases-check bench lint abi-audit dist-check wheel-check cuda-check gpu-check gpu-build gpu-rehearse sanitize gtest cpp-test cpp-example clean FORCE
 
 setup: $(STAMP)
 
+# What a build without isolation takes from the environment (pyproject.toml's build requires, which
+# pip installs only into an isolated build's own environment).
+build-tools:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH)
+	@$(PYTHON) -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" 2>/dev/null || \
+	    $(PIP) install "setuptools>=77" "torch==$$($(PYTHON) -c 'import torch; print(torch.__version__)')"
+	@$(PYTHON) -c "import ninja" 2>/dev/null || $(PIP) install ninja
+	@cmake --version 2>/dev/null | grep -qE "version (3\.(1[89]|[2-9][0-9])|[4-9])" || $(PIP) install "cmake>=3.18"
+
 # Rebuilt when a source changed, or when the importable rope_ext is not this checkout's
 # (e.g. another clone was installed in editable mode since).
-$(STAMP): $(SOURCES) FORCE
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	@$(PYTHON) -c "import ninja" 2>/dev/null || $(PIP) install ninja
+$(STAMP): $(SOURCES) build-tools FORCE
 	@$(PYTHON) -c "import importlib.util as u, sys; sys.exit(u.find_spec('rotary_embedding_torch') is None)" || \
 	    $(PIP) install --no-deps rotary-embedding-torch==0.9.1  # no-deps: see pyproject.toml
 	@if [ ! -f $@ ] || [ -n "$$(find $(SOURCES) -newer $@)" ] || [ ! -f rope_ext/lib/librope_ext_testing.so ] || \
 	    ! $(PYTHON) -I -c "import pathlib, rope_ext, sys; \
 	    sys.exit(pathlib.Path(rope_ext.__file__).resolve().parent != pathlib.Path('rope_ext').resolve())" 2>/dev/null; \
 	then ROPE_EXT_TESTING=1 $(PIP) install --no-build-isolation -e ".[test,bench]" && mkdir -p build && touch $@; fi
+
+# The wheel users install with no compiler: dist/rope_ext-<version>-py3-none-linux_x86_64.whl, built once
+# against the installed torch (any from 2.10: the library is on torch's stable ABI) and loaded by every
+# torch from 2.10, CPU or CUDA. ROPE_EXT_CUDA=1 makes a build without the CUDA kernels an error.
+wheel: build-tools
+	$(PIP) wheel --no-build-isolation --no-deps -w dist .
 
 FORCE:
 
@@ -68,6 +86,12 @@ CORE_TESTS := tests/test_rotary.py tests/test_autograd.py tests/test_qk_and_inpl
   tests/test_dtensor.py tests/test_qk_norm.py tests/test_qk_norm_emulation.py
 wheel-check: setup
 	PYTHON=$(PYTHON) CORE_TESTS="$(CORE_TESTS)" bash tools/wheel_check.sh
+
+# The README's from-source install as a new user runs it, with a CUDA build of torch (cuda-check's venv)
+# and the CUDA toolkit where torch does not guess it: see tools/newcomer_check.sh. About 2 minutes.
+newcomer-check:
+	CUDA_VENV_ONLY=1 bash tools/cuda_check.sh
+	bash tools/newcomer_check.sh
 
 # The CUDA wheel: built from the sdist by tools/dist_check.sh (its checks included), nvcc against a
 # CUDA build of torch (in a venv under build/, about 5.5 GB); no GPU needed. See tools/cuda_check.sh.
