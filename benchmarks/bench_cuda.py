@@ -2,7 +2,7 @@
 what people use today (HF's eager rotate_half, torch.compile of it, Liger-Kernel's Triton RoPE and
 FlashInfer's apply_rope_with_cos_sin_cache_inplace where importable).
 
-    python benchmarks/bench_cuda.py [--quick | --lease] [--out benchmarks/out]
+    python benchmarks/bench_cuda.py [--quick | --short] [--out benchmarks/out]
 
 Cases (Llama-3 attention, head dim 128):
 - prefill, one sequence of 2k, 8k and 32k tokens at Llama-3-8B (32 q / 8 kv heads) and -70B
@@ -21,7 +21,7 @@ count of every figure is q and k read and written once (tables excluded), so GB/
 of the copy's speed compare like with like. Prints a table; writes bench_cuda.csv, bench_cuda.md and
 bench_cuda.png to --out, the csv and md again after every case (a run cut off keeps what it measured).
 
---lease is the part of a lent GPU's one command (tools/gpu_check.sh STEP=lease), about 2 minutes: the
+--short is the part of a lent GPU's one command (tools/gpu_check.sh STEP=lease), about 2 minutes: the
 8B shape in bfloat16, both layouts at 2k and 8k tokens (fwd and fwd+bwd), decode at batches 1 and 32,
 and no plot (the device call returns at most 8 files).
 """
@@ -184,7 +184,7 @@ def write_tables(out: Path, device: str, rows: list[dict]) -> None:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="2k and 8k tokens only, fewer repetitions")
-    p.add_argument("--lease", action="store_true",
+    p.add_argument("--short", action="store_true",
                    help="the 8B shape in bfloat16 only, fwd and fwd+bwd, decode at batch 1 and 32; no plot")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     args = p.parse_args()
@@ -199,13 +199,13 @@ def main():
     compiled_hf = torch.compile(hf_eager, dynamic=True)
     impls = implementations(compiled_hf)
     print(f"compared: {', '.join(impls)}")
-    reps = 15 if args.quick or args.lease else 31
+    reps = 15 if args.quick or args.short else 31
     rows = []
-    seqs = (2048, 8192) if args.quick or args.lease else (2048, 8192, 32768)
-    models = {"8B": HEADS["8B"]} if args.lease else HEADS
-    dtypes = (torch.bfloat16,) if args.lease else (torch.bfloat16, torch.float32)
-    modes = ("fwd", "fwd+bwd") if args.lease else ("fwd", "bwd", "fwd+bwd")
-    batches = (1, 32) if args.lease else (1, 8, 32, 64)
+    seqs = (2048, 8192) if args.quick or args.short else (2048, 8192, 32768)
+    models = {"8B": HEADS["8B"]} if args.short else HEADS
+    dtypes = (torch.bfloat16,) if args.short else (torch.bfloat16, torch.float32)
+    modes = ("fwd", "fwd+bwd") if args.short else ("fwd", "bwd", "fwd+bwd")
+    batches = (1, 32) if args.short else (1, 8, 32, 64)
     header = f"{'mode':8} {'model':4} {'layout':6} {'dtype':8} {'tokens':>6} {'impl':12} {'ms':>8} {'GB/s':>7} " \
              f"{'of copy':>7} {'vs rope_ext':>11}"
     print(header)
@@ -262,8 +262,8 @@ def main():
     summary = [r for r in rows if r["impl"] == "rope_ext" and r["mode"] in ("fwd", "decode")]
     print(f"bench_cuda: rope_ext's module path at {min(r['of_copy'] for r in summary if r['mode'] == 'fwd'):.2f} to "
           f"{max(r['of_copy'] for r in summary if r['mode'] == 'fwd'):.2f} of the copy's speed (fwd); "
-          f"wrote {args.out}/bench_cuda.csv, .md{'' if args.lease else ', .png'}")
-    if args.lease:
+          f"wrote {args.out}/bench_cuda.csv, .md{'' if args.short else ', .png'}")
+    if args.short:
         return 0
     try:
         import matplotlib

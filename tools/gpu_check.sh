@@ -22,7 +22,7 @@
 #             kernels share their groups' sums through shared memory between barriers). Where the
 #             sanitizer refuses the device (gVisor machines answer "Device not supported"), the
 #             verdict says so and the part does not fail.
-#   bench     benchmarks/bench_cuda.py --lease: Llama-3-8B bfloat16 prefill (2k, 8k) and decode
+#   bench     benchmarks/bench_cuda.py --short: Llama-3-8B bfloat16 prefill (2k, 8k) and decode
 #             against a device copy, HF eager, torch.compile of HF and Liger; then
 #             benchmarks/bench_qk_norm.py --device cuda --quick: QK-norm + RoPE, Qwen3-8B bfloat16.
 # STEP=rest (what the lease leaves out, for a later lease; more than one command's 10 minutes in all,
@@ -224,7 +224,7 @@ for p in "${PARTS[@]}"; do
     test) part test 240 env ROPE_EXT_GPU_CHECK=1 "${PYTEST[@]}" -m "not gpu_large" -k "not ($SMOKE_K)" \
             tests/test_gpu.py tests/test_cuda.py ;;
     memcheck) part memcheck 210 bash -c "sanitizer memcheck && sanitizer racecheck" ;;
-    bench) part bench 200 bash -c "\"$PY\" benchmarks/bench_cuda.py --lease --out \"$OUT\" &&
+    bench) part bench 200 bash -c "\"$PY\" benchmarks/bench_cuda.py --short --out \"$OUT\" &&
              \"$PY\" benchmarks/bench_qk_norm.py --device cuda --quick --rounds 15" ;;
     mirror) part mirror 420 env ROPE_EXT_TEST_KERNELS_ON=cuda "${PYTEST[@]}" tests/test_cuda_emulation.py tests/test_qk_norm_emulation.py \
               tests/test_rotary_pos.py tests/test_fuzz.py tests/test_robustness.py ;;
