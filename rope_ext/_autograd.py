@@ -1,6 +1,6 @@
 """Autograd for the rope_ext ops, registered with ``torch.library.register_autograd``.
 
-The library that holds the kernels is built on torch's stable ABI (issue 37), which has no C++
+The library that holds the kernels is built on torch's stable ABI, which has no C++
 autograd: the formulas live here, in Python, and apply to every call that records a graph, whether
 it comes through the public functions, ``torch.ops.rope_ext.*``, ``torch.compile`` or
 ``torch.export``. (C++ programs get the same formulas from ``rope_ext/autograd.h``.)

@@ -31,8 +31,8 @@ _qk_norm_rotary_pos_inplace = torch.ops.rope_ext.qk_norm_rotary_pos_.default
 # The fast path of every wrapper: unless it is traced (torch.compile sees the op, and its autograd
 # formula) or records a graph (grad mode on, an input requiring grad), a call goes straight to the
 # device kernel, below autograd, through the op's C++ callable (OpOverload.__call__ is one more
-# Python frame). A decode step's call costs about what the C++ autograd kernels cost before issue 37
-# (benchmarks/op_ab.py); through the op's Python autograd kernel it would cost 3 to 4 us more.
+# Python frame). Through the op's Python autograd kernel a decode step's call would cost 3 to 4 us
+# more (benchmarks/op_ab.py; docs/devlog.md has the runs).
 _compiling = torch.compiler.is_compiling
 _grad_enabled = torch._C.is_grad_enabled
 _any_requires_grad = torch._C._any_requires_grad
