@@ -17,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-PY=$(realpath -m "${NEWCOMER_PYTHON:-${CUDA_VENV:-build/venv-cuda}/bin/python}")
+PY=$(realpath -ms "${NEWCOMER_PYTHON:-${CUDA_VENV:-build/venv-cuda}/bin/python}")
 OUT=$(realpath -m build/newcomer-check)
 fail() { echo "newcomer-check: FAILED: $*" >&2; exit 1; }
 PYTHONSAFEPATH=1 "$PY" -c "import torch; assert torch.version.cuda, torch.__version__" 2>/dev/null ||
@@ -37,14 +37,14 @@ sys.argv = ['setup.py', '--version']
 print(runpy.run_path('setup.py')['want_cuda']().line())" 2>&1 | tail -1)
 echo "newcomer-check: (a) $choice"
 nvcc=$(PATH="$VENV_BIN:$PATH" command -v nvcc || true)
-if [ -n "$nvcc" ] && ! [ "$(realpath "$(dirname "$nvcc")/..")/bin/nvcc" -ef "$nvcc" ] &&
-   [[ "$(head -c 2 "$nvcc")" == "#!" ]]; then  # the nvcc on PATH is a script outside any toolkit
+if [ -n "$nvcc" ] && [[ "$(head -c 2 "$nvcc")" == "#!" ]]; then  # a wrapper script, as on the developers' machines
+  wrapper_parent=$(realpath "$(dirname "$nvcc")/..")
   [[ $choice == "rope_ext: CUDA kernels: built with the toolkit at "* ]] ||
-    fail "(a) the nvcc on PATH is the wrapper $nvcc, and setup.py did not find its toolkit"
-  [[ $choice != *"toolkit at $(realpath "$(dirname "$nvcc")/..") "* ]] ||
-    fail "(a) setup.py took the wrapper's folder for the toolkit"
+    fail "(a) the nvcc on PATH is the wrapper script $nvcc, and setup.py found no toolkit through it"
+  [[ $choice != *"toolkit at $wrapper_parent ("* ]] ||
+    fail "(a) setup.py took the wrapper's folder $wrapper_parent for the toolkit"
 else
-  echo "newcomer-check: (a) the nvcc on PATH (${nvcc:-none}) is not a wrapper script outside its toolkit here"
+  echo "newcomer-check: (a) the nvcc on PATH (${nvcc:-none}) is no wrapper script: (a) is not this machine's setup"
 fi
 
 # ---- (b) CUDA_HOME without a toolkit, no nvcc on PATH: the CPU kernels, and why -------------------

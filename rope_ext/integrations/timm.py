@@ -240,6 +240,13 @@ def _describe(form: _rotate.Form) -> str:
     return f"'{form.name}' form ({form.describe()}; half=True: half-split)"
 
 
+def _bound_in(code: RopeCode) -> list[str]:
+    """The timm modules whose name ``code.name`` is the function (timm's, or rope_ext's while
+    patched): where ``patch`` replaces it (a patchable function's ``in ...`` in the listing)."""
+    sincos = importlib.import_module(_SINCOS)
+    return _importers(code.name, _patcher.original(code.name, sincos, code.name), _replacement(code.form))
+
+
 def main() -> None:
     """Print each of timm's RoPE functions and prefix-token methods: its form, patched or why not."""
     import timm
@@ -251,9 +258,7 @@ def main() -> None:
         detail = _describe(code.form) if code.form else code.reason
         print(f"{code.module + '.' + code.qualname:<{width}}  {status}  {detail}")
         if code.form and not code.is_method:
-            sincos = importlib.import_module(_SINCOS)
-            bound = _importers(code.name, _patcher.original(code.name, sincos, code.name), _replacement(code.form))
-            print(f"{'':<{width}}           in {', '.join(bound)}")
+            print(f"{'':<{width}}           in {', '.join(_bound_in(code))}")
     n = sum(c.form is not None for c in codes.values())
     print(f"\ntimm {timm.__version__}: {len(codes)} RoPE functions and methods; {n} patched, {len(codes) - n} refused")
 
