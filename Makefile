@@ -21,7 +21,7 @@ setup: $(STAMP)
 build-tools:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH)
 	@$(PYTHON) -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" 2>/dev/null || \
-	    $(PIP) install "setuptools>=77" "torch==$$($(PYTHON) -c 'import torch; print(torch.__version__)')"
+	    $(PIP) install "setuptools>=77" "torch==$$($(PYTHON) -c 'from importlib.metadata import version; print(version("torch"))')"
 	@$(PYTHON) -c "import ninja" 2>/dev/null || $(PIP) install ninja
 	@cmake --version 2>/dev/null | grep -qE "version (3\.(1[89]|[2-9][0-9])|[4-9])" || $(PIP) install "cmake>=3.18"
 

@@ -63,14 +63,20 @@ for f in csrc/include/rope_ext/version.h csrc/rotary_math.h csrc/cuda/rotary_cud
 done
 mkdir -p "$OUT/src" && tar xzf "$SDIST" -C "$OUT/src" --strip-components=1
 t1=$(date +%s)
-# (PIP_CONSTRAINT reaches the pip that installs the isolated environment's packages)
-echo "torch==$("$B" -c 'import torch; print(torch.__version__)')" > "$OUT/build-constraints.txt"
+# (PIP_CONSTRAINT reaches the pip that installs the isolated environment's packages. The version as
+# the package index knows it: a CUDA build's torch.__version__ carries a local label, +cu130, that the
+# index's file names do not.)
+TORCH_PIN=$("$B" -c 'from importlib.metadata import version; print(version("torch"))')
+echo "torch==$TORCH_PIN" > "$OUT/build-constraints.txt"
 (cd "$OUT/src" && ROPE_EXT_CUDA=$CUDA PIP_CONSTRAINT="$OUT/build-constraints.txt" "$B" -m build --wheel -o "$OUT/dist" . \
    > "$OUT/wheel.log" 2>&1) || { tail -30 "$OUT/wheel.log"; fail "the isolated wheel build from the sdist (ROPE_EXT_CUDA=$CUDA)"; }
 grep -q "Installing build dependencies\|Creating isolated environment" "$OUT/wheel.log" ||
   fail "the wheel was not built in an isolated environment (${OUT#"$ROOT"/}/wheel.log)"
 WHEEL=$(ls "$OUT"/dist/rope_ext-*.whl)
 t2=$(date +%s)
+built_against=$("$B" -c 'import json, sys, zipfile; print(json.loads(zipfile.ZipFile(sys.argv[1]).read("rope_ext/lib/build.json"))["built_against_torch"])' "$WHEEL")
+[ "${built_against%%+*}" = "${TORCH_PIN%%+*}" ] ||
+  fail "the isolated build compiled against torch $built_against, not the pinned torch==$TORCH_PIN"
 grep "^rope_ext: CUDA kernels: " "$OUT/wheel.log" | sed 's/^/dist-check: /' ||
   fail "the build printed no 'rope_ext: CUDA kernels:' line (${OUT#"$ROOT"/}/wheel.log)"
 grep -qx "CMAKE_GENERATOR:INTERNAL=Ninja" "$OUT"/src/build/cmake-*/CMakeCache.txt ||

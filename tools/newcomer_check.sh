@@ -37,19 +37,21 @@ sys.argv = ['setup.py', '--version']
 print(runpy.run_path('setup.py')['want_cuda']().line())" 2>&1 | tail -1)
 echo "newcomer-check: (a) $choice"
 nvcc=$(PATH="$VENV_BIN:$PATH" command -v nvcc || true)
-if [ -n "$nvcc" ] && [[ "$(head -c 2 "$nvcc")" == "#!" ]]; then  # a wrapper script, as on the developers' machines
-  wrapper_parent=$(realpath "$(dirname "$nvcc")/..")
+outside=${nvcc:+$(realpath -m "$(dirname "$nvcc")/..")}  # where torch guesses the toolkit: the folder above nvcc's
+if [ -n "$nvcc" ] && [ ! -e "$outside/include/cuda_runtime.h" ]; then  # a wrapper or a link outside the toolkit
   [[ $choice == "rope_ext: CUDA kernels: built with the toolkit at "* ]] ||
-    fail "(a) the nvcc on PATH is the wrapper script $nvcc, and setup.py found no toolkit through it"
-  [[ $choice != *"toolkit at $wrapper_parent ("* ]] ||
-    fail "(a) setup.py took the wrapper's folder $wrapper_parent for the toolkit"
+    fail "(a) the nvcc on PATH, $nvcc, is outside its toolkit, and setup.py found no toolkit through it"
+  [[ $choice != *"toolkit at $outside ("* ]] || fail "(a) setup.py took $outside, the folder above nvcc's, for the toolkit"
 else
-  echo "newcomer-check: (a) the nvcc on PATH (${nvcc:-none}) is no wrapper script: (a) is not this machine's setup"
+  echo "newcomer-check: (a) the nvcc on PATH (${nvcc:-none}) sits in its toolkit: (a) is not this machine's setup"
 fi
 
 # ---- (b) CUDA_HOME without a toolkit, no nvcc on PATH: the CPU kernels, and why -------------------
-no_nvcc_path=$(printf '%s' "$VENV_BIN:$PATH" | tr ':' '\n' | while read -r d; do
-  [ -n "$d" ] && [ ! -x "$d/nvcc" ] && printf '%s:' "$d"; done)
+IFS=: read -ra dirs <<< "$VENV_BIN:$PATH"
+no_nvcc_path=
+for d in "${dirs[@]}"; do
+  if [ -n "$d" ] && [ ! -x "$d/nvcc" ]; then no_nvcc_path+="$d:"; fi
+done
 run_b() {  # run_b <extra env>...: the README's lines in the clone, setup (b)
   (cd "$OUT/clone" && env -u CUDA_PATH PATH="${no_nvcc_path%:}" CUDA_HOME="$OUT/cuda-runtime-only" "$@" \
      bash -euo pipefail -c "$INSTALL")
