@@ -12,8 +12,8 @@
 #      and `python -m rope_ext.info` says no CUDA kernels were built, and why.
 #  (c) (b) with ROPE_EXT_CUDA=1: the install stops with that reason and says what to set.
 # pip prints setup.py's line only with -v; the build records it, and `python -m rope_ext.info` prints
-# it. About 2 minutes (the CPU kernels' build). NEWCOMER_PYTHON: the Python whose venv is used (default
-# cuda-check's venv); everything else lives in build/newcomer-check.
+# it. About 2 minutes, nearly all of it (b)'s build of the CPU kernels. NEWCOMER_PYTHON: the Python
+# whose venv is used (default cuda-check's venv); everything else lives in build/newcomer-check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -26,7 +26,7 @@ rm -rf "$OUT" && mkdir -p "$OUT/cuda-runtime-only/lib64"
 git clone -q "$ROOT" "$OUT/clone"
 git -C "$OUT/clone" checkout -q "$(git rev-parse HEAD)"
 INSTALL=$(bash "$OUT/clone/tools/readme_block.sh" from-source)
-echo "newcomer-check: the README's from-source install:"; printf '  %s\n' "$INSTALL"
+echo "newcomer-check: the README's from-source install:"; sed 's/^/  /' <<< "$INSTALL"
 VENV_BIN=$(dirname "$PY")
 t0=$SECONDS
 
