@@ -41,10 +41,14 @@ def assert_parity(dtype, fused, stock, truth):
     element of q and k, which two layers, softmax and the head amplify far less than 2^8 (measured:
     1e-7 to 6e-7 of the largest value, 2^-16 is 1.5e-5).
 
-    bfloat16: the error against the float32 model no more than 1.25 times stock bfloat16's. The
-    fused op rounds q and k once where the libraries round three or four times, so it is not less
-    exact; the rest of the model rounds the same way in both, so their errors are close (measured
-    ratios 0.8 to 1.11); 1.25 leaves room for where the roundings land."""
+    bfloat16: the error against the float32 model, relative in the 2-norm (output, and the gradients
+    all together), no more than 1.25 times stock bfloat16's. The fused op rounds q and k once where
+    the libraries round three or four times, so it is not less exact; the rest of the model rounds
+    the same way in both, so their errors are close (measured ratios 0.92 to 1.03 over eight inputs
+    of Qwen3-VL's text model, transformers 4.57.6); 1.25 leaves room for where the roundings land.
+    Not the largest error: a maximum over a few thousand elements' roundings is one element's luck;
+    it moved by up to 1.38 times between stock and the RoPE switch alone (no fusion: the same
+    operations, rounded in other places) on that model, where the 2-norm moved by 0.96 to 1.03."""
     (out, grads), (stock_out, stock_grads), (truth_out, truth_grads) = fused, stock, truth
     assert grads.keys() == stock_grads.keys() == truth_grads.keys() and grads
 
@@ -55,6 +59,6 @@ def assert_parity(dtype, fused, stock, truth):
         assert max_rel(out, stock_out) <= 2**-16, max_rel(out, stock_out)
         assert max_rel(flat(grads), flat(stock_grads)) <= 2**-16, max_rel(flat(grads), flat(stock_grads))
         return
-    assert max_rel(out, truth_out) <= 1.25 * max_rel(stock_out, truth_out), (max_rel(out, truth_out),
-                                                                              max_rel(stock_out, truth_out))
+    assert norm_rel(out, truth_out) <= 1.25 * norm_rel(stock_out, truth_out), (norm_rel(out, truth_out),
+                                                                                norm_rel(stock_out, truth_out))
     assert norm_rel(flat(grads), flat(truth_grads)) <= 1.25 * norm_rel(flat(stock_grads), flat(truth_grads))

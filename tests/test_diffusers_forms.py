@@ -395,16 +395,16 @@ def test_a_file_that_fails_to_install_leaves_every_other_switched(monkeypatch):
     import diffusers.models.transformers.transformer_flux as flux
     import diffusers.models.transformers.transformer_ltx as ltx
 
-    from rope_ext.integrations import _engine, _qk_norm_fusion
+    from rope_ext.integrations import _engine, _qk_norm_sites
 
-    real = _qk_norm_fusion.rewrite_plan
+    real = _qk_norm_sites.rewrite_plan
 
     def failing(group, *args, **kwargs):
         if group == "flux":
             raise RuntimeError("forced")
         return real(group, *args, **kwargs)
 
-    monkeypatch.setattr(_qk_norm_fusion, "rewrite_plan", failing)
+    monkeypatch.setattr(_qk_norm_sites, "rewrite_plan", failing)
     monkeypatch.setattr(ltx, "apply_rotary_emb", lambda x, freqs: x)
     monkeypatch.setattr(_engine, "_warned", set())
     stock = flux.FluxAttnProcessor.__call__.__code__

@@ -13,7 +13,7 @@ import torch
 from conftest import RopeOpSpy
 
 from rope_ext import qk_norm_rotary
-from rope_ext.integrations import _diffusers_forms, _qk_norm_fusion
+from rope_ext.integrations import _diffusers_forms, _qk_norm_call
 from rope_ext.integrations import diffusers as rope_diffusers
 
 pytest.importorskip("diffusers")
@@ -55,8 +55,8 @@ def test_norm_class_matches_its_form(kind, eps, affine, x_dtype, w_dtype):
     norm = norm.to(w_dtype)
     x = (torch.randn(3, 5, 4, 32, generator=gen, dtype=torch.float64) * 3).to(x_dtype)
     expected = norm(x)
-    weight = _qk_norm_fusion._norm_weight(norm, form)
-    takes = _qk_norm_fusion._weight_ok(weight, form, x, 32)
+    weight = _qk_norm_call._norm_weight(norm, form)
+    takes = _qk_norm_call._weight_ok(weight, form, x, 32)
     # never where the class returns another dtype (it may decline more: the op takes a weight in x's
     # dtype or float32 only, so a bfloat16 weight with float32 x runs torch's own norm)
     assert not takes or expected.dtype == x_dtype
@@ -65,7 +65,7 @@ def test_norm_class_matches_its_form(kind, eps, affine, x_dtype, w_dtype):
         return
     ones, zeros = torch.ones(5, 32, dtype=x_dtype), torch.zeros(5, 32, dtype=x_dtype)
     ours, _ = qk_norm_rotary(x, x, weight, weight, ones.unsqueeze(1), zeros.unsqueeze(1),
-                             eps=_qk_norm_fusion._eps(norm, form, x), weight_offset=form.offset)
+                             eps=_qk_norm_call._eps(norm, form, x), weight_offset=form.offset)
     ulp = {torch.float32: 8 * 2**-24, torch.bfloat16: 2 * 2**-8}[x_dtype]
     scale = expected.double().abs().amax(-1, keepdim=True)
     assert ((ours.double() - expected.double()).abs() <= ulp * scale).all()

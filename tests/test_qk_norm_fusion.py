@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -16,7 +17,7 @@ import torch
 from conftest import RopeOpSpy
 
 from rope_ext import qk_norm_rotary
-from rope_ext.integrations import _engine, _hf_forms, _qk_norm_fusion
+from rope_ext.integrations import _engine, _hf_forms, _qk_norm_call, _qk_norm_rewrite, _qk_norm_sites, _qk_norm_table
 from rope_ext.integrations import transformers as rope_hf
 
 T = pytest.importorskip("transformers")
@@ -44,7 +45,7 @@ def _norm_classes() -> dict:
             definitions = _engine.module_definitions(tree)
             for node in tree.body:
                 if isinstance(node, ast.ClassDef) and "Norm" in node.name:
-                    key = _qk_norm_fusion.norm_fingerprint(definitions, node)
+                    key = _qk_norm_sites.norm_fingerprint(definitions, node)
                     if key in _hf_forms.KNOWN_NORMS:
                         found.setdefault(key, (f"transformers.models.{family}.{file[:-3]}", node.name))
     return found
@@ -99,10 +100,10 @@ def test_norm_form_matches_its_class(key, options, x_dtype, w_dtype):
     norm = _norm(key, dim, w_dtype, gen, **options)
     x = (torch.randn(3, 5, 4, dim, generator=gen, dtype=torch.float64) * 3).to(x_dtype)
     expected = norm(x)
-    weight = _qk_norm_fusion._norm_weight(norm, form)
+    weight = _qk_norm_call._norm_weight(norm, form)
     assert (weight is None) == (form.weight is None or bool(options))
     # the fusion takes exactly the pairs where the class returns x's dtype
-    assert _qk_norm_fusion._weight_ok(weight, form, x, dim) == (expected.dtype == x_dtype)
+    assert _qk_norm_call._weight_ok(weight, form, x, dim) == (expected.dtype == x_dtype)
     if expected.dtype != x_dtype:
         return
     ones, zeros = torch.ones(5, dim, dtype=x_dtype), torch.zeros(5, dim, dtype=x_dtype)
@@ -113,59 +114,242 @@ def test_norm_form_matches_its_class(key, options, x_dtype, w_dtype):
     assert ((ours.double() - expected.double()).abs() <= ulp * scale).all()
 
 
-# --- whole models -----------------------------------------------------------------------------------
+# --- every tested fusion, run: whole tiny models ------------------------------------------------------
 
-# model_type -> (family, config overrides). Qwen3: per head, its rounding; Gemma 3: (1 + w);
-# OLMo 2: across heads; GLM-4-MoE: norms under `if self.use_qk_norm:`, transposed after, and
-# partial rotary (half the head).
-MODELS = {
-    "qwen3": ("qwen3", {}),
-    "gemma3_text": ("gemma3", {}),
-    "olmo2": ("olmo2", {}),
-    "glm4_moe": ("glm4_moe", {"use_qk_norm": True}),
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A tiny model that runs a family's attention: built from ``model_type``'s config class
+    (test_transformers_integration._tiny: small sizes, plus ``overrides``) by the auto class that
+    takes it, run on token ids, in the transformers releases named. ``layers``: the attention layers
+    that rotate, where not every instance of the fused classes does (a layer without RoPE runs the
+    norms alone)."""
+
+    model_type: str
+    overrides: dict = dataclasses.field(default_factory=dict)
+    releases: tuple = ("5.23.0", "5.24.0")
+    layers: int | None = None
+    classes: tuple[str, str] | None = None  # (config, model) of the family's files, where no auto class fits
+
+
+_ALL = ("4.57.6", "5.23.0", "5.24.0")
+_FULL = {"layer_types": ["full_attention", "full_attention"]}  # hybrid families: both layers attention
+# family -> its case: for each tested release, the cases' fused methods are the table's entries for it
+# (test_every_entry_is_run). Qwen3: per head, its rounding; Gemma 3: (1 + w); OLMo 2: across heads;
+# GLM-4-MoE: norms under `if self.use_qk_norm:`, transposed after, and partial rotary (half the head).
+CASES = {
+    "qwen3": Case("qwen3", releases=_ALL),
+    "gemma3": Case("gemma3_text", releases=_ALL),
+    "olmo2": Case("olmo2", releases=_ALL),
+    "olmo3": Case("olmo3", releases=_ALL),
+    "glm4_moe": Case("glm4_moe", {"use_qk_norm": True}, releases=_ALL),
+    "exaone4": Case("exaone4", releases=_ALL),
+    "apertus": Case("apertus", releases=_ALL),
+    "doge": Case("doge", releases=_ALL),
+    "lfm2": Case("lfm2", releases=_ALL),
+    "qwen3_vl": Case("qwen3_vl_text", releases=_ALL),
+    "qwen3_5": Case("qwen3_5_text", _FULL),  # (Qwen3-Next's attention too, in 5.x)
+    "qwen3_next": Case("qwen3_next", {"layer_types": ["linear_attention", "full_attention"]}, releases=("4.57.6",),
+                       layers=1),  # (4.57.6 has no layer without linear attention after the last one)
+    "afmoe": Case("afmoe"),
+    "beam": Case("beam", layers=1),  # (its other layer has no RoPE)
+    "embedding_gemma2": Case("embedding_gemma2_text"),
+    "flint": Case("flint", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8},
+                  layers=1),  # (only its sliding-window layers rotate)
+    "laguna": Case("laguna"),
+    "lfm3": Case("lfm3", _FULL),
+    "minimax_m2": Case("minimax_m2"),
+    "minimax_m3_vl": Case("minimax_m3_vl_text"),
+    "molmo2": Case("molmo2_text"),
+    "neomme": Case("neomme"),
+    "olmo_hybrid": Case("olmo_hybrid", _FULL),
+    "step3p7": Case("step3p7", {"sliding_window": 8},
+                     classes=("Step3p7TextConfig", "Step3p7TextModel")),  # (its text config says step3p5)
 }
 
 
-def _model(model_type):
-    family, overrides = MODELS[model_type]
-    config = _tiny(model_type)
-    for k, v in overrides.items():
-        setattr(config, k, v)
+# what 4.x's configs need beside: its rope_scaling held Qwen3-VL's mrope sections
+_LEGACY = {"qwen3_vl": {"rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3]}}}
+
+
+def _tables(n: int, dim: int, *lead) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of positions 0..n-1 (base 10000, the halves repeated), of shape (*lead, n, dim)."""
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq
+    angles = torch.cat([angles, angles], -1).float()
+    return angles.cos().expand(*lead, n, dim), angles.sin().expand(*lead, n, dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+    """A family's attention module alone, where its whole model takes inputs other than token ids
+    (images, audio, atoms, an encoder's states): ``cls`` of the family's model file, built from
+    ``model_type``'s tiny config (``atoms``: EsmFold2's, with its atom encoder's config too), run
+    on random hidden states, with the cos and sin of positions 0..n-1. ``kind``: "tokens" (B, S, H)
+    states, "patches" (S, H) states and cu_seqlens (vision towers), "merged" (T5Gemma 2's decoder:
+    its encoder's states too)."""
+
+    cls: str
+    model_type: str
+    kind: str = "tokens"
+    releases: tuple = ("5.23.0", "5.24.0")
+    layers: int = 1
+
+
+ATTENTION_CASES = {
+    "glm_ocr": AttentionCase("GlmOcrVisionAttention", "glm_ocr_vision", "patches"),
+    "lfm3_vl": AttentionCase("Lfm3VlVisionAttention", "lfm3_vl_vision", "patches"),
+    "pe_audio": AttentionCase("PeAudioEncoderAttention", "pe_audio_encoder"),
+    "t5gemma2": AttentionCase("T5Gemma2MergedAttention", "t5gemma2_text", "merged"),
+    "esmfold2": AttentionCase("EsmFold2AtomAttention", "esmfold2", "atoms"),
+}
+
+
+def _attention(family):
+    """(module, run): the family's attention module alone, as ATTENTION_CASES says."""
+    import importlib
+    import inspect
+
+    case = ATTENTION_CASES[family]
+    cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), case.cls)
+    config = _tiny(case.model_type)
+    config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(config).float().eval()
+    if case.kind == "atoms":
+        configs = importlib.import_module(f"transformers.models.{family}.configuration_{family}")
+        module = cls(config, configs.EsmFold2AtomEncoderConfig(hidden_size=128, num_attention_heads=4, head_dim=32))
+        width = 128
+    else:
+        module = cls(config, 0) if "layer_idx" in inspect.signature(cls.__init__).parameters else cls(config)
+        width = config.hidden_size
+    gen = torch.Generator().manual_seed(5)
+    n, head_dim = 10, module.head_dim
+    hidden = torch.randn(n, width, generator=gen) if case.kind == "patches" else torch.randn(2, n, width, generator=gen)
+    kwargs = {"position_embeddings": _tables(n, head_dim, *hidden.shape[:-2])}
+    if case.kind == "patches":
+        kwargs["cu_seqlens"] = torch.tensor([0, 4, n], dtype=torch.int32)
+    elif case.kind == "merged":
+        kwargs.update(merged_attention_mask=None, encoder_hidden_states=torch.randn(2, 5, width, generator=gen))
+    elif case.kind == "atoms":
+        kwargs["attention_mask"] = None
+
+    def run(m):
+        dtype = next(m.parameters()).dtype
+        cast = {k: tuple(t.to(dtype) for t in v) if k == "position_embeddings" else
+                v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
+        out = m(hidden.to(dtype), **cast)
+        return out[0] if isinstance(out, tuple) else out
+
+    return module.float(), run
+
+
+def _model(family):
+    """(family, model, run, layers): a tiny model of the family (CASES) or its attention alone
+    (ATTENTION_CASES), its q/k norms' weights random; run(model) is its output; layers, the
+    attention layers that run the fused op."""
+    if family in ATTENTION_CASES:
+        model, run = _attention(family)
+        layers = ATTENTION_CASES[family].layers
+    else:
+        case = CASES[family]
+        if case.classes:
+            import importlib
+
+            files = [importlib.import_module(f"transformers.models.{family}.{kind}_{family}")
+                     for kind in ("configuration", "modeling")]
+            config = _tiny(case.model_type, getattr(files[0], case.classes[0]))
+        else:
+            config = _tiny(case.model_type)
+        for k, v in {**case.overrides, **(_LEGACY.get(family, {}) if T.__version__ < "5" else {})}.items():
+            setattr(config, k, v)
+        torch.manual_seed(0)
+        model = getattr(files[1], case.classes[1])(config).float().eval() if case.classes else None
+        for auto in (T.AutoModelForCausalLM, T.AutoModel):
+            if model is None and type(config) in auto._model_mapping:
+                model = auto.from_config(config).float().eval()
+        assert model is not None, f"no auto class builds {type(config).__name__}"
+        ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+
+        def run(m):
+            out = m(input_ids=ids)
+            return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+        fused = _fused_classes(family)
+        layers = case.layers or sum(type(m).__name__ in fused for m in model.modules())
     gen = torch.Generator().manual_seed(3)
     for name, p in model.named_parameters():  # weights that matter: a norm without its weight would show
-        if re.search(r"\.(q|k)_norm\.", name):
+        if re.search(r"(^|\.)(q|k)_(norm|layernorm)\.", name):
             with torch.no_grad():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (0.0 if family == "gemma3" else 1.0))
-    return family, model
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (0.0 if "gemma" in family else 1.0))
+    return family, model, run, layers
 
 
-def _run(model, family, ids, mode):
+def _run(model, family, run, mode):
     """fusion_checks.step with mode None (stock), "rope" (the RoPE switch alone) or "fused"."""
     patch = contextlib.nullcontext() if mode is None else rope_hf.patch([family], qk_norm=mode == "fused")
-    return fusion_checks.step(model, lambda m: m(input_ids=ids).logits, patch)
+    return fusion_checks.step(model, run, patch)
 
 
-def _check_parity(model_type, dtype):
-    """Raises AssertionError where the fused model is off fusion_checks.assert_parity's bounds."""
-    family, model = _model(model_type)
-    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-    truth = _run(model, family, ids, None)  # float32 stock: the reference
-    model = model.to(dtype)
-    stock = _run(model, family, ids, None)
-    fused = _run(model, family, ids, "fused")
-    ops = fused[2]
-    assert ops.count("qk_norm_rotary") == model.config.num_hidden_layers and "rotary_qk" not in ops, ops
-    fusion_checks.assert_parity(dtype, fused[:2], stock[:2], truth[:2])
+def _fused_classes(family) -> dict[str, str]:
+    """class name -> fingerprint of the family's fused attention methods."""
+    return {s.method.split(".")[0]: s.fingerprint for s in rope_hf.family_report(family).qk_norms if s.fused}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("model_type", MODELS)
-def test_model_matches_stock(model_type, dtype):
-    """Outputs and every parameter's gradient of a tiny model with its q/k norms fused, against
-    transformers' own model, within fusion_checks.assert_parity's bounds (and why they are those)."""
-    _check_parity(model_type, dtype)
+def _cases() -> list[str]:
+    return [family for family, case in {**CASES, **ATTENTION_CASES}.items() if T.__version__ in case.releases]
+
+
+def _check_parity(family, dtypes=(torch.float32, torch.bfloat16)):
+    """Raises AssertionError where the fused model is off fusion_checks.assert_parity's bounds, or
+    the fused op does not run once in each attention layer whose method the table lists."""
+    family, model, run, layers = _model(family)
+    assert layers, f"the tiny {family} model has none of the fused classes {sorted(_fused_classes(family))}"
+    truth = _run(model, family, run, None)  # float32 stock: the reference
+    for dtype in dtypes:
+        model = model.to(dtype)
+        stock = truth if dtype == torch.float32 else _run(model, family, run, None)
+        fused = _run(model, family, run, "fused")
+        assert fused[2].count("qk_norm_rotary") == layers and "rotary_qk" not in fused[2], fused[2]
+        fusion_checks.assert_parity(dtype, fused[:2], stock[:2], truth[:2])
+
+
+@pytest.mark.parametrize("family", _cases())
+def test_tested_fusion_matches_stock(family):
+    """A tiny model of the family with its q/k norms fused, against transformers' own: outputs and
+    every parameter's gradient, in float32 and bfloat16, within fusion_checks.assert_parity's
+    bounds (and why they are those)."""
+    _check_parity(family)
+
+
+def test_every_entry_is_run():
+    """For the installed release: what patch() fuses is exactly the table's entries for it (none
+    stale), and the cases above run every one of them."""
+    listed = _qk_norm_table.TRANSFORMERS_RELEASES[T.__version__]
+    fused = {s.fingerprint for r in rope_hf.survey().values() for s in r.qk_norms if s.fused}
+    assert fused == listed, (sorted(fused - listed), sorted(listed - fused))
+    run = {key for family in _cases() for key in _fused_classes(family).values()}
+    assert run == listed, f"entries no case runs: {sorted(listed - run)}"
+
+
+def test_the_offline_tool_proposes_the_table(monkeypatch, capsys):
+    """tools/qk_norm_table.py, the rewrite's own analysis over the installed release, finds the sites
+    and the refusals the table records for it; and it reports an entry the table lacks as new, with
+    the line for the table and the line for the test."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("qk_norm_table_tool", os.path.join(
+        os.path.dirname(__file__), "..", "tools", "qk_norm_table.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    monkeypatch.setattr("sys.argv", ["qk_norm_table.py"])
+    assert tool.main() == 0, capsys.readouterr().out
+    key = _fused_classes("qwen3")["Qwen3Attention"]
+    table = _qk_norm_table.TRANSFORMERS
+    monkeypatch.setattr(_qk_norm_table, "TRANSFORMERS", _qk_norm_table.Table(
+        {k: v for k, v in table.tested.items() if k != key}, table.unfusable))
+    assert tool.main() == 1
+    out = capsys.readouterr().out
+    assert f'NEW fusion {key} (' in out and f'"{key}": _self(),' in out and f'"{key}": Case("dots1"),' in out, out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -180,11 +364,11 @@ def test_the_bound_can_fail(monkeypatch, dtype):
 
     monkeypatch.setattr(rope_ext._ops, "qk_norm_rotary", without_weights)
     with pytest.raises(AssertionError):
-        _check_parity("qwen3", dtype)
+        _check_parity("qwen3", (dtype,))
 
 
 def test_fused_op_runs_once_per_layer_and_never_after_unpatch():
-    family, model = _model("qwen3")
+    family, model, _, _ = _model("qwen3")
     ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         with rope_hf.patch([family]), RopeOpSpy() as spy:
@@ -199,7 +383,7 @@ def test_fallbacks_run_transformers_code():
     """Where a check fails the attention runs its own norms, then the RoPE function the name holds:
     a hook on a norm, a norm class replaced on the instance, bfloat16 weights with float32
     activations (which the op does not take). The results are the RoPE switch's alone, or stock's."""
-    family, model = _model("qwen3")
+    family, model, _, _ = _model("qwen3")
     ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(2))
     attn = model.model.layers[0].self_attn
     with torch.no_grad(), rope_hf.patch([family], qk_norm=False):
@@ -242,7 +426,7 @@ def _replace(module, attr, new):
 
 
 def test_patched_decoder_layer_compiles_to_one_graph():
-    family, model = _model("qwen3")
+    family, model, _, _ = _model("qwen3")
     layer = model.model.layers[0]
     hidden = torch.randn(2, 7, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
     position_ids = torch.arange(7).expand(2, 7)
@@ -304,12 +488,16 @@ def test_a_cold_patch_imports_nothing_and_switches_the_model_built_after_it():
 # --- refusals ---------------------------------------------------------------------------------------
 
 
-def _sites(source: str):
+def _sites(source: str, offline: bool = False):
+    """Class.method -> FusionSite of a model file's source, as patch() classifies it (the table's
+    word) or, ``offline``, as the rewrite's own analysis judges it (tools/qk_norm_table.py)."""
     tree = ast.parse(source)
     rope_forms = {"apply_rotary_pos_emb": _hf_forms.KNOWN[next(k for k, f in _hf_forms.KNOWN.items()
                                                                if f.name == "llama")]}
-    found = _qk_norm_fusion.find_sites(tree, "m", rope_forms, _hf_forms.KNOWN_NORMS,
-                                       re.compile(_hf_forms.NORM_ATTRIBUTE), _hf_forms.FUSED_TABLES)
+    judge = ((lambda key, *args: _qk_norm_rewrite.probe(*args)) if offline else
+             (lambda key, *_: _qk_norm_sites.lookup(_qk_norm_table.TRANSFORMERS, key)))
+    found = _qk_norm_sites.find_sites(tree, "m", rope_forms, _hf_forms.KNOWN_NORMS,
+                                      re.compile(_hf_forms.NORM_ATTRIBUTE), _hf_forms.FUSED_TABLES, judge)
     return {s.method: s for s in found}
 
 
@@ -340,16 +528,48 @@ def test_norms_after_rope_are_refused():
     source = source.replace(rope, rope + "        query_states = self.q_norm(query_states)\n"
                             "        key_states = self.k_norm(key_states)\n")
     source = re.sub(r"self\.([qk])_norm\((self\.[qk]_proj\(hidden_states\)\.view\(hidden_shape\))\)", r"\2", source)
-    site = _sites(source)["Qwen3Attention.forward"]
-    assert not site.fused and "normalized after RoPE" in site.reason
+    site = _sites(source)["Qwen3Attention.forward"]  # changed code: not in the table
+    assert isinstance(site.refusal, _qk_norm_sites.Untested) and site.refusal.fingerprint == site.fingerprint
+    site = _sites(source, offline=True)["Qwen3Attention.forward"]  # and the tool says why it stays so
+    assert isinstance(site.refusal, _qk_norm_rewrite.Unfusable) and "normalized after RoPE" in site.reason
 
 
 def test_a_read_between_norm_and_rope_is_refused():
     rope = "        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)\n"
     source = _qwen3_source().replace(rope, "        self.seen = query_states.sum()\n" + rope)
-    site = _sites(source)["Qwen3Attention.forward"]
-    assert not site.fused and site.reason == ("`self.seen = query_states.sum()` uses query_states, key_states or what "
-                                              "their norms read between the norms and RoPE")
+    assert isinstance(_sites(source)["Qwen3Attention.forward"].refusal, _qk_norm_sites.Untested)
+    site = _sites(source, offline=True)["Qwen3Attention.forward"]
+    assert site.refusal == _qk_norm_rewrite.Unfusable(
+        "`self.seen = query_states.sum()` uses query_states, key_states or what their norms read between the "
+        "norms and RoPE")
+
+
+def test_a_method_the_table_does_not_list_is_refused_by_fingerprint(monkeypatch):
+    """Qwen3's attention with its entry taken out of the table, as a release whose code changed: its
+    RoPE is switched, its norms and RoPE run unfused, a RefusedWarning names the fingerprint; with
+    strict=True, patch() raises and patches nothing."""
+    from rope_ext.integrations._engine import RefusedWarning
+
+    table = _qk_norm_table.TRANSFORMERS
+    key = _fused_classes("qwen3")["Qwen3Attention"]
+    monkeypatch.setattr(_qk_norm_table, "TRANSFORMERS", _qk_norm_table.Table(
+        {k: v for k, v in table.tested.items() if k != key}, table.unfusable))
+    rope_hf._classify_file.cache_clear()
+    try:
+        family, model, _, _ = _model("qwen3")
+        site = next(s for s in rope_hf.family_report(family).qk_norms if s.fingerprint == key)
+        assert isinstance(site.refusal, _qk_norm_sites.Untested) and site.refusal.warns
+        ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+        with pytest.raises(ValueError, match=f"fingerprint {key}.* not among the tested fusions.*strict=True"):
+            rope_hf.patch([family], strict=True)
+        assert family not in rope_hf.patched_families()
+        _engine._warned.clear()
+        with torch.no_grad(), pytest.warns(RefusedWarning, match=f"qk-norm Qwen3Attention.forward.*fingerprint {key}"):
+            with rope_hf.patch([family]), RopeOpSpy() as spy:
+                model(input_ids=ids)
+        assert spy.names == ["rotary_qk"] * model.config.num_hidden_layers
+    finally:
+        rope_hf._classify_file.cache_clear()
 
 
 def test_listing_says_which_are_fused(capsys):
@@ -367,7 +587,7 @@ def _fused_families() -> list[str]:
 
 
 # The fewest families fused, by transformers' major release (measured: 16 on 4.57.6, 45 on 5.23.0
-# and 46 on 5.24.0): a fusion lost to a classifier change shows here.
+# and 46 on 5.24.0): a fusion lost to a table or classifier change shows here.
 FUSED_AT_LEAST = {"4": 16, "5": 45}
 
 
@@ -384,7 +604,7 @@ _ATTRS = {"q_norm", "k_norm"}
 
 def _probe(body: str, ropes=("apply_rotary_pos_emb",)):
     source = "def forward(self, x, y, cos, sin):\n" + "".join(f"    {line}\n" for line in body.strip().splitlines())
-    return _qk_norm_fusion.probe(ast.parse(source).body[0], "self", set(ropes), _ATTRS)
+    return _qk_norm_rewrite.probe(ast.parse(source).body[0], "self", set(ropes), _ATTRS)
 
 
 def test_matcher_keeps_the_plain_form():
@@ -393,7 +613,7 @@ q = self.q_norm(x).transpose(1, 2)
 k = self.k_norm(y).transpose(1, 2)
 q, k = apply_rotary_pos_emb(q, k, cos, sin)
 return q, k""")
-    assert site == _qk_norm_fusion.Site("self", "q_norm", "k_norm", "apply_rotary_pos_emb", False, "head")
+    assert site == _qk_norm_rewrite.Site("self", "q_norm", "k_norm", "apply_rotary_pos_emb", False, "head")
 
 
 @pytest.mark.parametrize("body,reason", [
@@ -433,7 +653,7 @@ return q, k""")
 ])
 def test_matcher_refuses(body, reason):
     found = _probe(body)
-    assert isinstance(found, str) and reason in found, found
+    assert isinstance(found, _qk_norm_rewrite.Unfusable) and reason in found.why, found
 
 
 def test_a_conditional_read_keeps_the_fusion_and_the_code_exact():
@@ -453,8 +673,8 @@ def forward(self, x, y, cos, sin, extra):
     return q, k
 """
     fn = ast.parse(source).body[0]
-    site = _qk_norm_fusion.fusion_rewrite(fn, "self", {"rope"}, _ATTRS, "holder")
-    assert site == _qk_norm_fusion.Site("self", "q_norm", "k_norm", "rope", True, "head")
+    site = _qk_norm_rewrite.fusion_rewrite(fn, "self", {"rope"}, _ATTRS, "holder")
+    assert site == _qk_norm_rewrite.Site("self", "q_norm", "k_norm", "rope", True, "head")
     calls = []
 
     def holder(module, qa, ka, mode, rope, q, k, *args):

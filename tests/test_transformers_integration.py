@@ -158,16 +158,16 @@ def test_a_family_that_fails_to_install_leaves_every_other_switched(monkeypatch,
     from transformers.models.llama import modeling_llama
     from transformers.models.qwen3 import modeling_qwen3
 
-    from rope_ext.integrations import _engine, _qk_norm_fusion
+    from rope_ext.integrations import _engine, _qk_norm_sites
 
-    real = _qk_norm_fusion.rewrite_plan
+    real = _qk_norm_sites.rewrite_plan
 
     def failing(group, *args, **kwargs):
         if group == "qwen3":
             raise RuntimeError("forced")
         return real(group, *args, **kwargs)
 
-    monkeypatch.setattr(_qk_norm_fusion, "rewrite_plan", failing)
+    monkeypatch.setattr(_qk_norm_sites, "rewrite_plan", failing)
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", lambda q, k, cos, sin, unsqueeze_dim=1: (q, k))
     monkeypatch.setattr(_engine, "_warned", set())
     _import_every_family()
@@ -327,12 +327,22 @@ _OVERRIDES = {
 COMPLEX_FORMS = {"llama4", "deepseek_v2"}
 
 
-def _tiny(model_type):
+def _has(config, name) -> bool:
+    """Whether the config has the field (one that varies by layer, in 5.23's heterogeneous configs,
+    raises on a global read: not one _SMALL sets)."""
+    try:
+        return hasattr(config, name)
+    except Exception:  # noqa: BLE001  (AmbiguousGlobalPerLayerAttributeError)
+        return False
+
+
+def _tiny(model_type, config_class=None):
+    """model_type's config (or config_class's, with model_type's overrides) with small sizes."""
     from transformers import CONFIG_MAPPING
 
-    config_class = CONFIG_MAPPING[model_type]
+    config_class = config_class or CONFIG_MAPPING[model_type]
     defaults = config_class()
-    kwargs = {k: v for k, v in _SMALL.items() if hasattr(defaults, k)}
+    kwargs = {k: v for k, v in _SMALL.items() if _has(defaults, k)}
     if hasattr(defaults, "qk_rope_head_dim"):  # MLA: the head dims are the rope and nope parts
         kwargs.pop("head_dim", None)
     if getattr(defaults, "partial_rotary_factor", None) in (None, 1.0):

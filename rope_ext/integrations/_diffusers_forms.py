@@ -16,7 +16,7 @@ import torch
 
 from rope_ext.compat.diffusers import _COMPLEX, complex_parts, real_tables, rotate_complex
 from rope_ext.compat.diffusers import apply_rotary_emb as _shared_apply_rotary_emb
-from rope_ext.integrations._qk_norm_fusion import NormForm
+from rope_ext.integrations._qk_norm_call import NormForm
 from rope_ext.integrations._rotate import Form, rotate
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rope_ext.integrations._qk_norm_fusion import NormForm
+from rope_ext.integrations._qk_norm_call import NormForm
 from rope_ext.integrations._rotate import Form, rotate
 
 # The module-level function names transformers gives its RoPE application.
@@ -348,7 +348,7 @@ KNOWN.update(KNOWN_4X)
 # --- QK-norm + RoPE ---------------------------------------------------------------------------------
 
 # How each two-tensor signature's calls give their tables to the fused QK-norm + RoPE
-# (``_qk_norm_fusion.fused``'s ``tables_of``); other signatures keep the norms and the RoPE apart.
+# (``_qk_norm_call.fused``'s ``tables_of``); other signatures keep the norms and the RoPE apart.
 def _unsqueezed(form):
     return lambda x, cos, sin, unsqueeze_dim=1: (form, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
 
@@ -364,7 +364,7 @@ FUSED_TABLES = {
 # The attributes an attention's __init__ binds its q and k norms to.
 NORM_ATTRIBUTE = r"^(q|k|query|key)_?(layer_?)?norm$"
 
-# The RMS norm classes read in transformers 5.23's model files, by ``_qk_norm_fusion.norm_fingerprint``
+# The RMS norm classes read in transformers 5.23's model files, by ``_qk_norm_sites.norm_fingerprint``
 # (the class block, its name left out); the comment names one family with it. Every one is tested
 # against the class itself (tests/test_qk_norm_fusion.py).
 KNOWN_NORMS: dict[str, NormForm] = {

@@ -47,7 +47,7 @@ import os
 import re
 import threading
 
-from rope_ext.integrations import _diffusers_forms, _engine, _qk_norm_fusion, _rotate
+from rope_ext.integrations import _diffusers_forms, _engine, _qk_norm_call, _qk_norm_rewrite, _qk_norm_sites, _rotate
 
 __all__ = ["ModelFileReport", "RopeFunction", "model_report", "patch", "patched_models", "survey", "unpatch"]
 
@@ -95,7 +95,7 @@ class ModelFileReport:
     module: str
     functions: tuple[RopeFunction, ...]
     reaches: tuple[str, ...] = ()
-    qk_norms: tuple[_qk_norm_fusion.FusionSite, ...] = ()
+    qk_norms: tuple[_qk_norm_sites.FusionSite, ...] = ()
 
     @property
     def patchable(self) -> bool:
@@ -298,7 +298,7 @@ def _processor_ropes(name: str, qualname: str, fn: ast.FunctionDef) -> dict:
 
 
 @functools.cache
-def _fusion_sites(name: str) -> tuple[_qk_norm_fusion.FusionSite, ...]:
+def _fusion_sites(name: str) -> tuple[_qk_norm_sites.FusionSite, ...]:
     """The processors (``Class.__call__(self, attn, ...)``) of a file that call ``attn.norm_q`` /
     ``norm_k`` (or ``q_norm`` / ``k_norm``) and a RoPE function, fused or with the reason not."""
     tree, module = _parsed(name)
@@ -317,15 +317,16 @@ def _fusion_sites(name: str) -> tuple[_qk_norm_fusion.FusionSite, ...]:
                       and n.func.id in ropes}
             if not attrs or not (called or qualname in inline):
                 continue
-            site = functools.partial(_qk_norm_fusion.FusionSite, module, qualname, (), None)
+            site = _qk_norm_sites.FusionSite(module, qualname, (), None, None)
             reason = "its RoPE is written inline (x * cos + _rotate_half(x) * sin)" if qualname in inline else None
             for rope in sorted(called):
                 form = ropes[rope]
                 if reason is None and (form is None or form.signature not in _diffusers_forms.FUSED_TABLES):
                     reason = (f"{rope} is refused" if form is None else
                               f"{rope}'s signature ({form.signature}) has no fused call yet")
-            found = reason or _qk_norm_fusion.probe(fn, owner, called, attrs)
-            sites.append(site(None, found) if isinstance(found, str) else site(found))
+            found = _qk_norm_sites.Unsupported(reason) if reason else _qk_norm_rewrite.probe(fn, owner, called, attrs)
+            sites.append(site.refused(found) if isinstance(found, _qk_norm_rewrite.FusionRefusal)
+                         else dataclasses.replace(site, site=found))
     return tuple(sites)
 
 
@@ -338,7 +339,7 @@ def _fused_norms() -> dict:
     norms = {torch.nn.RMSNorm: (_diffusers_forms.TORCH_RMS_NORM, torch.nn.RMSNorm.forward)}
     tree = ast.parse(open(normalization.__file__, encoding="utf-8").read())
     node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RMSNorm"), None)
-    key = node and _qk_norm_fusion.norm_fingerprint(_engine.module_definitions(tree), node)
+    key = node and _qk_norm_sites.norm_fingerprint(_engine.module_definitions(tree), node)
     form = _diffusers_forms.KNOWN_NORMS.get(key)
     cls = normalization.RMSNorm
     code = getattr(cls.forward, "__code__", None)
@@ -351,13 +352,13 @@ def _fused_norms() -> dict:
 def _fused_call(name: str, method: str, allowed, form, pair: bool):
     """One replacement per processor for the process's life: a call already running it when
     another thread unpatches still finds it (as the trampolines' holders)."""
-    call = _qk_norm_fusion.fused(_fused_norms(), allowed, _diffusers_forms.FUSED_TABLES[form.signature](form),
+    call = _qk_norm_call.fused(_fused_norms(), allowed, _diffusers_forms.FUSED_TABLES[form.signature](form),
                                  pair=pair)
     call.__qualname__ = f"fused_qk_norm_rope[{method}]"
     return call
 
 
-def _fusion_plan(name: str, site: _qk_norm_fusion.FusionSite, module, plan: list) -> list:
+def _fusion_plan(name: str, site: _qk_norm_sites.FusionSite, module, plan: list) -> list:
     """The rewrite of one processor's norms and RoPE calls into fused calls. Where the RoPE function
     is the method's own inner one, the rewritten code keeps the trampoline ``plan`` gave it."""
     rope = site.site.rope
@@ -372,7 +373,7 @@ def _fusion_plan(name: str, site: _qk_norm_fusion.FusionSite, module, plan: list
             embeddings = importlib.import_module("diffusers.models.embeddings")
             allowed = (_patcher.original("embeddings", embeddings, rope), _replacement(form))
     call = _fused_call(name, site.method, allowed, form, site.site.pair)
-    fused = _qk_norm_fusion.rewrite_plan(name, module, node, site, call, _patcher)
+    fused = _qk_norm_sites.rewrite_plan(name, module, node, site, call, _patcher)
     method = _engine.resolve(module, site.method)
     trampolined = [v for g, o, a, v in plan if o is method and a == "__code__"]
     if inner and trampolined:  # the RoPE patch's trampoline, in the fused code too
@@ -530,7 +531,7 @@ def _plan_requested(requested: str, qk_norm: bool, plan: list) -> tuple[list, di
             try:
                 more += _fusion_plan(name, site, module, plan + more)
             except Exception as e:  # noqa: BLE001  (a failed rewrite refuses that fusion alone)
-                lost[f"{name} (qk-norm {site.method})"] = f"rope_ext could not rewrite it: {_engine.failure(e)}"
+                lost[f"{name} (qk-norm {site.method})"] = str(_qk_norm_sites.NotInstalled(_engine.failure(e)))
     return more, lost
 
 
@@ -591,7 +592,7 @@ def main() -> None:
 
     def lines(report):
         out = [_engine.site_text(fn.name, fn.form, fn.reason) for fn in report.functions]
-        out += [_qk_norm_fusion.site_text(site) for site in report.qk_norms]
+        out += [_qk_norm_sites.site_text(site) for site in report.qk_norms]
         return out + ([f"through {', '.join(report.reaches)}"] if report.reaches else [])
 
     patched = _engine.print_listing(reports, lines)

@@ -36,7 +36,7 @@ import re
 import sys
 import threading
 
-from rope_ext.integrations import _engine, _hf_forms, _qk_norm_fusion, _rotate
+from rope_ext.integrations import _engine, _hf_forms, _qk_norm_call, _qk_norm_sites, _qk_norm_table, _rotate
 
 __all__ = ["FamilyReport", "RopeFunction", "family_report", "patch", "patched_families", "survey", "unpatch"]
 
@@ -72,7 +72,7 @@ class FamilyReport:
 
     family: str
     functions: tuple[RopeFunction, ...]
-    qk_norms: tuple[_qk_norm_fusion.FusionSite, ...] = ()
+    qk_norms: tuple[_qk_norm_sites.FusionSite, ...] = ()
 
     @property
     def patchable(self) -> bool:
@@ -132,9 +132,18 @@ def _classify_file(path: str, module: str, stamp: tuple[int, int]) -> tuple[tupl
         form = _hf_forms.KNOWN.get(key)
         reason = None if form else _engine.refusal(key)
         found.append(RopeFunction(module, name, form, reason, key))
-    sites = _qk_norm_fusion.find_sites(tree, module, {f.name: f.form for f in found}, _hf_forms.KNOWN_NORMS,
-                                       re.compile(_hf_forms.NORM_ATTRIBUTE), _hf_forms.FUSED_TABLES)
-    return tuple(found), tuple(sites)
+    return tuple(found), tuple(_fusion_sites(tree, module, found, _table_judge))
+
+
+def _table_judge(key: str, *_):
+    return _qk_norm_sites.lookup(_qk_norm_table.TRANSFORMERS, key)
+
+
+def _fusion_sites(tree: ast.Module, module: str, functions, judge) -> list:
+    """The file's attention methods that normalize q and k and apply RoPE (``_qk_norm_sites.find_sites``
+    with this library's norms and RoPE functions), each as ``judge`` says."""
+    return _qk_norm_sites.find_sites(tree, module, {f.name: f.form for f in functions}, _hf_forms.KNOWN_NORMS,
+                                     re.compile(_hf_forms.NORM_ATTRIBUTE), _hf_forms.FUSED_TABLES, judge)
 
 
 def _models_root() -> str:
@@ -246,18 +255,18 @@ def _plan(family: str, modules: dict, qk_norm: bool) -> tuple[list, FamilyReport
             try:
                 plan += _fusion_plan(family, report, site, modules[site.module])
             except Exception as e:  # noqa: BLE001  (any failure to rewrite one method refuses that method)
-                sites[i] = dataclasses.replace(site, norm_form=None, site=None, reason=(
-                    f"rope_ext could not rewrite it: {_engine.failure(e)}"))
+                sites[i] = site.refused(_qk_norm_sites.NotInstalled(_engine.failure(e)))
     return plan, dataclasses.replace(report, qk_norms=tuple(sites))
 
 
-def _refusals(family: str, before: FamilyReport, after: FamilyReport) -> dict[str, str]:
-    """What is refused of a family (``before``: as classified, ``after``: as installing it leaves
-    it, see :func:`_plan`): the family, or the fused methods installing refused."""
-    if not after.patchable:
-        return {family: after.reason}
-    return {f"{family} (qk-norm {s.method})": s.reason
-            for s, was in zip(after.qk_norms, before.qk_norms, strict=True) if was.fused and not s.fused}
+def _refusals(family: str, report: FamilyReport, qk_norm: bool) -> dict[str, str]:
+    """What is refused of a family, as installing it leaves it (see :func:`_plan`): the family, or
+    (``qk_norm``) the attention methods whose refusal warns: code the table of tested fusions does
+    not list, a listed fusion that failed at install."""
+    if not report.patchable:
+        return {family: report.reason}
+    return {f"{family} (qk-norm {s.method})": s.reason for s in report.qk_norms
+            if qk_norm and s.refusal is not None and s.refusal.warns}
 
 
 def _switch(request: _Request, modules: dict[str, dict], forget: bool, named: bool = False) -> None:
@@ -272,7 +281,7 @@ def _switch(request: _Request, modules: dict[str, dict], forget: bool, named: bo
             continue
         if named and not report.patchable:
             raise ValueError(f"rope_ext: cannot patch {family!r}: {report.reason}")
-        refused.update(_refusals(family, family_report(family), report))
+        refused.update(_refusals(family, report, request.qk_norm))
         if report.patchable:
             plans[family] = plan
         elif _holders.get(family) is not None:  # switched, then its file edited and run again: now refused
@@ -398,7 +407,7 @@ def patch(model_types=None, *, strict: bool = False, qk_norm: bool = True) -> _e
     if strict:
         refused = {}
         for family in survey() if families is None else families:
-            refused.update(_refusals(family, family_report(family), installed_report(family, qk_norm)))
+            refused.update(_refusals(family, installed_report(family, qk_norm), qk_norm))
         _engine.refuse("transformers", refused, strict=True)
     request = _Request(None if families is None else set(families), qk_norm, _engine.Patched(undo=unpatch))
     request.switched.request = request
@@ -420,12 +429,12 @@ def patch(model_types=None, *, strict: bool = False, qk_norm: bool = True) -> _e
 @functools.cache
 def _fused_call(module: str, method: str, norms: tuple, ropes: tuple, form, pair: bool):
     """One replacement per attention method for the process's life (see ``_engine.HOLDER_PREFIX``)."""
-    call = _qk_norm_fusion.fused(dict(norms), ropes, _hf_forms.FUSED_TABLES[form.signature](form), pair=pair)
+    call = _qk_norm_call.fused(dict(norms), ropes, _hf_forms.FUSED_TABLES[form.signature](form), pair=pair)
     call.__qualname__ = f"fused_qk_norm_rope[{method}]"
     return call
 
 
-def _fusion_plan(family: str, report: FamilyReport, site: _qk_norm_fusion.FusionSite, module) -> list:
+def _fusion_plan(family: str, report: FamilyReport, site: _qk_norm_sites.FusionSite, module) -> list:
     """The rewrite of one attention method's norms and RoPE call into one fused call. Raises
     ValueError where its norm classes are no longer the file's (another library replaced them),
     or the method is not the file's."""
@@ -441,7 +450,7 @@ def _fusion_plan(family: str, report: FamilyReport, site: _qk_norm_fusion.Fusion
     ropes = (_patcher.original(family, module, fn.name), fn.replacement)
     call = _fused_call(site.module, site.method, tuple(norms.items()), ropes, fn.form, site.site.pair)
     node = dict(_engine.function_defs(_tree(module.__file__, _stamp(module.__file__))))[site.method]
-    return _qk_norm_fusion.rewrite_plan(family, module, node, site, call, _patcher)
+    return _qk_norm_sites.rewrite_plan(family, module, node, site, call, _patcher)
 
 
 def unpatch(model_types=None) -> list[str]:
@@ -483,7 +492,7 @@ def main() -> None:
     reports = {family: installed_report(family) for family in survey()}
     patched = _engine.print_listing(
         reports, lambda report: [_engine.site_text(fn.name, fn.form, fn.reason) for fn in report.functions]
-        + [_qk_norm_fusion.site_text(site) for site in report.qk_norms])
+        + [_qk_norm_sites.site_text(site) for site in report.qk_norms])
     with_norms = [r for r in reports.values() if r.qk_norms]
     print(f"\ntransformers {transformers.__version__}: {len(reports)} families with RoPE; "
           f"{patched} patched, {len(reports) - patched} refused")

@@ -1,0 +1,195 @@
+"""QK-norm + RoPE fused, at call time: the replacement a rewritten attention method calls
+(:func:`fused`), and the norm classes' forms it may stand in for (:class:`NormForm`).
+
+At each call :func:`fused` checks, per attention instance, what the source cannot say: that the
+norms are instances of tested norm classes (:class:`NormForm`) with their code unchanged, no instance
+``forward`` and no hooks; that the RoPE function the name holds is the library's or rope_ext's; and
+that the dtypes are ones where the fused op returns what the eager code returns (the same dtype, one
+rounding instead of several). Where a check fails it runs the model's own norms, then its RoPE
+function. All of these are Python checks on types, attributes and dtypes: static under
+``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from rope_ext.integrations._rotate import _dtypes, _full_tables
+
+
+@dataclasses.dataclass(frozen=True)
+class NormForm:
+    """What an RMS norm class computes, in :func:`rope_ext.qk_norm_rotary`'s terms.
+
+    Attributes:
+        name: for listings.
+        eps: the attribute holding eps.
+        weight: the weight's attribute, or None (no weight).
+        weight_if: an attribute that says whether the weight is applied (Gemma 3n's ``with_scale``).
+        offset: the op's ``weight_offset`` (1.0 for ``(1 + w)``).
+        output: the dtype the norm returns: ``"input"`` (x's, the result cast back); ``"promote"``
+            (``weight * x_normed.to(x.dtype)``: the promotion of the weight's and x's); ``"weight"``
+            (diffusers' RMSNorm: a 16-bit weight's dtype, else float32).
+        eps_none: what a None eps means: ``"finfo"``, x's dtype's machine epsilon (torch's RMSNorm).
+        bias: an attribute that must be None (a norm with a bias is not this form).
+    """
+
+    name: str
+    eps: str
+    weight: str | None = "weight"
+    weight_if: str | None = None
+    offset: float = 0.0
+    output: str = "input"
+    eps_none: str | None = None
+    bias: str | None = None
+
+    def describe(self) -> str:
+        parts = [f"eps from .{self.eps}"]
+        parts.append("no weight" if self.weight is None else
+                     ("(1 + w)" if self.offset == 1.0 else "w") + (f" if .{self.weight_if}" if self.weight_if else ""))
+        parts.append({"input": "returns x's dtype", "promote": "returns w's and x's promotion",
+                      "weight": "returns a 16-bit w's dtype, else float32"}[self.output])
+        return f"{self.name}: " + ", ".join(parts)
+
+
+
+def _hooked(module) -> bool:
+    hooks = torch.nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks or "forward" in module.__dict__)
+
+
+def _norm_weight(norm, form: NormForm):
+    if form.weight is None or (form.weight_if is not None and not getattr(norm, form.weight_if)):
+        return None
+    return getattr(norm, form.weight)
+
+
+def _eps(norm, form: NormForm, x: torch.Tensor):
+    eps = getattr(norm, form.eps)
+    if eps is None and form.eps_none == "finfo":
+        return torch.finfo(x.dtype).eps
+    return eps
+
+
+def _weight_ok(weight, form: NormForm, x: torch.Tensor, n: int) -> bool:
+    """Whether the op takes this weight and returns what the norm returns (x's dtype)."""
+    if weight is None:
+        return True
+    if not isinstance(weight, torch.Tensor) or weight.shape != (n,) or weight.device != x.device:
+        return False
+    if form.output == "promote" and torch.promote_types(weight.dtype, x.dtype) != x.dtype:
+        return False
+    if form.output == "weight" and weight.dtype != x.dtype:
+        return False
+    return weight.dtype in (x.dtype, torch.float32)
+
+
+def norms_alone(module, q_attr, k_attr, mode, q, k):
+    """The model's own norms of q and k, in the layout mode says (a norm that is None leaves its
+    tensor as it is, as ``if attn.norm_q is not None:`` does)."""
+    out = []
+    for x, attr in ((q, q_attr), (k, k_attr)):
+        norm = getattr(module, attr)
+        if norm is None:
+            out.append(x)
+        elif mode == "heads_bhsd":  # (B, H, S, D), a view of the (B, S, H * D) rows normalized
+            out.append(norm(x.transpose(1, 2).flatten(-2)).unflatten(-1, x.shape[-3::2]).transpose(1, 2))
+        elif mode == "heads_bshd":
+            out.append(norm(x.flatten(-2)).unflatten(-1, x.shape[-2:]))
+        else:
+            out.append(norm(x))
+    return tuple(out)
+
+
+def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
+    """The replacement a fusion's rewritten method calls: ``call(module, q_attr, k_attr, mode, rope,
+    q, k, *args, **kwargs)``, where ``rope(q, k, *args, **kwargs)`` (``pair``: ``rope(q, ...)`` and
+    ``rope(k, ...)``) is the model's RoPE call, mode None means the norms already ran (or are off),
+    and rope None means the norms alone.
+
+    Args:
+        norms: norm class -> (its :class:`NormForm`, its ``forward`` as patched): the classes whose
+            instances the fused op may stand in for.
+        ropes: the functions the RoPE name may hold for the fused op to stand in for it (the
+            library's and rope_ext's), or None where the rewritten method defines it itself.
+        tables_of: ``tables_of(x, *args, **kwargs)`` -> ``(Form, cos, sin)`` for the RoPE call's
+            arguments (cos and sin as ``_rotate.rotate`` takes them for x), or None where the call's
+            tables are not ones the fused op takes.
+    """
+    from rope_ext import _ops
+
+    def rotated(rope, q, k, args, kwargs):
+        if pair:
+            return rope(q, *args, **kwargs), rope(k, *args, **kwargs)
+        return rope(q, k, *args, **kwargs)
+
+    def plan(module, q_attr, k_attr, mode, rope, q, k, args, kwargs):
+        """The op's arguments, or None where the model's own code must run."""
+        if ropes is not None and rope not in ropes:
+            return None
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)) or q.dtype != k.dtype:
+            return None
+        if q.dim() != k.dim() or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return None
+        qn, kn = getattr(module, q_attr), getattr(module, k_attr)
+        found = []
+        for norm in (qn, kn):
+            entry = norms.get(type(norm))
+            if entry is None or type(norm).forward is not entry[1] or _hooked(norm):
+                return None
+            if entry[0].bias is not None and getattr(norm, entry[0].bias) is not None:
+                return None
+            found.append(entry[0])
+        norm_form = found[0]
+        eps = _eps(qn, norm_form, q)
+        if found[1] != norm_form or _eps(kn, norm_form, k) != eps or eps is None:
+            return None
+        tables = tables_of(q, *args, **kwargs)
+        if tables is None:
+            return None
+        form, cos, sin = tables
+        if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.dtype != sin.dtype:
+            return None
+        compute, out = _dtypes(form, q, cos, q.dtype)
+        if out != q.dtype or compute not in (q.dtype, torch.float32) or cos.dtype not in (q.dtype, torch.float32):
+            return None
+        if form.span == "suffix" or form.deinterleave_output or form.deinterleave_input or form.returns:
+            return None
+        cos, sin = _full_tables(form, cos, sin)
+        width, head_dim = cos.shape[-1], q.shape[-1]
+        if width > head_dim or (form.span == "whole" and width != head_dim) or width % 2 or cos.device != q.device:
+            return None
+        if mode == "heads_bhsd":  # the op normalizes across dims -2 and -1: the (B, S, H, D) view
+            if q.dim() != 4 or cos.dim() != 4:
+                return None
+            q, k, cos, sin = q.transpose(1, 2), k.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2)
+        wq, wk = _norm_weight(qn, norm_form), _norm_weight(kn, norm_form)
+        across = mode != "head"
+        if across and (wq is None or wk is None):  # the weights' size is what shows the norm's row
+            return None
+        rows = (lambda x: x.shape[-2] * x.shape[-1]) if across else (lambda x: x.shape[-1])
+        if not (_weight_ok(wq, norm_form, q, rows(q)) and _weight_ok(wk, norm_form, k, rows(k))):
+            return None
+        return q, k, wq, wk, cos, sin, dict(eps=float(eps), weight_offset=norm_form.offset,
+                                            norm_over="heads" if across else "head", interleaved=form.interleaved)
+
+    def call(module, q_attr, k_attr, mode, rope, q, k, *args, **kwargs):
+        if rope is None:  # the norms alone
+            return norms_alone(module, q_attr, k_attr, mode, q, k)
+        if mode is None:  # the norms already ran, or the model's condition turned them off
+            return rotated(rope, q, k, args, kwargs)
+        op_args = plan(module, q_attr, k_attr, mode, rope, q, k, args, kwargs)
+        if op_args is None:  # the model's own code
+            q, k = norms_alone(module, q_attr, k_attr, mode, q, k)
+            return rotated(rope, q, k, args, kwargs)
+        *tensors, options = op_args
+        q_out, k_out = _ops.qk_norm_rotary(*tensors, **options)
+        if mode == "heads_bhsd":
+            q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)
+        return q_out, k_out
+
+    return call

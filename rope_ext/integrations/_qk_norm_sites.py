@@ -1,0 +1,219 @@
+"""Where QK-norm + RoPE is fused: the attention methods of a library's files that normalize q and
+k and apply RoPE (:class:`FusionSite`). A method is fused only where the table of tested fusions
+(``_qk_norm_table``) lists its code's fingerprint; otherwise it keeps its own code, and the site
+says why, a :class:`FusionRefusal`. Nothing here judges code the table does not list: the rewrite's
+own analysis (``_qk_norm_rewrite.probe``) runs offline, in ``tools/qk_norm_table.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+from typing import ClassVar
+
+from rope_ext.integrations._engine import fingerprint, method_rewrite_plan, module_definitions
+from rope_ext.integrations._qk_norm_call import NormForm
+from rope_ext.integrations._qk_norm_rewrite import FusionRefusal, Site, Unfusable, _attr_call, fusion_rewrite
+from rope_ext.integrations._qk_norm_table import Table
+
+
+def norm_fingerprint(definitions: dict, node: ast.ClassDef) -> str:
+    """A norm class's fingerprint (``_engine.fingerprint`` of its whole ``class`` block, methods,
+    ``__init__`` and helpers it names included), its name left out: the same norm copied into
+    another family's file under that family's name is the same form."""
+    return fingerprint(definitions, _renamed(node))
+
+
+def _renamed(node: ast.ClassDef) -> ast.ClassDef:
+    out = copy.copy(node)
+    out.name = "_"
+    return out
+
+
+# --- why a method is not fused ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Untested(FusionRefusal):
+    """The method's code is not among the tested fusions: a release rope_ext's table does not know,
+    or code another library changed. ``patch()`` switches its RoPE alone and says so."""
+
+    fingerprint: str
+    warns: ClassVar[bool] = True
+
+    def __str__(self) -> str:
+        return (f"its code (fingerprint {self.fingerprint}) is not among the tested fusions; fusing it "
+                "untested could change the model's results, so its norms and RoPE run unfused")
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsupported(FusionRefusal):
+    """A part the fused op does not stand in for: a norm class of no tested form, a RoPE function
+    that is refused or whose tables the op does not take."""
+
+    why: str
+
+    def __str__(self) -> str:
+        return self.why
+
+
+@dataclasses.dataclass(frozen=True)
+class NotInstalled(FusionRefusal):
+    """A listed fusion that failed its checks at install: its norm class replaced by another
+    library, its method no longer the file's."""
+
+    why: str
+    warns: ClassVar[bool] = True
+
+    def __str__(self) -> str:
+        return f"rope_ext could not rewrite it: {self.why}"
+
+
+def lookup(table: Table, key: str) -> Site | FusionRefusal:
+    """The site the table lists for a method's fingerprint, or the refusal: known code the rewrite
+    cannot fuse (:class:`Unfusable`, as the table records it), or code the table does not list."""
+    if key in table.tested:
+        return table.tested[key]
+    if key in table.unfusable:
+        return Unfusable(table.unfusable[key])
+    return Untested(key)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionSite:
+    """A method of a library's file that normalizes q and k and applies RoPE (``Class.method``).
+
+    Attributes:
+        module: the module's import name.
+        method: ``Class.method``.
+        norms: ``(attribute, class name)`` of each q/k norm the class binds (transformers), or ()
+            where the norms' classes are checked only at run time (diffusers' processors).
+        norm_form: the norms' :class:`NormForm` (None when refused, or checked at run time).
+        site: what the rewrite fuses (None when refused).
+        refusal: why it is not fused (None when it is).
+        fingerprint: the method's (``_engine.fingerprint``, its class's name left out), the table's key.
+    """
+
+    module: str
+    method: str
+    norms: tuple[tuple[str, str], ...]
+    norm_form: NormForm | None
+    site: Site | None
+    refusal: FusionRefusal | None = None
+    fingerprint: str | None = None
+
+    @property
+    def fused(self) -> bool:
+        return self.site is not None
+
+    @property
+    def reason(self) -> str | None:
+        return None if self.refusal is None else str(self.refusal)
+
+    def refused(self, refusal: FusionRefusal) -> FusionSite:
+        return dataclasses.replace(self, norm_form=None, site=None, refusal=refusal)
+
+
+def _method(cls: ast.ClassDef, name: str):
+    return next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+def _norm_bindings(init: ast.FunctionDef, attribute) -> dict[str, set[str]]:
+    """attribute name -> what ``__init__`` binds ``self.<attribute>`` to: a class name, or the text
+    of another expression."""
+    out: dict[str, set[str]] = {}
+    for stmt in ast.walk(init):
+        if not isinstance(stmt, ast.Assign):
+            continue
+        for target in stmt.targets:
+            if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+                    and attribute.match(target.attr)):
+                value = stmt.value
+                name = value.func.id if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) else None
+                out.setdefault(target.attr, set()).add(name or ast.unparse(value))
+    return out
+
+
+
+def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dict, attribute,
+               fused_signatures, judge) -> list[FusionSite]:
+    """The attention methods (``forward``) of a transformers model file (``tree``, imported as
+    ``module``) that call one of their q/k norms (attributes matching ``attribute``, a compiled
+    regex, bound in ``__init__``) and one of the file's RoPE functions (``rope_forms``: name ->
+    Form, None where refused), fused or with the reason they are not.
+
+    Args:
+        known_norms: norm fingerprint -> NormForm.
+        fused_signatures: the RoPE signatures a fusion can stand in for.
+        judge: ``judge(fingerprint, node, owner, ropes, norm_attrs)`` -> the :class:`Site` of a method
+            whose parts the fused op takes, or a :class:`FusionRefusal`: at ``patch()`` time the
+            table's word (:func:`lookup`), offline the rewrite's own analysis.
+    """
+    definitions = module_definitions(tree)
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    sites = []
+    for cls in classes.values():
+        init, forward = _method(cls, "__init__"), _method(cls, "forward")
+        if init is None or forward is None:
+            continue
+        bindings = _norm_bindings(init, attribute)
+        called = {n.func.attr for n in ast.walk(forward) if _attr_call(n, "self", bindings)}
+        ropes = {n.func.id for n in ast.walk(forward)
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in rope_forms}
+        if not called or not ropes:
+            continue
+        norms = tuple(sorted((attr, "|".join(sorted(bindings[attr]))) for attr in called))
+        key = fingerprint(definitions, forward)
+        site = FusionSite(module, f"{cls.name}.forward", norms, None, None, None, key)
+        reason, forms = None, set()
+        for attr, bound in norms:
+            node = classes.get(bound)
+            if node is None:
+                reason = f"self.{attr} is {bound}: not an RMS norm class its file defines"
+                break
+            norm_key = norm_fingerprint(definitions, node)
+            if norm_key not in known_norms:
+                reason = f"self.{attr}'s class {bound} (fingerprint {norm_key}) matches no tested RMS norm form"
+                break
+            forms.add(known_norms[norm_key])
+        if reason is None and len(forms) != 1:
+            reason = "q's and k's norms are of different forms"
+        for rope in sorted(ropes):
+            form = rope_forms[rope]
+            if reason is None and (form is None or form.signature not in fused_signatures):
+                reason = (f"{rope} is refused" if form is None else
+                          f"{rope}'s signature ({form.signature}) has no fused call yet")
+        if reason is not None:
+            sites.append(site.refused(Unsupported(reason)))
+            continue
+        found = judge(key, forward, "self", ropes, set(called))
+        sites.append(site.refused(found) if isinstance(found, FusionRefusal) else
+                     dataclasses.replace(site, norm_form=forms.pop(), site=found))
+    return sites
+
+
+def rewrite_plan(group: str, module, node: ast.FunctionDef, site: FusionSite, call, patcher) -> list:
+    """The assignments (``_engine.method_rewrite_plan``'s) that rewrite site's method, ``node`` as
+    its file defines it, into calls of ``call``. Raises ValueError where the method is not the
+    file's, or no longer holds the site it was classified with."""
+    found = []
+
+    def rewrite(fn, holder):
+        s = site.site
+        found.append(fusion_rewrite(fn, s.owner, {s.rope}, {s.q_norm, s.k_norm}, holder))
+
+    plan = method_rewrite_plan(group, module, site.method, node, rewrite, call, patcher)
+    if found != [site.site]:  # the table's site is what the rewrite finds in the code the table pins
+        raise ValueError(f"{site.method} does not hold the site the table lists for it: it found {found}")
+    return plan
+
+
+def site_text(site: FusionSite) -> str:
+    """One fusion site in a listing: fused with what, or why not."""
+    if site.fused:
+        across = {"head": "each head", "heads_bhsd": "all heads of a token", "heads_bshd": "all heads of a token"}
+        what = f"{site.norm_form.describe()}, " if site.norm_form else ""
+        return f"qk-norm {site.method}: fused, {what}over {across[site.site.mode]}"
+    return f"qk-norm {site.method}: not fused: {site.reason}"
+

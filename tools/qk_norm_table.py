@@ -1,0 +1,102 @@
+"""Propose the table of tested QK-norm fusions for the installed transformers, and say what changed.
+
+    python3 tools/qk_norm_table.py            # the differences from rope_ext's table (exit 1 if any)
+    python3 tools/qk_norm_table.py --entries  # every entry this release proposes, as the table's lines
+
+Offline and slow (it runs the rewrite's own analysis, ``_qk_norm_rewrite.probe``, over every
+attention method that normalizes q and k and applies RoPE); ``patch()`` never does: it looks each
+method's fingerprint up in the table. For each fingerprint the release has, it proposes the site
+the rewrite finds (a fusion) or why there is none (``unfusable``), with the families that share
+it, and for each new fusion a line for tests/test_qk_norm_table.py's CASES: an entry lands in the
+table together with the test that runs it, stock against fused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+from rope_ext.integrations import _qk_norm_rewrite, _qk_norm_table
+from rope_ext.integrations import transformers as rope_hf
+
+
+def proposals() -> tuple[dict, dict, dict]:
+    """(fingerprint -> Site, fingerprint -> why unfusable, fingerprint -> [(family, method)])."""
+    fused, unfusable, where = {}, {}, collections.defaultdict(list)
+
+    def judge(key, node, owner, ropes, attrs):
+        return _qk_norm_rewrite.probe(node, owner, ropes, attrs)
+
+    root = rope_hf._models_root()
+    for family, report in rope_hf.survey().items():
+        for module in sorted({fn.module for fn in report.functions}):
+            path = os.path.join(root, family, module.rsplit(".", 1)[1] + ".py")
+            tree = rope_hf._tree(path, rope_hf._stamp(path))
+            functions = [fn for fn in report.functions if fn.module == module]
+            for site in rope_hf._fusion_sites(tree, module, functions, judge):
+                if site.fused:
+                    fused[site.fingerprint] = site.site
+                elif isinstance(site.refusal, _qk_norm_rewrite.Unfusable):
+                    unfusable[site.fingerprint] = str(site.refusal)
+                else:
+                    continue
+                where[site.fingerprint].append((family, site.method))
+    return fused, unfusable, where
+
+
+def _site(site) -> str:
+    args = [] if site.rope == "apply_rotary_pos_emb" else [repr(site.rope)]
+    if site.mode != "head":
+        args.append(f"mode={site.mode!r}")
+    if (site.q_norm, site.k_norm) != ("q_norm", "k_norm"):
+        args += [f"q={site.q_norm!r}", f"k={site.k_norm!r}"]
+    if site.owner != "self" or site.pair:
+        return repr(site)
+    return f"_self({', '.join(args)})"
+
+
+def main() -> int:
+    import transformers
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--entries", action="store_true", help="print every entry, not only the differences")
+    args = parser.parse_args()
+    fused, unfusable, where = proposals()
+    table = _qk_norm_table.TRANSFORMERS
+    version = transformers.__version__
+
+    def families(key):
+        return ", ".join(sorted({f for f, _ in where[key]}))
+
+    if args.entries:
+        print(f"# transformers {version}: {len(fused)} fusions, {len(unfusable)} unfusable")
+        for key, site in sorted(fused.items(), key=lambda kv: where[kv[0]]):
+            print(f'        "{key}": {_site(site)},  # {families(key)}')
+        for key, why in sorted(unfusable.items(), key=lambda kv: where[kv[0]]):
+            print(f'        "{key}": {why!r},  # {families(key)}')
+        return 0
+    changes = 0
+    for key, site in sorted(fused.items(), key=lambda kv: where[kv[0]]):
+        if table.tested.get(key) == site:
+            continue
+        changes += 1
+        if key in table.tested:
+            print(f"CHANGED {key} ({families(key)}): the table says {table.tested[key]}, the rewrite finds {site}")
+        else:
+            family, method = where[key][0]
+            print(f"NEW fusion {key} ({families(key)}, {method}):\n"
+                  f'    table:  "{key}": {_site(site)},\n'
+                  f'    test:   "{key}": Case("{family}"),  # tests/test_qk_norm_table.py: CASES')
+    for key, why in sorted(unfusable.items(), key=lambda kv: where[kv[0]]):
+        if table.unfusable.get(key) != why:
+            changes += 1
+            print(f'NEW unfusable {key} ({families(key)}): "{key}": {why!r},')
+    print(f"transformers {version}: {len(fused)} fusions ({sum(k in table.tested for k in fused)} in the table), "
+          f"{len(unfusable)} unfusable; {changes} differences from the table")
+    return 1 if changes else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
