@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import torch
 
+from rope_ext import _torch_private as _private
+
 _C = torch._C
 _TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
 #: Context manager: op calls inside it go straight to the device kernel (no autograd kernel).
-below_autograd = _C._AutoDispatchBelowAutograd
+below_autograd = _private.below_autograd
 
 
 def _rotate(v: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -88,7 +90,7 @@ def _cache_grads(g, x, cos, positions, interleaved, conjugate, need_cos, need_si
         # One row per element of positions (the sums over the heads), added into the rows they name.
         rows = d.sum_to_size((*positions.shape, half)).reshape(index.shape[0], half)
         zeros = rows.new_zeros(cos.shape)  # the same kind of tensor as rows (a DTensor's too)
-        if _TORCH < (2, 12) and _C._dispatch_keys(rows).has(_C.DispatchKey.Python):
+        if _TORCH < (2, 12) and _private.dispatch_keys(rows).has(_private.PYTHON_KEY):
             # Before torch 2.12, DTensor's rule for index_put lets the values keep a shard of the
             # indexed dim while it replicates the index, so rows sharded over tokens fail with a
             # shape mismatch; scatter_add's rule shards only other dims. The same sums, but on CUDA
@@ -308,7 +310,7 @@ def refuse_grad(op: str, named, out_of_place: str) -> None:
 
 def bump(*tensors) -> None:
     """Bump the version counters of the tensors rotated in place (inference tensors have none)."""
-    _C._increment_version([t for t in tensors if t is not None and not t.is_inference()])
+    _private.increment_version([t for t in tensors if t is not None and not t.is_inference()])
 
 
 def run_inplace(op, named, out_of_place: str, args, rotated, keyset=None) -> None:
@@ -320,7 +322,7 @@ def run_inplace(op, named, out_of_place: str, args, rotated, keyset=None) -> Non
         if keyset is None:
             op(*args)
         else:
-            op.redispatch(keyset & _C._after_autograd_keyset, *args)
+            op.redispatch(keyset & _private.after_autograd_keyset, *args)
     bump(*rotated)
 
 

@@ -14,8 +14,10 @@ import math
 
 import torch
 
-from rope_ext._autograd import below_autograd as _below_autograd
 from rope_ext._autograd import run_qk_norm_rotary_, run_qk_norm_rotary_pos_, run_rotary_, run_rotary_pos_
+from rope_ext._torch_private import any_requires_grad as _any_requires_grad
+from rope_ext._torch_private import below_autograd as _below_autograd
+from rope_ext._torch_private import kernel as _kernel
 
 _rotary = torch.ops.rope_ext.rotary.default
 _rotary_qk = torch.ops.rope_ext.rotary_qk.default
@@ -30,18 +32,17 @@ _qk_norm_rotary_pos_inplace = torch.ops.rope_ext.qk_norm_rotary_pos_.default
 
 # The fast path of every wrapper: unless it is traced (torch.compile sees the op, and its autograd
 # formula) or records a graph (grad mode on, an input requiring grad), a call goes straight to the
-# device kernel, below autograd, through the op's C++ callable (OpOverload.__call__ is one more
-# Python frame). Through the op's Python autograd kernel a decode step's call would cost 3 to 4 us
+# device kernel, below autograd, through the op's C++ callable (rope_ext/_torch_private.py: OpOverload.__call__ is one
+# more Python frame). Through the op's Python autograd kernel a decode step's call would cost 3 to 4 us
 # more (benchmarks/op_ab.py; docs/devlog.md has the runs).
 _compiling = torch.compiler.is_compiling
 _grad_enabled = torch._C.is_grad_enabled
-_any_requires_grad = torch._C._any_requires_grad
-_rotary_kernel = _rotary._op
-_rotary_qk_kernel = _rotary_qk._op
-_rotary_pos_kernel = _rotary_pos._op
-_rotary_pos_qk_kernel = _rotary_pos_qk._op
-_qk_norm_rotary_kernel = _qk_norm_rotary._op
-_qk_norm_rotary_pos_kernel = _qk_norm_rotary_pos._op
+_rotary_kernel = _kernel(_rotary)
+_rotary_qk_kernel = _kernel(_rotary_qk)
+_rotary_pos_kernel = _kernel(_rotary_pos)
+_rotary_pos_qk_kernel = _kernel(_rotary_pos_qk)
+_qk_norm_rotary_kernel = _kernel(_qk_norm_rotary)
+_qk_norm_rotary_pos_kernel = _kernel(_qk_norm_rotary_pos)
 
 
 def rotary(

@@ -16,6 +16,7 @@ import dataclasses
 
 import torch
 
+from rope_ext._torch_private import hooked
 from rope_ext.integrations._rotate import _dtypes, _full_tables
 
 
@@ -56,10 +57,9 @@ class NormForm:
 
 
 def _hooked(module) -> bool:
-    hooks = torch.nn.modules.module
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
-                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks or "forward" in module.__dict__)
+    """Whether a call of the module would run more than its class's forward: a hook of its own (the
+    Module's own attributes), a hook for every module, a forward set on the instance."""
+    return hooked(module) or "forward" in module.__dict__
 
 
 def _norm_weight(norm, form: NormForm):
