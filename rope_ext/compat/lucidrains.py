@@ -35,7 +35,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from rope_ext._ops import _rotate_each
+from rope_ext._interface import rotate_each
 from rope_ext.positions import xpos_bits, xpos_reach
 
 __all__ = ["RotaryEmbedding", "apply_learned_rotations", "apply_rotary_emb"]
@@ -63,7 +63,7 @@ def _rotate_span(ts, cos, sin, start_index, cos_k=None, sin_k=None):
         compute = torch.promote_types(t.dtype, cos.dtype)
         x = t[..., start_index:]
         jobs.append((x if compute in (t.dtype, torch.float32) else x.to(compute), compute))
-    rotated = _rotate_each([j[0] for j in jobs], [j[1] for j in jobs], cos, sin, cos_k, sin_k, interleaved=True)
+    rotated = rotate_each([j[0] for j in jobs], [j[1] for j in jobs], cos, sin, cos_k, sin_k, interleaved=True)
     outs = []
     for t, r in zip(ts, rotated, strict=True):
         r = r.to(t.dtype)

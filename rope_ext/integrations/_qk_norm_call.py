@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 from rope_ext._torch_private import hooked
-from rope_ext.integrations._rotate import _dtypes, _full_tables
+from rope_ext.integrations._rotate import dtypes, full_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +120,7 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
             arguments (cos and sin as ``_rotate.rotate`` takes them for x), or None where the call's
             tables are not ones the fused op takes.
     """
-    from rope_ext import _ops
+    import rope_ext
 
     def rotated(rope, q, k, args, kwargs):
         if pair:
@@ -154,12 +154,12 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
         form, cos, sin = tables
         if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.dtype != sin.dtype:
             return None
-        compute, out = _dtypes(form, q, cos, q.dtype)
+        compute, out = dtypes(form, q, cos, q.dtype)
         if out != q.dtype or compute not in (q.dtype, torch.float32) or cos.dtype not in (q.dtype, torch.float32):
             return None
         if form.span == "suffix" or form.deinterleave_output or form.deinterleave_input or form.returns:
             return None
-        cos, sin = _full_tables(form, cos, sin)
+        cos, sin = full_tables(form, cos, sin)
         width, head_dim = cos.shape[-1], q.shape[-1]
         if width > head_dim or (form.span == "whole" and width != head_dim) or width % 2 or cos.device != q.device:
             return None
@@ -187,7 +187,7 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
             q, k = norms_alone(module, q_attr, k_attr, mode, q, k)
             return rotated(rope, q, k, args, kwargs)
         *tensors, options = op_args
-        q_out, k_out = _ops.qk_norm_rotary(*tensors, **options)
+        q_out, k_out = rope_ext.qk_norm_rotary(*tensors, **options)
         if mode == "heads_bhsd":
             q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)
         return q_out, k_out

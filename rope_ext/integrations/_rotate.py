@@ -1,7 +1,9 @@
 """The math every RoPE form shares: :class:`Form`, what one library function computes in rope_ext's
 terms, and :func:`rotate`, which computes it on rope_ext's op. The integrations' tables of forms
 (``_hf_forms``, ``_diffusers_forms``, ``_timm_forms``) map fingerprints (``_engine``) to Forms and
-build their calling conventions on :func:`rotate`.
+build their calling conventions on :func:`rotate`. :func:`full_tables` and :func:`dtypes` are what
+the QK-norm fusion's call (``_qk_norm_call``) shares with :func:`rotate`: the tables as the op takes
+them, and the dtypes a form computes in and returns.
 
 Every replacement computes ``x * cos + R(x) * sin`` on the tables exactly as given (rope_ext's op
 reads one table entry per column, as the eager formula does), so it is exact for any tables, not
@@ -14,7 +16,7 @@ import dataclasses
 
 import torch
 
-from rope_ext._ops import _rotate_each
+from rope_ext._interface import rotate_each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +88,7 @@ class Form:
 # --- the math every form shares -------------------------------------------------------------------
 
 
-def _full_tables(form: Form, cos: torch.Tensor, sin: torch.Tensor):
+def full_tables(form: Form, cos: torch.Tensor, sin: torch.Tensor):
     """cos and sin in the op's full form: one entry per rotated column."""
     if form.tables == "first_half":
         half = cos.shape[-1] // 2
@@ -101,7 +103,7 @@ def _full_tables(form: Form, cos: torch.Tensor, sin: torch.Tensor):
     return cos, sin
 
 
-def _dtypes(form: Form, x: torch.Tensor, cos: torch.Tensor, q_dtype: torch.dtype):
+def dtypes(form: Form, x: torch.Tensor, cos: torch.Tensor, q_dtype: torch.dtype):
     """(the dtype the original computes in, the dtype it returns) for x and these tables."""
     if form.dtype == "float32_tables":
         compute = torch.float32
@@ -132,9 +134,9 @@ def rotate(form: Form, xs, cos, sin, cos_k=None, sin_k=None):
     """The form's result for each tensor in xs (one or two of them; the second takes cos_k/sin_k
     when given), in one op call when both share a dtype. The tables are as the form's ``tables``
     says, and broadcast against each x as the op's do (``x.shape[:-1] + (width,)``)."""
-    cos, sin = _full_tables(form, cos, sin)
+    cos, sin = full_tables(form, cos, sin)
     if cos_k is not None:
-        cos_k, sin_k = _full_tables(form, cos_k, sin_k)
+        cos_k, sin_k = full_tables(form, cos_k, sin_k)
     width = cos.shape[-1]
     jobs = []  # (the op's input, the dtype it computes in, the dtype returned)
     for x in xs:
@@ -142,7 +144,7 @@ def rotate(form: Form, xs, cos, sin, cos_k=None, sin_k=None):
         _check_width(form, x, width)
         if form.deinterleave_input:
             x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
-        compute, out_dtype = _dtypes(form, x, cos, xs[0].dtype)
+        compute, out_dtype = dtypes(form, x, cos, xs[0].dtype)
         if form.dtype in ("float32", "float32_tables") and x.dtype == torch.float64:
             x = x.float()  # the original's x.float() rounds float64 x to float32 first
         if form.span == "suffix" and width < x.shape[-1]:
@@ -153,7 +155,7 @@ def rotate(form: Form, xs, cos, sin, cos_k=None, sin_k=None):
         computes = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         direct = out_dtype == x.dtype and compute == computes
         jobs.append((x if direct else x.to(compute), compute, out_dtype))
-    outs = _rotate_each([j[0] for j in jobs], [j[1] for j in jobs], cos, sin, cos_k, sin_k,
+    outs = rotate_each([j[0] for j in jobs], [j[1] for j in jobs], cos, sin, cos_k, sin_k,
                         interleaved=form.interleaved)
     results = []
     for original, out, (_, _, out_dtype) in zip(xs, outs, jobs, strict=True):
