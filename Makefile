@@ -79,7 +79,7 @@ dist-check:
 
 # The core tests (CPU): `make test` runs them under torch 2.13.0, and
 # `make wheel-check`: one wheel (WHEEL; default dist-check's, CI gives cuda-check's) installed into
-# venvs with torch 2.10, 2.11, 2.13 and 2.15 (build/wheel-check/<version>, reused; TORCHES="..." for
+# venvs with torch 2.10, 2.11 and 2.15 (build/wheel-check/<version>, reused; TORCHES="..." for
 # others), the core tests in each. See tools/wheel_check.sh.
 CORE_TESTS := tests/test_rotary.py tests/test_autograd.py tests/test_qk_and_inplace.py tests/test_errors.py \
   tests/test_cpu_kernel.py tests/test_cuda_emulation.py tests/test_rotary_pos.py tests/test_compile.py tests/test_export.py \
