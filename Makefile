@@ -102,7 +102,7 @@ cuda-check: setup
 # the lent machines): STEP=lease (the default: one command of at most 9 minutes), rest, all, or a list
 # of parts; GPU_CHECK_OUT=dir for the summary and logs (default build/gpu-check). Without a GPU it says
 # so and exits 0 at once. gpu-build makes what the lease carries (build/gpu-carry: cuda-check's wheel,
-# the one CI tests under four torches, the test hooks and other wheels); gpu-rehearse runs the lease
+# the one CI tests under three torches, the test hooks and other wheels); gpu-rehearse runs the lease
 # here against a fake GPU.
 STEP ?= lease
 GPU_CHECK_OUT ?= build/gpu-check

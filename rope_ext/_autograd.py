@@ -235,7 +235,7 @@ def _qk_norm_backward(ctx, gq, gk, n_args):
     eps, weight_offset, across_heads, interleaved = ctx.flags
     need_q, need_k, need_qw, need_kw, need_cos, need_sin = need = _needs(ctx, n_args)[:6]
     rest = (None,) * (n_args - 6)
-    if _C.is_grad_enabled():  # create_graph=True: the composite, differentiable again
+    if torch.is_grad_enabled():  # create_graph=True: the composite, differentiable again
         return (*_qk_norm_composite_backward(ctx, gq, gk, need), *rest)
     grads = [None] * 6
     for x, w, rstd, g, need_x, need_w, slot in (
@@ -297,7 +297,7 @@ def _full_form(half, interleaved):
 
 def refuse_grad(op: str, named, out_of_place: str) -> None:
     """Raise if grad mode is on and one of ``named`` ((name, tensor or None) pairs) requires grad."""
-    if not _C.is_grad_enabled():
+    if not torch.is_grad_enabled():
         return
     for name, t in named:
         if t is not None and t.requires_grad:

@@ -1,6 +1,7 @@
-"""rope_ext's internal interface: what the drop-ins (``rope_ext.compat``) and the integrations
-(``rope_ext.integrations``) use of rope_ext beyond its public API, in one place. Everything else
-they call is public (``rope_ext.rotary``, ``rotary_qk``, ``rotary_pos*``, ``qk_norm_rotary``, ...).
+"""The one rope_ext function the drop-ins (``rope_ext.compat``) and the integrations
+(``rope_ext.integrations``) call that is not a public op: :func:`rotate_each`. Beside it they call
+the public ops (``rotary``, ``rotary_qk``, ``rotary_pos*``, ``qk_norm_rotary``, imported from
+``rope_ext._ops``, where they are defined) and the argument checks of ``rope_ext._validate``.
 """
 
 from __future__ import annotations

@@ -32,11 +32,11 @@ _qk_norm_rotary_pos_inplace = torch.ops.rope_ext.qk_norm_rotary_pos_.default
 
 # The fast path of every wrapper: unless it is traced (torch.compile sees the op, and its autograd
 # formula) or records a graph (grad mode on, an input requiring grad), a call goes straight to the
-# device kernel, below autograd, through the op's C++ callable (rope_ext/_torch_private.py: OpOverload.__call__ is one
-# more Python frame). Through the op's Python autograd kernel a decode step's call would cost 3 to 4 us
-# more (benchmarks/op_ab.py; docs/devlog.md has the runs).
+# device kernel, below autograd, through the op's C++ callable (rope_ext/_torch_private.py;
+# OpOverload.__call__ is one more Python frame). Through the op's Python autograd kernel a decode
+# step's call would cost 3 to 4 us more (benchmarks/op_ab.py; docs/devlog.md has the runs).
 _compiling = torch.compiler.is_compiling
-_grad_enabled = torch._C.is_grad_enabled
+_grad_enabled = torch.is_grad_enabled
 _rotary_kernel = _kernel(_rotary)
 _rotary_qk_kernel = _kernel(_rotary_qk)
 _rotary_pos_kernel = _kernel(_rotary_pos)

@@ -1,4 +1,5 @@
-"""Every private torch name rope_ext uses, each where no public API does the job, in one place.
+"""Every private torch name rope_ext's Python code uses, each where no public API does the job, in
+one place.
 tests/test_torch_private.py checks that each still exists and still does what rope_ext relies on,
 so a torch release that changes one fails there, by name, rather than somewhere downstream.
 
@@ -18,6 +19,10 @@ per-call checks) or in an in-place op's autograd kernel:
   bumps the version counters the autograd kernel would have.
 - ``after_autograd_keyset`` and ``dispatch_keys(t)`` (``torch._C``): redispatching below autograd,
   and telling a tensor subclass (the Python key) apart.
+- ``assert_async(cond, message)`` (``torch._assert_async``): a check of device values that does not
+  wait for the device (a forward makes no host sync).
+- ``has_kernel_for_dispatch_key`` (``torch._C._dispatch_has_kernel_for_dispatch_key``, None where a
+  torch lacks it): ``python -m rope_ext.info`` asks whether the CUDA kernels are registered.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ increment_version = _C._increment_version
 after_autograd_keyset = _C._after_autograd_keyset
 dispatch_keys = _C._dispatch_keys
 PYTHON_KEY = _C.DispatchKey.Python
+assert_async = torch._assert_async
+has_kernel_for_dispatch_key = getattr(_C, "_dispatch_has_kernel_for_dispatch_key", None)
 
 
 def kernel(op: torch._ops.OpOverload):
@@ -40,10 +47,10 @@ def kernel(op: torch._ops.OpOverload):
     return op._op
 
 
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
 def hooked(module: torch.nn.Module) -> bool:
     """Whether calling the module runs a hook: one of its own, or one registered for every module
-    (forward, forward pre, backward, backward pre)."""
-    return any(getattr(module, name) for name in _HOOKS) or any(getattr(_module, "_global" + name) for name in _HOOKS)
+    (forward, forward pre, backward, backward pre). (Written out: it runs for each q/k norm at each
+    fused attention call.)"""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or _module._global_forward_hooks or _module._global_forward_pre_hooks
+                or _module._global_backward_hooks or _module._global_backward_pre_hooks)

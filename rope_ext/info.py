@@ -18,6 +18,7 @@ import os
 import torch
 
 import rope_ext
+from rope_ext import _torch_private
 
 # The oldest driver for each CUDA major the kernels can be compiled by: the library links the CUDA
 # runtime of its nvcc statically, and a runtime of CUDA major N runs on drivers of major N or newer
@@ -39,7 +40,7 @@ def build_record() -> dict | None:
 
 def _cuda_registered() -> bool | None:
     """Whether torch's dispatcher has rope_ext::rotary's CUDA kernel (None: this torch cannot say)."""
-    has_kernel = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
+    has_kernel = _torch_private.has_kernel_for_dispatch_key
     return None if has_kernel is None else bool(has_kernel("rope_ext::rotary", "CUDA"))
 
 

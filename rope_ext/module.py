@@ -21,6 +21,7 @@ from rope_ext._ops import (
     rotary_qk,
 )
 from rope_ext._sharding import is_dtensor, replicated_like
+from rope_ext._torch_private import assert_async
 from rope_ext._validate import require_bool, require_int_list, require_number, require_tensor
 from rope_ext.qk_norm import QKNorm
 from rope_ext.scaling import RopeSchedule
@@ -772,7 +773,7 @@ class RotaryEmbedding(nn.Module):
                                  f"{extent[1] + self.xpos_center}. Set xpos_center nearer them, or a larger "
                                  "xpos_scale_base")
         else:
-            torch._assert_async((distance.abs() <= reach).all(), message)
+            assert_async((distance.abs() <= reach).all(), message)
         r = self.rotary_dim
         zeta = (torch.arange(0, r, 2, dtype=torch.float64, device=position_ids.device) + 0.4 * r) / (1.4 * r)
         scale = zeta ** (distance.to(torch.float64)[..., None] / self.xpos_scale_base)

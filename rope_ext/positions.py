@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from rope_ext._torch_private import assert_async
 from rope_ext._validate import _INT64_MAX, require_float_tensor, require_int64_span
 
 __all__ = ["sequence_positions", "packed_positions", "cos_sin_tables", "check_positions", "check_cu_seqlens"]
@@ -130,7 +131,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
             raise ValueError("rope_ext: cu_seqlens must be non-decreasing")
     elif cu.device.type != "cpu":  # checked on the device, without waiting for it
         ok = (cu[0] == 0) & (cu[-1] == total) & (cu[1:] >= cu[:-1]).all()
-        torch._assert_async(ok, f"rope_ext: cu_seqlens must be non-decreasing from 0 to the token count {total}")
+        assert_async(ok, f"rope_ext: cu_seqlens must be non-decreasing from 0 to the token count {total}")
     return cu
 
 

@@ -262,13 +262,14 @@ def _model(family):
             config = _tiny(case.model_type)
         for k, v in {**case.overrides, **(_LEGACY.get(family, {}) if T.__version__ < "5" else {})}.items():
             setattr(config, k, v)
-        # A mixture of experts routes each token to all 4 of its experts. With 2 of 4, a router whose
-        # top two are within a rounding of each other picks another expert after any change of
-        # rounding, and that token's output moves by far more than a rounding: MiniMax-M3-VL's
-        # bfloat16 error against float32 was 3.8 times stock's for one input of five (about 1 for the
-        # others). The bounds are about rounding; routing every token to every expert keeps them so.
-        if getattr(config, "num_experts_per_tok", None) == 2:
-            config.num_experts_per_tok = 4
+        # A mixture of experts routes each token to every expert: routing to some, a router whose
+        # choices are within a rounding of each other picks another expert after any change of
+        # rounding, and that token's output moves by far more than a rounding (docs/devlog.md has
+        # MiniMax-M3-VL's case). The bounds are about rounding.
+        experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                        if isinstance(getattr(config, k, None), int)), None)
+        if experts and isinstance(getattr(config, "num_experts_per_tok", None), int):
+            config.num_experts_per_tok = experts
         torch.manual_seed(0)
         model = getattr(files[1], case.classes[1])(config).float().eval() if case.classes else None
         for auto in (T.AutoModelForCausalLM, T.AutoModel):
@@ -281,8 +282,10 @@ def _model(family):
             out = m(input_ids=ids)
             return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
 
-        fused = _fused_classes(family)
-        layers = case.layers or sum(type(m).__name__ in fused for m in model.modules())
+        built = {type(m).__name__ for m in model.modules()}
+        missing = set(_claimed(family)) - built
+        assert not missing, f"the tiny {family} model has no {sorted(missing)}: its case claims entries it does not run"
+        layers = case.layers or sum(type(m).__name__ in _claimed(family) for m in model.modules())
     gen = torch.Generator().manual_seed(3)
     for name, p in model.named_parameters():  # weights that matter: a norm without its weight would show
         with torch.no_grad():
@@ -293,15 +296,22 @@ def _model(family):
     return family, model, run, layers
 
 
-def _run(model, family, run, mode):
-    """fusion_checks.step with mode None (stock), "rope" (the RoPE switch alone) or "fused"."""
-    patch = contextlib.nullcontext() if mode is None else rope_hf.patch([family], qk_norm=mode == "fused")
-    return fusion_checks.step(model, run, patch)
+def _run(model, family, run, fused):
+    """fusion_checks.step, stock or fused."""
+    return fusion_checks.step(model, run, rope_hf.patch([family]) if fused else contextlib.nullcontext())
 
 
 def _fused_classes(family) -> dict[str, str]:
     """class name -> fingerprint of the family's fused attention methods."""
     return {s.method.split(".")[0]: s.fingerprint for s in rope_hf.family_report(family).qk_norms if s.fused}
+
+
+def _claimed(family) -> dict[str, str]:
+    """class name -> fingerprint of the fused methods the family's case runs: every fused class of
+    the family for a whole model (its case checks that the model has each), the one class of an
+    attention case."""
+    fused = _fused_classes(family)
+    return {ATTENTION_CASES[family].cls: fused[ATTENTION_CASES[family].cls]} if family in ATTENTION_CASES else fused
 
 
 def _cases() -> list[str]:
@@ -312,12 +322,13 @@ def _check_parity(family, dtypes=(torch.float32, torch.bfloat16)):
     """Raises AssertionError where the fused model is off fusion_checks.assert_parity's bounds, or
     the fused op does not run once in each attention layer whose method the table lists."""
     family, model, run, layers = _model(family)
-    assert layers, f"the tiny {family} model has none of the fused classes {sorted(_fused_classes(family))}"
-    truth = _run(model, family, run, None)  # float32 stock: the reference
+    assert layers, f"the tiny {family} model has none of the fused classes {sorted(_claimed(family))}"
+    truth = _run(model, family, run, False)  # float32 stock: the reference
     for dtype in dtypes:
         model = model.to(dtype)
-        stock = truth if dtype == torch.float32 else _run(model, family, run, None)
-        fused = _run(model, family, run, "fused")
+        stock = truth if dtype == torch.float32 else _run(model, family, run, False)
+        fused = _run(model, family, run, True)
+        assert truth[2] == stock[2] == [], (truth[2], stock[2])  # stock is stock: no patch left over
         assert fused[2].count("qk_norm_rotary") == layers and "rotary_qk" not in fused[2], fused[2]
         fusion_checks.assert_parity(dtype, fused[:2], stock[:2], truth[:2])
 
@@ -333,10 +344,11 @@ def test_tested_fusion_matches_stock(family):
 def test_every_entry_is_run():
     """For the installed release: what patch() fuses is exactly the table's entries for it (none
     stale), and the cases above run every one of them."""
-    listed = _qk_norm_table.TRANSFORMERS_RELEASES[T.__version__]
+    listed = _qk_norm_table.TRANSFORMERS_RELEASES.get(T.__version__)
+    assert listed is not None, f"transformers {T.__version__}: not in _qk_norm_table.TRANSFORMERS_RELEASES"
     fused = {s.fingerprint for r in rope_hf.survey().values() for s in r.qk_norms if s.fused}
     assert fused == listed, (sorted(fused - listed), sorted(listed - fused))
-    run = {key for family in _cases() for key in _fused_classes(family).values()}
+    run = {key for family in _cases() for key in _claimed(family).values()}
     assert run == listed, f"entries no case runs: {sorted(listed - run)}"
 
 
@@ -358,7 +370,8 @@ def test_the_offline_tool_proposes_the_table(monkeypatch, capsys):
         {k: v for k, v in table.tested.items() if k != key}, table.unfusable))
     assert tool.main() == 1
     out = capsys.readouterr().out
-    assert f'NEW fusion {key} (' in out and f'"{key}": _self(),' in out and f'"{key}": Case("dots1"),' in out, out
+    assert f'NEW fusion {key} (' in out and f'"{key}": _self(),' in out, out
+    assert f'"dots1": Case("dots1", releases=("{T.__version__}",)),' in out, out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -503,8 +516,8 @@ def _sites(source: str, offline: bool = False):
     tree = ast.parse(source)
     rope_forms = {"apply_rotary_pos_emb": _hf_forms.KNOWN[next(k for k, f in _hf_forms.KNOWN.items()
                                                                if f.name == "llama")]}
-    judge = ((lambda key, *args: _qk_norm_rewrite.probe(*args)) if offline else
-             (lambda key, *_: _qk_norm_sites.lookup(_qk_norm_table.TRANSFORMERS, key)))
+    judge = ((lambda key, unsupported, *args: unsupported or _qk_norm_rewrite.probe(*args)) if offline else
+             rope_hf._table_judge)
     found = _qk_norm_sites.find_sites(tree, "m", rope_forms, _hf_forms.KNOWN_NORMS,
                                       re.compile(_hf_forms.NORM_ATTRIBUTE), _hf_forms.FUSED_TABLES, judge)
     return {s.method: s for s in found}
@@ -522,10 +535,12 @@ def test_qwen3_source_is_fused():
     assert _sites(_qwen3_source())["Qwen3Attention.forward"].fused
 
 
-def test_an_altered_norm_is_refused_by_name():
+def test_an_altered_norm_is_untested_and_named():
     source = _qwen3_source().replace("variance + self.variance_epsilon", "variance + 2 * self.variance_epsilon")
-    site = _sites(source)["Qwen3Attention.forward"]
-    assert not site.fused
+    site = _sites(source)["Qwen3Attention.forward"]  # the site's fingerprint holds its norms': untested
+    assert isinstance(site.refusal, _qk_norm_sites.Untested) and site.refusal.warns
+    site = _sites(source, offline=True)["Qwen3Attention.forward"]  # and the tool says why it stays so
+    assert isinstance(site.refusal, _qk_norm_sites.Unsupported)
     assert re.search(r"self\.[qk]_norm's class Qwen3RMSNorm \(fingerprint \w+\) matches no tested RMS norm form",
                      site.reason)
 
@@ -572,7 +587,7 @@ def test_a_method_the_table_does_not_list_is_refused_by_fingerprint(monkeypatch)
         with pytest.raises(ValueError, match=f"fingerprint {key}.* not among the tested fusions.*strict=True"):
             rope_hf.patch([family], strict=True)
         assert family not in rope_hf.patched_families()
-        _engine._warned.clear()
+        monkeypatch.setattr(_engine, "_warned", set())
         with torch.no_grad(), pytest.warns(RefusedWarning, match=f"qk-norm Qwen3Attention.forward.*fingerprint {key}"):
             with rope_hf.patch([family]), RopeOpSpy() as spy:
                 model(input_ids=ids)

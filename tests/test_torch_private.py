@@ -65,3 +65,15 @@ def test_version_counters_and_dispatch_keys():
     assert private.dispatch_keys(t).has(torch._C.DispatchKey.CPU)
     assert not private.dispatch_keys(t).has(private.PYTHON_KEY)
     assert isinstance(private.after_autograd_keyset, torch._C.DispatchKeySet)
+
+
+def test_assert_async_checks_without_a_sync():
+    private.assert_async(torch.tensor(True), "never")
+    with pytest.raises(RuntimeError, match="checked"):
+        private.assert_async(torch.tensor(False), "checked")
+
+
+def test_has_kernel_for_dispatch_key():
+    has_kernel = private.has_kernel_for_dispatch_key
+    assert has_kernel is not None, "python -m rope_ext.info cannot say whether the CUDA kernels are registered"
+    assert has_kernel("rope_ext::rotary", "CPU") and not has_kernel("rope_ext::rotary", "XLA")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make gpu-build`: everything a lent GPU machine needs, made here where the time is free, into
 # build/gpu-carry/, the one folder the device call carries (tools/GPU_LEASE.md):
-#   dist/       the rope_ext wheel itself: the one `make cuda-check` builds and CI tests under four
+#   dist/       the rope_ext wheel itself: the one `make cuda-check` builds and CI tests under three
 #               torches (CPU and CUDA kernels for every architecture, against torch 2.14.1, on the
 #               stable ABI), so the GPU proves the file a user installs. Made by `make cuda-check`
 #               first when build/cuda-check holds none of these sources.

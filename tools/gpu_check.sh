@@ -8,7 +8,7 @@
 #
 # STEP=lease (the default; one command of at most 9 minutes, most important first):
 #   install   the rope_ext wheel `make gpu-build` carried (build/gpu-carry: cuda-check's, the one wheel
-#             CI tests under four torches) installed in seconds, with the test hooks beside its
+#             CI tests under three torches) installed in seconds, with the test hooks beside its
 #             library and the other carried wheels beside the device's packages; built on the device
 #             only if the carried wheel is missing, built from other sources (tools/source_hash.sh)
 #             or registers no CUDA kernel (2 to 3 minutes on 16 cores).

@@ -7,7 +7,7 @@ Offline and slow (it runs the rewrite's own analysis, ``_qk_norm_rewrite.probe``
 attention method that normalizes q and k and applies RoPE); ``patch()`` never does: it looks each
 method's fingerprint up in the table. For each fingerprint the release has, it proposes the site
 the rewrite finds (a fusion) or why there is none (``unfusable``), with the families that share
-it, and for each new fusion a line for tests/test_qk_norm_table.py's CASES: an entry lands in the
+it, and for each new fusion a line for tests/test_qk_norm_fusion.py's CASES: an entry lands in the
 table together with the test that runs it, stock against fused.
 """
 
@@ -26,8 +26,8 @@ def proposals() -> tuple[dict, dict, dict]:
     """(fingerprint -> Site, fingerprint -> why unfusable, fingerprint -> [(family, method)])."""
     fused, unfusable, where = {}, {}, collections.defaultdict(list)
 
-    def judge(key, node, owner, ropes, attrs):
-        return _qk_norm_rewrite.probe(node, owner, ropes, attrs)
+    def judge(key, unsupported, node, owner, ropes, attrs):
+        return unsupported or _qk_norm_rewrite.probe(node, owner, ropes, attrs)
 
     root = rope_hf._models_root()
     for family, report in rope_hf.survey().items():
@@ -38,10 +38,8 @@ def proposals() -> tuple[dict, dict, dict]:
             for site in rope_hf._fusion_sites(tree, module, functions, judge):
                 if site.fused:
                     fused[site.fingerprint] = site.site
-                elif isinstance(site.refusal, _qk_norm_rewrite.Unfusable):
+                else:  # the analysis' reason (Unfusable), or its parts' (Unsupported)
                     unfusable[site.fingerprint] = str(site.refusal)
-                else:
-                    continue
                 where[site.fingerprint].append((family, site.method))
     return fused, unfusable, where
 
@@ -87,8 +85,11 @@ def main() -> int:
         else:
             family, method = where[key][0]
             print(f"NEW fusion {key} ({families(key)}, {method}):\n"
-                  f'    table:  "{key}": {_site(site)},\n'
-                  f'    test:   "{key}": Case("{family}"),  # tests/test_qk_norm_table.py: CASES')
+                  f'    table:  "{key}": {_site(site)},  # {families(key)}\n'
+                  f'    test:   "{family}": Case("{family}", releases=("{version}",)),'
+                  "  # tests/test_qk_norm_fusion.py\n"
+                  "            (CASES; the model type may be the family's text config's; ATTENTION_CASES where the\n"
+                  "            model takes images, audio or an encoder's states)")
     for key, why in sorted(unfusable.items(), key=lambda kv: where[kv[0]]):
         if table.unfusable.get(key) != why:
             changes += 1

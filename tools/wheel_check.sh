@@ -3,7 +3,8 @@
 # gives the one `make cuda-check` built (build/cuda-check/dist: CPU and CUDA kernels, against torch
 # 2.14.1); by default it is the CPU-only one `make dist-check` built from the sdist against torch
 # 2.13. The library is on torch's stable ABI, so the same file must load and pass under every torch
-# from 2.10, a CPU-only torch and CUDA torches of CUDA 12 and 13 alike.
+# from 2.10, CUDA torches of CUDA 12 and 13 alike (a CPU-only torch: dist-check loads the wheel under
+# one, and `make test` runs the whole suite under one, on the same sources).
 # For each release in TORCHES (default 2.10.0 2.11.0 2.15.0: the oldest the stable ABI allows, the
 # GPU machines', the newest; 2.13.0, this machine's CPU build, runs the whole suite in `make test`
 # on the same sources, and the wheel itself in dist-check's venv, where it loads, registers its ops

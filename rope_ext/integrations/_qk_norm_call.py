@@ -55,7 +55,6 @@ class NormForm:
         return f"{self.name}: " + ", ".join(parts)
 
 
-
 def _hooked(module) -> bool:
     """Whether a call of the module would run more than its class's forward: a hook of its own (the
     Module's own attributes), a hook for every module, a forward set on the instance."""

@@ -25,9 +25,10 @@ defines reads q, the RoPE call's tables read it) or where the fused call could n
 on every path between norm and RoPE).
 
 This module reads and rewrites a method's syntax tree; nothing here runs at call time. Which methods
-``patch()`` rewrites is not this module's choice: only those the table of tested fusions lists
-(``_qk_norm_sites``); ``tools/qk_norm_table.py`` runs :func:`probe` over a library's source, offline,
-to propose entries for it.
+are rewritten is not this module's choice: transformers' ``patch()`` rewrites only those the table
+of tested fusions lists (``_qk_norm_sites``, ``_qk_norm_table``), and ``tools/qk_norm_table.py`` runs
+:func:`probe` over a release's source, offline, to propose entries for it; diffusers' ``patch()``
+still rewrites the processors :func:`probe` accepts.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Where QK-norm + RoPE is fused: the attention methods of a library's files that normalize q and
-k and apply RoPE (:class:`FusionSite`). A method is fused only where the table of tested fusions
-(``_qk_norm_table``) lists its code's fingerprint; otherwise it keeps its own code, and the site
-says why, a :class:`FusionRefusal`. Nothing here judges code the table does not list: the rewrite's
-own analysis (``_qk_norm_rewrite.probe``) runs offline, in ``tools/qk_norm_table.py``.
+k and apply RoPE (:class:`FusionSite`), fused or refused, each refusal a :class:`FusionRefusal`.
+For transformers a method is fused only where the table of tested fusions (``_qk_norm_table``)
+lists its code's fingerprint (:func:`lookup`); the rewrite's own analysis
+(``_qk_norm_rewrite.probe``) runs offline, in ``tools/qk_norm_table.py``. (diffusers' processors
+are still judged by that analysis when ``patch()`` runs.)
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
+import hashlib
 from typing import ClassVar
 
 from rope_ext.integrations._engine import fingerprint, method_rewrite_plan, module_definitions
 from rope_ext.integrations._qk_norm_call import NormForm
-from rope_ext.integrations._qk_norm_rewrite import FusionRefusal, Site, Unfusable, _attr_call, fusion_rewrite
+from rope_ext.integrations._qk_norm_rewrite import FusionRefusal, Site, _attr_call, fusion_rewrite
 from rope_ext.integrations._qk_norm_table import Table
 
 
@@ -59,6 +61,17 @@ class Unsupported(FusionRefusal):
 
 
 @dataclasses.dataclass(frozen=True)
+class Known(FusionRefusal):
+    """Code the table records as not fused, with the reason the analysis gave when the table was
+    made (its norms or RoPE not of a tested form, or an :class:`Unfusable` condition)."""
+
+    why: str
+
+    def __str__(self) -> str:
+        return self.why
+
+
+@dataclasses.dataclass(frozen=True)
 class NotInstalled(FusionRefusal):
     """A listed fusion that failed its checks at install: its norm class replaced by another
     library, its method no longer the file's."""
@@ -71,13 +84,23 @@ class NotInstalled(FusionRefusal):
 
 
 def lookup(table: Table, key: str) -> Site | FusionRefusal:
-    """The site the table lists for a method's fingerprint, or the refusal: known code the rewrite
-    cannot fuse (:class:`Unfusable`, as the table records it), or code the table does not list."""
+    """The site the table lists for a method's fingerprint (see :func:`find_sites`), or the
+    refusal: code the table records as not fused (:class:`Known`), or code it does not list
+    (:class:`Untested`)."""
     if key in table.tested:
         return table.tested[key]
     if key in table.unfusable:
-        return Unfusable(table.unfusable[key])
+        return Known(table.unfusable[key])
     return Untested(key)
+
+
+def site_key(method_key: str, norms: list[tuple[str, str]]) -> str:
+    """A fusion site's fingerprint: its method's (``_engine.fingerprint``, the helpers it names
+    included) with each q/k norm attribute and what ``__init__`` binds it to (a norm class's
+    :func:`norm_fingerprint`, or the binding's text): the same method code with other norms (one
+    family's ``nn.Identity()``, another's RMS norm) is another site."""
+    text = method_key + "".join(f"|{attr}={bound}" for attr, bound in sorted(norms))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +158,6 @@ def _norm_bindings(init: ast.FunctionDef, attribute) -> dict[str, set[str]]:
     return out
 
 
-
 def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dict, attribute,
                fused_signatures, judge) -> list[FusionSite]:
     """The attention methods (``forward``) of a transformers model file (``tree``, imported as
@@ -146,9 +168,11 @@ def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dic
     Args:
         known_norms: norm fingerprint -> NormForm.
         fused_signatures: the RoPE signatures a fusion can stand in for.
-        judge: ``judge(fingerprint, node, owner, ropes, norm_attrs)`` -> the :class:`Site` of a method
-            whose parts the fused op takes, or a :class:`FusionRefusal`: at ``patch()`` time the
-            table's word (:func:`lookup`), offline the rewrite's own analysis.
+        judge: ``judge(fingerprint, unsupported, node, owner, ropes, norm_attrs)`` -> the method's
+            :class:`Site`, or a :class:`FusionRefusal`; ``fingerprint`` is :func:`site_key`'s;
+            ``unsupported`` is None where the method's norms and RoPE are of forms the fused op
+            takes, else an :class:`Unsupported` saying why not. At ``patch()`` time the table's word
+            (:func:`lookup`), offline the rewrite's own analysis.
     """
     definitions = module_definitions(tree)
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
@@ -164,19 +188,21 @@ def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dic
         if not called or not ropes:
             continue
         norms = tuple(sorted((attr, "|".join(sorted(bindings[attr]))) for attr in called))
-        key = fingerprint(definitions, forward)
-        site = FusionSite(module, f"{cls.name}.forward", norms, None, None, None, key)
+        norm_keys = {attr: norm_fingerprint(definitions, classes[bound]) if bound in classes else bound
+                     for attr, bound in norms}
+        key = site_key(fingerprint(definitions, forward), list(norm_keys.items()))
+        site = FusionSite(module=module, method=f"{cls.name}.forward", norms=norms, norm_form=None, site=None,
+                          fingerprint=key)
         reason, forms = None, set()
         for attr, bound in norms:
-            node = classes.get(bound)
-            if node is None:
+            if bound not in classes:
                 reason = f"self.{attr} is {bound}: not an RMS norm class its file defines"
                 break
-            norm_key = norm_fingerprint(definitions, node)
-            if norm_key not in known_norms:
-                reason = f"self.{attr}'s class {bound} (fingerprint {norm_key}) matches no tested RMS norm form"
+            if norm_keys[attr] not in known_norms:
+                reason = (f"self.{attr}'s class {bound} (fingerprint {norm_keys[attr]}) matches no tested RMS "
+                          "norm form")
                 break
-            forms.add(known_norms[norm_key])
+            forms.add(known_norms[norm_keys[attr]])
         if reason is None and len(forms) != 1:
             reason = "q's and k's norms are of different forms"
         for rope in sorted(ropes):
@@ -184,10 +210,7 @@ def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dic
             if reason is None and (form is None or form.signature not in fused_signatures):
                 reason = (f"{rope} is refused" if form is None else
                           f"{rope}'s signature ({form.signature}) has no fused call yet")
-        if reason is not None:
-            sites.append(site.refused(Unsupported(reason)))
-            continue
-        found = judge(key, forward, "self", ropes, set(called))
+        found = judge(key, None if reason is None else Unsupported(reason), forward, "self", ropes, set(called))
         sites.append(site.refused(found) if isinstance(found, FusionRefusal) else
                      dataclasses.replace(site, norm_form=forms.pop(), site=found))
     return sites
@@ -204,8 +227,8 @@ def rewrite_plan(group: str, module, node: ast.FunctionDef, site: FusionSite, ca
         found.append(fusion_rewrite(fn, s.owner, {s.rope}, {s.q_norm, s.k_norm}, holder))
 
     plan = method_rewrite_plan(group, module, site.method, node, rewrite, call, patcher)
-    if found != [site.site]:  # the table's site is what the rewrite finds in the code the table pins
-        raise ValueError(f"{site.method} does not hold the site the table lists for it: it found {found}")
+    if found != [site.site]:  # the site classified (from the table, for transformers) is what the rewrite finds
+        raise ValueError(f"{site.method} does not hold the site it was classified with: the rewrite found {found}")
     return plan
 
 
@@ -216,4 +239,3 @@ def site_text(site: FusionSite) -> str:
         what = f"{site.norm_form.describe()}, " if site.norm_form else ""
         return f"qk-norm {site.method}: fused, {what}over {across[site.site.mode]}"
     return f"qk-norm {site.method}: not fused: {site.reason}"
-

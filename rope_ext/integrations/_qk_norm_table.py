@@ -1,13 +1,15 @@
 """The tested fusions: every attention method whose QK-norm + RoPE ``patch()`` fuses, pinned by the
-fingerprint of its code (``_engine.fingerprint`` of the method, helpers it names included, its
-class's name left out), with the site the rewrite finds in that code. ``patch()`` fuses these and
-nothing else; each is run, stock against fused, by a test (tests/test_qk_norm_table.py, with the
-releases it holds for). ``tools/qk_norm_table.py`` proposes entries for a release and says what
+fingerprint of its code (``_qk_norm_sites.site_key``: the method with the helpers it names, its
+class's name left out, and the norm classes its ``__init__`` binds), with the site the rewrite finds
+in that code. ``patch()`` fuses these and
+nothing else; each is run, stock against fused, by a test (tests/test_qk_norm_fusion.py, in the
+releases that have it). ``tools/qk_norm_table.py`` proposes entries for a release and says what
 changed; an entry lands with the test that runs it.
 
-``unfusable``: methods of the tested releases whose parts the fused op takes but whose code the
-rewrite cannot fuse (norms after RoPE, q read between norm and RoPE, ...), with why: listed as not
-fused, not warned of.
+``unfusable``: the other methods of the tested releases that normalize q and k and apply RoPE, with
+why they are not fused, as the analysis said when the table was made (a norm class of no tested
+RMS form, norms after RoPE, q read between norm and RoPE, ...): listed, not warned of. A method in
+neither dict is code no test has run: ``patch()`` says so, with its fingerprint.
 """
 
 from __future__ import annotations
@@ -33,106 +35,157 @@ def _self(rope: str = "apply_rotary_pos_emb", mode: str = "head", q: str = "q_no
 # is the one the test runs).
 # transformers 4.57.6: 11 fusions
 _TESTED_4_57_6 = {
-    "fa9fcdb5e1cb2e60": _self(),  # apertus
-    "e7056947762bea34": _self(),  # doge
-    "362ae6823fb338e8": _self(),  # dots1, qwen3, qwen3_moe, qwen3_omni_moe
-    "3ad64bf6c5a07c02": _self(),  # exaone4
-    "b7e0aa069058403d": _self(mode='heads_bhsd'),  # flex_olmo, olmo2
-    "5fe298bcfcba4bb0": _self(),  # gemma3
-    "ce54608253cc683e": _self(),  # glm4_moe
-    "7b5e9da44be80f83": _self(q='q_layernorm', k='k_layernorm'),  # lfm2
-    "219ab88c867c9095": _self(mode='heads_bhsd'),  # olmo3
-    "6b49c7faa79af674": _self(),  # qwen3_next
-    "7b76a8bdcbb661f6": _self(),  # qwen3_vl, qwen3_vl_moe
+    "f8bb98c7dc479833": _self(),  # apertus
+    "466ef967e569269f": _self(),  # doge
+    "03862be8e6b256d8": _self(),  # dots1, qwen3, qwen3_moe, qwen3_omni_moe
+    "2c9ca879a34c4a04": _self(),  # exaone4
+    "2bff8037f77037f6": _self(mode='heads_bhsd'),  # flex_olmo, olmo2
+    "3ac485fb6c021336": _self(),  # gemma3
+    "0fb56587dc6147bd": _self(),  # glm4_moe
+    "8a3fc0fcf2b48db0": _self(q='q_layernorm', k='k_layernorm'),  # lfm2
+    "377b3b287f6f66c5": _self(mode='heads_bhsd'),  # olmo3
+    "180dd1ee02ec7469": _self(),  # qwen3_next
+    "568d35f4f67aa49a": _self(),  # qwen3_vl, qwen3_vl_moe
 }
 
 _UNFUSABLE_4_57_6 = {
-    "19cecb1c052cad73": 'q and k are normalized after RoPE (the fused op normalizes first)',  # hunyuan_v1_dense, hunyuan_v1_moe
-    "ff9fdf78bfd35482": '`query_states = query_states.view(bsz, q_len, self.num_heads, self.head_dim).tran` uses query_states, key_states or what their norms read between the norms and RoPE',  # olmoe
+    "7d34dbfe2ef8c949": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested RMS norm form",  # chameleon
+    "3edbd5d3c736dcc7": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested RMS norm form",  # cohere
+    "e550c0d97b3105f1": "self.k_norm's class Gemma3nRMSNorm (fingerprint bf9746660b7d7006) matches no tested RMS norm form",  # gemma3n
+    "5cbc7d39a9fb2404": 'q and k are normalized after RoPE (the fused op normalizes first)',  # hunyuan_v1_dense, hunyuan_v1_moe
+    "a8d22eeb98df352d": "apply_rotary_pos_emb's signature (qk, tables by position_ids) has no fused call yet",  # idefics
+    "54f346c30ac6bc3d": '`query_states = query_states.view(bsz, q_len, self.num_heads, self.head_dim).tran` uses query_states, key_states or what their norms read between the norms and RoPE',  # olmoe
+    "71fc001ae52ca00a": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // self.num_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # persimmon
+    "45afaea47331119e": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // config.num_attention_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # phi
+    "1e923dd8f413d13b": 'self.k_norm is nn.Identity(): not an RMS norm class its file defines',  # qwen3_omni_moe
+    "c0fa07245d827bcc": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
 }
 
 # transformers 5.23.0: 28 fusions
 _TESTED_5_23_0 = {
-    "8eaed4dc89b3c45f": _self(),  # afmoe
-    "044fa9ade38282d0": _self(),  # apertus, hy_v3
-    "f423abae1ff63944": _self(),  # beam
-    "7c504a235393e813": _self(),  # doge
-    "6a0b53a8f0ea5cde": _self(),  # dots1, mellum, qwen3, qwen3_moe, qwen3_omni_moe
-    "58251b738c8cab45": _self('apply_rotary_pos_emb_vision'),  # dots3_note, glm5_next, glm_ocr
-    "c54b6a527a582f91": _self(),  # embedding_gemma2
-    "13e11c48703e6402": _self(),  # esmfold2
-    "62658458c1c3c1a4": _self(),  # exaone4, exaone4_5, exaone_moe, kolibri1
-    "eaac37392d73672c": _self(mode='heads_bhsd'),  # flex_olmo, olmo2
-    "91dfa55417dfbf42": _self(),  # flint
-    "25f22696058be4ad": _self(),  # gemma3, t5gemma2
-    "462869bb0b8248bd": _self(),  # glm4_moe
-    "cbaf47238380dfba": _self(),  # laguna
-    "bf304bc8ecb4f2a1": _self(q='q_layernorm', k='k_layernorm'),  # lfm2, lfm2_moe
-    "685ab2923f5aedf7": _self(),  # lfm3
-    "e978949773c71f96": _self('apply_rotary_pos_emb_vision'),  # lfm3_vl
-    "9ce37dbdfe2127a2": _self(mode='heads_bhsd'),  # minimax_m2
-    "79b4a8072e52970e": _self(),  # minimax_m3_vl
-    "628a4e43db433975": _self(),  # molmo2
-    "6453311944c8615f": _self(),  # neomme
-    "57fbce2e07190b3e": _self(mode='heads_bhsd'),  # olmo3
-    "5472420d988a96a0": _self(mode='heads_bhsd'),  # olmo_hybrid
-    "7e43f14d0a2d3bce": _self(),  # pe_audio, pe_audio_video, pe_video
-    "59a6f0a249db2f77": _self(),  # qwen3_5, qwen3_5_moe, qwen3_next
-    "85c9fa4d05923c5a": _self(),  # qwen3_vl, qwen3_vl_moe
-    "35918306575f5636": _self(),  # step3p7
-    "10f286003e64ec80": _self(),  # t5gemma2
+    "91e1bf1cafd7aa2a": _self(),  # afmoe
+    "fef913fe49b2cd0b": _self(),  # apertus, hy_v3
+    "23d8c295bdbc1c7e": _self(),  # beam
+    "f2c837dd790a3c07": _self(),  # doge
+    "a86973a5d1e54fb8": _self(),  # dots1, mellum, qwen3, qwen3_moe, qwen3_omni_moe
+    "6fefda21aa25ebc5": _self('apply_rotary_pos_emb_vision'),  # dots3_note, glm5_next, glm_ocr
+    "a5d6ed5bf39c4642": _self(),  # embedding_gemma2
+    "73890f696863d802": _self(),  # esmfold2
+    "7bd9ec760404c3ef": _self(),  # exaone4, exaone4_5, exaone_moe, kolibri1
+    "29271ecfd23c7880": _self(mode='heads_bhsd'),  # flex_olmo, olmo2
+    "557334c6cc2f9458": _self(),  # flint
+    "5ba8ec04fc8390dc": _self(),  # gemma3, t5gemma2
+    "005d1a2988569304": _self(),  # glm4_moe
+    "4f4611d27c5626e9": _self(),  # laguna
+    "c9a25efcd35dbac3": _self(q='q_layernorm', k='k_layernorm'),  # lfm2, lfm2_moe
+    "3324b74a38f17d5e": _self(),  # lfm3
+    "aeea0f09ba8da3e1": _self('apply_rotary_pos_emb_vision'),  # lfm3_vl
+    "32d0eb57954ce253": _self(mode='heads_bhsd'),  # minimax_m2
+    "ba77ed43407ad115": _self(),  # minimax_m3_vl
+    "e6b4b8a4fef8537d": _self(),  # molmo2
+    "966261e93ebea29f": _self(),  # neomme
+    "db5b2322241bbc71": _self(mode='heads_bhsd'),  # olmo3
+    "762d4c07a2ca71f6": _self(mode='heads_bhsd'),  # olmo_hybrid
+    "a9326ced2f28758d": _self(),  # pe_audio, pe_audio_video, pe_video
+    "8abec6633e3eb670": _self(),  # qwen3_5, qwen3_5_moe, qwen3_next
+    "d6782bb92034c344": _self(),  # qwen3_vl, qwen3_vl_moe
+    "91ef87389aa8bc84": _self(),  # step3p7
+    "790f7c80b55a5e38": _self(),  # t5gemma2
 }
 
 _UNFUSABLE_5_23_0 = {
-    "47c765c731895ba7": 'q and k are normalized after RoPE (the fused op normalizes first)',  # hunyuan_v1_dense, hunyuan_v1_moe
-    "2ca0d72f13ff4c52": 'q and k are normalized after RoPE (the fused op normalizes first)',  # hunyuan_vl
-    "4cfb407ffa7de969": 'q and k are normalized after RoPE (the fused op normalizes first)',  # idefics
-    "98bb62732e03c886": 'idx_q, idx_k or what their norms read is used between their two norms',  # minimax_m3_vl
-    "b6a9b9ab4a6e7231": 'q and k are normalized after RoPE (the fused op normalizes first)',  # nanochat
-    "218a58a768467f3c": '`query_states = query_states.view(*hidden_shape).transpose(1, 2)` uses query_states, key_states or what their norms read between the norms and RoPE',  # olmoe
-    "7d12af72d06206f8": 'q and k are normalized after RoPE (the fused op normalizes first)',  # timesfm2_5
+    "5fb6db5b2575af1e": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # axk2, deepseek_v32
+    "abfd41862cd0f2cc": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested RMS norm form",  # chameleon
+    "6e184945cf0dcc49": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested RMS norm form",  # cohere
+    "09801e1befe74b43": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # diffusion_gemma
+    "1c82661758b0b0ad": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # diffusion_gemma
+    "1335617521965374": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # dots3_note, glm_moe_dsa
+    "42b6a0ea04cf0a35": "self.k_norm's class EsmcLayerNorm (fingerprint d431cf3f77e54d0b) matches no tested RMS norm form",  # esmc
+    "6c72696ac3f95ee4": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # gemma3n
+    "3fbe4a8e128254d1": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # gemma4, gemma4_unified
+    "857ab43f0d54a138": 'q and k are normalized after RoPE (the fused op normalizes first)',  # hunyuan_v1_dense, hunyuan_v1_moe
+    "663366a9f5fb585c": 'q and k are normalized after RoPE (the fused op normalizes first)',  # hunyuan_vl
+    "be7e5a4fd2310a04": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps): not an RMS norm class its file defines',  # hy_v4
+    "3a878b44e2256eda": 'q and k are normalized after RoPE (the fused op normalizes first)',  # idefics
+    "958ff91a25bb938d": 'idx_q, idx_k or what their norms read is used between their two norms',  # minimax_m3_vl
+    "b0a6eb9720a86307": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # mistral_large4
+    "f4188a857579ffda": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
+    "eeae7f5e57cd0d27": 'q and k are normalized after RoPE (the fused op normalizes first)',  # nanochat
+    "3b6455d17d124f85": 'self.k_norm is nn.LayerNorm(self.head_dim): not an RMS norm class its file defines',  # nemotron3_5_transcribe
+    "d2e464e35f0c7d5c": '`query_states = query_states.view(*hidden_shape).transpose(1, 2)` uses query_states, key_states or what their norms read between the norms and RoPE',  # olmoe
+    "c9d5bd83ec44a079": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // self.num_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # persimmon
+    "ea63844489bbd024": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // config.num_attention_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # phi
+    "a8c4e5d9c3d84d24": 'self.k_norm is nn.Identity(): not an RMS norm class its file defines',  # qwen3_omni_moe
+    "330b1172813d42c6": "self.k_norm's class Qwen4ExpTextRMSNorm (fingerprint d82b17b1ea3a3199) matches no tested RMS norm form",  # qwen4_exp
+    "1d9ae95bbcdd25b2": "self.k_layernorm's class Qwen4ExpTextRMSNorm (fingerprint d82b17b1ea3a3199) matches no tested RMS norm form",  # qwen4_exp
+    "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not an RMS norm class its file defines',  # sapiens2
+    "13e2d0e7e6486a44": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
+    "22925477930e9fe8": 'q and k are normalized after RoPE (the fused op normalizes first)',  # timesfm2_5
 }
 
 # transformers 5.24.0: 28 fusions
 _TESTED_5_24_0 = {
-    "e14b35e66237a87b": _self(),  # afmoe
-    "3e4b21ef01a575c9": _self(),  # apertus, apertus1p5, hy_v3
-    "3934a1e2e7bd4789": _self(),  # beam
-    "35b92b837fbf93ae": _self(),  # doge
-    "5af78178f31fe4d3": _self(),  # dots1, mellum, qwen3, qwen3_moe, qwen3_omni_moe
-    "58251b738c8cab45": _self('apply_rotary_pos_emb_vision'),  # dots3_note, glm5_next, glm_ocr
-    "c54b6a527a582f91": _self(),  # embedding_gemma2
-    "13e11c48703e6402": _self(),  # esmfold2
-    "2026749a4288cab8": _self(),  # exaone4, exaone4_5, exaone_moe, kolibri1
-    "b5cd899206d85125": _self(mode='heads_bhsd'),  # flex_olmo, olmo2
-    "dd03ee86231f23b8": _self(),  # flint
-    "7b227fc0819f4ba8": _self(),  # gemma3, t5gemma2
-    "ebfd11c14e118e85": _self(),  # glm4_moe
-    "7f36c6ec8da57e5f": _self(),  # laguna
-    "b5fa1b21a3ef3592": _self(q='q_layernorm', k='k_layernorm'),  # lfm2, lfm2_moe
-    "5dbcb5d6590a8289": _self(),  # lfm3
-    "e978949773c71f96": _self('apply_rotary_pos_emb_vision'),  # lfm3_vl
-    "23d8a767a29abf63": _self(mode='heads_bhsd'),  # minimax_m2
-    "b06141119d450e28": _self(),  # minimax_m3_vl
-    "7a6eab4ff7ad00f0": _self(),  # molmo2
-    "4388c0380d022619": _self(),  # neomme
-    "5ae95fee9eeeb7be": _self(mode='heads_bhsd'),  # olmo3
-    "8af04e3dfd02623b": _self(mode='heads_bhsd'),  # olmo_hybrid
-    "75f971324b54aacb": _self(),  # pe_audio, pe_audio_video, pe_video
-    "c6a520ccd2efa591": _self(),  # qwen3_5, qwen3_5_moe, qwen3_next
-    "f03f70e5b1dcb251": _self(),  # qwen3_vl, qwen3_vl_moe
-    "5fdbe83dc32b2579": _self(),  # step3p7
-    "571cd2183bd4a445": _self(),  # t5gemma2
+    "2610de19b1b92456": _self(),  # afmoe
+    "35e5e0b49a1f818b": _self(),  # apertus, apertus1p5, hy_v3
+    "86acf8a3140e010d": _self(),  # beam
+    "19e0d80d3c51ee32": _self(),  # doge
+    "fddcbad3c1c5b7d1": _self(),  # dots1, mellum, qwen3, qwen3_moe, qwen3_omni_moe
+    "6fefda21aa25ebc5": _self('apply_rotary_pos_emb_vision'),  # dots3_note, glm5_next, glm_ocr
+    "a5d6ed5bf39c4642": _self(),  # embedding_gemma2
+    "73890f696863d802": _self(),  # esmfold2
+    "39ef92dc5a9366db": _self(),  # exaone4, exaone4_5, exaone_moe, kolibri1
+    "8ccd7e0dd5590617": _self(mode='heads_bhsd'),  # flex_olmo, olmo2
+    "563b6479ffee70e3": _self(),  # flint
+    "e6b9913039804dfa": _self(),  # gemma3, t5gemma2
+    "1453e93aa1f20e72": _self(),  # glm4_moe
+    "3aebbdeb503750c1": _self(),  # laguna
+    "19caa7c016683755": _self(q='q_layernorm', k='k_layernorm'),  # lfm2, lfm2_moe
+    "d3b73d23916aaf4b": _self(),  # lfm3
+    "aeea0f09ba8da3e1": _self('apply_rotary_pos_emb_vision'),  # lfm3_vl
+    "0a0895256d2ae369": _self(mode='heads_bhsd'),  # minimax_m2
+    "dffe59133ce917d8": _self(),  # minimax_m3_vl
+    "591439d1876101f5": _self(),  # molmo2
+    "1ecfda64dd0072d1": _self(),  # neomme
+    "976c031b232e2edc": _self(mode='heads_bhsd'),  # olmo3
+    "66bba8f758642e0b": _self(mode='heads_bhsd'),  # olmo_hybrid
+    "6f4f689ce5f24ded": _self(),  # pe_audio, pe_audio_video, pe_video
+    "938af49af01d518d": _self(),  # qwen3_5, qwen3_5_moe, qwen3_next
+    "54abb277e234eeda": _self(),  # qwen3_vl, qwen3_vl_moe
+    "a8e098472f625c67": _self(),  # step3p7
+    "6dfc7f74f925a53e": _self(),  # t5gemma2
 }
 
 _UNFUSABLE_5_24_0 = {
-    "6035e3b25954c76c": 'q and k are normalized after RoPE (the fused op normalizes first)',  # hunyuan_v1_dense, hunyuan_v1_moe
-    "e0facf8f12b9262f": 'q and k are normalized after RoPE (the fused op normalizes first)',  # hunyuan_vl
-    "eb1af0e18b9cbd0f": 'q and k are normalized after RoPE (the fused op normalizes first)',  # idefics
-    "d293077a23c3596c": 'idx_q, idx_k or what their norms read is used between their two norms',  # minimax_m3_vl
-    "526997a1700c08b8": 'q and k are normalized after RoPE (the fused op normalizes first)',  # nanochat
-    "ca33447daef1b67c": '`query_states = query_states.view(*hidden_shape).transpose(1, 2)` uses query_states, key_states or what their norms read between the norms and RoPE',  # olmoe
-    "9a0cd6fa6905bd88": 'q and k are normalized after RoPE (the fused op normalizes first)',  # timesfm2_5
+    "4793e9178caadbca": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # axk2, deepseek_v32
+    "5de7e3fa11dc0507": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested RMS norm form",  # chameleon
+    "4db6803a585fa099": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested RMS norm form",  # cohere
+    "dad81ed35a46e4c3": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # diffusion_gemma
+    "894fc4c5932226c0": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # diffusion_gemma
+    "e29392e9a934db7e": "self.k_norm's class DoryL2Norm (fingerprint aa1ef494b4fd2dfc) matches no tested RMS norm form",  # dory
+    "683afcb13938924b": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # dots3_note, glm_moe_dsa
+    "f64b2d6cea5f845b": "self.k_norm's class EsmcLayerNorm (fingerprint d431cf3f77e54d0b) matches no tested RMS norm form",  # esmc
+    "eecf660637ac7a26": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # gemma3n
+    "0941a374e572fc48": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # gemma4, gemma4_unified
+    "97285b70d0da794a": 'q and k are normalized after RoPE (the fused op normalizes first)',  # hunyuan_v1_dense, hunyuan_v1_moe
+    "82f2fc566bc395ff": 'q and k are normalized after RoPE (the fused op normalizes first)',  # hunyuan_vl
+    "b2320298c1fd4875": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps, dtype=torch.float32): not an RMS norm class its file defines',  # hy_v4
+    "a6987fb124adcb92": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps, dtype=torch.float32): not an RMS norm class its file defines',  # hy_v4_vl
+    "29a39ac3d730fb65": 'q and k are normalized after RoPE (the fused op normalizes first)',  # idefics
+    "7fc49f59ea016c4b": "self.k_norm's class LaraMiniRMSNorm (fingerprint 59c26a99fc9b9886) matches no tested RMS norm form",  # lara_mini
+    "1e7b08ac10545d37": 'idx_q, idx_k or what their norms read is used between their two norms',  # minimax_m3_vl
+    "9024619d2e59486d": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # mistral_large4
+    "6675f35171d50baf": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
+    "69882c520d639546": 'q and k are normalized after RoPE (the fused op normalizes first)',  # nanochat
+    "3b6455d17d124f85": 'self.k_norm is nn.LayerNorm(self.head_dim): not an RMS norm class its file defines',  # nemotron3_5_transcribe
+    "33393082e0b5027c": '`query_states = query_states.view(*hidden_shape).transpose(1, 2)` uses query_states, key_states or what their norms read between the norms and RoPE',  # olmoe
+    "e86a120a4ba32161": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // self.num_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # persimmon
+    "eda69a0e500223e4": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // config.num_attention_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # phi
+    "4473acab5c2737e9": 'self.k_norm is nn.Identity(): not an RMS norm class its file defines',  # qwen3_omni_moe
+    "396ac5e56f2aa100": "self.k_norm's class Qwen4ExpTextRMSNorm (fingerprint d82b17b1ea3a3199) matches no tested RMS norm form",  # qwen4_exp
+    "1d8908e09df86a96": "self.k_layernorm's class Qwen4ExpTextRMSNorm (fingerprint d82b17b1ea3a3199) matches no tested RMS norm form",  # qwen4_exp
+    "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not an RMS norm class its file defines',  # sapiens2
+    "4b5178c93db4c65c": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
+    "493015b25dcc0fcb": 'q and k are normalized after RoPE (the fused op normalizes first)',  # timesfm2_5
 }
 
 TRANSFORMERS_RELEASES: dict[str, set[str]] = {

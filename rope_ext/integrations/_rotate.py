@@ -156,7 +156,7 @@ def rotate(form: Form, xs, cos, sin, cos_k=None, sin_k=None):
         direct = out_dtype == x.dtype and compute == computes
         jobs.append((x if direct else x.to(compute), compute, out_dtype))
     outs = rotate_each([j[0] for j in jobs], [j[1] for j in jobs], cos, sin, cos_k, sin_k,
-                        interleaved=form.interleaved)
+                       interleaved=form.interleaved)
     results = []
     for original, out, (_, _, out_dtype) in zip(xs, outs, jobs, strict=True):
         out = out.to(out_dtype)

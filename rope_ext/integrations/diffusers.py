@@ -353,7 +353,7 @@ def _fused_call(name: str, method: str, allowed, form, pair: bool):
     """One replacement per processor for the process's life: a call already running it when
     another thread unpatches still finds it (as the trampolines' holders)."""
     call = _qk_norm_call.fused(_fused_norms(), allowed, _diffusers_forms.FUSED_TABLES[form.signature](form),
-                                 pair=pair)
+                               pair=pair)
     call.__qualname__ = f"fused_qk_norm_rope[{method}]"
     return call
 

@@ -135,8 +135,12 @@ def _classify_file(path: str, module: str, stamp: tuple[int, int]) -> tuple[tupl
     return tuple(found), tuple(_fusion_sites(tree, module, found, _table_judge))
 
 
-def _table_judge(key: str, *_):
-    return _qk_norm_sites.lookup(_qk_norm_table.TRANSFORMERS, key)
+def _table_judge(key: str, unsupported, *_):
+    """A method's fusion as the table says. Code the table does not list is refused as untested even
+    where its norms or RoPE are of no tested form (a new release's LayerNorm, or its RMS norm
+    changed: which, no test has seen)."""
+    found = _qk_norm_sites.lookup(_qk_norm_table.TRANSFORMERS, key)
+    return unsupported if unsupported is not None and not isinstance(found, _qk_norm_sites.FusionRefusal) else found
 
 
 def _fusion_sites(tree: ast.Module, module: str, functions, judge) -> list:
@@ -370,14 +374,16 @@ def patch(model_types=None, *, strict: bool = False, qk_norm: bool = True) -> _e
             then (code that matches no tested form, most often a transformers release that changed
             it, or a function found replaced) keeps transformers' code, named in a
             ``_engine.RefusedWarning`` once per process when it is met; so does an attention
-            method whose QK-norm fusion rope_ext fails to rewrite, its family's RoPE switched all
-            the same.
+            method that normalizes q and k whose code is not among the tested fusions
+            (``_qk_norm_table``; named by its fingerprint), or whose fusion rope_ext fails to
+            install, its family's RoPE switched all the same.
         strict: make any refusal an error instead, found before anything is patched: the families
             named (every family, with ``model_types=None``) are classified and their modeling
             modules imported now (seconds, for all of them).
         qk_norm: also fuse each attention's q/k RMS norms into its RoPE call, one
             :func:`rope_ext.qk_norm_rotary` call for q and k, where the family's ``qk_norms``
-            say it is fused (Qwen3, Gemma 3, OLMo 2, ...; see the listing). Each call checks that
+            say it is fused (Qwen3, Gemma 3, OLMo 2, ...; see the listing): only code the table
+            of tested fusions lists, each entry run against stock by rope_ext's tests. Each call checks that
             the attention's norms are still the file's classes, unhooked, and runs transformers'
             own code where they are not.
 
