@@ -38,8 +38,8 @@ def _renamed(node: ast.ClassDef) -> ast.ClassDef:
 
 @dataclasses.dataclass(frozen=True)
 class Untested(FusionRefusal):
-    """The method's code is not among the tested fusions: a release rope_ext's table does not know,
-    or code another library changed. ``patch()`` switches its RoPE alone and says so."""
+    """The method's code (or its norm classes) is not among the tested fusions: a release the table
+    does not know, or an edited model file. ``patch()`` switches its RoPE alone and says so."""
 
     fingerprint: str
     warns: ClassVar[bool] = True
@@ -115,7 +115,7 @@ class FusionSite:
         norm_form: the norms' :class:`NormForm` (None when refused, or checked at run time).
         site: what the rewrite fuses (None when refused).
         refusal: why it is not fused (None when it is).
-        fingerprint: the method's (``_engine.fingerprint``, its class's name left out), the table's key.
+        fingerprint: the site's (:func:`site_key`: its method's code and its norm classes), the table's key.
     """
 
     module: str
