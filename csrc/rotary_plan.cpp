@@ -1,5 +1,7 @@
 #include "rotary_plan.h"
 
+#include "rope_ext/errors.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -110,7 +112,7 @@ void check_positions_in_range(const char* op, const TensorArg& positions, int64_
     int64_t offset = 0;
     for (int64_t i = 0; i < positions.numel(); ++i) {
       const int64_t p = v[offset];
-      ROPE_EXT_CHECK(p >= 0 && p < rows, op, ": position ", p, " (positions.flatten()[", i,
+      ROPE_EXT_CHECK(p >= 0 && p < rows, ROPE_EXT_POSITION_OUTSIDE_CACHE, op, ": position ", p, " (positions.flatten()[", i,
                      "]) is outside the cache, whose ", rows, " rows hold positions 0 to ", rows - 1,
                      "; build the cache for more positions (or check the positions)");
       for (int64_t d = n - 1; d >= 0; --d) {  // the next index, row-major

@@ -71,6 +71,7 @@ from rope_ext import _autograd  # noqa: E402
 _autograd.register()  # the ops' autograd formulas (the library has none: torch's stable ABI has no autograd)
 
 from rope_ext import _sharding, compat, reference, scaling  # noqa: E402
+from rope_ext._errors import PositionOutsideCache  # noqa: E402
 from rope_ext._ops import (  # noqa: E402
     cpu_kernel_isa,
     qk_norm_rotary,
@@ -103,6 +104,7 @@ __all__ = [
     "qk_norm_rotary_pos_",
     "RotaryEmbedding",
     "QKNorm",
+    "PositionOutsideCache",
     "apply_rotary_pos_emb",
     "apply_multimodal_rotary_pos_emb",
     "reference",

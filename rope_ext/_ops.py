@@ -15,6 +15,7 @@ import math
 import torch
 
 from rope_ext._autograd import run_qk_norm_rotary_, run_qk_norm_rotary_pos_, run_rotary_, run_rotary_pos_
+from rope_ext._errors import raise_typed as _raise_typed
 from rope_ext._torch_private import any_requires_grad as _any_requires_grad
 from rope_ext._torch_private import below_autograd as _below_autograd
 from rope_ext._torch_private import kernel as _kernel
@@ -196,8 +197,9 @@ def rotary_pos(
             token: ``(S, 1)`` or ``(B, S, 1)`` for ``(B, S, H, D)`` x; ``(S,)`` or ``(B, 1, S)`` for
             ``(B, H, S, D)`` x; ``(T, 1)`` for packed ``(T, H, D)`` x. Or an int offset: positions
             ``offset + 0, 1, ...`` along ``seq_dim``. Each must lie in ``[0, max_positions)``: on the
-            CPU a position outside raises a RuntimeError naming it, on CUDA it is a device-side
-            assert; never a read out of bounds. Checked on the device: no host sync.
+            CPU a position outside raises :class:`rope_ext.PositionOutsideCache` naming it (an
+            ``IndexError`` and a ``RuntimeError``), on CUDA it is a device-side assert; never a read
+            out of bounds. Checked on the device: no host sync.
         interleaved, conjugate: as in :func:`rotary` (conjugate: rotation by ``-theta``).
         seq_dim: x's sequence dim, needed only when positions is an int.
 
@@ -209,10 +211,14 @@ def rotary_pos(
     """
     if not isinstance(positions, torch.Tensor):
         positions = _resolve_positions(positions, x, seq_dim)
-    if _compiling() or (_grad_enabled() and _any_requires_grad(x, cos_cache, sin_cache)):
-        return _rotary_pos(x, cos_cache, sin_cache, positions, interleaved, conjugate)
-    with _below_autograd():
-        return _rotary_pos_kernel(x, cos_cache, sin_cache, positions, interleaved, conjugate)
+    try:
+        if _compiling() or (_grad_enabled() and _any_requires_grad(x, cos_cache, sin_cache)):
+            return _rotary_pos(x, cos_cache, sin_cache, positions, interleaved, conjugate)
+        with _below_autograd():
+            return _rotary_pos_kernel(x, cos_cache, sin_cache, positions, interleaved, conjugate)
+    except RuntimeError as error:
+        _raise_typed(error)
+        raise
 
 
 def rotary_pos_qk(
@@ -238,10 +244,14 @@ def rotary_pos_qk(
     """
     if not isinstance(positions, torch.Tensor):
         positions = _resolve_positions(positions, q, seq_dim)
-    if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, cos_cache, sin_cache)):
-        return _rotary_pos_qk(q, k, cos_cache, sin_cache, positions, interleaved, conjugate)
-    with _below_autograd():
-        return _rotary_pos_qk_kernel(q, k, cos_cache, sin_cache, positions, interleaved, conjugate)
+    try:
+        if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, cos_cache, sin_cache)):
+            return _rotary_pos_qk(q, k, cos_cache, sin_cache, positions, interleaved, conjugate)
+        with _below_autograd():
+            return _rotary_pos_qk_kernel(q, k, cos_cache, sin_cache, positions, interleaved, conjugate)
+    except RuntimeError as error:
+        _raise_typed(error)
+        raise
 
 
 def rotary_pos_(
@@ -261,10 +271,14 @@ def rotary_pos_(
     the version counters; q and k must not share memory with each other, the caches or positions.
     """
     args = (q, k, cos_cache, sin_cache, _resolve_positions(positions, q, seq_dim), interleaved, conjugate)
-    if _compiling():
-        _rotary_pos_inplace(*args)
-    else:
-        run_rotary_pos_(*args)
+    try:
+        if _compiling():
+            _rotary_pos_inplace(*args)
+        else:
+            run_rotary_pos_(*args)
+    except RuntimeError as error:
+        _raise_typed(error)
+        raise
     return q if k is None else (q, k)
 
 
@@ -349,7 +363,7 @@ def qk_norm_rotary_pos(
             q's dtype or float32.
         positions: int32 or int64, broadcasting against ``q.shape[:-1]`` and ``k.shape[:-1]``, e.g.
             ``(B, S, 1)`` for ``(B, S, H, D)`` q. Read on the device: no host sync. A position outside
-            the cache is an error.
+            the cache is an error, as in :func:`rotary_pos`.
 
     Returns:
         ``(q_out, k_out)``, as :func:`qk_norm_rotary`. Gradients reach q, k, the weights and, when
@@ -357,10 +371,14 @@ def qk_norm_rotary_pos(
     """
     args = _norm_args("rope_ext.qk_norm_rotary_pos", q, k, (q, k, q_weight, k_weight, cos_cache, sin_cache,
                       positions), eps, weight_offset, norm_over, interleaved)
-    if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos_cache, sin_cache)):
-        return _qk_norm_rotary_pos(*args)[:2]
-    with _below_autograd():
-        return _qk_norm_rotary_pos_kernel(*args)[:2]
+    try:
+        if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos_cache, sin_cache)):
+            return _qk_norm_rotary_pos(*args)[:2]
+        with _below_autograd():
+            return _qk_norm_rotary_pos_kernel(*args)[:2]
+    except RuntimeError as error:
+        _raise_typed(error)
+        raise
 
 
 def qk_norm_rotary_(
@@ -409,10 +427,14 @@ def qk_norm_rotary_pos_(
     """In-place :func:`qk_norm_rotary_pos`, for inference, as :func:`qk_norm_rotary_`; returns ``(q, k)``."""
     args = _norm_args("rope_ext.qk_norm_rotary_pos_", q, k, (q, k, q_weight, k_weight, cos_cache, sin_cache,
                       positions), eps, weight_offset, norm_over, interleaved)
-    if _compiling():
-        _qk_norm_rotary_pos_inplace(*args)
-    else:
-        run_qk_norm_rotary_pos_(*args)
+    try:
+        if _compiling():
+            _qk_norm_rotary_pos_inplace(*args)
+        else:
+            run_qk_norm_rotary_pos_(*args)
+    except RuntimeError as error:
+        _raise_typed(error)
+        raise
     return q, k
 
 

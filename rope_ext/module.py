@@ -10,6 +10,7 @@ from torch import nn
 
 from rope_ext import positions as P
 from rope_ext._autograd import below_autograd
+from rope_ext._errors import PositionOutsideCache, raise_typed
 from rope_ext._ops import (
     _any_requires_grad,
     _compiling,
@@ -521,8 +522,8 @@ class RotaryEmbedding(nn.Module):
         source = self._source(q, at)  # step 3
         try:
             return self._op(q, k, source, norm)  # step 4
-        except RuntimeError as error:  # (costs nothing unless raised)
-            if not self._refused_past_the_cache(error, at):
+        except PositionOutsideCache:  # (costs nothing unless raised)
+            if not self._can_read(at):
                 raise
             # The CPU kernel refused a position past the cache (it checks them all before writing
             # anything): read the positions, then grow the cache for them or build their tables.
@@ -678,23 +679,26 @@ class RotaryEmbedding(nn.Module):
                 return qk_norm_rotary_pos(q, k, q_weight, k_weight, cos, sin, rows, **kw)
             return qk_norm_rotary(q, k, q_weight, k_weight, cos, sin, **kw)
         if rows is not None:  # (rope_ext.rotary_pos_qk's lines, inline: a Python frame less per decode step)
-            if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, cos, sin)):
-                return _rotary_pos_qk(q, k, cos, sin, rows, self.interleaved, False)
-            with below_autograd():
-                return _rotary_pos_qk_kernel(q, k, cos, sin, rows, self.interleaved, False)
+            try:
+                if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, cos, sin)):
+                    return _rotary_pos_qk(q, k, cos, sin, rows, self.interleaved, False)
+                with below_autograd():
+                    return _rotary_pos_qk_kernel(q, k, cos, sin, rows, self.interleaved, False)
+            except RuntimeError as error:
+                raise_typed(error)
+                raise
         return rotary_qk(q, k, cos, sin, interleaved=self.interleaved, cos_k=cos_k, sin_k=sin_k)
 
     @staticmethod
-    def _refused_past_the_cache(error: RuntimeError, at: _Positions) -> bool:
-        """Whether the op's error is the CPU kernel's refusal of a position past the cache, for
-        positions forward can read (on the CPU, in eager mode). On a device, sizing the cache is the
-        caller's part (max_position_embeddings, ensure_positions): a position past it is the
+    def _can_read(at: _Positions) -> bool:
+        """Whether forward may read positions the CPU kernel refused (PositionOutsideCache) and
+        try again: positions not read yet, on the CPU, in eager mode. On a device, sizing the cache
+        is the caller's part (max_position_embeddings, ensure_positions): a position past it is the
         kernel's device-side assert, and reading device positions would wait for the device."""
-        return ("is outside the cache" in str(error) and at.tensor is not None and at.extent is None
-                and P._readable(at.tensor) and at.tensor.numel() > 0)
+        return at.tensor is not None and at.extent is None and P._readable(at.tensor) and at.tensor.numel() > 0
 
     def _read(self, at: _Positions) -> _Positions:
-        """at with its extent read from its positions (readable: see _refused_past_the_cache), and
+        """at with its extent read from its positions (readable: see _can_read), and
         negative positions refused by name."""
         least, most = P.extremes(at.tensor)
         if least < 0:

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import rope_ext  # noqa: F401  (loads the ops)
 from rope_ext import reference
+from rope_ext._errors import POSITION_OUTSIDE_CACHE
 
 # The tests' hooks into librope_ext.so (csrc/testing/): a library of their own that the product
 # never loads, built beside it by `make setup` (ROPE_EXT_TESTING=1).
@@ -107,8 +108,8 @@ class KernelsOn:
         positions, rows = args[i], args[i - 2].shape[0]
         bad = positions[(positions < 0) | (positions >= rows)]
         if bad.numel():
-            raise RuntimeError(f"rope_ext: position {int(bad[0])} is outside the cache, whose {rows} rows hold "
-                               f"positions 0 to {rows - 1} (refused by conftest.KernelsOn before the launch)")
+            raise RuntimeError(f"{POSITION_OUTSIDE_CACHE}position {int(bad[0])} is outside the cache, whose {rows} "
+                               f"rows hold positions 0 to {rows - 1} (refused by conftest.KernelsOn before the launch)")
 
 
 if os.environ.get("ROPE_EXT_TEST_KERNELS_ON"):

@@ -2,6 +2,9 @@
 the fake kernel (torch.compile / export), never a crash or a silently wrong result."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -95,3 +98,73 @@ def test_the_kernel_names_any_dtype_it_refuses(dtype):
     pos = torch.zeros(2, dtype=torch.int64).to(dtype) if dtype != torch.float8_e8m0fnu else torch.zeros(2).to(dtype)
     with pytest.raises(RuntimeError, match=rf"positions must be int32 or int64, got {name}$"):
         torch.ops.rope_ext.rotary_pos(torch.zeros(2, 8), torch.ones(4, 4), torch.ones(4, 4), pos)
+
+
+# --- errors with a type of their own -------------------------------------------------------------------
+
+
+def _outside_calls():
+    """Each op by position, called with position 5 of a 4-row cache: (name, call)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 1, 8, generator=gen)
+    cache = torch.randn(4, 4, generator=gen)
+    pos = torch.tensor([0, 5, 1]).unsqueeze(-1)
+    w = torch.ones(8)
+    return {
+        "rotary_pos": lambda: rope_ext.rotary_pos(q, cache, cache, pos),
+        "rotary_pos (autograd)": lambda: rope_ext.rotary_pos(q.clone().requires_grad_(), cache, cache, pos),
+        "rotary_pos_qk": lambda: rope_ext.rotary_pos_qk(q, k, cache, cache, pos),
+        "rotary_pos_": lambda: rope_ext.rotary_pos_(q.clone(), k.clone(), cache, cache, pos),
+        "qk_norm_rotary_pos": lambda: rope_ext.qk_norm_rotary_pos(q, k, w, w, cache, cache, pos, eps=1e-6),
+        "qk_norm_rotary_pos (autograd)": lambda: rope_ext.qk_norm_rotary_pos(q, k, w.clone().requires_grad_(), w,
+                                                                             cache, cache, pos, eps=1e-6),
+        "qk_norm_rotary_pos_": lambda: rope_ext.qk_norm_rotary_pos_(q.clone(), k.clone(), w, w, cache, cache, pos,
+                                                                   eps=1e-6),
+    }
+
+
+@pytest.mark.parametrize("name", list(_outside_calls()))
+def test_a_position_outside_the_cache_is_its_own_type(name):
+    """rope_ext.PositionOutsideCache, an IndexError and a RuntimeError, with the kernel's message
+    less the prefix that carried the type across the stable ABI."""
+    with pytest.raises(rope_ext.PositionOutsideCache) as raised:
+        _outside_calls()[name]()
+    assert isinstance(raised.value, IndexError) and isinstance(raised.value, RuntimeError)
+    op = name.split(" ")[0]
+    assert str(raised.value).startswith(f"rope_ext.{op}: position 5 (positions.flatten()[1]) is outside the cache, "
+                                        "whose 4 rows hold positions 0 to 3"), str(raised.value)
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+
+
+def test_the_type_crosses_the_library_as_its_header_says():
+    """The raw op's error carries errors.h's prefix (the library's side), the one rope_ext._errors
+    reads (the Python side); other errors keep their type and message."""
+    from rope_ext import _errors
+
+    header = (Path(rope_ext.__file__).parents[1] / "csrc" / "include" / "rope_ext" / "errors.h").read_text()
+    assert re.search(rf'^#define ROPE_EXT_POSITION_OUTSIDE_CACHE "{re.escape(_errors.POSITION_OUTSIDE_CACHE)}"$',
+                     header, re.M)
+    cache, pos = torch.zeros(4, 4), torch.tensor([[7]])
+    with pytest.raises(RuntimeError) as raised:
+        torch.ops.rope_ext.rotary_pos(torch.zeros(1, 1, 8), cache, cache, pos, False, False)
+    assert type(raised.value) is RuntimeError
+    assert str(raised.value).startswith(_errors.POSITION_OUTSIDE_CACHE + "rope_ext.rotary_pos: position 7 ")
+    with pytest.raises(RuntimeError) as raised:  # positions that do not broadcast: not that error
+        rope_ext.rotary_pos(torch.zeros(2, 3, 8), cache, cache, torch.zeros(5, 1, dtype=torch.long))
+    assert type(raised.value) is RuntimeError and "do not broadcast" in str(raised.value)
+
+
+def test_the_module_catches_the_type_and_grows_its_cache():
+    """RotaryEmbedding reads CPU positions the kernel refused and grows its cache for them (eager);
+    the error it catches is the type, not its text."""
+    emb = rope_ext.RotaryEmbedding(8, max_position_embeddings=4, layout="bshd")
+    q = torch.randn(1, 3, 2, 8, generator=torch.Generator().manual_seed(1))
+    pos = torch.tensor([[0, 9, 2]])
+    assert emb.cos_cache.shape[0] == 4
+    out, _ = emb(q, q, position_ids=pos)
+    assert emb.cos_cache.shape[0] >= 10
+    # the float64 truth: half-split pairs, theta_i = 10000^(-2i/8)
+    angles = pos[..., None].double() * 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    angles = torch.cat((angles, angles), -1)[:, :, None]
+    ref = rope_ext.reference.rotary_reference(q.double(), angles.cos(), angles.sin())
+    torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=0)  # float32 tables and products: ~1e-7

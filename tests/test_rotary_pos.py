@@ -325,7 +325,7 @@ def test_positions_outside_the_cache_raise_and_never_read(bad, gen):
         rope_ext.rotary_pos_(x, x.clone(), cc, sc, pos)
     assert torch.equal(x, before)
     # the CUDA thread's own check (a device-side assert on a GPU) fires in the emulation
-    with pytest.raises(RuntimeError, match=rf"rope_ext: position {bad} is outside the cache"):
+    with pytest.raises(RuntimeError, match=rf"^rope_ext.PositionOutsideCache: position {bad} is outside the cache"):
         TESTING.cuda_emulate_rotary_pos(x, cc, sc, pos, False, False)
     if bad >= 0 and bad < 2**31:
         with pytest.raises(RuntimeError, match="is outside the cache"):

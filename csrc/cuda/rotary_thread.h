@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "rope_ext/errors.h"
 #include "rotary_math.h"
 #include "rotary_plan.h"
 
@@ -529,8 +530,8 @@ struct OpMath<double> {
   }
 #else
 #define ROPE_EXT_POSITION_CHECK(pos, rows)                                                                  \
-  ROPE_EXT_CHECK((pos) >= 0 && (pos) < (rows), "rope_ext: position ", pos, " is outside the cache, whose ", rows, \
-              " rows hold positions 0 to ", (rows) - 1)
+  ROPE_EXT_CHECK((pos) >= 0 && (pos) < (rows), ROPE_EXT_POSITION_OUTSIDE_CACHE "position ", pos,             \
+                 " is outside the cache, whose ", rows, " rows hold positions 0 to ", (rows) - 1)
 #endif
 
 // The plans, the compact index (if the layout allows and `allow_compact`) and the launch of a

@@ -7,6 +7,12 @@
 #include <rope_ext/rope.h>
 #include <torch/autograd.h>
 
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+
 #include "test_util.h"
 
 using rope_test::expect_bitwise_equal;
@@ -62,6 +68,36 @@ TEST(RotaryPos, PositionOutsideTheCacheIsAnError) {
   const at::Tensor before = x.clone();
   expect_error([&] { rope_ext::rotary_pos_(x, std::nullopt, cc, sc, pos); }, "is outside the cache", "in place");
   expect_bitwise_equal(x, before, "a refused in-place call writes nothing");
+}
+
+// The type the C++ API gives that error, on each path: rope_ext::PositionOutsideCache, a
+// c10::IndexError, its message the library's without the prefix that carried the type.
+TEST(RotaryPos, PositionOutsideTheCacheHasItsType) {
+  const auto [cc, sc] = caches(8, 16);
+  const at::Tensor pos = at::tensor({0, 3, 8, 1}, at::kLong).unsqueeze(-1);
+  const at::Tensor x = at::randn({4, 2, 16}), k = at::randn({4, 1, 16});
+  const std::vector<std::pair<const char*, std::function<void()>>> calls = {
+      {"rotary_pos", [&] { rope_ext::rotary_pos(x, cc, sc, pos); }},
+      {"rotary_pos, x requiring grad", [&] { rope_ext::rotary_pos(x.clone().requires_grad_(), cc, sc, pos); }},
+      {"rotary_pos_qk", [&] { rope_ext::rotary_pos_qk(x, k, cc, sc, pos); }},
+      {"rotary_pos_", [&] {
+         at::Tensor q_in = x.clone();
+         rope_ext::rotary_pos_(q_in, k.clone(), cc, sc, pos);
+       }},
+  };
+  for (const auto& [what, call] : calls) {
+    try {
+      call();
+      ADD_FAILURE() << what << ": did not throw";
+    } catch (const rope_ext::PositionOutsideCache& e) {
+      const c10::IndexError& index_error = e;
+      EXPECT_EQ(index_error.msg().rfind("rope_ext.rotary_pos", 0), 0u) << what << ": " << e.msg();
+      EXPECT_NE(e.msg().find("position 8 (positions.flatten()[2]) is outside the cache"), std::string::npos) << e.msg();
+      EXPECT_EQ(e.msg().find("PositionOutsideCache"), std::string::npos) << what << ": the prefix stayed: " << e.msg();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << what << ": threw another type: " << e.what();
+    }
+  }
 }
 
 TEST(RotaryPos, GradientsReachQKAndTheCaches) {

@@ -26,9 +26,11 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 
+#include "rope_ext/errors.h"
 #include "rope_ext/version.h"
 
 // Defined in librope_ext.so: the one symbol of the library these headers call, so that a program's
@@ -36,6 +38,16 @@
 extern "C" __attribute__((visibility("default"))) const char* rope_ext_library_version();
 
 namespace rope_ext {
+
+/// A position outside the cos/sin cache of rotary_pos, rotary_pos_qk, rotary_pos_ and the QK-norm
+/// ops by position (on the CPU, where every position is checked before anything is written). A
+/// c10::IndexError (IndexError in Python); what() is the library's message, naming the position,
+/// its index in positions.flatten() and the cache's rows.
+class PositionOutsideCache : public c10::IndexError {
+ public:
+  using c10::IndexError::IndexError;
+};
+
 namespace detail {
 
 // The op `name` (e.g. "rope_ext::rotary"), for a call site's static handle.
@@ -47,15 +59,20 @@ c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-// op.call(args...), with the library's errors given to C++ callers as LibTorch's own, c10::Error
-// (the message unchanged): the library is built on torch's stable ABI, whose kernels raise
-// std::runtime_error. (Python sees RuntimeError either way.)
+// op.call(args...), with the library's errors given to C++ callers as LibTorch's own: c10::Error,
+// or the rope_ext type the message's prefix names (rope_ext/errors.h), the prefix removed and the
+// rest of the message unchanged. The library is built on torch's stable ABI, whose kernels raise
+// std::runtime_error with the message alone.
 template <class Signature, class... Args>
 decltype(auto) call(const c10::TypedOperatorHandle<Signature>& op, Args&&... args) {
   try {
     return op.call(std::forward<Args>(args)...);
   } catch (const std::runtime_error& e) {
-    throw c10::Error(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, e.what());
+    const c10::SourceLocation at{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
+    const std::string what = e.what();
+    constexpr std::string_view outside = ROPE_EXT_POSITION_OUTSIDE_CACHE;
+    if (what.compare(0, outside.size(), outside) == 0) throw PositionOutsideCache(at, what.substr(outside.size()));
+    throw c10::Error(at, what);
   }
 }
 
