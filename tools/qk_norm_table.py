@@ -1,7 +1,8 @@
-"""Propose the table of tested QK-norm fusions for the installed transformers, and say what changed.
+"""Propose the table of tested QK-norm fusions for the installed transformers or diffusers, and say what changed.
 
     python3 tools/qk_norm_table.py            # the differences from rope_ext's table (exit 1 if any)
     python3 tools/qk_norm_table.py --entries  # every entry this release proposes, as the table's lines
+    python3 tools/qk_norm_table.py --library diffusers [--entries]   # diffusers' processors
 
 Offline and slow (it runs the rewrite's own analysis, ``_qk_norm_rewrite.probe``, over every
 attention method that normalizes q and k and applies RoPE); ``patch()`` never does: it looks each
@@ -44,6 +45,25 @@ def proposals() -> tuple[dict, dict, dict]:
     return fused, unfusable, where
 
 
+def diffusers_proposals() -> tuple[dict, dict, dict]:
+    """proposals(), for diffusers' processors: (fingerprint -> Site, -> why unfusable, -> [(file, method)])."""
+    from rope_ext.integrations import diffusers as rope_diffusers
+
+    fused, unfusable, where = {}, {}, collections.defaultdict(list)
+
+    def judge(key, unsupported, node, owner, ropes, attrs):
+        return unsupported or _qk_norm_rewrite.probe(node, owner, ropes, attrs)
+
+    for name in sorted(rope_diffusers.survey()):
+        for site in rope_diffusers._fusion_sites(name, judge):
+            if site.fused:
+                fused[site.fingerprint] = site.site
+            else:
+                unfusable[site.fingerprint] = str(site.refusal)
+            where[site.fingerprint].append((name, site.method))
+    return fused, unfusable, where
+
+
 def _site(site) -> str:
     args = [] if site.rope == "apply_rotary_pos_emb" else [repr(site.rope)]
     if site.mode != "head":
@@ -56,11 +76,14 @@ def _site(site) -> str:
 
 
 def main() -> int:
-    import transformers
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--entries", action="store_true", help="print every entry, not only the differences")
+    parser.add_argument("--library", choices=("transformers", "diffusers"), default="transformers")
     args = parser.parse_args()
+    if args.library == "diffusers":
+        return diffusers_main(args.entries)
+    import transformers
+
     fused, unfusable, where = proposals()
     table = _qk_norm_table.TRANSFORMERS
     version = transformers.__version__
@@ -95,6 +118,55 @@ def main() -> int:
             changes += 1
             print(f'NEW unfusable {key} ({families(key)}): "{key}": {why!r},')
     print(f"transformers {version}: {len(fused)} fusions ({sum(k in table.tested for k in fused)} in the table), "
+          f"{len(unfusable)} unfusable; {changes} differences from the table")
+    return 1 if changes else 0
+
+
+def _processor_site(site) -> str:
+    args = [repr(site.rope)] + [f"{name}={value!r}" for name, value, default in (
+        ("mode", site.mode, "head"), ("q", site.q_norm, "norm_q"), ("k", site.k_norm, "norm_k"),
+        ("pair", site.pair, True), ("owner", site.owner, "attn")) if value != default]
+    return f"_attn({', '.join(args)})"
+
+
+def diffusers_main(entries: bool) -> int:
+    """main() for diffusers. The analysis sees a processor's code, not its attention's norm classes:
+    an entry the table lists as unfusable where the analysis finds a fusion (a norm class of no
+    tested form, such as Mochi's) is the table's word, not a difference."""
+    import diffusers
+
+    fused, unfusable, where = diffusers_proposals()
+    table = _qk_norm_table.DIFFUSERS
+    version = diffusers.__version__
+
+    def files(key):
+        return ", ".join(sorted({f"{f}:{m.split('.')[0]}" for f, m in where[key]}))
+
+    if entries:
+        print(f"# diffusers {version}: {len(fused)} fusions, {len(unfusable)} unfusable")
+        for key, site in sorted(fused.items(), key=lambda kv: where[kv[0]]):
+            print(f'    "{key}": {_processor_site(site)},  # {files(key)}')
+        for key, why in sorted(unfusable.items(), key=lambda kv: where[kv[0]]):
+            print(f'    "{key}": {why!r},  # {files(key)}')
+        return 0
+    changes = 0
+    for key, site in sorted(fused.items(), key=lambda kv: where[kv[0]]):
+        if table.tested.get(key) == site or key in table.unfusable:
+            continue
+        changes += 1
+        if key in table.tested:
+            print(f"CHANGED {key} ({files(key)}): the table says {table.tested[key]}, the rewrite finds {site}")
+        else:
+            name, method = where[key][0]
+            print(f"NEW fusion {key} ({files(key)}):\n"
+                  f'    table:  "{key}": {_processor_site(site)},  # {files(key)}\n'
+                  f'    test:   "{name}:{method}": Case(<build>, fused_calls=1),'
+                  "  # tests/diffusers_processor_cases_*.py")
+    for key, why in sorted(unfusable.items(), key=lambda kv: where[kv[0]]):
+        if table.unfusable.get(key) != why:
+            changes += 1
+            print(f'NEW unfusable {key} ({files(key)}): "{key}": {why!r},')
+    print(f"diffusers {version}: {len(fused)} fusions ({sum(k in table.tested for k in fused)} in the table), "
           f"{len(unfusable)} unfusable; {changes} differences from the table")
     return 1 if changes else 0
 

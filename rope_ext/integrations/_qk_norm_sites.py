@@ -94,6 +94,15 @@ def lookup(table: Table, key: str) -> Site | FusionRefusal:
     return Untested(key)
 
 
+def judge_by(table: Table, key: str, unsupported: Unsupported | None) -> Site | FusionRefusal:
+    """A site's fusion as the table says (:func:`lookup`), the judge ``patch()`` uses (see
+    :func:`find_sites`). Code the table does not list is refused as untested even where its norms or
+    RoPE are of no tested form (a new release's LayerNorm, or its RMS norm changed: which, no test
+    has seen); a listed one whose parts are refused here keeps that refusal."""
+    found = lookup(table, key)
+    return unsupported if unsupported is not None and not isinstance(found, FusionRefusal) else found
+
+
 def site_key(method_key: str, norms: list[tuple[str, str]]) -> str:
     """A fusion site's fingerprint: its method's (``_engine.fingerprint``, the helpers it names
     included) with each q/k norm attribute and what ``__init__`` binds it to (a norm class's

@@ -1,10 +1,10 @@
-"""The tested fusions: every attention method whose QK-norm + RoPE ``patch()`` fuses, pinned by the
-fingerprint of its code (``_qk_norm_sites.site_key``: the method with the helpers it names, its
-class's name left out, and the norm classes its ``__init__`` binds), with the site the rewrite finds
-in that code. ``patch()`` fuses these and
-nothing else; each is run, stock against fused, by a test (tests/test_qk_norm_fusion.py, in the
-releases that have it). ``tools/qk_norm_table.py`` proposes entries for a release and says what
-changed; an entry lands with the test that runs it.
+"""The tested fusions: every attention method (transformers) and processor (diffusers) whose
+QK-norm + RoPE ``patch()`` fuses, pinned by the fingerprint of its code (``_qk_norm_sites.site_key``:
+the method with the helpers it names, its class's name left out, and, in transformers, the norm
+classes its ``__init__`` binds), with the site the rewrite finds in that code. ``patch()`` fuses
+these and nothing else; each is run, stock against fused, by a test (tests/test_qk_norm_fusion.py
+and tests/test_diffusers_qk_norm.py, in the releases that have it). ``tools/qk_norm_table.py``
+proposes entries for a release and says what changed; an entry lands with the test that runs it.
 
 ``unfusable``: the other methods of the tested releases that normalize q and k and apply RoPE, with
 why they are not fused, as the analysis said when the table was made (a norm class of no tested
@@ -192,3 +192,78 @@ TRANSFORMERS_RELEASES: dict[str, set[str]] = {
     "4.57.6": set(_TESTED_4_57_6), "5.23.0": set(_TESTED_5_23_0), "5.24.0": set(_TESTED_5_24_0)}
 TRANSFORMERS = Table(tested={**_TESTED_4_57_6, **_TESTED_5_23_0, **_TESTED_5_24_0},
                      unfusable={**_UNFUSABLE_4_57_6, **_UNFUSABLE_5_23_0, **_UNFUSABLE_5_24_0})
+
+
+def _attn(rope: str, mode: str = "head", q: str = "norm_q", k: str = "norm_k", pair: bool = True,
+          owner: str = "attn") -> Site:
+    return Site(owner, q, k, rope, pair, mode)
+
+
+# diffusers 0.42.1: the processors' ``__call__`` fingerprints (``site_key`` of the method alone: the
+# norms are the attention module's, whose classes each call checks), with the files and processor
+# classes that have them. Each fusion is run by tests/test_diffusers_qk_norm.py: a whole tiny model
+# (Flux, Wan, HunyuanVideo, LTX, QwenImage) or the processor on its file's attention module
+# (tests/diffusers_processor_cases_*.py). Other releases keep the entries whose code they keep.
+_DIFFUSERS_TESTED_0_42_1 = {
+    "36c739d6fbadf7be": _attn('apply_rotary_emb'),  # ace_step_transformer:AceStepAttnProcessor2_0
+    "d425efddccb5d211": _attn('apply_rotary_emb'),  # bria:BriaAttnProcessor, longcat_image:LongCatImageAttnProcessor, ovis_image:OvisImageAttnProcessor
+    "aaaafc737fe908c0": _attn('apply_rotary_emb'),  # bria_fibo:BriaFiboAttnProcessor
+    "4a2560e0e763f04c": _attn('apply_rotary_emb'),  # bria_fibo2:BriaFibo2AttnProcessor
+    "9263cfee897f624e": _attn('apply_rotary_emb', mode='heads_bshd'),  # chronoedit:WanAttnProcessor, wan:WanAttnProcessor, wan_animate:WanAttnProcessor
+    "5becaccfaa3962d9": _attn('apply_rotary_emb'),  # controlnet_z_image:ZSingleStreamAttnProcessor, z_image:ZSingleStreamAttnProcessor
+    "56bf61bc2b95dee3": _attn('apply_rotary_emb'),  # cosmos:CosmosAttnProcessor2_0
+    "2522107f4713f73c": _attn('apply_rotary_emb'),  # cosmos:CosmosAttnProcessor2_5
+    "2ea8861cec81a84d": _attn('apply_rotary_emb'),  # ernie_image:ErnieImageSingleStreamAttnProcessor
+    "0cc7f80a710d8328": _attn('apply_rotary_emb'),  # flux:FluxAttnProcessor
+    "dac2e3e82b6d95c9": _attn('apply_rotary_emb'),  # flux2:Flux2AttnProcessor
+    "deb8a41f4403ff01": _attn('apply_rotary_emb'),  # flux2:Flux2KVAttnProcessor
+    "24406c3920a8d8df": _attn('apply_rotary_emb'),  # flux2:Flux2KVParallelSelfAttnProcessor
+    "ad7f4b9234b354f0": _attn('apply_rotary_emb'),  # flux2:Flux2ParallelSelfAttnProcessor
+    "d5456c34176c1258": _attn('apply_rotary_emb'),  # flux3:Flux3AttnProcessor
+    "5f148aaca32978da": _attn('apply_rotary_emb_transposed', mode='heads_bshd'),  # helios:HeliosAttnProcessor
+    "29210d9f51cda445": _attn('apply_rotary_emb'),  # hunyuan_video:HunyuanVideoAttnProcessor2_0, hunyuanimage:HunyuanImageAttnProcessor
+    "09781992021a5869": _attn('apply_rotary_emb'),  # hunyuan_video15:HunyuanVideo15AttnProcessor2_0
+    "38ec24b57eb70740": _attn('apply_rotary_emb'),  # ltx:LTXVideoAttnProcessor
+    "9b41e70faaf263a5": _attn('apply_rotary_emb'),  # lumina2:Lumina2AttnProcessor2_0
+    "9402c3d39b309ca7": _attn('_apply_rotary_emb'),  # minimax_h3:MiniMaxH3AttnProcessor
+    "9e873de6ab8eb81d": _attn('apply_rotary_emb'),  # motif_video:MotifVideoAttnProcessor2_0
+    "dba512cd2371bf31": _attn('_apply_rotary_emb_nucleus'),  # nucleusmoe_image:NucleusMoEAttnProcessor2_0
+    "92784ec38876b13d": _attn('apply_rope'),  # prx:PRXAttnProcessor2_0
+    "89828fa417a6dc97": _attn('apply_rotary_emb_qwen'),  # qwenimage:QwenDoubleStreamAttnProcessor2_0
+    "e2dbac4a15db0071": _attn('apply_rotary_emb', mode='heads_bshd'),  # skyreels_v2:SkyReelsV2AttnProcessor
+}
+# (Mochi's and Krea2's processors are fusable code, but their attention modules' norm classes are of
+# no tested form, so no call could fuse: listed here, with that reason.)
+_DIFFUSERS_UNFUSABLE_0_42_1 = {
+    "94eaa9513f1c9a0f": "apply_rotary_emb's signature (complex as given) has no fused call yet",  # anyflow:AnyFlowAttnProcessor, anyflow_far:AnyFlowAttnProcessor
+    "97ce1c816c662ef2": "apply_rotary_emb's signature (complex as given) has no fused call yet",  # anyflow_far:AnyFlowCausalAttnProcessor
+    "79caa365091d7d25": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # attention_processor:CogVideoXAttnProcessor2_0
+    "1da22b5fab3feb24": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # attention_processor:FusedCogVideoXAttnProcessor2_0
+    "733689e73b1f7c2b": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # attention_processor:FusedHunyuanAttnProcessor2_0
+    "dc1e514456349b40": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # attention_processor:HunyuanAttnProcessor2_0
+    "4eff0013f8a2021c": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # attention_processor:LuminaAttnProcessor2_0
+    "53e21922e0121cce": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # attention_processor:PAGCFGHunyuanAttnProcessor2_0
+    "b5167208ea8af061": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # attention_processor:PAGHunyuanAttnProcessor2_0
+    "9bcf10a568f7f4f5": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # attention_processor:StableAudioAttnProcessor2_0
+    "ae75b073a9b83238": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # cogview4:CogView4AttnProcessor
+    "53d3e11cde96988c": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # cogview4:CogView4TrainingAttnProcessor
+    "58d439e72c20950c": 'its RoPE is written inline (x * cos + _rotate_half(x) * sin)',  # cosmos3:Cosmos3AttnProcessor
+    "8dcd921f57c02e4c": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # easyanimate:EasyAnimateAttnProcessor2_0
+    "f888cadc21cfe778": '`ip_query = query` uses query, key or what their norms read between the norms and RoPE',  # flux:FluxIPAdapterAttnProcessor
+    "2dcc9964c23ca448": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # glm_image:GlmImageAttnProcessor
+    "ab9566f0cb67aefe": 'its RoPE is written inline (x * cos + _rotate_half(x) * sin)',  # ideogram4:Ideogram4AttnProcessor
+    "99a59536cdc0c22c": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # longcat_audio_dit:AudioDiTCrossAttnProcessor
+    "8cd73c611d4fb30b": '`query = query.view(batch_size, -1, attn.heads, head_dim)` uses query, key or what their norms read between the norms and RoPE',  # longcat_audio_dit:AudioDiTSelfAttnProcessor
+    "3735e6ca5897c9f1": "apply_split_rotary_emb's signature (split, half tables) has no fused call yet",  # ltx2:LTX2AudioVideoAttnProcessor, sana_wm_refiner:SanaWMLTX2AudioVideoAttnProcessor
+    "b234b60b686c7b19": "apply_split_rotary_emb's signature (split, half tables) has no fused call yet",  # ltx2:LTX2PerturbedAttnProcessor, sana_wm_refiner:SanaWMLTX2PerturbedAttnProcessor
+    "c84a5cb7a5e34b50": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # motif_video:MotifVideoCrossAttnProcessor2_0
+    "ba11435838dcc90a": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # sana_video:SanaLinearAttnProcessor3_0
+    "70f44aaf8e458702": "apply_split_rotary_emb's signature (split, half tables) has no fused call yet",  # sana_wm_refiner:SanaWMLTX2RefinerAttnProcessor
+    "fbdbe28da7940038": "_apply_rotary_partial's signature (angles, last rows) has no fused call yet",  # stable_audio3:StableAudio3SelfAttnProcessor
+    "c38d7882685877ba": "rope_apply's signature (grid loop) has no fused call yet",  # wan_animate_2:WanAnimate2AttnProcessor
+    "2c01df61fa9c6108": "its attention (MochiAttention) binds MochiRMSNorm, a norm class of no tested form: every call would run diffusers' own code",  # attention_processor:MochiAttnProcessor2_0
+    "0a6d5d8c65b531de": "its attention (Krea2Attention) binds Krea2RMSNorm (a 1 + weight scale), a norm class of no tested form: every call would run diffusers' own code",  # krea2:Krea2AttnProcessor
+}
+
+DIFFUSERS_RELEASES: dict[str, set[str]] = {"0.42.1": set(_DIFFUSERS_TESTED_0_42_1)}
+DIFFUSERS = Table(tested=_DIFFUSERS_TESTED_0_42_1, unfusable=_DIFFUSERS_UNFUSABLE_0_42_1)

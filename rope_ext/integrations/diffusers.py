@@ -47,7 +47,7 @@ import os
 import re
 import threading
 
-from rope_ext.integrations import _diffusers_forms, _engine, _qk_norm_call, _qk_norm_rewrite, _qk_norm_sites, _rotate
+from rope_ext.integrations import _diffusers_forms, _engine, _qk_norm_call, _qk_norm_sites, _qk_norm_table, _rotate
 
 __all__ = ["ModelFileReport", "RopeFunction", "model_report", "patch", "patched_models", "survey", "unpatch"]
 
@@ -297,11 +297,20 @@ def _processor_ropes(name: str, qualname: str, fn: ast.FunctionDef) -> dict:
     return ropes
 
 
+def _table_judge(key: str, unsupported, *_):
+    """A processor's fusion as diffusers' table says (``_qk_norm_sites.judge_by``)."""
+    return _qk_norm_sites.judge_by(_qk_norm_table.DIFFUSERS, key, unsupported)
+
+
 @functools.cache
-def _fusion_sites(name: str) -> tuple[_qk_norm_sites.FusionSite, ...]:
+def _fusion_sites(name: str, judge=_table_judge) -> tuple[_qk_norm_sites.FusionSite, ...]:
     """The processors (``Class.__call__(self, attn, ...)``) of a file that call ``attn.norm_q`` /
-    ``norm_k`` (or ``q_norm`` / ``k_norm``) and a RoPE function, fused or with the reason not."""
+    ``norm_k`` (or ``q_norm`` / ``k_norm``) and a RoPE function, fused or with the reason not, as
+    ``judge`` says (see ``_qk_norm_sites.find_sites``): at ``patch()`` time the table of tested
+    fusions, offline (tools/qk_norm_table.py) the rewrite's own analysis. The key is the processor
+    method's fingerprint (its norms' classes are the attention module's, checked at each call)."""
     tree, module = _parsed(name)
+    definitions = _engine.module_definitions(tree)
     inline = {f.name for f in _site_table(name)[0] if f.kind == "inline"}
     sites = []
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
@@ -317,15 +326,16 @@ def _fusion_sites(name: str) -> tuple[_qk_norm_sites.FusionSite, ...]:
                       and n.func.id in ropes}
             if not attrs or not (called or qualname in inline):
                 continue
-            site = _qk_norm_sites.FusionSite(module, qualname, (), None, None)
+            key = _qk_norm_sites.site_key(_engine.fingerprint(definitions, fn), [])
+            site = _qk_norm_sites.FusionSite(module, qualname, (), None, None, fingerprint=key)
             reason = "its RoPE is written inline (x * cos + _rotate_half(x) * sin)" if qualname in inline else None
             for rope in sorted(called):
                 form = ropes[rope]
                 if reason is None and (form is None or form.signature not in _diffusers_forms.FUSED_TABLES):
                     reason = (f"{rope} is refused" if form is None else
                               f"{rope}'s signature ({form.signature}) has no fused call yet")
-            found = _qk_norm_sites.Unsupported(reason) if reason else _qk_norm_rewrite.probe(fn, owner, called, attrs)
-            sites.append(site.refused(found) if isinstance(found, _qk_norm_rewrite.FusionRefusal)
+            found = judge(key, _qk_norm_sites.Unsupported(reason) if reason else None, fn, owner, called, attrs)
+            sites.append(site.refused(found) if isinstance(found, _qk_norm_sites.FusionRefusal)
                          else dataclasses.replace(site, site=found))
     return tuple(sites)
 
@@ -527,6 +537,9 @@ def _plan_requested(requested: str, qk_norm: bool, plan: list) -> tuple[list, di
                 more += _plan_site(name, fn, module)
             except ValueError as e:
                 raise ValueError(f"rope_ext: cannot patch {requested!r}: {e}") from None
+        if qk_norm:  # code the table of tested fusions does not list: its norms and RoPE stay diffusers'
+            lost.update({f"{name} (qk-norm {s.method})": s.reason for s in model_report(name).qk_norms
+                         if s.refusal is not None and s.refusal.warns})
         for site in fusions if name not in _patcher.groups() else ():  # an earlier call's patch stays as it is
             try:
                 more += _fusion_plan(name, site, module, plan + more)

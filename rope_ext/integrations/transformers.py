@@ -136,11 +136,8 @@ def _classify_file(path: str, module: str, stamp: tuple[int, int]) -> tuple[tupl
 
 
 def _table_judge(key: str, unsupported, *_):
-    """A method's fusion as the table says. Code the table does not list is refused as untested even
-    where its norms or RoPE are of no tested form (a new release's LayerNorm, or its RMS norm
-    changed: which, no test has seen)."""
-    found = _qk_norm_sites.lookup(_qk_norm_table.TRANSFORMERS, key)
-    return unsupported if unsupported is not None and not isinstance(found, _qk_norm_sites.FusionRefusal) else found
+    """A method's fusion as transformers' table says (``_qk_norm_sites.judge_by``)."""
+    return _qk_norm_sites.judge_by(_qk_norm_table.TRANSFORMERS, key, unsupported)
 
 
 def _fusion_sites(tree: ast.Module, module: str, functions, judge) -> list:
