@@ -76,6 +76,33 @@ def _ace_step():
     return module, run
 
 
+# --- attention_processor (Mochi) -----------------------------------------------------------------
+
+
+def _mochi():
+    # MochiAttention, 32 wide, 2 heads of 16, text stream 24 wide; MochiRoPE over (t, h, w) with per-head frequencies
+    from diffusers.models.attention_processor import MochiAttention, MochiAttnProcessor2_0
+    from diffusers.models.transformers.transformer_mochi import MochiRoPE
+
+    torch.manual_seed(0)
+    module = _randomized(MochiAttention(query_dim=32, added_kv_proj_dim=24, processor=MochiAttnProcessor2_0(), heads=2,
+                                        dim_head=16, bias=False, added_proj_bias=False, out_dim=32, out_context_dim=24,
+                                        context_pre_only=False, eps=1e-5))
+    frames, height, width, txt = 2, 3, 4, 6
+    # the model's pos_frequencies parameter (3, heads, head_dim // 2), zero-initialized there
+    pos_frequencies = torch.rand(3, 2, 8, generator=torch.Generator().manual_seed(4)) * 0.5
+    rotary = MochiRoPE()(pos_frequencies, frames, height, width, device=torch.device("cpu"), dtype=torch.float32)
+    mask = torch.ones(B, txt, dtype=torch.bool)
+    mask[1, 4:] = False  # the second prompt is shorter
+
+    def run(m):
+        out = m(_randn(m, B, frames * height * width, 32, seed=1), encoder_hidden_states=_randn(m, B, txt, 24, seed=2),
+                attention_mask=mask, image_rotary_emb=rotary)
+        return _flat(out)
+
+    return module, run
+
+
 # --- bria, bria_fibo -----------------------------------------------------------------------------
 
 
@@ -337,6 +364,7 @@ def _flux2_parallel():
 
 CASES = {
     "ace_step_transformer:AceStepAttnProcessor2_0.__call__": Case(_ace_step, 1),
+    "attention_processor:MochiAttnProcessor2_0.__call__": Case(_mochi, 1),
     "bria:BriaAttnProcessor.__call__": Case(_bria, 1),
     "bria_fibo:BriaFiboAttnProcessor.__call__": Case(_bria_fibo, 1),
     "bria_fibo2:BriaFibo2AttnProcessor.__call__": Case(_bria_fibo2, 1),

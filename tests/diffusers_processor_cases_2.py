@@ -145,6 +145,29 @@ def _hunyuan_video15():
     return attn, run
 
 
+def _krea2():
+    # Krea2Attention 2 q heads x 16 over 1 kv head, (1+w) norms; Krea2RotaryPosEmbed (t,h,w) 4+6+6, 5 text + 3x4
+    m = _file("krea2")
+    torch.manual_seed(0)
+    attn = _randomize(m.Krea2Attention(32, 2, 1, eps=1e-5), center=0.0).eval()  # the norms scale by 1 + weight
+    txt, h, w = 5, 3, 4
+    image_ids = torch.zeros(h, w, 3)
+    image_ids[..., 1] = torch.arange(h)[:, None]
+    image_ids[..., 2] = torch.arange(w)[None, :]
+    rope = m.Krea2RotaryPosEmbed(theta=1000.0, axes_dim=[4, 6, 6])
+    rotary = rope(torch.cat([torch.zeros(txt, 3), image_ids.reshape(h * w, 3)]))
+    text_mask = torch.ones(B, txt, dtype=torch.bool)
+    text_mask[1, 3:] = False  # the second prompt is shorter
+    mask = torch.cat([text_mask, torch.ones(B, h * w, dtype=torch.bool)], dim=1)[:, None, None, :]
+    x = _randn(B, txt + h * w, 32, seed=1)
+
+    def run(module):
+        _keep_float32(module, m.Krea2Transformer2DModel._keep_in_fp32_modules)
+        return module(x.to(_dtype(module)), attention_mask=mask, image_rotary_emb=rotary)
+
+    return attn, run
+
+
 def _lumina2():
     # Attention 2 q heads x 16 over 1 kv head, joint sequence; Lumina2RotaryPosEmbed 4+6+6 (complex64), 6 caps + 4x6
     from diffusers.models.attention_processor import Attention
@@ -278,6 +301,7 @@ CASES = {
     "flux3:Flux3AttnProcessor.__call__": Case(_flux3, 1),
     "helios:HeliosAttnProcessor.__call__": Case(_helios, 1),
     "hunyuan_video15:HunyuanVideo15AttnProcessor2_0.__call__": Case(_hunyuan_video15, 1),
+    "krea2:Krea2AttnProcessor.__call__": Case(_krea2, 1),
     "lumina2:Lumina2AttnProcessor2_0.__call__": Case(_lumina2, 1),
     "minimax_h3:MiniMaxH3AttnProcessor.__call__": Case(_minimax_h3, 1),
     "motif_video:MotifVideoAttnProcessor2_0.__call__": Case(_motif_video, 1),

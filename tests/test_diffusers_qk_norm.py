@@ -23,17 +23,24 @@ from test_diffusers_models import _build, _randn  # noqa: E402  (after the impor
 
 
 def _norm_classes():
-    from diffusers.models.normalization import RMSNorm
+    """kind -> (class, make(n, eps, affine), a file whose processors may meet it)."""
+    from diffusers.models.normalization import MochiRMSNorm, RMSNorm
+    from diffusers.models.transformers.transformer_krea2 import Krea2RMSNorm
 
-    return {"torch": (torch.nn.RMSNorm, lambda n, eps, affine: torch.nn.RMSNorm(n, eps=eps, elementwise_affine=affine)),
-            "diffusers": (RMSNorm, lambda n, eps, affine: RMSNorm(n, eps=eps, elementwise_affine=affine))}
+    return {"torch": (torch.nn.RMSNorm, lambda n, eps, affine: torch.nn.RMSNorm(n, eps=eps, elementwise_affine=affine),
+                      "flux"),
+            "diffusers": (RMSNorm, lambda n, eps, affine: RMSNorm(n, eps=eps, elementwise_affine=affine), "flux"),
+            "mochi": (MochiRMSNorm, lambda n, eps, affine: MochiRMSNorm(n, eps=eps, elementwise_affine=affine),
+                      "attention_processor"),
+            "krea2": (Krea2RMSNorm, lambda n, eps, affine: Krea2RMSNorm(n, eps=eps), "krea2")}
 
 
-NORM_CASES = [(kind, eps, affine, x, w) for kind in ("torch", "diffusers") for eps in (1e-6, None)
+# (eps=None is torch's RMSNorm's alone; Krea2RMSNorm always has a weight)
+NORM_CASES = [(kind, eps, affine, x, w) for kind in ("torch", "diffusers", "mochi", "krea2") for eps in (1e-6, None)
               for affine in (True, False)
               for x, w in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                            (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16))
-              if not (kind == "diffusers" and eps is None) and (affine or x == w)]
+              if (kind == "torch" or eps is not None) and (affine or x == w) and (affine or kind != "krea2")]
 
 
 @pytest.mark.parametrize("kind,eps,affine,x_dtype,w_dtype", NORM_CASES)
@@ -43,8 +50,8 @@ def test_norm_class_matches_its_form(kind, eps, affine, x_dtype, w_dtype):
     (the class may round its normalized value and its product with the weight; the op rounds once);
     in float32, each is within about three roundings of the float64 value (the mean of 32 squares
     summed in another order, rsqrt, the products: measured 2.3 ulps each, 4.1 apart), so 8 * 2^-24."""
-    cls, make = _norm_classes()[kind]
-    entry = rope_diffusers._fused_norms().get(cls)
+    cls, make, file = _norm_classes()[kind]
+    entry = rope_diffusers._fused_norms(file).get(cls)
     assert entry is not None and entry[1] is cls.forward
     form = entry[0]
     gen = torch.Generator().manual_seed(0)
@@ -303,9 +310,7 @@ def test_listing_says_which_are_fused(capsys):
     assert re.search(r"qk-norm FluxAttnProcessor\.__call__: fused, over each head", out)
     assert re.search(r"qk-norm Cosmos3AttnProcessor\.__call__: not fused: its RoPE is written inline", out)
     counts = re.search(r"(\d+) have processors that normalize q and k and apply RoPE; (\d+) fuse them", out)
-    assert int(counts[2]) >= 28  # of 0.42.1's 43 (Mochi's and Krea2's norm classes are of no tested form)
-    assert re.search(r"qk-norm MochiAttnProcessor2_0\.__call__: not fused: its attention \(MochiAttention\) binds "
-                     r"MochiRMSNorm", out)
+    assert int(counts[2]) >= 30  # of 0.42.1's 43
 
 
 def test_fused_tables_read_what_the_replacements_read():

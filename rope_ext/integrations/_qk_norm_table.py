@@ -231,9 +231,9 @@ _DIFFUSERS_TESTED_0_42_1 = {
     "92784ec38876b13d": _attn('apply_rope'),  # prx:PRXAttnProcessor2_0
     "89828fa417a6dc97": _attn('apply_rotary_emb_qwen'),  # qwenimage:QwenDoubleStreamAttnProcessor2_0
     "e2dbac4a15db0071": _attn('apply_rotary_emb', mode='heads_bshd'),  # skyreels_v2:SkyReelsV2AttnProcessor
+    "2c01df61fa9c6108": _attn('apply_rotary_emb'),  # attention_processor:MochiAttnProcessor2_0
+    "0a6d5d8c65b531de": _attn('apply_rotary_emb'),  # krea2:Krea2AttnProcessor
 }
-# (Mochi's and Krea2's processors are fusable code, but their attention modules' norm classes are of
-# no tested form, so no call could fuse: listed here, with that reason.)
 _DIFFUSERS_UNFUSABLE_0_42_1 = {
     "94eaa9513f1c9a0f": "apply_rotary_emb's signature (complex as given) has no fused call yet",  # anyflow:AnyFlowAttnProcessor, anyflow_far:AnyFlowAttnProcessor
     "97ce1c816c662ef2": "apply_rotary_emb's signature (complex as given) has no fused call yet",  # anyflow_far:AnyFlowCausalAttnProcessor
@@ -261,8 +261,6 @@ _DIFFUSERS_UNFUSABLE_0_42_1 = {
     "70f44aaf8e458702": "apply_split_rotary_emb's signature (split, half tables) has no fused call yet",  # sana_wm_refiner:SanaWMLTX2RefinerAttnProcessor
     "fbdbe28da7940038": "_apply_rotary_partial's signature (angles, last rows) has no fused call yet",  # stable_audio3:StableAudio3SelfAttnProcessor
     "c38d7882685877ba": "rope_apply's signature (grid loop) has no fused call yet",  # wan_animate_2:WanAnimate2AttnProcessor
-    "2c01df61fa9c6108": "its attention (MochiAttention) binds MochiRMSNorm, a norm class of no tested form: every call would run diffusers' own code",  # attention_processor:MochiAttnProcessor2_0
-    "0a6d5d8c65b531de": "its attention (Krea2Attention) binds Krea2RMSNorm (a 1 + weight scale), a norm class of no tested form: every call would run diffusers' own code",  # krea2:Krea2AttnProcessor
 }
 
 DIFFUSERS_RELEASES: dict[str, set[str]] = {"0.42.1": set(_DIFFUSERS_TESTED_0_42_1)}

@@ -341,20 +341,24 @@ def _fusion_sites(name: str, judge=_table_judge) -> tuple[_qk_norm_sites.FusionS
 
 
 @functools.cache
-def _fused_norms() -> dict:
-    """norm class -> (NormForm, forward): the q/k norm classes the fused op may stand in for."""
+def _fused_norms(name: str) -> dict:
+    """norm class -> (NormForm, forward): the q/k norm classes the fused op may stand in for in the
+    processors of file ``name``: torch's RMSNorm, and the classes of diffusers' normalization module
+    and of the file itself whose code is of a tested form (``_diffusers_forms.KNOWN_NORMS``, by the
+    fingerprint of the class block: a release that changes one is not fused)."""
     import torch
     from diffusers.models import normalization
 
     norms = {torch.nn.RMSNorm: (_diffusers_forms.TORCH_RMS_NORM, torch.nn.RMSNorm.forward)}
-    tree = ast.parse(open(normalization.__file__, encoding="utf-8").read())
-    node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RMSNorm"), None)
-    key = node and _qk_norm_sites.norm_fingerprint(_engine.module_definitions(tree), node)
-    form = _diffusers_forms.KNOWN_NORMS.get(key)
-    cls = normalization.RMSNorm
-    code = getattr(cls.forward, "__code__", None)
-    if form is not None and code is not None and code.co_filename == normalization.__file__:
-        norms[cls] = (form, cls.forward)
+    for module in (normalization, importlib.import_module(_files()[name][1])):
+        tree = ast.parse(open(module.__file__, encoding="utf-8").read())
+        definitions = _engine.module_definitions(tree)
+        for node in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            form = _diffusers_forms.KNOWN_NORMS.get(_qk_norm_sites.norm_fingerprint(definitions, node))
+            cls = getattr(module, node.name, None)
+            code = getattr(getattr(cls, "forward", None), "__code__", None)
+            if form is not None and code is not None and code.co_filename == module.__file__:
+                norms[cls] = (form, cls.forward)
     return norms
 
 
@@ -362,7 +366,7 @@ def _fused_norms() -> dict:
 def _fused_call(name: str, method: str, allowed, form, pair: bool):
     """One replacement per processor for the process's life: a call already running it when
     another thread unpatches still finds it (as the trampolines' holders)."""
-    call = _qk_norm_call.fused(_fused_norms(), allowed, _diffusers_forms.FUSED_TABLES[form.signature](form),
+    call = _qk_norm_call.fused(_fused_norms(name), allowed, _diffusers_forms.FUSED_TABLES[form.signature](form),
                                pair=pair)
     call.__qualname__ = f"fused_qk_norm_rope[{method}]"
     return call
@@ -468,7 +472,8 @@ def patch(models=None, *, strict: bool = False, qk_norm: bool = True) -> _engine
         qk_norm: also fuse each processor's q/k RMS norms into its RoPE calls, one
             :func:`rope_ext.qk_norm_rotary` call for q and k, where the file's ``qk_norms`` say it
             is fused (Flux, Wan, QwenImage, HunyuanVideo, LTX, ...; see the listing). Each call
-            checks that the attention's norms are torch's or diffusers' RMSNorm, unhooked, and runs
+            checks that the attention's norms are torch's RMSNorm or a diffusers RMS norm class of a tested
+            form (RMSNorm, MochiRMSNorm, Krea2RMSNorm), unhooked, and runs
             diffusers' own code where they are not.
 
     Returns:
@@ -615,7 +620,7 @@ def main() -> None:
     with_norms = [r for r in reports.values() if r.qk_norms]
     fused = [r for r in with_norms if any(site.fused for site in r.qk_norms)]
     print(f"{len(with_norms)} have processors that normalize q and k and apply RoPE; {len(fused)} fuse them in at "
-          "least one (where the norms are torch's or diffusers' RMSNorm and the tables ones the op takes)")
+          "least one (where the norms are RMS norms of a tested form and the tables ones the op takes)")
 
 
 if __name__ == "__main__":
