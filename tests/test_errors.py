@@ -141,7 +141,7 @@ def test_the_type_crosses_the_library_as_its_header_says():
     reads (the Python side); other errors keep their type and message."""
     from rope_ext import _errors
 
-    header = (Path(rope_ext.__file__).parents[1] / "csrc" / "include" / "rope_ext" / "errors.h").read_text()
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "include" / "rope_ext" / "errors.h").read_text()
     assert re.search(rf'^#define ROPE_EXT_POSITION_OUTSIDE_CACHE "{re.escape(_errors.POSITION_OUTSIDE_CACHE)}"$',
                      header, re.M)
     cache, pos = torch.zeros(4, 4), torch.tensor([[7]])

@@ -52,8 +52,8 @@ def test_the_package_holds_one_library_for_python_and_cmake():
     # another 0.x release, whose API structs differ, fails to load instead of misreading them
     prefix = Path(rope_ext.cmake_prefix_path)
     for f in (f"lib/librope_ext.so.{major_minor}", "include/rope_ext/rope.h", "include/rope_ext/version.h",
-              "lib/cmake/rope_ext/rope_extConfig.cmake", "lib/cmake/rope_ext/rope_extConfigVersion.cmake",
-              "lib/cmake/rope_ext/rope_extTargets.cmake"):
+              "include/rope_ext/errors.h", "lib/cmake/rope_ext/rope_extConfig.cmake",
+              "lib/cmake/rope_ext/rope_extConfigVersion.cmake", "lib/cmake/rope_ext/rope_extTargets.cmake"):
         assert (prefix / f).is_file(), f
     assert sorted(p.name for p in PACKAGE.glob("*.so")) == []
     targets = "".join(p.read_text() for p in (prefix / "lib" / "cmake" / "rope_ext").glob("rope_extTargets*.cmake"))
