@@ -81,13 +81,18 @@ SANITIZE_CMAKE_ARGS="-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DROPE_EXT_UNROLLED_STEPS=5"
 UNRUN=()
 ISA=$(env -u ATEN_CPU_CAPABILITY "$PY" -c "import rope_ext; print(rope_ext.cpu_kernel_isa())")
 UNSANITIZED="-O0;-fno-sanitize=all"
-if [ "$ISA" != AVX512 ]; then
-  SANITIZE_CMAKE_ARGS+=" -DROPE_EXT_AVX512_OPTIONS=$UNSANITIZED"
-  UNRUN=(rotary_kernel_avx512.cpp rotary_kernel_avx512_bf16.cpp)
-elif ! grep -qw avx512_bf16 /proc/cpuinfo; then
-  SANITIZE_CMAKE_ARGS+=" -DROPE_EXT_AVX512_BF16_OPTIONS=$UNSANITIZED"
-  UNRUN=(rotary_kernel_avx512_bf16.cpp)
-fi
+UNRUN_VARIANTS=""  # (the pytest guard below refuses to run if the library picks one of them)
+case "$ISA" in
+  DEFAULT|AVX2)
+    SANITIZE_CMAKE_ARGS+=" -DROPE_EXT_AVX512_OPTIONS=$UNSANITIZED"
+    UNRUN=(rotary_kernel_avx512.cpp rotary_kernel_avx512_bf16.cpp) UNRUN_VARIANTS="AVX512 AVX512_BF16" ;;
+  AVX512)
+    if ! grep -qw avx512_bf16 /proc/cpuinfo; then
+      SANITIZE_CMAKE_ARGS+=" -DROPE_EXT_AVX512_BF16_OPTIONS=$UNSANITIZED"
+      UNRUN=(rotary_kernel_avx512_bf16.cpp) UNRUN_VARIANTS="AVX512_BF16"
+    fi ;;
+  *) echo "sanitize: FAILED: rope_ext.cpu_kernel_isa() said '$ISA'" >&2; exit 1 ;;
+esac
 
 # ---- 1. build -----------------------------------------------------------------------------------
 t0=$(date +%s)
@@ -207,6 +212,10 @@ def _check():
 
     import rope_ext
 
+    unrun = os.environ["ROPE_EXT_SANITIZE_UNRUN"].split()
+    if rope_ext.cpu_kernel_isa() in unrun:  # (the build left it unsanitized: it must not run here)
+        return None, [f"the CPU kernel variant is {rope_ext.cpu_kernel_isa()}, built unsanitized"]
+
     lib = Path(torch.ops.rope_ext._library_path()).resolve()
     problems = [f"{name} is {path}, not under {PKG}" for name, path in
                 (("rope_ext", Path(rope_ext.__file__).resolve()), ("librope_ext.so", lib)) if PKG not in path.parents]
@@ -238,13 +247,14 @@ def pytest_sessionstart(session):
             f"sanitize: librope_ext.so = {session.config._rope_ext_sanitized}; ASan + UBSan loaded, tensor redzones live")
 
 
-def pytest_sessionfinish(session):
+def pytest_runtest_teardown(item):
+    """The library is still the sanitized one after each test (a test's error fails an xdist run,
+    where a worker's session exit status would not)."""
     import torch
 
     lib = Path(torch.ops.rope_ext._library_path()).resolve()
-    if lib != session.config._rope_ext_sanitized:
-        print(f"\nsanitize: librope_ext.so changed to {lib} during the run", file=sys.stderr)
-        session.exitstatus = 1
+    if lib != item.config._rope_ext_sanitized:
+        raise RuntimeError(f"sanitize: librope_ext.so changed to {lib} during {item.nodeid}")
 EOF
 
 # ---- 4. the tests -----------------------------------------------------------------------------
@@ -254,7 +264,7 @@ sanitized_pytest() {  # <log> <pytest args>...: pytest's exit status; output als
   shift
   set +e
   LD_PRELOAD="$asan_lib:$cxx_lib${LD_PRELOAD:+:$LD_PRELOAD}" PYTHONSAFEPATH=1 \
-    PYTHONPATH="$OUT/pkg:$OUT/plugin" ROPE_EXT_SANITIZE_PKG="$OUT/pkg" \
+    PYTHONPATH="$OUT/pkg:$OUT/plugin" ROPE_EXT_SANITIZE_PKG="$OUT/pkg" ROPE_EXT_SANITIZE_UNRUN="$UNRUN_VARIANTS" \
     "$PY" -m pytest -q --capture=sys -p no:cacheprovider -p rope_ext_sanitize_guard "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   set -e

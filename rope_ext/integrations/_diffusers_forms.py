@@ -480,6 +480,7 @@ KNOWN_NORMS: dict[str, NormForm] = {
     "ee1f23e5d030faaf": NormForm("diffusers RMSNorm", "eps", output="weight", bias="bias"),
     # normalization.MochiRMSNorm: x * rsqrt(mean(x^2) in float32 + eps) * w, cast back to x's dtype
     "fe531029d689d886": NormForm("diffusers MochiRMSNorm", "eps"),
-    # transformer_krea2.Krea2RMSNorm: F.rms_norm in float32 with 1 + w, cast back to x's dtype
-    "1cbf23ee0af3dad5": NormForm("diffusers Krea2RMSNorm", "eps", offset=1.0),
+    # transformer_krea2.Krea2RMSNorm: F.rms_norm in float32 with 1 + w (added in w's dtype: the
+    # model keeps w in float32), cast back to x's dtype
+    "1cbf23ee0af3dad5": NormForm("diffusers Krea2RMSNorm", "eps", offset=1.0, offset_in_weight_dtype=True),
 }

@@ -35,6 +35,9 @@ class NormForm:
             (diffusers' RMSNorm: a 16-bit weight's dtype, else float32).
         eps_none: what a None eps means: ``"finfo"``, x's dtype's machine epsilon (torch's RMSNorm).
         bias: an attribute that must be None (a norm with a bias is not this form).
+        offset_in_weight_dtype: the class adds ``offset`` in the weight's dtype (Krea2RMSNorm's
+            ``self.weight + 1.0``), which rounds for a 16-bit weight; the op adds it in float32, so
+            it takes a float32 weight only.
     """
 
     name: str
@@ -45,6 +48,7 @@ class NormForm:
     output: str = "input"
     eps_none: str | None = None
     bias: str | None = None
+    offset_in_weight_dtype: bool = False
 
     def describe(self) -> str:
         parts = [f"eps from .{self.eps}"]
@@ -83,6 +87,8 @@ def _weight_ok(weight, form: NormForm, x: torch.Tensor, n: int) -> bool:
     if form.output == "promote" and torch.promote_types(weight.dtype, x.dtype) != x.dtype:
         return False
     if form.output == "weight" and weight.dtype != x.dtype:
+        return False
+    if form.offset_in_weight_dtype and weight.dtype != torch.float32:
         return False
     return weight.dtype in (x.dtype, torch.float32)
 

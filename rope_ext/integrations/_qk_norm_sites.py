@@ -1,9 +1,8 @@
 """Where QK-norm + RoPE is fused: the attention methods of a library's files that normalize q and
 k and apply RoPE (:class:`FusionSite`), fused or refused, each refusal a :class:`FusionRefusal`.
-For transformers a method is fused only where the table of tested fusions (``_qk_norm_table``)
-lists its code's fingerprint (:func:`lookup`); the rewrite's own analysis
-(``_qk_norm_rewrite.probe``) runs offline, in ``tools/qk_norm_table.py``. (diffusers' processors
-are still judged by that analysis when ``patch()`` runs.)
+A transformers attention method or a diffusers processor is fused only where the table of tested
+fusions (``_qk_norm_table``) lists its code's fingerprint (:func:`lookup`, :func:`judge_by`); the
+rewrite's own analysis (``_qk_norm_rewrite.probe``) runs offline, in ``tools/qk_norm_table.py``.
 """
 
 from __future__ import annotations

@@ -39,10 +39,10 @@ extern "C" __attribute__((visibility("default"))) const char* rope_ext_library_v
 
 namespace rope_ext {
 
-/// A position outside the cos/sin cache of rotary_pos, rotary_pos_qk, rotary_pos_ and the QK-norm
-/// ops by position (on the CPU, where every position is checked before anything is written). A
-/// c10::IndexError (IndexError in Python); what() is the library's message, naming the position,
-/// its index in positions.flatten() and the cache's rows.
+/// A position outside the cos/sin cache of rotary_pos, rotary_pos_qk or rotary_pos_ (on the CPU,
+/// where every position is checked before anything is written). A c10::IndexError; msg() is the
+/// library's message without the prefix that carried the type (rope_ext/errors.h), naming the
+/// position, its index in positions.flatten() and the cache's rows.
 class PositionOutsideCache : public c10::IndexError {
  public:
   using c10::IndexError::IndexError;
