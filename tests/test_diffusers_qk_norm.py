@@ -242,7 +242,7 @@ def test_the_offline_tool_proposes_the_table(monkeypatch, capsys):
         monkeypatch.setattr("sys.argv", ["qk_norm_table.py", "--library", "diffusers"])
         assert tool.main() == 1
     out = capsys.readouterr().out
-    assert f"NEW fusion {key} (flux:FluxAttnProcessor)" in out and f"\"{key}\": _attn('apply_rotary_emb')," in out, out
+    assert f"NEW fusion {key} (flux:FluxAttnProcessor, " in out and f"\"{key}\": _attn('apply_rotary_emb')," in out, out
 
 
 def test_the_bound_can_fail(monkeypatch):

@@ -18,6 +18,8 @@ import argparse
 import collections
 import os
 import sys
+from collections.abc import Callable
+from typing import NamedTuple
 
 from rope_ext.integrations import _qk_norm_rewrite, _qk_norm_table
 from rope_ext.integrations import transformers as rope_hf
@@ -75,49 +77,78 @@ def _site(site) -> str:
     return f"_self({', '.join(args)})"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--entries", action="store_true", help="print every entry, not only the differences")
-    parser.add_argument("--library", choices=("transformers", "diffusers"), default="transformers")
-    args = parser.parse_args()
-    if args.library == "diffusers":
-        return diffusers_main(args.entries)
+class Library(NamedTuple):
+    """How the report speaks of one library's entries."""
+
+    name: str
+    version: str
+    table: _qk_norm_table.Table
+    proposals: tuple[dict, dict, dict]  # (fused, unfusable, where), as proposals() returns them
+    site: Callable  # Site -> its line in the table
+    where: Callable  # [(place, method)] -> the text naming them
+    test: Callable  # (place, method) -> the line that starts its test
+    indent: str
+    # the analysis cannot see an entry's reason (diffusers' norm classes are the attention's): an
+    # entry the table lists as unfusable is the table's word, not a difference
+    table_wins: bool = False
+
+
+def transformers_library() -> Library:
     import transformers
 
-    fused, unfusable, where = proposals()
-    table = _qk_norm_table.TRANSFORMERS
     version = transformers.__version__
+    return Library(
+        "transformers", version, _qk_norm_table.TRANSFORMERS, proposals(), _site,
+        lambda where: ", ".join(sorted({f for f, _ in where})),
+        lambda family, method: (f'"{family}": Case("{family}", releases=("{version}",)),'
+                                "  # tests/test_qk_norm_fusion.py\n"
+                                "            (CASES; the model type may be the family's text config's; ATTENTION_CASES"
+                                " where the\n            model takes images, audio or an encoder's states)"),
+        " " * 8)
 
-    def families(key):
-        return ", ".join(sorted({f for f, _ in where[key]}))
 
-    if args.entries:
-        print(f"# transformers {version}: {len(fused)} fusions, {len(unfusable)} unfusable")
+def diffusers_library() -> Library:
+    import diffusers
+
+    return Library(
+        "diffusers", diffusers.__version__, _qk_norm_table.DIFFUSERS, diffusers_proposals(), _processor_site,
+        lambda where: ", ".join(sorted({f"{f}:{m.split('.')[0]}" for f, m in where})),
+        lambda name, method: (f'"{name}:{method}": Case(<build>, fused_calls=1),'
+                              "  # tests/diffusers_processor_cases_*.py"),
+        " " * 4, table_wins=True)
+
+
+def report(lib: Library, entries: bool) -> int:
+    """Print the release's entries (``entries``), or its differences from the table; 1 if any."""
+    fused, unfusable, where = lib.proposals
+    table = lib.table
+
+    def places(key):
+        return lib.where(where[key])
+
+    if entries:
+        print(f"# {lib.name} {lib.version}: {len(fused)} fusions, {len(unfusable)} unfusable")
         for key, site in sorted(fused.items(), key=lambda kv: where[kv[0]]):
-            print(f'        "{key}": {_site(site)},  # {families(key)}')
+            print(f'{lib.indent}"{key}": {lib.site(site)},  # {places(key)}')
         for key, why in sorted(unfusable.items(), key=lambda kv: where[kv[0]]):
-            print(f'        "{key}": {why!r},  # {families(key)}')
+            print(f'{lib.indent}"{key}": {why!r},  # {places(key)}')
         return 0
     changes = 0
     for key, site in sorted(fused.items(), key=lambda kv: where[kv[0]]):
-        if table.tested.get(key) == site:
+        if table.tested.get(key) == site or (lib.table_wins and key in table.unfusable):
             continue
         changes += 1
         if key in table.tested:
-            print(f"CHANGED {key} ({families(key)}): the table says {table.tested[key]}, the rewrite finds {site}")
+            print(f"CHANGED {key} ({places(key)}): the table says {table.tested[key]}, the rewrite finds {site}")
         else:
-            family, method = where[key][0]
-            print(f"NEW fusion {key} ({families(key)}, {method}):\n"
-                  f'    table:  "{key}": {_site(site)},  # {families(key)}\n'
-                  f'    test:   "{family}": Case("{family}", releases=("{version}",)),'
-                  "  # tests/test_qk_norm_fusion.py\n"
-                  "            (CASES; the model type may be the family's text config's; ATTENTION_CASES where the\n"
-                  "            model takes images, audio or an encoder's states)")
+            print(f"NEW fusion {key} ({places(key)}, {where[key][0][1]}):\n"
+                  f'    table:  "{key}": {lib.site(site)},  # {places(key)}\n'
+                  f"    test:   {lib.test(*where[key][0])}")
     for key, why in sorted(unfusable.items(), key=lambda kv: where[kv[0]]):
         if table.unfusable.get(key) != why:
             changes += 1
-            print(f'NEW unfusable {key} ({families(key)}): "{key}": {why!r},')
-    print(f"transformers {version}: {len(fused)} fusions ({sum(k in table.tested for k in fused)} in the table), "
+            print(f'NEW unfusable {key} ({places(key)}): "{key}": {why!r},')
+    print(f"{lib.name} {lib.version}: {len(fused)} fusions ({sum(k in table.tested for k in fused)} in the table), "
           f"{len(unfusable)} unfusable; {changes} differences from the table")
     return 1 if changes else 0
 
@@ -129,46 +160,12 @@ def _processor_site(site) -> str:
     return f"_attn({', '.join(args)})"
 
 
-def diffusers_main(entries: bool) -> int:
-    """main() for diffusers. The analysis sees a processor's code, not its attention's norm classes:
-    an entry the table lists as unfusable where the analysis finds a fusion (a norm class of no
-    tested form, such as Mochi's) is the table's word, not a difference."""
-    import diffusers
-
-    fused, unfusable, where = diffusers_proposals()
-    table = _qk_norm_table.DIFFUSERS
-    version = diffusers.__version__
-
-    def files(key):
-        return ", ".join(sorted({f"{f}:{m.split('.')[0]}" for f, m in where[key]}))
-
-    if entries:
-        print(f"# diffusers {version}: {len(fused)} fusions, {len(unfusable)} unfusable")
-        for key, site in sorted(fused.items(), key=lambda kv: where[kv[0]]):
-            print(f'    "{key}": {_processor_site(site)},  # {files(key)}')
-        for key, why in sorted(unfusable.items(), key=lambda kv: where[kv[0]]):
-            print(f'    "{key}": {why!r},  # {files(key)}')
-        return 0
-    changes = 0
-    for key, site in sorted(fused.items(), key=lambda kv: where[kv[0]]):
-        if table.tested.get(key) == site or key in table.unfusable:
-            continue
-        changes += 1
-        if key in table.tested:
-            print(f"CHANGED {key} ({files(key)}): the table says {table.tested[key]}, the rewrite finds {site}")
-        else:
-            name, method = where[key][0]
-            print(f"NEW fusion {key} ({files(key)}):\n"
-                  f'    table:  "{key}": {_processor_site(site)},  # {files(key)}\n'
-                  f'    test:   "{name}:{method}": Case(<build>, fused_calls=1),'
-                  "  # tests/diffusers_processor_cases_*.py")
-    for key, why in sorted(unfusable.items(), key=lambda kv: where[kv[0]]):
-        if table.unfusable.get(key) != why:
-            changes += 1
-            print(f'NEW unfusable {key} ({files(key)}): "{key}": {why!r},')
-    print(f"diffusers {version}: {len(fused)} fusions ({sum(k in table.tested for k in fused)} in the table), "
-          f"{len(unfusable)} unfusable; {changes} differences from the table")
-    return 1 if changes else 0
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--entries", action="store_true", help="print every entry, not only the differences")
+    parser.add_argument("--library", choices=("transformers", "diffusers"), default="transformers")
+    args = parser.parse_args()
+    return report(diffusers_library() if args.library == "diffusers" else transformers_library(), args.entries)
 
 
 if __name__ == "__main__":
