@@ -11,32 +11,43 @@
 
 namespace rope_ext {
 
-void check_rotary_args(const char* op, const TensorArg& x, const TensorArg& cos,
-                       const TensorArg& sin, const ArgNames& n) {
+void check_x_and_tables(const char* op, const TensorArg& x, const TensorArg& cos, const TensorArg& sin,
+                        const ArgNames& n, const TensorArg* positions) {
   // The dispatcher turns None into an undefined tensor, even for a non-optional argument.
   ROPE_EXT_CHECK(x.defined(), op, ": ", n.x, " must be a Tensor, got None");
   ROPE_EXT_CHECK(cos.defined(), op, ": ", n.cos, " must be a Tensor, got None");
   ROPE_EXT_CHECK(sin.defined(), op, ": ", n.sin, " must be a Tensor, got None");
+  ROPE_EXT_CHECK(positions == nullptr || positions->defined(), op, ": positions must be a Tensor, got None");
   ROPE_EXT_CHECK(x.dim() >= 1, op, ": ", n.x, " must have at least one dimension (..., head_dim), ",
-              "got a 0-dim tensor");
+                 "got a 0-dim tensor");
+  ROPE_EXT_CHECK(x.dim() <= kMaxDims, op, ": ", n.x, " may have at most ", kMaxDims, " dims, got ", x.dim());
   const auto xt = x.scalar_type();
-  ROPE_EXT_CHECK(xt == ScalarType::Float || xt == ScalarType::Double || xt == ScalarType::Half || xt == ScalarType::BFloat16,
-              op, ": ", n.x, " must be float32, float64, float16 or bfloat16, got ", xt);
-  ROPE_EXT_CHECK(cos.sizes() == sin.sizes(), op, ": ", n.cos, " and ", n.sin,
-              " must have the same shape, got ", n.cos, " ", cos.sizes(), " and ", n.sin, " ",
-              sin.sizes());
+  ROPE_EXT_CHECK(xt == ScalarType::Float || xt == ScalarType::Double || xt == ScalarType::Half ||
+                     xt == ScalarType::BFloat16,
+                 op, ": ", n.x, " must be float32, float64, float16 or bfloat16, got ", xt);
+  ROPE_EXT_CHECK(cos.sizes() == sin.sizes(), op, ": ", n.cos, " and ", n.sin, " must have the same shape, got ",
+                 n.cos, " ", cos.sizes(), " and ", n.sin, " ", sin.sizes());
   ROPE_EXT_CHECK(cos.scalar_type() == sin.scalar_type(), op, ": ", n.cos, " and ", n.sin,
-              " must have the same dtype, got ", n.cos, " ", cos.scalar_type(), " and ", n.sin, " ",
-              sin.scalar_type());
+                 " must have the same dtype, got ", n.cos, " ", cos.scalar_type(), " and ", n.sin, " ",
+                 sin.scalar_type());
   ROPE_EXT_CHECK(cos.scalar_type() == xt || cos.scalar_type() == ScalarType::Float, op, ": ", n.cos, " and ",
-              n.sin, " must have ", n.x, "'s dtype (", xt, ") or float32, got ", cos.scalar_type());
-  ROPE_EXT_CHECK(cos.device() == x.device() && sin.device() == x.device(), op, ": ", n.x, ", ", n.cos,
-              " and ", n.sin, " must be on the same device, got ", n.x, " on ", x.device(), ", ",
-              n.cos, " on ", cos.device(), " and ", n.sin, " on ", sin.device());
+                 n.sin, " must have ", n.x, "'s dtype (", xt, ") or float32, got ", cos.scalar_type());
+  const bool one_device = cos.device() == x.device() && sin.device() == x.device() &&
+                          (positions == nullptr || positions->device() == x.device());
+  if (!one_device) {
+    const std::string got = str(n.x, " on ", x.device(), ", ", n.cos, " on ", cos.device(),
+                                positions != nullptr ? ", " : " and ", n.sin, " on ", sin.device());
+    ROPE_EXT_CHECK(false, op, ": ", n.x, ", ", n.cos, positions != nullptr ? ", " : " and ", n.sin,
+                   positions != nullptr ? " and positions" : "", " must be on the same device, got ", got,
+                   positions != nullptr ? str(" and positions on ", positions->device()) : std::string());
+  }
+}
+
+void check_rotary_args(const char* op, const TensorArg& x, const TensorArg& cos,
+                       const TensorArg& sin, const ArgNames& n) {
+  check_x_and_tables(op, x, cos, sin, n);
   ROPE_EXT_CHECK(cos.dim() >= 1, op, ": ", n.cos, " and ", n.sin, " must have at least one dimension ",
               "(..., rotary_dim), got 0-dim tensors");
-  ROPE_EXT_CHECK(x.dim() <= kMaxDims, op, ": ", n.x, " may have at most ", kMaxDims, " dims, got ",
-              x.dim());
 
   const int64_t r = cos.size(-1);
   ROPE_EXT_CHECK(r > 0 && r % 2 == 0, op, ": the rotary dim ", n.cos,
@@ -61,33 +72,11 @@ void check_rotary_args(const char* op, const TensorArg& x, const TensorArg& cos,
 
 void check_rotary_pos_args(const char* op, const TensorArg& x, const TensorArg& cos_cache,
                            const TensorArg& sin_cache, const TensorArg& positions, const char* nx) {
-  ROPE_EXT_CHECK(x.defined(), op, ": ", nx, " must be a Tensor, got None");
-  ROPE_EXT_CHECK(cos_cache.defined(), op, ": cos_cache must be a Tensor, got None");
-  ROPE_EXT_CHECK(sin_cache.defined(), op, ": sin_cache must be a Tensor, got None");
-  ROPE_EXT_CHECK(positions.defined(), op, ": positions must be a Tensor, got None");
-  ROPE_EXT_CHECK(x.dim() >= 1, op, ": ", nx, " must have at least one dimension (..., head_dim), got a 0-dim tensor");
-  ROPE_EXT_CHECK(x.dim() <= kMaxDims, op, ": ", nx, " may have at most ", kMaxDims, " dims, got ", x.dim());
-  const auto xt = x.scalar_type();
-  ROPE_EXT_CHECK(xt == ScalarType::Float || xt == ScalarType::Double || xt == ScalarType::Half || xt == ScalarType::BFloat16, op, ": ", nx,
-              " must be float32, float64, float16 or bfloat16, got ", xt);
+  check_x_and_tables(op, x, cos_cache, sin_cache, {nx, "cos_cache", "sin_cache"}, &positions);
   ROPE_EXT_CHECK(cos_cache.dim() == 2, op, ": cos_cache must be 2-D, (max_positions, rotary_dim / 2), got shape ",
               cos_cache.sizes());
-  ROPE_EXT_CHECK(cos_cache.sizes() == sin_cache.sizes(), op,
-              ": cos_cache and sin_cache must have the same shape, got cos_cache ", cos_cache.sizes(),
-              " and sin_cache ", sin_cache.sizes());
-  ROPE_EXT_CHECK(cos_cache.scalar_type() == sin_cache.scalar_type(), op,
-              ": cos_cache and sin_cache must have the same dtype, got cos_cache ", cos_cache.scalar_type(),
-              " and sin_cache ", sin_cache.scalar_type());
-  ROPE_EXT_CHECK(cos_cache.scalar_type() == xt || cos_cache.scalar_type() == ScalarType::Float, op,
-              ": cos_cache and sin_cache must have ", nx, "'s dtype (", xt, ") or float32, got ",
-              cos_cache.scalar_type());
   const auto pt = positions.scalar_type();
   ROPE_EXT_CHECK(pt == ScalarType::Int || pt == ScalarType::Long, op, ": positions must be int32 or int64, got ", pt);
-  ROPE_EXT_CHECK(cos_cache.device() == x.device() && sin_cache.device() == x.device() &&
-                  positions.device() == x.device(),
-              op, ": ", nx, ", cos_cache, sin_cache and positions must be on the same device, got ", nx, " on ",
-              x.device(), ", cos_cache on ", cos_cache.device(), ", sin_cache on ", sin_cache.device(),
-              " and positions on ", positions.device());
   const int64_t half = cos_cache.size(1);
   ROPE_EXT_CHECK(half > 0, op, ": cos_cache.size(1) = rotary_dim / 2 must be positive, got 0");
   ROPE_EXT_CHECK(2 * half <= x.size(-1), op, ": the rotary dim 2 * cos_cache.size(1) = ", 2 * half,
@@ -250,21 +239,53 @@ DimStrides broadcast_strides(Dims sizes, Dims strides, int64_t ndim) {
   return out;
 }
 
-// Splits x's leading dims into the plan's token and head dims. c and s are the tables' strides
-// over x.shape[:-1] (broadcast_strides): a dim along which either varies is a token dim.
-void split_dims(RotaryPlan& p, const TensorArg& x, const TensorArg& out, const DimStrides& c,
-                const DimStrides& s) {
+// The layout's fields for x's tables (cos and sin, or with `positions` the caches gathered there),
+// and the strides of what a row's table entries step with along each of x.shape[:-1]: the tables'
+// (broadcast_strides), or the positions' for both. A dim along which either varies is a token dim.
+struct TableStrides {
+  DimStrides cos, sin;
+};
+TableStrides read_tables(TableLayout& p, const TensorArg& x, const TensorArg& cos, const TensorArg& sin,
+                         const TensorArg* positions) {
+  p.head_dim = x.size(-1);
+  p.cos_col = cos.stride(-1);
+  p.sin_col = sin.stride(-1);
+  if (positions == nullptr) {
+    p.rotary_dim = cos.size(-1);
+    return {broadcast_strides(cos.sizes(), cos.strides(), x.dim()),
+            broadcast_strides(sin.sizes(), sin.strides(), x.dim())};
+  }
+  p.rotary_dim = 2 * cos.size(1);
+  p.gathered = true;
+  p.positions_int32 = positions->scalar_type() == ScalarType::Int;
+  p.cos_row = cos.stride(0);
+  p.sin_row = sin.stride(0);
+  p.cache_rows = cos.size(0);
+  // positions over x.shape[:-1], aligned as if unsqueezed to x's rank (the last dim is the columns)
+  const DimStrides pos = broadcast_strides(positions->sizes(), positions->strides(), x.dim() - 1);
+  return {pos, pos};
+}
+
+}  // namespace
+
+// The plans read strides only: the broadcasts are computed, not made as views (each view cost
+// about 1000 instructions of the dispatcher's, a third of a small call's own time).
+RotaryPlan make_rotary_plan(const TensorArg& x, const TensorArg& out, const TensorArg& cos, const TensorArg& sin,
+                            const TensorArg* positions) {
+  RotaryPlan p;
+  const TableStrides t = read_tables(p, x, cos, sin, positions);
+  // Split x's leading dims into token dims (the tables step along them) and head dims.
   for (int64_t d = 0; d + 1 < x.dim(); ++d) {
     const int64_t n = x.size(d);
     if (n == 1) continue;
-    if (c[d] != 0 || s[d] != 0) {
-      auto& t = p.tokens;
-      t.sizes[t.ndim] = n;
-      t.strides[kX][t.ndim] = x.stride(d);
-      t.strides[kOut][t.ndim] = out.stride(d);
-      t.strides[kCos][t.ndim] = c[d];
-      t.strides[kSin][t.ndim] = s[d];
-      ++t.ndim;
+    if (t.cos[d] != 0 || t.sin[d] != 0) {
+      auto& k = p.tokens;
+      k.sizes[k.ndim] = n;
+      k.strides[kX][k.ndim] = x.stride(d);
+      k.strides[kOut][k.ndim] = out.stride(d);
+      k.strides[kCos][k.ndim] = t.cos[d];
+      k.strides[kSin][k.ndim] = t.sin[d];
+      ++k.ndim;
     } else {
       auto& h = p.heads;
       h.sizes[h.ndim] = n;
@@ -277,48 +298,12 @@ void split_dims(RotaryPlan& p, const TensorArg& x, const TensorArg& out, const D
   p.heads.collapse();
   p.x_col = x.stride(-1);
   p.out_col = out.stride(-1);
-}
-
-}  // namespace
-
-// The plans read strides only: the broadcasts are computed, not made as views (each view cost
-// about 1000 instructions of the dispatcher's, a third of a small call's own time).
-RotaryPlan make_rotary_plan(const TensorArg& x, const TensorArg& out, const TensorArg& cos,
-                            const TensorArg& sin) {
-  RotaryPlan p;
-  p.head_dim = x.size(-1);
-  p.rotary_dim = cos.size(-1);
-  // stride 0 along every dim that cos/sin broadcast over
-  const DimStrides c = broadcast_strides(cos.sizes(), cos.strides(), x.dim());
-  const DimStrides s = broadcast_strides(sin.sizes(), sin.strides(), x.dim());
-  split_dims(p, x, out, c, s);
-  p.cos_col = cos.stride(-1);
-  p.sin_col = sin.stride(-1);
-  return p;
-}
-
-RotaryPlan make_rotary_pos_plan(const TensorArg& x, const TensorArg& out, const TensorArg& cos_cache,
-                                const TensorArg& sin_cache, const TensorArg& positions) {
-  RotaryPlan p;
-  p.head_dim = x.size(-1);
-  p.rotary_dim = 2 * cos_cache.size(1);
-  // positions over x.shape[:-1], aligned as if unsqueezed to x's rank (the last dim is the columns)
-  DimStrides pos = broadcast_strides(positions.sizes(), positions.strides(), x.dim() - 1);
-  split_dims(p, x, out, pos, pos);
-  p.gathered = true;
-  p.positions_int32 = positions.scalar_type() == ScalarType::Int;
-  p.cos_col = cos_cache.stride(1);
-  p.sin_col = sin_cache.stride(1);
-  p.cos_row = cos_cache.stride(0);
-  p.sin_row = sin_cache.stride(0);
-  p.cache_rows = cos_cache.size(0);
   return p;
 }
 
 void check_qk_norm_args(const char* op, const TensorArg& x, const TensorArg* weight, const TensorArg& cos,
                         const TensorArg& sin, const TensorArg* positions, double eps, double weight_offset,
                         bool across_heads, const char* nx, const char* nw) {
-  ROPE_EXT_CHECK(x.defined(), op, ": ", nx, " must be a Tensor, got None");
   if (positions != nullptr) {
     check_rotary_pos_args(op, x, cos, sin, *positions, nx);
   } else {
@@ -351,37 +336,22 @@ std::vector<int64_t> norm_stat_shape(const TensorArg& x, bool across_heads) {
 NormPlan make_norm_plan(const TensorArg& x, const TensorArg& out, const TensorArg* weight, const TensorArg& cos,
                         const TensorArg& sin, const TensorArg* positions, const TensorArg* grad, bool across_heads) {
   NormPlan p;
-  p.head_dim = x.size(-1);
   p.group = across_heads ? x.size(-2) : 1;
-  DimStrides c, s;
-  if (positions != nullptr) {  // a row's tables step through the positions
-    p.rotary_dim = 2 * cos.size(1);
-    p.gathered = true;
-    p.positions_int32 = positions->scalar_type() == ScalarType::Int;
-    p.cos_row = cos.stride(0);
-    p.sin_row = sin.stride(0);
-    c = s = broadcast_strides(positions->sizes(), positions->strides(), x.dim() - 1);
-  } else {
-    p.rotary_dim = cos.size(-1);
-    c = broadcast_strides(cos.sizes(), cos.strides(), x.dim());
-    s = broadcast_strides(sin.sizes(), sin.strides(), x.dim());
-  }
+  const TableStrides t = read_tables(p, x, cos, sin, positions);
   auto& r = p.rows;
   for (int64_t d = 0; d + 1 < x.dim(); ++d) {
     if (x.size(d) == 1) continue;
     r.sizes[r.ndim] = x.size(d);
     r.strides[kNormX][r.ndim] = x.stride(d);
     r.strides[kNormOut][r.ndim] = out.stride(d);
-    r.strides[kNormCos][r.ndim] = c[d];
-    r.strides[kNormSin][r.ndim] = s[d];
+    r.strides[kNormCos][r.ndim] = t.cos[d];
+    r.strides[kNormSin][r.ndim] = t.sin[d];
     r.strides[kNormGrad][r.ndim] = grad != nullptr ? grad->stride(d) : 0;
     ++r.ndim;
   }
   r.collapse();
   p.x_col = x.stride(-1);
   p.out_col = out.stride(-1);
-  p.cos_col = cos.stride(-1);
-  p.sin_col = sin.stride(-1);
   p.grad_col = grad != nullptr ? grad->stride(-1) : 1;
   if (weight != nullptr && weight->defined()) {
     p.weight_len = weight->size(0);

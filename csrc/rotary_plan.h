@@ -17,27 +17,33 @@ namespace rope_ext {
 // step through the positions tensor.
 enum TokenOperand { kX = 0, kOut = 1, kCos = 2, kSin = 3 };
 
+// Where a call of any op family reads cos and sin, and the row width they rotate: full-form
+// tables broadcast over x.shape[:-1] + (r,), or (`gathered`, the *_pos ops) half-width caches, one
+// row per position and one column per pair (column i serves both members of pair i), a token's cos
+// row starting at cos + positions[its cos offset] * cos_row. Positions outside [0, cache_rows) are
+// refused before any read (check_positions_in_range on the CPU, a device-side assert on CUDA).
+// Every plan is a TableLayout and fills it with read_tables, so that each kernel reads the tables
+// one way whatever it computes around the rotation.
+struct TableLayout {
+  int64_t head_dim = 0;    // x.size(-1)
+  int64_t rotary_dim = 0;  // r: cos.size(-1), or 2 * cache.size(1); even, <= head_dim
+  int64_t cos_col = 1, sin_col = 1;  // strides along the last dim, in elements
+  bool gathered = false;
+  bool positions_int32 = false;  // gathered: int32 positions (else int64)
+  int64_t cos_row = 0, sin_row = 0;  // gathered: the caches' row strides
+  int64_t cache_rows = 0;            // gathered: the caches' rows (positions 0 to cache_rows - 1)
+};
+
 // How a rotary call walks memory. x's leading dims (all but the last) are split into
 //   token dims: cos or sin varies along them (sequence, batch for per-row positions);
 //   head dims:  cos and sin are broadcast (stride 0) along them (heads, usually batch).
 // A kernel loads one token's cos/sin once and reuses them for all of that token's
 // heads. Dims of size 1 are dropped. Rows are numbered token-major: row = t * nheads + h.
-struct RotaryPlan {
+// With gathered tables, kCos and kSin both step through the positions tensor.
+struct RotaryPlan : TableLayout {
   StridedDims<4> tokens;  // strides of x, out, cos, sin (elements)
   StridedDims<2> heads;   // strides of x, out (elements)
-  int64_t head_dim = 0;    // x.size(-1)
-  int64_t rotary_dim = 0;  // r = cos.size(-1), even, <= head_dim
-  // Strides along the last dim, in elements.
-  int64_t x_col = 1, out_col = 1, cos_col = 1, sin_col = 1;
-
-  // Gathered tables (rotary_pos*): cos and sin are half-width caches, one row per position and
-  // one column per pair (column i serves both members of pair i). A token's cos row starts at
-  // cos + positions[tokens' kCos offset] * cos_row. Positions outside [0, cache_rows) are refused
-  // before any read (check_positions_in_range on the CPU, a device-side assert on CUDA).
-  bool gathered = false;
-  bool positions_int32 = false;  // positions are int32 (else int64)
-  int64_t cos_row = 0, sin_row = 0;
-  int64_t cache_rows = 0;
+  int64_t x_col = 1, out_col = 1;  // strides along the last dim, in elements
 
   int64_t num_tokens() const { return tokens.numel(); }
   int64_t num_heads() const { return heads.numel(); }
@@ -49,6 +55,15 @@ struct ArgNames {
   const char* cos = "cos";
   const char* sin = "sin";
 };
+
+// What every op family requires alike of x and its tables (rope_ext._ops._check_x_and_tables is its
+// Python twin, with the same messages): tensors, x of 1 to kMaxDims dims and a float dtype, cos and
+// sin of one shape and dtype (x's or float32), and everything, `positions` too where given, on x's
+// device. The family's own checks follow (the tables' shape against x's: check_rotary_args or
+// check_rotary_pos_args).
+ROPE_EXT_INTERNAL void check_x_and_tables(const char* op, const TensorArg& x, const TensorArg& cos,
+                                          const TensorArg& sin, const ArgNames& names,
+                                          const TensorArg* positions = nullptr);
 
 // Checks (x, cos, sin) against rotary's contract; `op` prefixes every message.
 ROPE_EXT_INTERNAL void check_rotary_args(const char* op, const TensorArg& x, const TensorArg& cos,
@@ -85,15 +100,11 @@ struct NamedTensor {
 ROPE_EXT_INTERNAL void check_inplace_args(const char* op, const TensorArg& x,
                                           std::initializer_list<NamedTensor> others, const char* x_name = "x");
 
-// Builds the plan for out = rotary(x, cos, sin); the arguments must have passed
-// check_rotary_args and `out` must have x's sizes. No tensor data is touched or copied.
+// Builds the plan for out = rotary(x, cos, sin), or with `positions` for out = rotary_pos(x, cos_cache,
+// sin_cache, positions); the arguments must have passed check_rotary_args (check_rotary_pos_args) and
+// `out` must have x's sizes. No tensor data is touched or copied.
 ROPE_EXT_INTERNAL RotaryPlan make_rotary_plan(const TensorArg& x, const TensorArg& out, const TensorArg& cos,
-                            const TensorArg& sin);
-
-// The plan for out = rotary_pos(x, cos_cache, sin_cache, positions), for checked arguments.
-ROPE_EXT_INTERNAL RotaryPlan make_rotary_pos_plan(const TensorArg& x, const TensorArg& out,
-                                                  const TensorArg& cos_cache, const TensorArg& sin_cache,
-                                                  const TensorArg& positions);
+                                              const TensorArg& sin, const TensorArg* positions = nullptr);
 
 // The stride of t along dim d of a rank-`ndim` shape it broadcasts against (trailing dims aligned,
 // as expand() would give it where that dim has more than one element): 0 where t lacks the dim or
@@ -113,17 +124,11 @@ enum NormOperand { kNormX = 0, kNormOut = 1, kNormCos = 2, kNormSin = 3, kNormGr
 // and adjacent ones merged, in row-major order), `group` consecutive rows normalized together (1, or
 // x.size(-2) across heads). Group n's statistic is rstd[n] of a contiguous (numel / row / group)
 // tensor in the compute dtype (float32; float64 for float64 x).
-struct NormPlan {
+struct NormPlan : TableLayout {
   StridedDims<5> rows;  // strides of x, out, cos, sin, grad (elements; the tables' broadcast)
   int64_t group = 1;
-  int64_t head_dim = 0, rotary_dim = 0;
-  int64_t x_col = 1, out_col = 1, cos_col = 1, sin_col = 1, grad_col = 1;
+  int64_t x_col = 1, out_col = 1, grad_col = 1;
   int64_t weight_len = 0, weight_stride = 1;  // 0: no weight (g = 1)
-  // Gathered tables (qk_norm_rotary_pos), as RotaryPlan's: half-width caches, a row's cos at
-  // cos + positions[its kNormCos offset] * cos_row; positions checked before the kernel runs.
-  bool gathered = false;
-  bool positions_int32 = false;
-  int64_t cos_row = 0, sin_row = 0;
 
   int64_t num_rows() const { return rows.numel(); }
   int64_t num_groups() const { return group == 0 ? 0 : num_rows() / group; }

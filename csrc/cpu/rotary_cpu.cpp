@@ -220,8 +220,7 @@ KernelDtype kernel_dtype(ScalarType t) {
 
 void run_one(const TensorArg& x, const TensorArg& out, const RotaryCall& c, const Thresholds& th) {
   if (out.numel() == 0) return;
-  const RotaryPlan plan = c.positions ? make_rotary_pos_plan(x, out, c.cos, c.sin, *c.positions)
-                                      : make_rotary_plan(x, out, c.cos, c.sin);
+  const RotaryPlan plan = make_rotary_plan(x, out, c.cos, c.sin, c.positions);
   if (out.const_data_ptr() != x.const_data_ptr()) advise_huge_pages(out, th.huge_page_bytes);  // a new output
   const KernelFn fn = variant_for_call().fn;
 #ifdef ROPE_EXT_HAVE_AVX

@@ -121,14 +121,11 @@ inline NormLaunch choose_norm_launch(const NormPlan& p, int64_t groups, const vo
   L.rot_items = half / L.pairs_per_item;
   L.pass_items = pass / L.vec;
   const int64_t n = p.gathered ? L.pairs_per_item : L.vec;  // table values per item and member
-  if (n > 1) {
-    bool strides_ok = p.gathered ? p.cos_row % n == 0 && p.sin_row % n == 0 : true;
-    for (int d = 0; !p.gathered && d < p.rows.ndim; ++d) {
-      strides_ok = strides_ok && p.rows.strides[kNormCos][d] % n == 0 && p.rows.strides[kNormSin][d] % n == 0;
-    }
-    L.table_vec = p.cos_col == 1 && p.sin_col == 1 && (ignore_alignment || strides_ok) &&
-                  aligned(cos, n * table_elem_size) && aligned(sin, n * table_elem_size);
+  bool token_strides_ok = true;
+  for (int d = 0; d < p.rows.ndim; ++d) {
+    token_strides_ok = token_strides_ok && p.rows.strides[kNormCos][d] % n == 0 && p.rows.strides[kNormSin][d] % n == 0;
   }
+  L.table_vec = tables_vectorize(p, n, token_strides_ok, cos, sin, table_elem_size, ignore_alignment);
   // A weight's runs start at multiples of the vector width (pairs, second members at half, heads at
   // D, pass-through columns at r); load_run reads them in pieces of at most 16 bytes.
   L.weight_vec = L.vec > 1 && weight != nullptr && p.weight_stride == 1 &&
@@ -168,7 +165,6 @@ struct NormThread {
   const table_t* cos;
   const table_t* sin;
   const void* positions;
-  int64_t cache_rows;
   const void* weight;  // null: g = 1
   opmath_t weight_offset, eps;
   opmath_t* rstd;      // forward: written, unless null (in place); backward: read
@@ -187,7 +183,6 @@ struct NormThread {
     t.cos = c.cos.const_data_ptr<table_t>();
     t.sin = c.sin.const_data_ptr<table_t>();
     t.positions = c.positions != nullptr ? c.positions->const_data_ptr() : nullptr;
-    t.cache_rows = c.positions != nullptr ? c.cos.size(0) : 0;
     const bool weighted = c.weight != nullptr && c.weight->defined();
     t.weight = weighted ? c.weight->const_data_ptr() : nullptr;
     t.weight_float = weighted && c.weight->scalar_type() != c.x.scalar_type();
@@ -356,13 +351,9 @@ struct NormThread {
   ROPE_HD void table_pairs(const Item& a, opmath_t (&c1)[kPairs], opmath_t (&s1)[kPairs], opmath_t (&c2)[kPairs],
                            opmath_t (&s2)[kPairs]) const {
     if constexpr (kGathered) {
-      const int64_t at = a.off[kNormCos];
-      const int64_t pos = p.positions_int32
-                              ? int64_t{Mem::template load<kSitePosition>(static_cast<const int32_t*>(positions) + at)}
-                              : Mem::template load<kSitePosition>(static_cast<const int64_t*>(positions) + at);
-      ROPE_EXT_POSITION_CHECK(pos, cache_rows);
-      load_run<kPairs, kSiteCos1, Mem>(cos + pos * p.cos_row + pair0(a) * p.cos_col, p.cos_col, table_vec, c1);
-      load_run<kPairs, kSiteSin1, Mem>(sin + pos * p.sin_row + pair0(a) * p.sin_col, p.sin_col, table_vec, s1);
+      const CacheRead read{p.cos_row, p.sin_row, p.cos_col, p.sin_col, p.cache_rows};
+      load_cache_rows<kPairs, Mem>(cos, sin, positions, p.positions_int32, a.off[kNormCos], read, pair0(a), table_vec,
+                                   c1, s1);
       for (int j = 0; j < kPairs; ++j) c2[j] = c1[j], s2[j] = s1[j];
     } else {
       load_pairs<kVec, kInterleaved, kSiteCos1, kSiteCos2, Mem>(cos + a.off[kNormCos], p.cos_col, half(), pair0(a),

@@ -57,6 +57,20 @@ struct ThreadCoord {
   int64_t grid_x, grid_y, block_x, block_y;  // gridDim.x/y, blockDim.x/y
 };
 
+// Whether a launch loads each item's n table values (n > 1) with vector loads: unit column strides,
+// bases aligned to n values, and n dividing the strides an item's start steps by: the caches' row
+// strides where gathered, else every token stride of the full tables (`token_strides_ok`, the
+// caller's: each plan holds them its own way). `ignore_alignment`: choose_launch's.
+inline bool tables_vectorize(const TableLayout& p, int64_t n, bool token_strides_ok, const void* cos,
+                             const void* sin, int64_t table_elem_size, bool ignore_alignment) {
+  const auto aligned = [&](const void* t) {
+    return ignore_alignment || reinterpret_cast<uintptr_t>(t) % (n * table_elem_size) == 0;
+  };
+  const bool strides_ok = p.gathered ? p.cos_row % n == 0 && p.sin_row % n == 0 : token_strides_ok;
+  return n > 1 && p.cos_col == 1 && p.sin_col == 1 && (ignore_alignment || strides_ok) && aligned(cos) &&
+         aligned(sin);
+}
+
 // One tensor of a launch: its plan and where its data is.
 struct LaunchOperand {
   const RotaryPlan* plan;
@@ -105,20 +119,13 @@ inline RotaryLaunch choose_launch(std::initializer_list<LaunchOperand> operands,
   L.pass_items = pass / L.vec;
   // Table values per vector load: an item's pairs (gathered), or its columns (full tables).
   const int64_t n = p.gathered ? L.pairs_per_item : L.vec;
-  if (n > 1) {
-    bool strides_ok = true;
-    if (p.gathered) {
-      strides_ok = p.cos_row % n == 0 && p.sin_row % n == 0;
-    } else {
-      for (const LaunchOperand& o : operands) {
-        const StridedDims<4>& t = o.plan->tokens;
-        for (int d = 0; d < t.ndim; ++d)
-          strides_ok = strides_ok && t.strides[kCos][d] % n == 0 && t.strides[kSin][d] % n == 0;
-      }
-    }
-    L.table_vec = p.cos_col == 1 && p.sin_col == 1 && (ignore_alignment || strides_ok) &&
-                  aligned(cos, n * table_elem_size) && aligned(sin, n * table_elem_size);
+  bool token_strides_ok = true;
+  for (const LaunchOperand& o : operands) {
+    const StridedDims<4>& t = o.plan->tokens;
+    for (int d = 0; d < t.ndim; ++d)
+      token_strides_ok = token_strides_ok && t.strides[kCos][d] % n == 0 && t.strides[kSin][d] % n == 0;
   }
+  L.table_vec = tables_vectorize(p, n, token_strides_ok, cos, sin, table_elem_size, ignore_alignment);
   const int64_t items = L.rot_items + L.pass_items;
   L.block_x = std::max<int64_t>(1, std::min<int64_t>(items, kMaxThreads));
   L.block_y = std::max<int64_t>(1, std::min<int64_t>(heads, kMaxThreads / L.block_x));
@@ -534,6 +541,26 @@ struct OpMath<double> {
                  " is outside the cache, whose ", rows, " rows hold positions 0 to ", (rows) - 1)
 #endif
 
+// Where a kernel reads gathered tables (TableLayout's gathered fields, as the thread holds them).
+struct CacheRead {
+  int64_t cos_row, sin_row, cos_col, sin_col, rows;
+};
+
+// Gathered tables, for every op family's kernel: the cache rows at the position stored at
+// positions + at (int32 or int64), checked against the cache's rows before any row is read, for the
+// kPairs pairs from pair0 (column i serves both members of pair i).
+template <int kPairs, class Mem, typename table_t, typename opmath_t>
+ROPE_HD void load_cache_rows(const table_t* cos, const table_t* sin, const void* positions, bool positions_int32,
+                             int64_t at, const CacheRead& c, int64_t pair0, bool table_vec, opmath_t (&c1)[kPairs],
+                             opmath_t (&s1)[kPairs]) {
+  const int64_t pos = positions_int32
+                          ? int64_t{Mem::template load<kSitePosition>(static_cast<const int32_t*>(positions) + at)}
+                          : Mem::template load<kSitePosition>(static_cast<const int64_t*>(positions) + at);
+  ROPE_EXT_POSITION_CHECK(pos, c.rows);
+  load_run<kPairs, kSiteCos1, Mem>(cos + pos * c.cos_row + pair0 * c.cos_col, c.cos_col, table_vec, c1);
+  load_run<kPairs, kSiteSin1, Mem>(sin + pos * c.sin_row + pair0 * c.sin_col, c.sin_col, table_vec, s1);
+}
+
 // The plans, the compact index (if the layout allows and `allow_compact`) and the launch of a
 // RotaryCall, for checked arguments (shared by the CUDA launcher and the host emulator).
 struct CallLaunch {
@@ -546,8 +573,7 @@ struct CallLaunch {
 inline CallLaunch plan_call(const RotaryCall& c, bool allow_compact = true, bool ignore_alignment = false) {
   CallLaunch r;
   const auto make = [&](const TensorArg& x, const TensorArg& out) {
-    return c.positions ? make_rotary_pos_plan(x, out, c.cos, c.sin, *c.positions)
-                       : make_rotary_plan(x, out, c.cos, c.sin);
+    return make_rotary_plan(x, out, c.cos, c.sin, c.positions);
   };
   r.plan = make(c.x, c.out);
   if (c.k != nullptr) {
@@ -666,7 +692,7 @@ struct RotaryThread {
   ROPE_HD void load_tables(int64_t pair0, const int64_t (&tok)[4], opmath_t (&c1)[kPairs],
                                    opmath_t (&s1)[kPairs], opmath_t (&c2)[kPairs], opmath_t (&s2)[kPairs]) const {
     if constexpr (kGathered) {
-      load_cache_rows(pair0, tok, c1, s1);
+      load_gathered(pair0, tok, c1, s1);
       for (int j = 0; j < kPairs; ++j) {
         c2[j] = c1[j];
         s2[j] = s1[j];
@@ -684,15 +710,10 @@ struct RotaryThread {
   }
 
   // Gathered: the cache rows at the token's position, column i serving both members of pair i.
-  ROPE_HD void load_cache_rows(int64_t pair0, const int64_t (&tok)[4], opmath_t (&c1)[kPairs],
-                                       opmath_t (&s1)[kPairs]) const {
-    const int64_t pos =
-        positions_int32
-            ? int64_t{Mem::template load<kSitePosition>(static_cast<const int32_t*>(positions) + tok[kCos])}
-            : Mem::template load<kSitePosition>(static_cast<const int64_t*>(positions) + tok[kCos]);
-    ROPE_EXT_POSITION_CHECK(pos, idx.cache_rows());
-    load_run<kPairs, kSiteCos1, Mem>(cos + pos * idx.cos_row() + pair0 * idx.cos_col(), idx.cos_col(), table_vec, c1);
-    load_run<kPairs, kSiteSin1, Mem>(sin + pos * idx.sin_row() + pair0 * idx.sin_col(), idx.sin_col(), table_vec, s1);
+  ROPE_HD void load_gathered(int64_t pair0, const int64_t (&tok)[4], opmath_t (&c1)[kPairs],
+                             opmath_t (&s1)[kPairs]) const {
+    const CacheRead read{idx.cos_row(), idx.sin_row(), idx.cos_col(), idx.sin_col(), idx.cache_rows()};
+    load_cache_rows<kPairs, Mem>(cos, sin, positions, positions_int32, tok[kCos], read, pair0, table_vec, c1, s1);
   }
 
   // Full tables: the token's row, at both members' columns (as load_pairs reads a row).
