@@ -114,7 +114,8 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
     """The replacement a fusion's rewritten method calls: ``call(module, q_attr, k_attr, mode, rope,
     q, k, *args, **kwargs)``, where ``rope(q, k, *args, **kwargs)`` (``pair``: ``rope(q, ...)`` and
     ``rope(k, ...)``) is the model's RoPE call, mode None means the norms already ran (or are off),
-    and rope None means the norms alone.
+    mode ``"after"`` means the model normalizes after RoPE (fused only where the norms have no
+    weight), and rope None means the norms alone.
 
     Args:
         norms: norm class -> (its :class:`NormForm`, its ``forward`` as patched): the classes whose
@@ -173,7 +174,9 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
                 return None
             q, k, cos, sin = q.transpose(1, 2), k.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2)
         wq, wk = _norm_weight(qn, norm_form), _norm_weight(kn, norm_form)
-        across = mode != "head"
+        if mode == "after" and (wq is not None or wk is not None):  # the weight would be rotated
+            return None
+        across = mode not in ("head", "after")
         if across and (wq is None or wk is None):  # the weights' size is what shows the norm's row
             return None
         rows = (lambda x: x.shape[-2] * x.shape[-1]) if across else (lambda x: x.shape[-1])
@@ -188,6 +191,9 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
         if mode is None:  # the norms already ran, or the model's condition turned them off
             return rotated(rope, q, k, args, kwargs)
         op_args = plan(module, q_attr, k_attr, mode, rope, q, k, args, kwargs)
+        if op_args is None and mode == "after":  # the model's own code: RoPE, then the norms
+            q, k = rotated(rope, q, k, args, kwargs)
+            return norms_alone(module, q_attr, k_attr, "head", q, k)
         if op_args is None:  # the model's own code
             q, k = norms_alone(module, q_attr, k_attr, mode, q, k)
             return rotated(rope, q, k, args, kwargs)

@@ -41,7 +41,7 @@ from rope_ext.integrations._engine import located
 
 HIDDEN_SHAPE = "hidden_shape = (*input_shape, -1, self.head_dim)"
 PENDING = "_rope_ext_qk_norm_pending"  # the local flag: the norms of q and k are still to run
-MODES = ("head", "heads_bhsd", "heads_bshd")
+MODES = ("head", "heads_bhsd", "heads_bshd", "after")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +55,9 @@ class Site:
         pair: q and k rotated by one call each (``Q = rope(Q, ...)``, ``K = rope(K, ...)``) rather
             than by one call for both.
         mode: ``"head"`` (the norm's row is the last dim at the RoPE call), ``"heads_bhsd"`` (across
-            all heads of a token, q a ``(B, H, S, D)`` view of ``(B, S, H * D)`` rows) or
-            ``"heads_bshd"`` (across heads, q ``(B, S, H, D)``).
+            all heads of a token, q a ``(B, H, S, D)`` view of ``(B, S, H * D)`` rows),
+            ``"heads_bshd"`` (across heads, q ``(B, S, H, D)``) or ``"after"`` (per head, the norms
+            right after the RoPE call: see :func:`_fuse_after`).
     """
 
     owner: str
@@ -285,7 +286,7 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
                 break
         else:
             if any(_norm_statement(s, name, owner, norm_attrs) for s in fn.body[first_top:]):
-                return Unfusable("q and k are normalized after RoPE (the fused op normalizes first)")
+                return _fuse_after(fn, owner, sites, q, k, norm_attrs, holder)
             return Unfusable(f"{name} is not normalized by {owner}.<{'|'.join(sorted(norm_attrs))}> "
                              "before its RoPE call")
     nq, nk = norms[q], norms[k]
@@ -334,6 +335,37 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
     site = Site(owner, nq.attr, nk.attr, rope, kind == "pair", mode)
     if not _apply(fn, site, q, k, nq, nk, sites, skip, watch, holder):
         return Unfusable(f"every path to its RoPE call reads {q} or {k} after their norms")
+    return site
+
+
+def _fuse_after(fn, owner: str, sites, q: str, k: str, norm_attrs, holder) -> Site | Unfusable:
+    """The norms after RoPE (NanoChat's ``Q, K = rope(Q, K, ...)`` then ``Q = O.q_norm(Q)`` and
+    ``K = O.k_norm(K)``), as one fused call in place of the three statements, mode ``"after"``.
+
+    A rotation keeps each row's sum of squares, so a norm without a weight gives the same rows after
+    RoPE as before it, and the op (which normalizes first) computes both orders; with a weight it does
+    not (the weight's columns would be rotated), and the call runs the model's RoPE, then its norms.
+    The fused call replaces exactly one RoPE statement (or pair) whose next two statements, in the
+    same block, are the two norms of the rotated names themselves."""
+    refused = Unfusable("q and k are normalized after RoPE, not directly after its one call")
+    if len(sites) != 1:
+        return refused
+    block, i, kind, _, _, call = sites[0]
+    first = i + (2 if kind == "pair" else 1)
+    norms = {}
+    for stmt in block[first:first + 2]:
+        for name in (q, k):
+            norm = _norm_statement(stmt, name, owner, norm_attrs)
+            if norm is not None and norm.guard is None and not norm.transposed and norm.arg is not None and (
+                    _text(norm.arg) == name):
+                norms[name] = norm
+    if set(norms) != {q, k}:
+        return refused
+    site = Site(owner, norms[q].attr, norms[k].attr, call.func.id, kind == "pair", "after")
+    rest = ", ".join([_text(a) for a in call.args[2 if kind == "qk" else 1:]] + [_text(w) for w in call.keywords])
+    fused_call = (f"{q}, {k} = {holder}({owner}, {site.q_norm!r}, {site.k_norm!r}, 'after', {site.rope}, {q}, {k}"
+                  + (f", {rest})" if rest else ")"))
+    block[i:first + 2] = located(ast.parse(fused_call).body, block[i])
     return site
 
 

@@ -219,6 +219,9 @@ def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dic
                 reason = (f"{rope} is refused" if form is None else
                           f"{rope}'s signature ({form.signature}) has no fused call yet")
         found = judge(key, None if reason is None else Unsupported(reason), forward, "self", ropes, set(called))
+        if isinstance(found, Site) and found.mode == "after" and any(f.weight is not None for f in forms):
+            found = Unsupported("q and k are normalized after RoPE by norms with a weight (the op applies the "
+                              "weight before the rotation)")
         sites.append(site.refused(found) if isinstance(found, FusionRefusal) else
                      dataclasses.replace(site, norm_form=forms.pop(), site=found))
     return sites
@@ -243,7 +246,8 @@ def rewrite_plan(group: str, module, node: ast.FunctionDef, site: FusionSite, ca
 def site_text(site: FusionSite) -> str:
     """One fusion site in a listing: fused with what, or why not."""
     if site.fused:
-        across = {"head": "each head", "heads_bhsd": "all heads of a token", "heads_bshd": "all heads of a token"}
+        across = {"head": "each head", "heads_bhsd": "all heads of a token", "heads_bshd": "all heads of a token",
+                  "after": "each head, after RoPE"}
         what = f"{site.norm_form.describe()}, " if site.norm_form else ""
         return f"qk-norm {site.method}: fused, {what}over {across[site.site.mode]}"
     return f"qk-norm {site.method}: not fused: {site.reason}"

@@ -52,7 +52,7 @@ _UNFUSABLE_4_57_6 = {
     "7d34dbfe2ef8c949": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested RMS norm form",  # chameleon
     "3edbd5d3c736dcc7": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested RMS norm form",  # cohere
     "e550c0d97b3105f1": "self.k_norm's class Gemma3nRMSNorm (fingerprint bf9746660b7d7006) matches no tested RMS norm form",  # gemma3n
-    "5cbc7d39a9fb2404": 'q and k are normalized after RoPE (the fused op normalizes first)',  # hunyuan_v1_dense, hunyuan_v1_moe
+    "5cbc7d39a9fb2404": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # hunyuan_v1_dense, hunyuan_v1_moe
     "a8d22eeb98df352d": "apply_rotary_pos_emb's signature (qk, tables by position_ids) has no fused call yet",  # idefics
     "54f346c30ac6bc3d": '`query_states = query_states.view(bsz, q_len, self.num_heads, self.head_dim).tran` uses query_states, key_states or what their norms read between the norms and RoPE',  # olmoe
     "71fc001ae52ca00a": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // self.num_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # persimmon
@@ -61,7 +61,7 @@ _UNFUSABLE_4_57_6 = {
     "c0fa07245d827bcc": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
 }
 
-# transformers 5.23.0: 28 fusions
+# transformers 5.23.0: 29 fusions
 _TESTED_5_23_0 = {
     "91e1bf1cafd7aa2a": _self(),  # afmoe
     "fef913fe49b2cd0b": _self(),  # apertus, hy_v3
@@ -83,6 +83,7 @@ _TESTED_5_23_0 = {
     "32d0eb57954ce253": _self(mode='heads_bhsd'),  # minimax_m2
     "ba77ed43407ad115": _self(),  # minimax_m3_vl
     "e6b4b8a4fef8537d": _self(),  # molmo2
+    "eeae7f5e57cd0d27": _self(mode='after'),  # nanochat
     "966261e93ebea29f": _self(),  # neomme
     "db5b2322241bbc71": _self(mode='heads_bhsd'),  # olmo3
     "762d4c07a2ca71f6": _self(mode='heads_bhsd'),  # olmo_hybrid
@@ -103,14 +104,13 @@ _UNFUSABLE_5_23_0 = {
     "42b6a0ea04cf0a35": "self.k_norm's class EsmcLayerNorm (fingerprint d431cf3f77e54d0b) matches no tested RMS norm form",  # esmc
     "6c72696ac3f95ee4": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # gemma3n
     "3fbe4a8e128254d1": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # gemma4, gemma4_unified
-    "857ab43f0d54a138": 'q and k are normalized after RoPE (the fused op normalizes first)',  # hunyuan_v1_dense, hunyuan_v1_moe
-    "663366a9f5fb585c": 'q and k are normalized after RoPE (the fused op normalizes first)',  # hunyuan_vl
+    "857ab43f0d54a138": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # hunyuan_v1_dense, hunyuan_v1_moe
+    "663366a9f5fb585c": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # hunyuan_vl
     "be7e5a4fd2310a04": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps): not an RMS norm class its file defines',  # hy_v4
-    "3a878b44e2256eda": 'q and k are normalized after RoPE (the fused op normalizes first)',  # idefics
+    "3a878b44e2256eda": 'q and k are normalized after RoPE, not directly after its one call',  # idefics
     "958ff91a25bb938d": 'idx_q, idx_k or what their norms read is used between their two norms',  # minimax_m3_vl
     "b0a6eb9720a86307": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # mistral_large4
     "f4188a857579ffda": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
-    "eeae7f5e57cd0d27": 'q and k are normalized after RoPE (the fused op normalizes first)',  # nanochat
     "3b6455d17d124f85": 'self.k_norm is nn.LayerNorm(self.head_dim): not an RMS norm class its file defines',  # nemotron3_5_transcribe
     "d2e464e35f0c7d5c": '`query_states = query_states.view(*hidden_shape).transpose(1, 2)` uses query_states, key_states or what their norms read between the norms and RoPE',  # olmoe
     "c9d5bd83ec44a079": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // self.num_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # persimmon
@@ -120,10 +120,10 @@ _UNFUSABLE_5_23_0 = {
     "1d9ae95bbcdd25b2": "self.k_layernorm's class Qwen4ExpTextRMSNorm (fingerprint d82b17b1ea3a3199) matches no tested RMS norm form",  # qwen4_exp
     "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not an RMS norm class its file defines',  # sapiens2
     "13e2d0e7e6486a44": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
-    "22925477930e9fe8": 'q and k are normalized after RoPE (the fused op normalizes first)',  # timesfm2_5
+    "22925477930e9fe8": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # timesfm2_5
 }
 
-# transformers 5.24.0: 28 fusions
+# transformers 5.24.0: 29 fusions
 _TESTED_5_24_0 = {
     "2610de19b1b92456": _self(),  # afmoe
     "35e5e0b49a1f818b": _self(),  # apertus, apertus1p5, hy_v3
@@ -145,6 +145,7 @@ _TESTED_5_24_0 = {
     "0a0895256d2ae369": _self(mode='heads_bhsd'),  # minimax_m2
     "dffe59133ce917d8": _self(),  # minimax_m3_vl
     "591439d1876101f5": _self(),  # molmo2
+    "69882c520d639546": _self(mode='after'),  # nanochat
     "1ecfda64dd0072d1": _self(),  # neomme
     "976c031b232e2edc": _self(mode='heads_bhsd'),  # olmo3
     "66bba8f758642e0b": _self(mode='heads_bhsd'),  # olmo_hybrid
@@ -166,16 +167,15 @@ _UNFUSABLE_5_24_0 = {
     "f64b2d6cea5f845b": "self.k_norm's class EsmcLayerNorm (fingerprint d431cf3f77e54d0b) matches no tested RMS norm form",  # esmc
     "eecf660637ac7a26": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # gemma3n
     "0941a374e572fc48": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # gemma4, gemma4_unified
-    "97285b70d0da794a": 'q and k are normalized after RoPE (the fused op normalizes first)',  # hunyuan_v1_dense, hunyuan_v1_moe
-    "82f2fc566bc395ff": 'q and k are normalized after RoPE (the fused op normalizes first)',  # hunyuan_vl
+    "97285b70d0da794a": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # hunyuan_v1_dense, hunyuan_v1_moe
+    "82f2fc566bc395ff": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # hunyuan_vl
     "b2320298c1fd4875": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps, dtype=torch.float32): not an RMS norm class its file defines',  # hy_v4
     "a6987fb124adcb92": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps, dtype=torch.float32): not an RMS norm class its file defines',  # hy_v4_vl
-    "29a39ac3d730fb65": 'q and k are normalized after RoPE (the fused op normalizes first)',  # idefics
+    "29a39ac3d730fb65": 'q and k are normalized after RoPE, not directly after its one call',  # idefics
     "7fc49f59ea016c4b": "self.k_norm's class LaraMiniRMSNorm (fingerprint 59c26a99fc9b9886) matches no tested RMS norm form",  # lara_mini
     "1e7b08ac10545d37": 'idx_q, idx_k or what their norms read is used between their two norms',  # minimax_m3_vl
     "9024619d2e59486d": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # mistral_large4
     "6675f35171d50baf": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
-    "69882c520d639546": 'q and k are normalized after RoPE (the fused op normalizes first)',  # nanochat
     "3b6455d17d124f85": 'self.k_norm is nn.LayerNorm(self.head_dim): not an RMS norm class its file defines',  # nemotron3_5_transcribe
     "33393082e0b5027c": '`query_states = query_states.view(*hidden_shape).transpose(1, 2)` uses query_states, key_states or what their norms read between the norms and RoPE',  # olmoe
     "e86a120a4ba32161": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // self.num_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # persimmon
@@ -185,7 +185,7 @@ _UNFUSABLE_5_24_0 = {
     "1d8908e09df86a96": "self.k_layernorm's class Qwen4ExpTextRMSNorm (fingerprint d82b17b1ea3a3199) matches no tested RMS norm form",  # qwen4_exp
     "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not an RMS norm class its file defines',  # sapiens2
     "4b5178c93db4c65c": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
-    "493015b25dcc0fcb": 'q and k are normalized after RoPE (the fused op normalizes first)',  # timesfm2_5
+    "493015b25dcc0fcb": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # timesfm2_5
 }
 
 TRANSFORMERS_RELEASES: dict[str, set[str]] = {
