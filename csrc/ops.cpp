@@ -103,6 +103,11 @@ void define_schemas(TorchLibraryHandle lib) {
       "Tensor sin_cache, Tensor positions, float eps, float weight_offset=0., bool across_heads=False, "
       "bool interleaved=False) -> (Tensor, Tensor, Tensor, Tensor)");
 
+  // qk_norm_rotary of one tensor, for models that rotate q and k in separate calls: (out, rstd).
+  def(
+      "norm_rotary(Tensor x, Tensor? weight, Tensor cos, Tensor sin, float eps, float weight_offset=0., "
+      "bool across_heads=False, bool interleaved=False) -> (Tensor, Tensor)");
+
   // In place, for inference (vLLM's fused_qk_norm_rope): q and k overwritten. Refuse inputs that need grad.
   def(
       "qk_norm_rotary_(Tensor(a!) q, Tensor(b!) k, Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin, "

@@ -140,6 +140,22 @@ struct QkNormOps {
              weight_offset, across_heads, interleaved);
   }
 
+  // One tensor (models that normalize and rotate q and k in separate calls): (out, rstd), what either
+  // half of qk_norm_rotary computes, checked and named as "x" and "weight". Its backward is
+  // qk_norm_rotary_backward's.
+  static std::tuple<OwnedTensor, OwnedTensor> norm_rotary(const T& x_, const OptT& weight, const T& cos_,
+                                                          const T& sin_, double eps, double weight_offset,
+                                                          bool across_heads, bool interleaved) {
+    const char* op = "rope_ext.norm_rotary";
+    const TensorArg x = read_arg(x_), w = read_optional(weight), cos = read_arg(cos_), sin = read_arg(sin_);
+    check_qk_norm_args(op, x, &w, cos, sin, nullptr, eps, weight_offset, across_heads, "x", "weight");
+    Output out = new_like(x_.handle, x), rstd = new_stat(x, across_heads);
+    const NormCall call{x,       out.arg, &w,  cos,           sin,          &rstd.arg,   nullptr,
+                        nullptr, nullptr, eps, weight_offset, across_heads, interleaved, op};
+    run(call);
+    return {std::move(out.tensor), std::move(rstd.tensor)};
+  }
+
   // (dx, dweight): dweight in the compute dtype, of the weight's shape, when weight_grad; else empty.
   static std::tuple<OwnedTensor, OwnedTensor> qk_norm_rotary_backward(const T& grad_, const T& x_, const OptT& weight_,
                                                                       const T& rstd_, const T& cos_, const T& sin_,
@@ -182,6 +198,7 @@ void register_qk_norm_ops(torch::stable::detail::StableLibrary& m, const std::st
   m.impl((prefix + "qk_norm_rotary_").c_str(), &boxed<&Ops::qk_norm_rotary_>);
   m.impl((prefix + "qk_norm_rotary_pos_").c_str(), &boxed<&Ops::qk_norm_rotary_pos_>);
   m.impl((prefix + "qk_norm_rotary_backward").c_str(), &boxed<&Ops::qk_norm_rotary_backward>);
+  m.impl((prefix + "norm_rotary").c_str(), &boxed<&Ops::norm_rotary>);
 }
 
 }  // namespace rope_ext

@@ -74,6 +74,7 @@ from rope_ext import _sharding, compat, reference, scaling  # noqa: E402
 from rope_ext._errors import PositionOutsideCache  # noqa: E402
 from rope_ext._ops import (  # noqa: E402
     cpu_kernel_isa,
+    norm_rotary,
     qk_norm_rotary,
     qk_norm_rotary_,
     qk_norm_rotary_pos,
@@ -98,6 +99,7 @@ __all__ = [
     "rotary_pos",
     "rotary_pos_qk",
     "rotary_pos_",
+    "norm_rotary",
     "qk_norm_rotary",
     "qk_norm_rotary_",
     "qk_norm_rotary_pos",

@@ -229,33 +229,37 @@ def _qk_norm_rotary_pos_setup(ctx, inputs, output):
     ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin, positions, output[2], output[3])
 
 
+def _norm_grads(g, x, w, rstd, cos, sin, positions, flags, need_x, need_w, need_cos, need_sin):
+    """One tensor's share of the norm ops' backward: (dx, dweight, dcos, dsin), None where not needed."""
+    _, weight_offset, across_heads, interleaved = flags
+    dx = dw = dcos = dsin = None
+    if need_x or need_w:
+        dx, dw = torch.ops.rope_ext.qk_norm_rotary_backward(
+            g, x, w, rstd, cos, sin, positions, weight_offset, across_heads, interleaved, need_w
+        )
+        dx, dw = dx if need_x else None, dw.to(w.dtype) if need_w else None
+    if need_cos or need_sin:
+        a = _normalized(x, w, rstd, weight_offset, across_heads)
+        if positions is None:
+            dcos, dsin = _table_grads(g, a, cos, interleaved, False, need_cos, need_sin)
+        else:
+            dcos, dsin = _cache_grads(g, a, cos, positions, interleaved, False, need_cos, need_sin)
+    return dx, dw, dcos, dsin
+
+
 def _qk_norm_backward(ctx, gq, gk, n_args):
     """Both ops' backward: (dq, dk, dq_weight, dk_weight, dcos, dsin), the rest of the n_args None."""
     q, k, q_weight, k_weight, cos, sin, positions, q_rstd, k_rstd = ctx.saved_tensors
-    eps, weight_offset, across_heads, interleaved = ctx.flags
     need_q, need_k, need_qw, need_kw, need_cos, need_sin = need = _needs(ctx, n_args)[:6]
     rest = (None,) * (n_args - 6)
     if torch.is_grad_enabled():  # create_graph=True: the composite, differentiable again
-        return (*_qk_norm_composite_backward(ctx, gq, gk, need), *rest)
-    grads = [None] * 6
-    for x, w, rstd, g, need_x, need_w, slot in (
-        (q, q_weight, q_rstd, gq, need_q, need_qw, 0),
-        (k, k_weight, k_rstd, gk, need_k, need_kw, 1),
-    ):
-        if need_x or need_w:
-            dx, dw = torch.ops.rope_ext.qk_norm_rotary_backward(
-                g, x, w, rstd, cos, sin, positions, weight_offset, across_heads, interleaved, need_w
-            )
-            grads[slot] = dx if need_x else None
-            grads[slot + 2] = dw.to(w.dtype) if need_w else None
-        if need_cos or need_sin:
-            a = _normalized(x, w, rstd, weight_offset, across_heads)
-            if positions is None:
-                c, s = _table_grads(g, a, cos, interleaved, False, need_cos, need_sin)
-            else:
-                c, s = _cache_grads(g, a, cos, positions, interleaved, False, need_cos, need_sin)
-            grads[4], grads[5] = _add(grads[4], c), _add(grads[5], s)
-    return (*grads, *rest)
+        return (*_norm_composite_backward(ctx.flags, ((q, q_weight, gq), (k, k_weight, gk)), cos, sin, positions,
+                                          need), *rest)
+    dq, dqw, cq, sq = _norm_grads(gq, q, q_weight, q_rstd, cos, sin, positions, ctx.flags, need_q, need_qw,
+                                  need_cos, need_sin)
+    dk, dkw, ck, sk = _norm_grads(gk, k, k_weight, k_rstd, cos, sin, positions, ctx.flags, need_k, need_kw,
+                                  need_cos, need_sin)
+    return (dq, dk, dqw, dkw, _add(cq, ck), _add(sq, sk), *rest)
 
 
 def _qk_norm_rotary_backward(ctx, gq, gk, _gq_rstd, _gk_rstd):
@@ -266,13 +270,31 @@ def _qk_norm_rotary_pos_backward(ctx, gq, gk, _gq_rstd, _gk_rstd):
     return _qk_norm_backward(ctx, gq, gk, 11)
 
 
-def _qk_norm_composite_backward(ctx, gq, gk, need):
-    """The backward as the gradient of rope_ext.reference's composite, with a graph of its own."""
+def _norm_rotary_setup(ctx, inputs, output):
+    x, weight, cos, sin, eps, weight_offset, across_heads, interleaved = inputs
+    ctx.flags = (eps, weight_offset, across_heads, interleaved)
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, weight, cos, sin, output[1])
+
+
+def _norm_rotary_backward(ctx, g, _g_rstd):
+    """norm_rotary's: (dx, dweight, dcos, dsin, None x 4)."""
+    x, weight, cos, sin, rstd = ctx.saved_tensors
+    need = _needs(ctx, 8)[:4]
+    if torch.is_grad_enabled():
+        return (*_norm_composite_backward(ctx.flags, ((x, weight, g),), cos, sin, None, need), *(None,) * 4)
+    return (*_norm_grads(g, x, weight, rstd, cos, sin, None, ctx.flags, *need), *(None,) * 4)
+
+
+def _norm_composite_backward(flags, rows, cos, sin, positions, need):
+    """The backward as the gradient of rope_ext.reference's composite, with a graph of its own: rows
+    are the op's (x, weight, grad) triples; need says which of (every x, every weight, cos, sin), in
+    the op's argument order, want a gradient."""
     from rope_ext.reference import rms_norm_rotary_reference
 
-    q, k, q_weight, k_weight, cos, sin, positions, _, _ = ctx.saved_tensors
-    eps, weight_offset, across_heads, interleaved = ctx.flags
-    wanted = [t for t, n in zip((q, k, q_weight, k_weight, cos, sin), need, strict=True) if n]
+    eps, weight_offset, across_heads, interleaved = flags
+    inputs = (*(x for x, _, _ in rows), *(w for _, w, _ in rows), cos, sin)
+    wanted = [t for t, n in zip(inputs, need, strict=True) if n]
     norm_over = "heads" if across_heads else "head"
     with torch.enable_grad():
         c, s = cos, sin
@@ -281,9 +303,10 @@ def _qk_norm_composite_backward(ctx, gq, gk, need):
         outs = [
             rms_norm_rotary_reference(x, w, c, s, eps=eps, weight_offset=weight_offset, norm_over=norm_over,
                                       interleaved=interleaved)
-            for x, w in ((q, q_weight), (k, k_weight))
+            for x, w, _ in rows
         ]
-        grads = iter(torch.autograd.grad(outs, wanted, (gq, gk), create_graph=True, allow_unused=True))
+        grads = iter(torch.autograd.grad(outs, wanted, [g for _, _, g in rows], create_graph=True,
+                                         allow_unused=True))
     return tuple(next(grads) if n else None for n in need)
 
 
@@ -370,6 +393,7 @@ def register() -> None:
         ("rotary_pos_qk", _rotary_pos_qk_backward, _rotary_pos_qk_setup),
         ("qk_norm_rotary", _qk_norm_rotary_backward, _qk_norm_rotary_setup),
         ("qk_norm_rotary_pos", _qk_norm_rotary_pos_backward, _qk_norm_rotary_pos_setup),
+        ("norm_rotary", _norm_rotary_backward, _norm_rotary_setup),
     ):
         torch.library.register_autograd(f"rope_ext::{name}", backward, setup_context=setup)
     for name, inplace in (("rotary_", run_rotary_), ("rotary_pos_", run_rotary_pos_),

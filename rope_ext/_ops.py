@@ -30,6 +30,7 @@ _qk_norm_rotary = torch.ops.rope_ext.qk_norm_rotary.default
 _qk_norm_rotary_pos = torch.ops.rope_ext.qk_norm_rotary_pos.default
 _qk_norm_rotary_inplace = torch.ops.rope_ext.qk_norm_rotary_.default
 _qk_norm_rotary_pos_inplace = torch.ops.rope_ext.qk_norm_rotary_pos_.default
+_norm_rotary = torch.ops.rope_ext.norm_rotary.default
 
 # The fast path of every wrapper: unless it is traced (torch.compile sees the op, and its autograd
 # formula) or records a graph (grad mode on, an input requiring grad), a call goes straight to the
@@ -44,6 +45,7 @@ _rotary_pos_kernel = _kernel(_rotary_pos)
 _rotary_pos_qk_kernel = _kernel(_rotary_pos_qk)
 _qk_norm_rotary_kernel = _kernel(_qk_norm_rotary)
 _qk_norm_rotary_pos_kernel = _kernel(_qk_norm_rotary_pos)
+_norm_rotary_kernel = _kernel(_norm_rotary)
 
 
 def rotary(
@@ -333,12 +335,48 @@ def qk_norm_rotary(
     float32 statistic per row and recomputes the rest. Double backward runs through a composite of
     differentiable ops.
     """
-    args = _norm_args("rope_ext.qk_norm_rotary", q, k, (q, k, q_weight, k_weight, cos, sin), eps, weight_offset,
+    args = _norm_args("rope_ext.qk_norm_rotary", (q, k, q_weight, k_weight, cos, sin), eps, weight_offset,
                       norm_over, interleaved)
     if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos, sin)):
         return _qk_norm_rotary(*args)[:2]
     with _below_autograd():
         return _qk_norm_rotary_kernel(*args)[:2]
+
+
+def norm_rotary(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    eps: float,
+    weight_offset: float = 0.0,
+    norm_over: str = "head",
+    interleaved: bool = False,
+) -> torch.Tensor:
+    """:func:`qk_norm_rotary` of one tensor: q alone or k alone, for models that normalize and rotate
+    them in separate calls (Gemma 3n and 4, whose k may come from another layer)::
+
+        out = rotary(g * x / sqrt(mean(x^2) + eps), cos, sin),    g = weight + weight_offset
+
+    Args:
+        x: ``(..., heads, head_dim)``, any layout and strides; float32, float64, float16 or bfloat16.
+        weight: the norm's weight or None, as :func:`qk_norm_rotary`'s ``q_weight``.
+        cos, sin: tables as :func:`rotary` takes them, broadcasting against ``x.shape[:-1] + (r,)``.
+        eps, weight_offset, norm_over, interleaved: as :func:`qk_norm_rotary`'s.
+
+    Returns:
+        A new tensor with x's shape, dtype and layout, computed as either output of
+        :func:`qk_norm_rotary` is (the same bits as its ``q_out`` for the same q).
+
+    Autograd: gradients to x, the weight and, when they require grad, cos and sin, as
+    :func:`qk_norm_rotary`'s.
+    """
+    args = _norm_args("rope_ext.norm_rotary", (x, weight, cos, sin), eps, weight_offset, norm_over, interleaved)
+    if _compiling() or (_grad_enabled() and _any_requires_grad(x, weight, cos, sin)):
+        return _norm_rotary(*args)[0]
+    with _below_autograd():
+        return _norm_rotary_kernel(*args)[0]
 
 
 def qk_norm_rotary_pos(
@@ -369,7 +407,7 @@ def qk_norm_rotary_pos(
         ``(q_out, k_out)``, as :func:`qk_norm_rotary`. Gradients reach q, k, the weights and, when
         they require grad, the caches (summed into the rows the positions name).
     """
-    args = _norm_args("rope_ext.qk_norm_rotary_pos", q, k, (q, k, q_weight, k_weight, cos_cache, sin_cache,
+    args = _norm_args("rope_ext.qk_norm_rotary_pos", (q, k, q_weight, k_weight, cos_cache, sin_cache,
                       positions), eps, weight_offset, norm_over, interleaved)
     try:
         if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos_cache, sin_cache)):
@@ -401,7 +439,7 @@ def qk_norm_rotary_(
     other, the weights or the tables. Slices of one fused qkv buffer qualify (vLLM's
     ``fused_qk_norm_rope`` works so).
     """
-    args = _norm_args("rope_ext.qk_norm_rotary_", q, k, (q, k, q_weight, k_weight, cos, sin), eps, weight_offset,
+    args = _norm_args("rope_ext.qk_norm_rotary_", (q, k, q_weight, k_weight, cos, sin), eps, weight_offset,
                       norm_over, interleaved)
     if _compiling():
         _qk_norm_rotary_inplace(*args)
@@ -425,7 +463,7 @@ def qk_norm_rotary_pos_(
     interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In-place :func:`qk_norm_rotary_pos`, for inference, as :func:`qk_norm_rotary_`; returns ``(q, k)``."""
-    args = _norm_args("rope_ext.qk_norm_rotary_pos_", q, k, (q, k, q_weight, k_weight, cos_cache, sin_cache,
+    args = _norm_args("rope_ext.qk_norm_rotary_pos_", (q, k, q_weight, k_weight, cos_cache, sin_cache,
                       positions), eps, weight_offset, norm_over, interleaved)
     try:
         if _compiling():
@@ -438,7 +476,7 @@ def qk_norm_rotary_pos_(
     return q, k
 
 
-def _norm_args(op, q, k, tensors, eps, weight_offset, norm_over, interleaved):
+def _norm_args(op, tensors, eps, weight_offset, norm_over, interleaved):
     """The op's arguments from a norm wrapper's: norm_over checked and turned into across_heads."""
     if norm_over not in _NORM_OVER:
         raise ValueError(f"{op}: norm_over must be 'head' or 'heads', got {norm_over!r}")
@@ -704,6 +742,12 @@ def _qk_norm_rotary_pos_fake(q, k, q_weight, k_weight, cos_cache, sin_cache, pos
     _check_qk_norm_call("rope_ext.qk_norm_rotary_pos", q, k, q_weight, k_weight, cos_cache, sin_cache, positions,
                         eps, weight_offset, across_heads)
     return torch.empty_like(q), torch.empty_like(k), _norm_stat(q, across_heads), _norm_stat(k, across_heads)
+
+
+@torch.library.register_fake("rope_ext::norm_rotary")
+def _norm_rotary_fake(x, weight, cos, sin, eps, weight_offset=0.0, across_heads=False, interleaved=False):
+    _check_qk_norm_args("rope_ext.norm_rotary", x, weight, cos, sin, eps, weight_offset, across_heads, "x", "weight")
+    return torch.empty_like(x), _norm_stat(x, across_heads)
 
 
 @torch.library.register_fake("rope_ext::qk_norm_rotary_backward")

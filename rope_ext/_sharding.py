@@ -53,6 +53,7 @@ _OPS = {
                            inplace=False),
     "qk_norm_rotary_pos": dict(rotated=("q", "k"), caches=("cos_cache", "sin_cache"),
                                weights=("q_weight", "k_weight"), stats=True, inplace=False),
+    "norm_rotary": dict(rotated=("x",), tables=("cos", "sin"), weights=("weight",), stats=True, inplace=False),
     "qk_norm_rotary_": dict(rotated=("q", "k"), tables=("cos", "sin"), weights=("q_weight", "k_weight"), inplace=True),
     "qk_norm_rotary_pos_": dict(rotated=("q", "k"), caches=("cos_cache", "sin_cache"),
                                 weights=("q_weight", "k_weight"), inplace=True),

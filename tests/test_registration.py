@@ -24,7 +24,7 @@ HEADER = Path(__file__).resolve().parents[1] / "csrc" / "include" / "rope_ext" /
 PACKAGE = Path(rope_ext.__file__).resolve().parent
 LIB = Path(rope_ext._LIBRARY)
 PUBLIC_OPS = {"rotary", "rotary_qk", "rotary_", "rotary_pos", "rotary_pos_qk", "rotary_pos_", "qk_norm_rotary",
-              "qk_norm_rotary_pos", "qk_norm_rotary_backward", "qk_norm_rotary_", "qk_norm_rotary_pos_",
+              "qk_norm_rotary_pos", "qk_norm_rotary_backward", "qk_norm_rotary_", "qk_norm_rotary_pos_", "norm_rotary",
               "cpu_kernel_isa", "_version", "_library_path"}
 
 

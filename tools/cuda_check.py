@@ -208,7 +208,7 @@ def main():
     )
 
     ops = ("rotary", "rotary_qk", "rotary_", "rotary_pos", "rotary_pos_qk", "rotary_pos_", "qk_norm_rotary",
-           "qk_norm_rotary_pos", "qk_norm_rotary_", "qk_norm_rotary_pos_", "qk_norm_rotary_backward")
+           "qk_norm_rotary_pos", "qk_norm_rotary_", "qk_norm_rotary_pos_", "qk_norm_rotary_backward", "norm_rotary")
     missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(f"rope_ext::{op}", "CUDA")]
     if missing:
         raise SystemExit(f"cuda-check: no CUDA kernel registered for {missing}")

@@ -111,6 +111,9 @@ STABLE_TORCH_LIBRARY(rope_ext_testing, m) {
       "cuda_emulate_qk_norm_rotary_backward(Tensor grad, Tensor x, Tensor? weight, Tensor rstd, Tensor cos, "
       "Tensor sin, Tensor? positions, float weight_offset, bool across_heads, bool interleaved, bool weight_grad) "
       "-> (Tensor, Tensor)");
+  m.def(
+      "cuda_emulate_norm_rotary(Tensor x, Tensor? weight, Tensor cos, Tensor sin, float eps, "
+      "float weight_offset=0., bool across_heads=False, bool interleaved=False) -> (Tensor, Tensor)");
   // qk_norm_rotary's launch for x, 12 values (host_emulation.cpp's norm_launch_config names them).
   m.def(
       "cuda_norm_launch_config(Tensor x, Tensor? weight, Tensor cos, Tensor sin, Tensor? positions, "
