@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import os
 import re
+from collections.abc import Callable
 
 import fusion_checks
 import pytest
@@ -130,6 +131,17 @@ class Case:
     releases: tuple = ("5.23.0", "5.24.0")
     layers: int | None = None
     classes: tuple[str, str] | None = None  # (config, model) of the family's files, where no auto class fits
+    config: Callable | None = None  # builds the config, where _tiny's sizes do not reach its sub-configs
+    decoder_ids: bool = False  # the token ids are the decoder's too (an encoder-decoder model)
+
+
+def _diffusion_gemma():
+    """DiffusionGemma's config: its text config tiny, its tokens routed to all 4 experts (see _model),
+    and a tiny vision tower (the model builds one)."""
+    text = _tiny("diffusion_gemma_text")
+    text.num_experts = text.top_k_experts = 4
+    return T.CONFIG_MAPPING["diffusion_gemma"](text_config=text.to_dict(),
+                                               vision_config=_tiny("gemma4_vision").to_dict())
 
 
 _ALL = ("4.57.6", "5.23.0", "5.24.0")
@@ -153,9 +165,12 @@ CASES = {
                        layers=1),  # (4.57.6 has no layer without linear attention after the last one)
     "afmoe": Case("afmoe"),
     "beam": Case("beam", layers=1),  # (its other layer has no RoPE)
+    "diffusion_gemma": Case("diffusion_gemma", config=_diffusion_gemma, decoder_ids=True),
     "embedding_gemma2": Case("embedding_gemma2_text"),
     "flint": Case("flint", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8},
                   layers=1),  # (only its sliding-window layers rotate)
+    "gemma3n": Case("gemma3n_text"),
+    "gemma4": Case("gemma4_text"),
     "laguna": Case("laguna"),
     "lfm3": Case("lfm3", _FULL),
     "minimax_m2": Case("minimax_m2"),
@@ -260,7 +275,7 @@ def _model(family):
                      for kind in ("configuration", "modeling")]
             config = _tiny(case.model_type, getattr(files[0], case.classes[0]))
         else:
-            config = _tiny(case.model_type)
+            config = case.config() if case.config else _tiny(case.model_type)
         for k, v in {**case.overrides, **(_LEGACY.get(family, {}) if T.__version__ < "5" else {})}.items():
             setattr(config, k, v)
         # A mixture of experts routes each token to every expert: routing to some, a router whose
@@ -280,7 +295,7 @@ def _model(family):
         ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 
         def run(m):
-            out = m(input_ids=ids)
+            out = m(input_ids=ids, **({"decoder_input_ids": ids} if case.decoder_ids else {}))
             return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
 
         built = {type(m).__name__ for m in model.modules()}
@@ -324,13 +339,18 @@ def _check_parity(family, dtypes=(torch.float32, torch.bfloat16)):
     the fused op does not run once in each attention layer whose method the table lists."""
     family, model, run, layers = _model(family)
     assert layers, f"the tiny {family} model has none of the fused classes {sorted(_claimed(family))}"
+    calls = layers  # one fused call per layer, or with q and k in calls of their own (Gemma 3n, 4), one
+    if any(s.site.mode == "single" for s in rope_hf.family_report(family).qk_norms if s.fused):  # each
+        calls = 2 * layers - sum(bool(getattr(m, "is_kv_shared_layer", False)) for m in model.modules()
+                                 if type(m).__name__ in _claimed(family))
     truth = _run(model, family, run, False)  # float32 stock: the reference
     for dtype in dtypes:
         model = model.to(dtype)
         stock = truth if dtype == torch.float32 else _run(model, family, run, False)
         fused = _run(model, family, run, True)
         assert truth[2] == stock[2] == [], (truth[2], stock[2])  # stock is stock: no patch left over
-        assert fused[2].count("qk_norm_rotary") == layers and "rotary_qk" not in fused[2], fused[2]
+        assert fused[2].count("qk_norm_rotary") + fused[2].count("norm_rotary") == calls, fused[2]
+        assert not {"rotary", "rotary_qk"} & set(fused[2]), fused[2]
         fusion_checks.assert_parity(dtype, fused[:2], stock[:2], truth[:2])
 
 
@@ -434,6 +454,27 @@ def test_fallbacks_run_transformers_code():
     assert spy.names == ["rotary_qk"] * model.config.num_hidden_layers
     with torch.no_grad():
         torch.testing.assert_close(out, model(input_ids=ids).logits, atol=2e-6, rtol=2e-6)
+
+
+def test_a_one_tensor_fallback_runs_the_models_norm_then_its_rope():
+    """Gemma 4, a hook on one layer's q norm: that q runs the model's norm and the RoPE function the
+    name holds (the switch's rotary), every other q and k the fused op; the output is stock's."""
+    family, model, _, _ = _model("gemma4")
+    ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(2))
+    attentions = [m for m in model.modules() if type(m).__name__ in _claimed(family)]
+    with torch.no_grad():
+        stock = model(input_ids=ids).logits
+        with rope_hf.patch([family]), RopeOpSpy() as spy:
+            model(input_ids=ids)
+        fused_calls = spy.names.count("norm_rotary")
+        hook = attentions[0].q_norm.register_forward_hook(lambda *a: None)
+        try:
+            with rope_hf.patch([family]), RopeOpSpy() as spy:
+                out = model(input_ids=ids).logits
+        finally:
+            hook.remove()
+    assert fused_calls >= 2 and spy.names.count("norm_rotary") == fused_calls - 1 and spy.names.count("rotary") == 1
+    torch.testing.assert_close(out, stock, atol=2e-5, rtol=2e-5)
 
 
 class _Undo:
@@ -612,9 +653,9 @@ def _fused_families() -> list[str]:
     return [f for f, r in rope_hf.survey().items() if any(s.fused for s in r.qk_norms)]
 
 
-# The fewest families fused, by transformers' major release (measured: 16 on 4.57.6, 46 on 5.23.0
-# and 47 on 5.24.0): a fusion lost to a table or classifier change shows here.
-FUSED_AT_LEAST = {"4": 16, "5": 46}
+# The fewest families fused, by transformers' major release (measured: 16 on 4.57.6, 50 on 5.23.0
+# and 51 on 5.24.0): a fusion lost to a table or classifier change shows here.
+FUSED_AT_LEAST = {"4": 16, "5": 50}
 
 
 def test_family_counts():
@@ -719,6 +760,61 @@ def forward(self, x, y, cos, sin):
     q, k = namespace["forward"](module, torch.ones(2), torch.ones(2), 1.0, 0.5)
     assert (q.tolist(), k.tolist()) == ([3.0, 3.0], [1.5, 1.5])
     assert calls == [("q_norm", "k_norm", "after", (1.0, 0.5))]
+
+
+def test_one_tensor_norms_and_ropes_become_one_call_each():
+    """Gemma 4's form: q normalized and rotated by two statements, k by two others in a branch (a
+    layer that shares keys has none). Each pair becomes one call for one tensor; the branch that
+    skips k runs q's alone."""
+    import types
+
+    source = """
+def forward(self, x, y, cos, sin, shared):
+    q = self.q_norm(x)
+    q = rope(q, cos, sin, unsqueeze_dim=2)
+    if shared is not None:
+        k = shared
+    else:
+        k = self.k_norm(y)
+        k = rope(k, cos, sin, unsqueeze_dim=2)
+    return q, k
+"""
+    fn = ast.parse(source).body[0]
+    site = _qk_norm_rewrite.fusion_rewrite(fn, "self", {"rope"}, _ATTRS, "holder")
+    assert site == _qk_norm_rewrite.Site("self", "q_norm", "k_norm", "rope", True, "single")
+    text = ast.unparse(fn)
+    assert "q = holder(self, 'q_norm', 'q_norm', 'single', rope, x, None, cos, sin, unsqueeze_dim=2)" in text
+    assert "k = holder(self, 'k_norm', 'k_norm', 'single', rope, y, None, cos, sin, unsqueeze_dim=2)" in text
+    calls = []
+
+    def holder(module, attr, _, mode, rope, x, none, *args, **kwargs):
+        calls.append((attr, mode, none))
+        return rope(getattr(module, attr)(x), *args, **kwargs)
+
+    namespace = {"holder": holder, "rope": lambda t, c, s, unsqueeze_dim: t * c + s}
+    exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), "<test>", "exec"), namespace)
+    module = types.SimpleNamespace(q_norm=lambda t: t * 2, k_norm=lambda t: t * 3)
+    q, k = namespace["forward"](module, torch.ones(2), torch.ones(2), 1.0, 0.5, None)
+    assert (q.tolist(), k.tolist(), calls) == ([2.5, 2.5], [3.5, 3.5], [("q_norm", "single", None),
+                                                                         ("k_norm", "single", None)])
+    calls.clear()
+    q, k = namespace["forward"](module, torch.ones(2), torch.ones(2), 1.0, 0.5, torch.zeros(2))
+    assert (k.tolist(), calls) == ([0.0, 0.0], [("q_norm", "single", None)])
+
+
+@pytest.mark.parametrize("body", [
+    # a statement between the norm and the RoPE call
+    "q = self.q_norm(x)\nm = q.abs()\nq = rope(q, cos, sin)\nk = self.k_norm(y)\nk = rope(k, cos, sin)",
+    # a third RoPE call, of a tensor not normalized
+    "q = self.q_norm(x)\nq = rope(q, cos, sin)\nk = self.k_norm(y)\nk = rope(k, cos, sin)\nv = rope(y, cos, sin)",
+    # one norm for both
+    "q = self.q_norm(x)\nq = rope(q, cos, sin)\nk = self.q_norm(y)\nk = rope(k, cos, sin)",
+    # tables that read the tensor
+    "q = self.q_norm(x)\nq = rope(q, q, sin)\nk = self.k_norm(y)\nk = rope(k, cos, sin)",
+])
+def test_matcher_refuses_one_tensor_forms(body):
+    found = _probe(body, ropes=("rope",))
+    assert isinstance(found, _qk_norm_rewrite.Unfusable) and "nor one normalized tensor's" in found.why, found
 
 
 def test_weighted_norms_after_rope_run_the_models_order():

@@ -347,7 +347,7 @@ KNOWN.update(KNOWN_4X)
 
 # --- QK-norm + RoPE ---------------------------------------------------------------------------------
 
-# How each two-tensor signature's calls give their tables to the fused QK-norm + RoPE
+# How each signature's calls give their tables to the fused QK-norm + RoPE
 # (``_qk_norm_call.fused``'s ``tables_of``); other signatures keep the norms and the RoPE apart.
 def _unsqueezed(form):
     return lambda x, cos, sin, unsqueeze_dim=1: (form, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
@@ -357,6 +357,7 @@ FUSED_TABLES = {
     "qk": _unsqueezed,
     "qk+position_ids": lambda form: (lambda x, cos, sin, position_ids=None, unsqueeze_dim=1:
                                      (form, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))),
+    "x": _unsqueezed,  # (one tensor: Gemma 3n's and 4's q and k, each in a call of its own)
     "vision": lambda form: (lambda x, cos, sin: (form, cos.unsqueeze(-2), sin.unsqueeze(-2))),
     "vision, 2-D tables": lambda form: (lambda x, cos, sin: (form, cos[:, None, :], sin[:, None, :])),
 }

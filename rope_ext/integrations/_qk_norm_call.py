@@ -115,7 +115,8 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
     q, k, *args, **kwargs)``, where ``rope(q, k, *args, **kwargs)`` (``pair``: ``rope(q, ...)`` and
     ``rope(k, ...)``) is the model's RoPE call, mode None means the norms already ran (or are off),
     mode ``"after"`` means the model normalizes after RoPE (fused only where the norms have no
-    weight), and rope None means the norms alone.
+    weight), mode ``"single"`` means one tensor (q, with k None and ``rope(q, *args, **kwargs)``
+    its RoPE call; the result is one tensor), and rope None means the norms alone.
 
     Args:
         norms: norm class -> (its :class:`NormForm`, its ``forward`` as patched): the classes whose
@@ -185,7 +186,17 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
         return q, k, wq, wk, cos, sin, dict(eps=float(eps), weight_offset=norm_form.offset,
                                             norm_over="heads" if across else "head", interleaved=form.interleaved)
 
+    def single(module, attr, rope, x, args, kwargs):
+        """mode "single": one tensor, normalized by module.<attr>, then rotated by rope(x, ...)."""
+        op_args = plan(module, attr, attr, "head", rope, x, x, args, kwargs)
+        if op_args is None:  # the model's own code
+            return rope(getattr(module, attr)(x), *args, **kwargs)
+        x, _, weight, _, cos, sin, options = op_args
+        return rope_ext.norm_rotary(x, weight, cos, sin, **options)
+
     def call(module, q_attr, k_attr, mode, rope, q, k, *args, **kwargs):
+        if mode == "single":
+            return single(module, q_attr, rope, q, args, kwargs)
         if rope is None:  # the norms alone
             return norms_alone(module, q_attr, k_attr, mode, q, k)
         if mode is None:  # the norms already ran, or the model's condition turned them off

@@ -41,7 +41,7 @@ from rope_ext.integrations._engine import located
 
 HIDDEN_SHAPE = "hidden_shape = (*input_shape, -1, self.head_dim)"
 PENDING = "_rope_ext_qk_norm_pending"  # the local flag: the norms of q and k are still to run
-MODES = ("head", "heads_bhsd", "heads_bshd", "after")
+MODES = ("head", "heads_bhsd", "heads_bshd", "after", "single")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +56,9 @@ class Site:
             than by one call for both.
         mode: ``"head"`` (the norm's row is the last dim at the RoPE call), ``"heads_bhsd"`` (across
             all heads of a token, q a ``(B, H, S, D)`` view of ``(B, S, H * D)`` rows),
-            ``"heads_bshd"`` (across heads, q ``(B, S, H, D)``) or ``"after"`` (per head, the norms
-            right after the RoPE call: see :func:`_fuse_after`).
+            ``"heads_bshd"`` (across heads, q ``(B, S, H, D)``), ``"after"`` (per head, the norms
+            right after the RoPE call: see :func:`_fuse_after`) or ``"single"`` (per head, each
+            tensor normalized and rotated by its own two statements: see :func:`_fuse_single`).
     """
 
     owner: str
@@ -264,8 +265,7 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
     unchanged in what it runs)."""
     sites = _rope_sites(fn, rope_names)
     if not sites:
-        return Unfusable("no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) "
-                         "that keeps their names")
+        return _fuse_single(fn, owner, rope_names, norm_attrs, holder)
     # the tensors the norms normalize (QwenImage rotates its text tokens too, normalized by other norms)
     normalized = {name for stmt in fn.body for name in _names(stmt)
                   if _norm_statement(stmt, name, owner, norm_attrs) is not None}
@@ -366,6 +366,43 @@ def _fuse_after(fn, owner: str, sites, q: str, k: str, norm_attrs, holder) -> Si
     fused_call = (f"{q}, {k} = {holder}({owner}, {site.q_norm!r}, {site.k_norm!r}, 'after', {site.rope}, {q}, {k}"
                   + (f", {rest})" if rest else ")"))
     block[i:first + 2] = located(ast.parse(fused_call).body, block[i])
+    return site
+
+
+def _fuse_single(fn, owner: str, rope_names, norm_attrs, holder) -> Site | Unfusable:
+    """Gemma 3n's and 4's form: each of q and k normalized and rotated by two statements of its own,
+    ``X = O.<norm>(E)`` directly followed by ``X = rope(X, ...)`` (k's in another block: a layer
+    that shares another layer's keys has none), each pair one call of the fused replacement for one
+    tensor, ``X = holder(O, attr, attr, 'single', rope, E, None, ...)``. Nothing runs between a
+    norm and its RoPE, so nothing is deferred. Fused only where every RoPE call of the method is in
+    such a pair, the two pairs use two norm attributes (q's first) and one RoPE function."""
+    refused = Unfusable("no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps "
+                        "their names, nor one normalized tensor's")
+    calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id in rope_names]
+    pairs = []  # (block, index of the norm, name, norm attribute, norm argument, RoPE call)
+    for block in _blocks(fn):
+        for i in range(len(block) - 1):
+            found, rotated = _assign(block[i]), _assign(block[i + 1])
+            if not (found and rotated and found[0] == rotated[0]):
+                continue
+            norm, call = _attr_call(found[1], owner, norm_attrs), rotated[1]
+            if (norm is not None and isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                    and call.func.id in rope_names and call.args and _text(call.args[0]) == found[0]
+                    and not any(isinstance(a, ast.Starred) for a in call.args)):
+                pairs.append((block, i, found[0], norm.func.attr, norm.args[0], call))
+    if len(pairs) != 2 or len(calls) != 2 or {id(p[5]) for p in pairs} != {id(c) for c in calls}:
+        return refused
+    if pairs[0][3] == pairs[1][3] or pairs[0][5].func.id != pairs[1][5].func.id:
+        return refused
+    for _, _, name, _, _, call in pairs:  # the tables must not read the tensor the norm would defer
+        if name in _names(call.args[1:] + [w.value for w in call.keywords]):
+            return refused
+    site = Site(owner, pairs[0][3], pairs[1][3], pairs[0][5].func.id, True, "single")
+    for block, i, name, attr, arg, call in sorted(pairs, key=lambda p: -p[1]):
+        rest = ", ".join([_text(a) for a in call.args[1:]] + [_text(w) for w in call.keywords])
+        text = f"{name} = {holder}({owner}, {attr!r}, {attr!r}, 'single', {call.func.id}, {_text(arg)}, None"
+        block[i:i + 2] = located(ast.parse(text + (f", {rest})" if rest else ")")).body, block[i])
     return site
 
 

@@ -247,7 +247,7 @@ def site_text(site: FusionSite) -> str:
     """One fusion site in a listing: fused with what, or why not."""
     if site.fused:
         across = {"head": "each head", "heads_bhsd": "all heads of a token", "heads_bshd": "all heads of a token",
-                  "after": "each head, after RoPE"}
+                  "after": "each head, after RoPE", "single": "each head, q and k in calls of their own"}
         what = f"{site.norm_form.describe()}, " if site.norm_form else ""
         return f"qk-norm {site.method}: fused, {what}over {across[site.site.mode]}"
     return f"qk-norm {site.method}: not fused: {site.reason}"

@@ -26,7 +26,7 @@ class Table:
 
 
 def _self(rope: str = "apply_rotary_pos_emb", mode: str = "head", q: str = "q_norm", k: str = "k_norm") -> Site:
-    return Site("self", q, k, rope, False, mode)
+    return Site("self", q, k, rope, mode == "single", mode)  # (q and k in calls of their own: mode "single")
 
 
 # transformers, by release: the fingerprints of the attention methods each release fuses (a release
@@ -61,11 +61,13 @@ _UNFUSABLE_4_57_6 = {
     "c0fa07245d827bcc": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
 }
 
-# transformers 5.23.0: 29 fusions
+# transformers 5.23.0: 33 fusions
 _TESTED_5_23_0 = {
     "91e1bf1cafd7aa2a": _self(),  # afmoe
     "fef913fe49b2cd0b": _self(),  # apertus, hy_v3
     "23d8c295bdbc1c7e": _self(),  # beam
+    "09801e1befe74b43": _self(mode='single'),  # diffusion_gemma
+    "1c82661758b0b0ad": _self(mode='single'),  # diffusion_gemma
     "f2c837dd790a3c07": _self(),  # doge
     "a86973a5d1e54fb8": _self(),  # dots1, mellum, qwen3, qwen3_moe, qwen3_omni_moe
     "6fefda21aa25ebc5": _self('apply_rotary_pos_emb_vision'),  # dots3_note, glm5_next, glm_ocr
@@ -75,6 +77,8 @@ _TESTED_5_23_0 = {
     "29271ecfd23c7880": _self(mode='heads_bhsd'),  # flex_olmo, olmo2
     "557334c6cc2f9458": _self(),  # flint
     "5ba8ec04fc8390dc": _self(),  # gemma3, t5gemma2
+    "6c72696ac3f95ee4": _self(mode='single'),  # gemma3n
+    "3fbe4a8e128254d1": _self(mode='single'),  # gemma4, gemma4_unified
     "005d1a2988569304": _self(),  # glm4_moe
     "4f4611d27c5626e9": _self(),  # laguna
     "c9a25efcd35dbac3": _self(q='q_layernorm', k='k_layernorm'),  # lfm2, lfm2_moe
@@ -98,12 +102,8 @@ _UNFUSABLE_5_23_0 = {
     "5fb6db5b2575af1e": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # axk2, deepseek_v32
     "abfd41862cd0f2cc": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested RMS norm form",  # chameleon
     "6e184945cf0dcc49": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested RMS norm form",  # cohere
-    "09801e1befe74b43": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # diffusion_gemma
-    "1c82661758b0b0ad": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # diffusion_gemma
     "1335617521965374": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # dots3_note, glm_moe_dsa
     "42b6a0ea04cf0a35": "self.k_norm's class EsmcLayerNorm (fingerprint d431cf3f77e54d0b) matches no tested RMS norm form",  # esmc
-    "6c72696ac3f95ee4": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # gemma3n
-    "3fbe4a8e128254d1": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # gemma4, gemma4_unified
     "857ab43f0d54a138": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # hunyuan_v1_dense, hunyuan_v1_moe
     "663366a9f5fb585c": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # hunyuan_vl
     "be7e5a4fd2310a04": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps): not an RMS norm class its file defines',  # hy_v4
@@ -123,11 +123,13 @@ _UNFUSABLE_5_23_0 = {
     "22925477930e9fe8": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # timesfm2_5
 }
 
-# transformers 5.24.0: 29 fusions
+# transformers 5.24.0: 33 fusions
 _TESTED_5_24_0 = {
     "2610de19b1b92456": _self(),  # afmoe
     "35e5e0b49a1f818b": _self(),  # apertus, apertus1p5, hy_v3
     "86acf8a3140e010d": _self(),  # beam
+    "dad81ed35a46e4c3": _self(mode='single'),  # diffusion_gemma
+    "894fc4c5932226c0": _self(mode='single'),  # diffusion_gemma
     "19e0d80d3c51ee32": _self(),  # doge
     "fddcbad3c1c5b7d1": _self(),  # dots1, mellum, qwen3, qwen3_moe, qwen3_omni_moe
     "6fefda21aa25ebc5": _self('apply_rotary_pos_emb_vision'),  # dots3_note, glm5_next, glm_ocr
@@ -137,6 +139,8 @@ _TESTED_5_24_0 = {
     "8ccd7e0dd5590617": _self(mode='heads_bhsd'),  # flex_olmo, olmo2
     "563b6479ffee70e3": _self(),  # flint
     "e6b9913039804dfa": _self(),  # gemma3, t5gemma2
+    "eecf660637ac7a26": _self(mode='single'),  # gemma3n
+    "0941a374e572fc48": _self(mode='single'),  # gemma4, gemma4_unified
     "1453e93aa1f20e72": _self(),  # glm4_moe
     "3aebbdeb503750c1": _self(),  # laguna
     "19caa7c016683755": _self(q='q_layernorm', k='k_layernorm'),  # lfm2, lfm2_moe
@@ -160,13 +164,9 @@ _UNFUSABLE_5_24_0 = {
     "4793e9178caadbca": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # axk2, deepseek_v32
     "5de7e3fa11dc0507": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested RMS norm form",  # chameleon
     "4db6803a585fa099": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested RMS norm form",  # cohere
-    "dad81ed35a46e4c3": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # diffusion_gemma
-    "894fc4c5932226c0": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # diffusion_gemma
     "e29392e9a934db7e": "self.k_norm's class DoryL2Norm (fingerprint aa1ef494b4fd2dfc) matches no tested RMS norm form",  # dory
     "683afcb13938924b": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # dots3_note, glm_moe_dsa
     "f64b2d6cea5f845b": "self.k_norm's class EsmcLayerNorm (fingerprint d431cf3f77e54d0b) matches no tested RMS norm form",  # esmc
-    "eecf660637ac7a26": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # gemma3n
-    "0941a374e572fc48": "apply_rotary_pos_emb's signature (x) has no fused call yet",  # gemma4, gemma4_unified
     "97285b70d0da794a": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # hunyuan_v1_dense, hunyuan_v1_moe
     "82f2fc566bc395ff": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # hunyuan_vl
     "b2320298c1fd4875": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps, dtype=torch.float32): not an RMS norm class its file defines',  # hy_v4
