@@ -197,6 +197,16 @@ def main() -> int:
         for which, g, w in zip(("dx", "dweight"), _twins(got, "cpu")[0], want, strict=True):
             if not torch.equal(g, w):
                 failed.append(f"qk_norm backward over many groups: {which} differs from the kernel's host emulation")
+        # norm_rotary (one tensor): the same kernel as q's half of qk_norm_rotary, through its own op
+        x = torch.randn(2, 3, 4, 32, generator=gen).bfloat16()
+        w = torch.rand(32, generator=gen)
+        cos, sin = random_tables((3, 1, 32), torch.float32, gen)
+        scalars = (1e-6, 0.5, False, False)
+        got = torch.ops.rope_ext.norm_rotary(*_twins((x, w, cos, sin), args.device)[0], *scalars)
+        want = TESTING.cuda_emulate_norm_rotary(x, w, cos, sin, *scalars)
+        for which, g, w_ in zip(("out", "rstd"), _twins(got, "cpu")[0], want, strict=True):
+            if not torch.equal(g, w_):
+                failed.append(f"norm_rotary: {which} differs from the kernel's host emulation")
     expected = 2 * 7 * 2 * 2 * 2 * 2
     print(f"gpu_kernel_cases: {len(reached)} of {expected} kernels reached on {args.device}"
           f"{'' if args.device == 'cpu' else ', each bit-identical to the CPU kernel or its emulation'}")

@@ -170,7 +170,7 @@ CASES = {
     "flint": Case("flint", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8},
                   layers=1),  # (only its sliding-window layers rotate)
     "gemma3n": Case("gemma3n_text"),
-    "gemma4": Case("gemma4_text"),
+    "gemma4": Case("gemma4_text", {"vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8}),
     "laguna": Case("laguna"),
     "lfm3": Case("lfm3", _FULL),
     "minimax_m2": Case("minimax_m2"),
