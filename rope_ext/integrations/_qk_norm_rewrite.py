@@ -313,14 +313,17 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
             return Unfusable(f"its RoPE call's tables read {q}, {k} or what their norms read")
     # the layout statements right after the norms
     hidden_shape = any(_text(s) == HIDDEN_SHAPE for s in fn.body[:lo])
+    # (a compound statement whose header does not read q or k is crossed: OLMoE's `if clip_qkv:`
+    # block, which then gets the norms alone, in the norms' own layout, before its first use of q)
     layouts, j = {q: [], k: []}, hi + 1
     while j < first_top:
         stmt = fn.body[j]
         kinds = {name: _layout(stmt, name, owner, hidden_shape) for name in (q, k)}
         hit = [name for name, what in kinds.items() if what]
+        header = _header(stmt)
         if hit:
             layouts[hit[0]].append((j, kinds[hit[0]]))
-        elif watch & _names(stmt):
+        elif watch & _names(stmt) and (header is None or any(watch & _names(n) for n in header)):
             break
         j += 1
     mode = _mode(nq, nk, [w for _, w in layouts[q]], [w for _, w in layouts[k]])
@@ -333,7 +336,8 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
                 watch & _names(n) for n in header)):
             return Unfusable(f"`{_text(stmt)[:80]}` uses {q}, {k} or what their norms read between the norms and RoPE")
     site = Site(owner, nq.attr, nk.attr, rope, kind == "pair", mode)
-    if not _apply(fn, site, q, k, nq, nk, sites, skip, watch, holder):
+    reshaped = max((i for name in (q, k) for i, _ in layouts[name]), default=hi)  # the last layout statement
+    if not _apply(fn, site, q, k, nq, nk, sites, skip, watch, holder, reshaped):
         return Unfusable(f"every path to its RoPE call reads {q} or {k} after their norms")
     return site
 
@@ -376,8 +380,8 @@ def _fuse_single(fn, owner: str, rope_names, norm_attrs, holder) -> Site | Unfus
     tensor, ``X = holder(O, attr, attr, 'single', rope, E, None, ...)``. Nothing runs between a
     norm and its RoPE, so nothing is deferred. Fused only where every RoPE call of the method is in
     such a pair, the two pairs use two norm attributes (q's first) and one RoPE function."""
-    refused = Unfusable("no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps "
-                        "their names, nor one normalized tensor's")
+    refused = Unfusable("q and k are normalized and rotated one at a time, but not as one norm-then-RoPE "
+                        "pair each that holds every RoPE call")
     calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
              and n.func.id in rope_names]
     pairs = []  # (block, index of the norm, name, norm attribute, norm argument, RoPE call)
@@ -391,6 +395,9 @@ def _fuse_single(fn, owner: str, rope_names, norm_attrs, holder) -> Site | Unfus
                     and call.func.id in rope_names and call.args and _text(call.args[0]) == found[0]
                     and not any(isinstance(a, ast.Starred) for a in call.args)):
                 pairs.append((block, i, found[0], norm.func.attr, norm.args[0], call))
+    if not pairs:
+        return Unfusable("no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps "
+                         "their names")
     if len(pairs) != 2 or len(calls) != 2 or {id(p[5]) for p in pairs} != {id(c) for c in calls}:
         return refused
     if pairs[0][3] == pairs[1][3] or pairs[0][5].func.id != pairs[1][5].func.id:
@@ -420,16 +427,20 @@ def _mode(nq: _Norm, nk: _Norm, lq: list, lk: list) -> str | Unfusable:
     return "heads_bhsd" if heads[0] == "v" else "heads_bshd"
 
 
-def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watch, holder) -> int:
-    """The rewrite of fusion_rewrite; returns how many RoPE statements became fused calls."""
-    # the RoPE statements themselves, before step 1 moves the top level's indices
+def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watch, holder, reshaped: int) -> int:
+    """The rewrite of fusion_rewrite; returns how many RoPE statements became fused calls. Norms
+    materialized at a top-level statement before fn.body[reshaped] (the last layout statement) run
+    in the norms' own layout, q and k not yet reshaped: mode "head", the norm modules' plain call."""
+    # the RoPE statements themselves, and the statements before the last layout one, before step 1
+    # moves the top level's indices
+    unreshaped = {id(stmt) for stmt in fn.body[:reshaped]}
     targets = [(block[i], block[i + 1] if kind == "pair" else None, kind, call) for block, i, kind, _, _, call in sites]
     def parse(text, at):
         return located(ast.parse(text).body, at)
 
-    norms_call = (f"{q}, {k} = {holder}({site.owner}, {site.q_norm!r}, {site.k_norm!r}, {site.mode!r}, None, "
-                  f"{q}, {k})")
-    materialize = f"if {PENDING}:\n    {norms_call}\n    {PENDING} = False"
+    def materialize(mode):
+        call = f"{q}, {k} = {holder}({site.owner}, {site.q_norm!r}, {site.k_norm!r}, {mode!r}, None, {q}, {k})"
+        return f"if {PENDING}:\n    {call}\n    {PENDING} = False"
     # 1. the norms: dropped, the flag set
     if nq.guard is not None:
         fn.body[nq.index] = parse(f"{PENDING} = {_text(nq.guard)}", fn.body[nq.index])[0]
@@ -463,10 +474,11 @@ def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watch, holde
     def touches(node) -> bool:
         return bool(watch & _names(node))
 
-    def process(stmts):
+    def process(stmts, mode=None):  # mode: the materialized norms' (None at the top level: by position)
         out = []
         for stmt in stmts:
             header = _header(stmt)
+            here = mode or ("head" if id(stmt) in unreshaped else site.mode)
             if id(stmt) in replaced:
                 out += replaced[id(stmt)]
                 emitted.append(id(stmt))
@@ -475,10 +487,10 @@ def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watch, holde
             elif header is not None and not any(touches(n) for n in header):
                 for field in ("body", "orelse"):
                     if getattr(stmt, field, None):
-                        setattr(stmt, field, process(getattr(stmt, field)))
+                        setattr(stmt, field, process(getattr(stmt, field), here))
                 out.append(stmt)
             else:
-                out += parse(materialize, stmt) + [stmt]
+                out += parse(materialize(here), stmt) + [stmt]
         return out
 
     start = max(nq.index, nk.index) + 1

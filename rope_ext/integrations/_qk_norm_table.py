@@ -61,7 +61,7 @@ _UNFUSABLE_4_57_6 = {
     "c0fa07245d827bcc": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
 }
 
-# transformers 5.23.0: 33 fusions
+# transformers 5.23.0: 34 fusions
 _TESTED_5_23_0 = {
     "91e1bf1cafd7aa2a": _self(),  # afmoe
     "fef913fe49b2cd0b": _self(),  # apertus, hy_v3
@@ -91,6 +91,7 @@ _TESTED_5_23_0 = {
     "966261e93ebea29f": _self(),  # neomme
     "db5b2322241bbc71": _self(mode='heads_bhsd'),  # olmo3
     "762d4c07a2ca71f6": _self(mode='heads_bhsd'),  # olmo_hybrid
+    "d2e464e35f0c7d5c": _self(mode='heads_bhsd'),  # olmoe
     "a9326ced2f28758d": _self(),  # pe_audio, pe_audio_video, pe_video
     "8abec6633e3eb670": _self(),  # qwen3_5, qwen3_5_moe, qwen3_next
     "d6782bb92034c344": _self(),  # qwen3_vl, qwen3_vl_moe
@@ -112,7 +113,6 @@ _UNFUSABLE_5_23_0 = {
     "b0a6eb9720a86307": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # mistral_large4
     "f4188a857579ffda": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
     "3b6455d17d124f85": 'self.k_norm is nn.LayerNorm(self.head_dim): not an RMS norm class its file defines',  # nemotron3_5_transcribe
-    "d2e464e35f0c7d5c": '`query_states = query_states.view(*hidden_shape).transpose(1, 2)` uses query_states, key_states or what their norms read between the norms and RoPE',  # olmoe
     "c9d5bd83ec44a079": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // self.num_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # persimmon
     "ea63844489bbd024": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // config.num_attention_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # phi
     "a8c4e5d9c3d84d24": 'self.k_norm is nn.Identity(): not an RMS norm class its file defines',  # qwen3_omni_moe
@@ -123,7 +123,7 @@ _UNFUSABLE_5_23_0 = {
     "22925477930e9fe8": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # timesfm2_5
 }
 
-# transformers 5.24.0: 33 fusions
+# transformers 5.24.0: 34 fusions
 _TESTED_5_24_0 = {
     "2610de19b1b92456": _self(),  # afmoe
     "35e5e0b49a1f818b": _self(),  # apertus, apertus1p5, hy_v3
@@ -153,6 +153,7 @@ _TESTED_5_24_0 = {
     "1ecfda64dd0072d1": _self(),  # neomme
     "976c031b232e2edc": _self(mode='heads_bhsd'),  # olmo3
     "66bba8f758642e0b": _self(mode='heads_bhsd'),  # olmo_hybrid
+    "33393082e0b5027c": _self(mode='heads_bhsd'),  # olmoe
     "6f4f689ce5f24ded": _self(),  # pe_audio, pe_audio_video, pe_video
     "938af49af01d518d": _self(),  # qwen3_5, qwen3_5_moe, qwen3_next
     "54abb277e234eeda": _self(),  # qwen3_vl, qwen3_vl_moe
@@ -177,7 +178,6 @@ _UNFUSABLE_5_24_0 = {
     "9024619d2e59486d": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # mistral_large4
     "6675f35171d50baf": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
     "3b6455d17d124f85": 'self.k_norm is nn.LayerNorm(self.head_dim): not an RMS norm class its file defines',  # nemotron3_5_transcribe
-    "33393082e0b5027c": '`query_states = query_states.view(*hidden_shape).transpose(1, 2)` uses query_states, key_states or what their norms read between the norms and RoPE',  # olmoe
     "e86a120a4ba32161": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // self.num_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # persimmon
     "eda69a0e500223e4": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // config.num_attention_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # phi
     "4473acab5c2737e9": 'self.k_norm is nn.Identity(): not an RMS norm class its file defines',  # qwen3_omni_moe
