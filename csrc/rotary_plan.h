@@ -56,10 +56,10 @@ struct ArgNames {
   const char* sin = "sin";
 };
 
-// What every op family requires alike of x and its tables (rope_ext._ops._check_x_and_tables is its
-// Python twin, with the same messages): tensors, x of 1 to kMaxDims dims and a float dtype, cos and
-// sin of one shape and dtype (x's or float32), and everything, `positions` too where given, on x's
-// device. The family's own checks follow (the tables' shape against x's: check_rotary_args or
+// What every op family requires alike of x and its tables: tensors, x of 1 to kMaxDims dims and a
+// float dtype, cos and sin of one shape and dtype (x's or float32), and everything, `positions` too
+// where given, on x's device. (rope_ext._ops._check_x_and_tables, for the fake kernels, gives the
+// same messages for these conditions, but for the dims' limit, which only the kernels have.) The family's own checks follow (the tables' shape against x's: check_rotary_args or
 // check_rotary_pos_args).
 ROPE_EXT_INTERNAL void check_x_and_tables(const char* op, const TensorArg& x, const TensorArg& cos,
                                           const TensorArg& sin, const ArgNames& names,

@@ -367,7 +367,8 @@ def norm_rotary(
 
     Returns:
         A new tensor with x's shape, dtype and layout, computed as either output of
-        :func:`qk_norm_rotary` is (the same bits as its ``q_out`` for the same q).
+        :func:`qk_norm_rotary` is (the same bits as its ``q_out`` for the same q, and the same
+        gradients to q and the weight).
 
     Autograd: gradients to x, the weight and, when they require grad, cos and sin, as
     :func:`qk_norm_rotary`'s.

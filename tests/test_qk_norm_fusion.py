@@ -733,6 +733,12 @@ return q, k""")
      "`z = x` uses q, k or what their norms read"),
     ("q = self.q_norm(x)\nx.add_(3.0)\nk = self.k_norm(y)\nq, k = apply_rotary_pos_emb(q, k, cos, sin)",
      "what their norms read is used between their two norms"),
+    # a block crossed between q's reshape to heads and k's: its norms would run with q as heads and
+    # k as rows (review 3)
+    ("hidden_shape = (*input_shape, -1, self.head_dim)\nq = self.q_norm(x)\nk = self.k_norm(y)\n"
+     "q = q.view(hidden_shape).transpose(1, 2)\nif y.any():\n    k = k.clamp(-0.5, 0.5)\n"
+     "k = k.view(hidden_shape).transpose(1, 2)\nq, k = apply_rotary_pos_emb(q, k, cos, sin)",
+     "q and k are reshaped differently after their norms"),
     # norms after RoPE
     ("q, k = apply_rotary_pos_emb(x, y, cos, sin)\nq = self.q_norm(q)\nk = self.k_norm(k)", "no RoPE call"),
     ("q, k = x, y\nq, k = apply_rotary_pos_emb(q, k, cos, sin)\nm = q.abs()\n"
@@ -839,7 +845,11 @@ def test_matcher_refuses_one_tensor_forms(body):
 
 def test_weighted_norms_after_rope_run_the_models_order():
     """mode "after" fuses only norms without a weight (with one, the op would rotate the weight's
-    columns): given a weighted form, the call runs the model's RoPE, then its norms, and no op."""
+    columns), and only under tables of a rotation (a RoPE type without attention scaling: YaRN's
+    scaled tables, which a norm after RoPE cancels, would scale the fused output): otherwise the
+    call runs the model's RoPE, then its norms, and no op."""
+    import types
+
     from rope_ext.integrations import _qk_norm_call
 
     class Norm(torch.nn.Module):
@@ -849,11 +859,13 @@ def test_weighted_norms_after_rope_run_the_models_order():
             self.eps = 1e-6
 
         def forward(self, x):
-            return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            return h if self.weight is None else self.weight * h
 
     form = _qk_norm_call.NormForm("test", "eps")
     module = torch.nn.Module()
     module.q_norm, module.k_norm = Norm(8), Norm(8)
+    module.config = types.SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     llama = _hf_forms.KNOWN["b34db4f566ee21e4"]
 
     def rope(q, k, cos, sin):  # HF's half-split RoPE, as Llama's file writes it
@@ -879,6 +891,14 @@ def test_weighted_norms_after_rope_run_the_models_order():
     truth = [torch.nn.functional.rms_norm(t, (8,), eps=1e-6) for t in rotated]
     for a, b in zip(got, truth, strict=True):
         torch.testing.assert_close(a.double(), b, atol=4 * 2**-24 * b.abs().max().item(), rtol=0)
+    module.config.rope_parameters = {"rope_type": "yarn", "factor": 4.0}  # tables scaled by 1.1386
+    scaled = (cos * 1.1386, sin * 1.1386)
+    with RopeOpSpy() as spy:
+        got = call(module, "q_norm", "k_norm", "after", rope, q, k, *scaled)
+    assert spy.names == []
+    expected = rope(q, k, *scaled)
+    for a, b in zip(got, (module.q_norm(expected[0]), module.k_norm(expected[1])), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 def test_a_conditional_read_keeps_the_fusion_and_the_code_exact():

@@ -93,6 +93,25 @@ def _weight_ok(weight, form: NormForm, x: torch.Tensor, n: int) -> bool:
     return weight.dtype in (x.dtype, torch.float32)
 
 
+# The RoPE types whose tables transformers builds as cos and sin of the angles alone (attention
+# scaling 1). YaRN and LongRoPE scale both tables by a factor, which a norm after RoPE cancels and a
+# norm before it does not.
+_UNIT_TABLE_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "proportional")
+
+
+def _unit_tables(module) -> bool:
+    """Whether the attention's model builds rotation tables (cos^2 + sin^2 = 1), by its config's RoPE
+    type (``rope_parameters`` in transformers 5, ``rope_scaling`` in 4): what a norm after RoPE needs
+    to be computed before it. False where the config does not say."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return False
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        return False
+    return params.get("rope_type", params.get("type", "default")) in _UNIT_TABLE_ROPE_TYPES
+
+
 def norms_alone(module, q_attr, k_attr, mode, q, k):
     """The model's own norms of q and k, in the layout mode says (a norm that is None leaves its
     tensor as it is, as ``if attn.norm_q is not None:`` does)."""
@@ -175,7 +194,7 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
                 return None
             q, k, cos, sin = q.transpose(1, 2), k.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2)
         wq, wk = _norm_weight(qn, norm_form), _norm_weight(kn, norm_form)
-        if mode == "after" and (wq is not None or wk is not None):  # the weight would be rotated
+        if mode == "after" and (wq is not None or wk is not None or not _unit_tables(module)):
             return None
         across = mode not in ("head", "after")
         if across and (wq is None or wk is None):  # the weights' size is what shows the norm's row

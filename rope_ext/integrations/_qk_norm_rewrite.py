@@ -323,7 +323,8 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
         header = _header(stmt)
         if hit:
             layouts[hit[0]].append((j, kinds[hit[0]]))
-        elif watch & _names(stmt) and (header is None or any(watch & _names(n) for n in header)):
+        elif watch & _names(stmt) and (header is None or any(watch & _names(n) for n in header)
+                                       or layouts[q] or layouts[k]):  # (crossed only before any layout)
             break
         j += 1
     mode = _mode(nq, nk, [w for _, w in layouts[q]], [w for _, w in layouts[k]])
@@ -336,7 +337,7 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
                 watch & _names(n) for n in header)):
             return Unfusable(f"`{_text(stmt)[:80]}` uses {q}, {k} or what their norms read between the norms and RoPE")
     site = Site(owner, nq.attr, nk.attr, rope, kind == "pair", mode)
-    reshaped = max((i for name in (q, k) for i, _ in layouts[name]), default=hi)  # the last layout statement
+    reshaped = min((i for name in (q, k) for i, _ in layouts[name]), default=hi)  # the first layout statement
     if not _apply(fn, site, q, k, nq, nk, sites, skip, watch, holder, reshaped):
         return Unfusable(f"every path to its RoPE call reads {q} or {k} after their norms")
     return site
@@ -347,8 +348,10 @@ def _fuse_after(fn, owner: str, sites, q: str, k: str, norm_attrs, holder) -> Si
     ``K = O.k_norm(K)``), as one fused call in place of the three statements, mode ``"after"``.
 
     A rotation keeps each row's sum of squares, so a norm without a weight gives the same rows after
-    RoPE as before it, and the op (which normalizes first) computes both orders; with a weight it does
-    not (the weight's columns would be rotated), and the call runs the model's RoPE, then its norms.
+    RoPE as before it, and the op (which normalizes first) computes both orders, where the tables
+    are a rotation's (cos^2 + sin^2 = 1: the call checks the model's RoPE type, see
+    ``_qk_norm_call``); with a weight it does not (the weight's columns would be rotated), and the
+    call runs the model's RoPE, then its norms.
     The fused call replaces exactly one RoPE statement (or pair) whose next two statements, in the
     same block, are the two norms of the rotated names themselves."""
     refused = Unfusable("q and k are normalized after RoPE, not directly after its one call")
@@ -429,9 +432,10 @@ def _mode(nq: _Norm, nk: _Norm, lq: list, lk: list) -> str | Unfusable:
 
 def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watch, holder, reshaped: int) -> int:
     """The rewrite of fusion_rewrite; returns how many RoPE statements became fused calls. Norms
-    materialized at a top-level statement before fn.body[reshaped] (the last layout statement) run
-    in the norms' own layout, q and k not yet reshaped: mode "head", the norm modules' plain call."""
-    # the RoPE statements themselves, and the statements before the last layout one, before step 1
+    materialized at a top-level statement before fn.body[reshaped] (the first layout statement: a
+    block the layout scan crossed) run in the norms' own layout, q and k not yet reshaped: mode
+    "head", the norm modules' plain call."""
+    # the RoPE statements themselves, and the statements before the first layout one, before step 1
     # moves the top level's indices
     unreshaped = {id(stmt) for stmt in fn.body[:reshaped]}
     targets = [(block[i], block[i + 1] if kind == "pair" else None, kind, call) for block, i, kind, _, _, call in sites]
