@@ -1,7 +1,8 @@
 """Step time (forward + backward) of real model blocks on the CPU: stock, RoPE switched to rope_ext,
 and q/k norms + RoPE fused into one rope_ext call (issue 39).
 
-    python benchmarks/bench_model_blocks.py            # every block, bfloat16 and float32 (about 4 minutes)
+    python benchmarks/bench_model_blocks.py            # every block, bfloat16 and float32 (minutes with
+                                                       # AVX512-BF16; on AVX2 alone a bfloat16 step takes 28 s)
     python benchmarks/bench_model_blocks.py --quick    # bfloat16, fewer rounds
 
 Blocks (random weights, the models' own classes from the installed transformers and diffusers):
