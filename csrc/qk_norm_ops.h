@@ -73,13 +73,15 @@ struct QkNormOps {
   // where given.
   static void run_qk(const char* op, const QkArgs& a, const TensorArg& q_out, const TensorArg& k_out,
                      const TensorArg* q_rstd, const TensorArg* k_rstd, double eps, double weight_offset,
-                     bool across_heads, bool interleaved) {
+                     bool across_heads, bool interleaved, bool weight_after) {
     // (Named, not braced in the call: nvcc's front end misreads a braced argument to a function
     // pointer template parameter.)
     const NormCall q_call{a.q,    q_out,         &a.q_weight,  a.cos,         a.sin,        q_rstd, a.positions(),
-                          nullptr, nullptr,      eps,          weight_offset, across_heads, interleaved, op};
+                          nullptr, nullptr,      eps,          weight_offset, across_heads, interleaved, op,
+                          weight_after};
     const NormCall k_call{a.k,    k_out,         &a.k_weight,  a.cos,         a.sin,        k_rstd, a.positions(),
-                          nullptr, nullptr,      eps,          weight_offset, across_heads, interleaved, op};
+                          nullptr, nullptr,      eps,          weight_offset, across_heads, interleaved, op,
+                          weight_after};
     run(q_call);
     run(k_call);
   }
@@ -88,26 +90,28 @@ struct QkNormOps {
   // `positions` when it is set (qk_norm_rotary_pos).
   static Four out_of_place(const char* op, const T& q_, const T& k_, const OptT& q_weight, const OptT& k_weight,
                            const T& cos, const T& sin, const TensorRef* positions, double eps, double weight_offset,
-                           bool across_heads, bool interleaved) {
+                           bool across_heads, bool interleaved, bool weight_after) {
     const QkArgs a = read_qk(op, q_, k_, q_weight, k_weight, cos, sin, positions, eps, weight_offset, across_heads,
                              false);
     Output q_out = new_like(q_.handle, a.q), k_out = new_like(k_.handle, a.k);
     Output q_rstd = new_stat(a.q, across_heads), k_rstd = new_stat(a.k, across_heads);
-    run_qk(op, a, q_out.arg, k_out.arg, &q_rstd.arg, &k_rstd.arg, eps, weight_offset, across_heads, interleaved);
+    run_qk(op, a, q_out.arg, k_out.arg, &q_rstd.arg, &k_rstd.arg, eps, weight_offset, across_heads, interleaved,
+           weight_after);
     return {std::move(q_out.tensor), std::move(k_out.tensor), std::move(q_rstd.tensor), std::move(k_rstd.tensor)};
   }
 
   static Four qk_norm_rotary(const T& q, const T& k, const OptT& q_weight, const OptT& k_weight, const T& cos,
-                             const T& sin, double eps, double weight_offset, bool across_heads, bool interleaved) {
+                             const T& sin, double eps, double weight_offset, bool across_heads, bool interleaved,
+                             bool weight_after) {
     return out_of_place("rope_ext.qk_norm_rotary", q, k, q_weight, k_weight, cos, sin, nullptr, eps, weight_offset,
-                        across_heads, interleaved);
+                        across_heads, interleaved, weight_after);
   }
 
   static Four qk_norm_rotary_pos(const T& q, const T& k, const OptT& q_weight, const OptT& k_weight,
                                  const T& cos_cache, const T& sin_cache, const T& positions, double eps,
-                                 double weight_offset, bool across_heads, bool interleaved) {
+                                 double weight_offset, bool across_heads, bool interleaved, bool weight_after) {
     return out_of_place("rope_ext.qk_norm_rotary_pos", q, k, q_weight, k_weight, cos_cache, sin_cache, &positions,
-                        eps, weight_offset, across_heads, interleaved);
+                        eps, weight_offset, across_heads, interleaved, weight_after);
   }
 
   // In place, for inference: q and k overwritten with their (q_out, k_out); no rstd is kept. Every
@@ -115,7 +119,7 @@ struct QkNormOps {
   // each other or any input.
   static void in_place(const char* op, const T& q, const T& k, const OptT& q_weight, const OptT& k_weight,
                        const T& cos, const T& sin, const TensorRef* positions, double eps, double weight_offset,
-                       bool across_heads, bool interleaved) {
+                       bool across_heads, bool interleaved, bool weight_after) {
     const QkArgs a = read_qk(op, q, k, q_weight, k_weight, cos, sin, positions, eps, weight_offset, across_heads, true);
     const char* nc = a.gathered ? "cos_cache" : "cos";
     const char* ns = a.gathered ? "sin_cache" : "sin";
@@ -124,20 +128,21 @@ struct QkNormOps {
                                   {"k_weight", &a.k_weight}}, name);
     }
     check_inplace_args(op, a.q, {{"k", &a.k}}, "q");
-    run_qk(op, a, a.q, a.k, nullptr, nullptr, eps, weight_offset, across_heads, interleaved);
+    run_qk(op, a, a.q, a.k, nullptr, nullptr, eps, weight_offset, across_heads, interleaved, weight_after);
   }
 
   static void qk_norm_rotary_(const T& q, const T& k, const OptT& q_weight, const OptT& k_weight, const T& cos,
-                              const T& sin, double eps, double weight_offset, bool across_heads, bool interleaved) {
+                              const T& sin, double eps, double weight_offset, bool across_heads, bool interleaved,
+                              bool weight_after) {
     in_place("rope_ext.qk_norm_rotary_", q, k, q_weight, k_weight, cos, sin, nullptr, eps, weight_offset,
-             across_heads, interleaved);
+             across_heads, interleaved, weight_after);
   }
 
   static void qk_norm_rotary_pos_(const T& q, const T& k, const OptT& q_weight, const OptT& k_weight,
                                   const T& cos_cache, const T& sin_cache, const T& positions, double eps,
-                                  double weight_offset, bool across_heads, bool interleaved) {
+                                  double weight_offset, bool across_heads, bool interleaved, bool weight_after) {
     in_place("rope_ext.qk_norm_rotary_pos_", q, k, q_weight, k_weight, cos_cache, sin_cache, &positions, eps,
-             weight_offset, across_heads, interleaved);
+             weight_offset, across_heads, interleaved, weight_after);
   }
 
   // One tensor (models that normalize and rotate q and k in separate calls): (out, rstd), what either
@@ -145,13 +150,13 @@ struct QkNormOps {
   // qk_norm_rotary_backward's.
   static std::tuple<OwnedTensor, OwnedTensor> norm_rotary(const T& x_, const OptT& weight, const T& cos_,
                                                           const T& sin_, double eps, double weight_offset,
-                                                          bool across_heads, bool interleaved) {
+                                                          bool across_heads, bool interleaved, bool weight_after) {
     const char* op = "rope_ext.norm_rotary";
     const TensorArg x = read_arg(x_), w = read_optional(weight), cos = read_arg(cos_), sin = read_arg(sin_);
     check_qk_norm_args(op, x, &w, cos, sin, nullptr, eps, weight_offset, across_heads, "x", "weight");
     Output out = new_like(x_.handle, x), rstd = new_stat(x, across_heads);
     const NormCall call{x,       out.arg, &w,  cos,           sin,          &rstd.arg,   nullptr,
-                        nullptr, nullptr, eps, weight_offset, across_heads, interleaved, op};
+                        nullptr, nullptr, eps, weight_offset, across_heads, interleaved, op, weight_after};
     run(call);
     return {std::move(out.tensor), std::move(rstd.tensor)};
   }
@@ -161,7 +166,7 @@ struct QkNormOps {
                                                                       const T& rstd_, const T& cos_, const T& sin_,
                                                                       const OptT& positions_, double weight_offset,
                                                                       bool across_heads, bool interleaved,
-                                                                      bool weight_grad) {
+                                                                      bool weight_grad, bool weight_after) {
     const char* op = "rope_ext.qk_norm_rotary_backward";
     const TensorArg grad = read_arg(grad_), x = read_arg(x_), rstd = read_arg(rstd_);
     const TensorArg cos = read_arg(cos_), sin = read_arg(sin_), w = read_optional(weight_);
@@ -184,7 +189,7 @@ struct QkNormOps {
     const int64_t n = weight_grad ? w.size(0) : 0;
     Output dweight = new_contiguous(Dims{&n, 1}, stat_dtype(x), x.device());
     const NormCall call{x,   dx.arg, &w, cos, sin, &rstd, positions, &grad, weight_grad ? &dweight.arg : nullptr,
-                        0.0, weight_offset, across_heads, interleaved, op};
+                        0.0, weight_offset, across_heads, interleaved, op, weight_after};
     run(call);
     return {std::move(dx.tensor), std::move(dweight.tensor)};
   }

@@ -173,8 +173,11 @@ struct RotaryCall {
 using RunFn = void (*)(const RotaryCall& call);
 
 // One backend call of qk_norm_rotary on one tensor. Forward (grad unset): out = rotary(g * x * rstd),
-// rstd written unless it is null (the in-place ops keep none; out may be x). Backward: out = dx from grad (dy) and the saved rstd, and, when dweight is set, the
-// weight's gradient (weight_len values, the compute dtype) written there.
+// or with weight_after out = g * rotary(x * rstd) (the norm of models that normalize after RoPE:
+// the rotation keeps a row's sum of squares, so only the weight's place differs); rstd written
+// unless it is null (the in-place ops keep none; out may be x). Backward: out = dx from grad (dy)
+// and the saved rstd, and, when dweight is set, the weight's gradient (weight_len values, the
+// compute dtype) written there.
 struct NormCall {
   const TensorArg& x;
   const TensorArg& out;
@@ -188,6 +191,7 @@ struct NormCall {
   double eps = 0, weight_offset = 0;
   bool across_heads = false, interleaved = false;
   const char* op = "rope_ext";
+  bool weight_after = false;  // (last, so that the calls that leave it false need not name it)
 };
 
 using NormRunFn = void (*)(const NormCall& call);

@@ -200,14 +200,21 @@ def _rotary_pos_qk_backward(ctx, gq, gk):
 
 # --- qk_norm_rotary ------------------------------------------------------------------------------
 #
-# y = rotary(g * x_hat), x_hat = x * rstd. The kernel's backward (qk_norm_rotary_backward) gives dx
-# and the weight's gradient from the saved x and rstd; cos and sin, when they need gradients, get
-# rotary's table formulas applied to the normalized input g * x_hat, recomputed here. With
+# y = rotary(g * x_hat), x_hat = x * rstd, or with weight_after y = g * rotary(x_hat). The kernel's
+# backward (qk_norm_rotary_backward) gives dx and the weight's gradient from the saved x and rstd;
+# cos and sin, when they need gradients, get rotary's table formulas applied to what the rotation
+# rotates (g * x_hat, or x_hat) and the gradient of its output (dy, or g * dy), recomputed here. With
 # create_graph the whole backward is the composite reference's, so that it can be differentiated.
 
 
+def _gain(weight, weight_offset, across_heads, like, dtype):
+    """g = weight + weight_offset in ``dtype``, shaped to multiply a tensor of ``like``'s shape."""
+    g = weight.to(dtype) + weight_offset
+    return g.unflatten(-1, like.shape[-2:]) if across_heads else g
+
+
 def _normalized(x, weight, rstd, weight_offset, across_heads):
-    """g * x * rstd in the compute dtype: what the rotation of qk_norm_rotary rotates."""
+    """g * x * rstd in the compute dtype (x * rstd without a weight)."""
     v = x.to(rstd.dtype)
     v = (v.flatten(-2) * rstd.unsqueeze(-1)) if across_heads else v * rstd.unsqueeze(-1)
     if weight is not None:
@@ -216,30 +223,35 @@ def _normalized(x, weight, rstd, weight_offset, across_heads):
 
 
 def _qk_norm_rotary_setup(ctx, inputs, output):
-    q, k, q_weight, k_weight, cos, sin, eps, weight_offset, across_heads, interleaved = inputs
-    ctx.flags = (eps, weight_offset, across_heads, interleaved)
+    q, k, q_weight, k_weight, cos, sin, eps, weight_offset, across_heads, interleaved, weight_after = inputs
+    ctx.flags = (eps, weight_offset, across_heads, interleaved, weight_after)
     ctx.mark_non_differentiable(output[2], output[3])
     ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin, None, output[2], output[3])
 
 
 def _qk_norm_rotary_pos_setup(ctx, inputs, output):
-    q, k, q_weight, k_weight, cos, sin, positions, eps, weight_offset, across_heads, interleaved = inputs
-    ctx.flags = (eps, weight_offset, across_heads, interleaved)
+    q, k, q_weight, k_weight, cos, sin, positions, eps, weight_offset, across_heads, interleaved, weight_after = inputs
+    ctx.flags = (eps, weight_offset, across_heads, interleaved, weight_after)
     ctx.mark_non_differentiable(output[2], output[3])
     ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin, positions, output[2], output[3])
 
 
 def _norm_grads(g, x, w, rstd, cos, sin, positions, flags, need_x, need_w, need_cos, need_sin):
     """One tensor's share of the norm ops' backward: (dx, dweight, dcos, dsin), None where not needed."""
-    _, weight_offset, across_heads, interleaved = flags
+    _, weight_offset, across_heads, interleaved, weight_after = flags
     dx = dw = dcos = dsin = None
     if need_x or need_w:
         dx, dw = torch.ops.rope_ext.qk_norm_rotary_backward(
-            g, x, w, rstd, cos, sin, positions, weight_offset, across_heads, interleaved, need_w
+            g, x, w, rstd, cos, sin, positions, weight_offset, across_heads, interleaved, need_w, weight_after
         )
         dx, dw = dx if need_x else None, dw.to(w.dtype) if need_w else None
     if need_cos or need_sin:
-        a = _normalized(x, w, rstd, weight_offset, across_heads)
+        if weight_after:  # the rotation rotates x_hat, and its output's gradient is g * dy
+            a = _normalized(x, None, rstd, weight_offset, across_heads)
+            if w is not None:
+                g = g.to(rstd.dtype) * _gain(w, weight_offset, across_heads, x, rstd.dtype)
+        else:
+            a = _normalized(x, w, rstd, weight_offset, across_heads)
         if positions is None:
             dcos, dsin = _table_grads(g, a, cos, interleaved, False, need_cos, need_sin)
         else:
@@ -263,27 +275,27 @@ def _qk_norm_backward(ctx, gq, gk, n_args):
 
 
 def _qk_norm_rotary_backward(ctx, gq, gk, _gq_rstd, _gk_rstd):
-    return _qk_norm_backward(ctx, gq, gk, 10)
-
-
-def _qk_norm_rotary_pos_backward(ctx, gq, gk, _gq_rstd, _gk_rstd):
     return _qk_norm_backward(ctx, gq, gk, 11)
 
 
+def _qk_norm_rotary_pos_backward(ctx, gq, gk, _gq_rstd, _gk_rstd):
+    return _qk_norm_backward(ctx, gq, gk, 12)
+
+
 def _norm_rotary_setup(ctx, inputs, output):
-    x, weight, cos, sin, eps, weight_offset, across_heads, interleaved = inputs
-    ctx.flags = (eps, weight_offset, across_heads, interleaved)
+    x, weight, cos, sin, eps, weight_offset, across_heads, interleaved, weight_after = inputs
+    ctx.flags = (eps, weight_offset, across_heads, interleaved, weight_after)
     ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(x, weight, cos, sin, output[1])
 
 
 def _norm_rotary_backward(ctx, g, _g_rstd):
-    """norm_rotary's: (dx, dweight, dcos, dsin, None x 4)."""
+    """norm_rotary's: (dx, dweight, dcos, dsin, None x 5)."""
     x, weight, cos, sin, rstd = ctx.saved_tensors
-    need = _needs(ctx, 8)[:4]
+    need = _needs(ctx, 9)[:4]
     if torch.is_grad_enabled():
-        return (*_norm_composite_backward(ctx.flags, ((x, weight, g),), cos, sin, None, need), *(None,) * 4)
-    return (*_norm_grads(g, x, weight, rstd, cos, sin, None, ctx.flags, *need), *(None,) * 4)
+        return (*_norm_composite_backward(ctx.flags, ((x, weight, g),), cos, sin, None, need), *(None,) * 5)
+    return (*_norm_grads(g, x, weight, rstd, cos, sin, None, ctx.flags, *need), *(None,) * 5)
 
 
 def _norm_composite_backward(flags, rows, cos, sin, positions, need):
@@ -292,7 +304,7 @@ def _norm_composite_backward(flags, rows, cos, sin, positions, need):
     the op's argument order, want a gradient."""
     from rope_ext.reference import rms_norm_rotary_reference
 
-    eps, weight_offset, across_heads, interleaved = flags
+    eps, weight_offset, across_heads, interleaved, weight_after = flags
     inputs = (*(x for x, _, _ in rows), *(w for _, w, _ in rows), cos, sin)
     wanted = [t for t, n in zip(inputs, need, strict=True) if n]
     norm_over = "heads" if across_heads else "head"
@@ -302,7 +314,7 @@ def _norm_composite_backward(flags, rows, cos, sin, positions, need):
             c, s = (_full_form(t[positions.long()], interleaved) for t in (cos, sin))
         outs = [
             rms_norm_rotary_reference(x, w, c, s, eps=eps, weight_offset=weight_offset, norm_over=norm_over,
-                                      interleaved=interleaved)
+                                      interleaved=interleaved, weight_after=weight_after)
             for x, w, _ in rows
         ]
         grads = iter(torch.autograd.grad(outs, wanted, [g for _, _, g in rows], create_graph=True,
@@ -364,21 +376,22 @@ def run_rotary_pos_(q, k, cos_cache, sin_cache, positions, interleaved=False, co
 
 
 def run_qk_norm_rotary_(q, k, q_weight, k_weight, cos, sin, eps, weight_offset=0.0, across_heads=False,
-                        interleaved=False, *, keyset=None) -> None:
+                        interleaved=False, weight_after=False, *, keyset=None) -> None:
     """qk_norm_rotary_ below autograd (run_inplace): its autograd kernel, and rope_ext.qk_norm_rotary_'s call."""
     named = (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos), ("sin", sin))
     run_inplace(torch.ops.rope_ext.qk_norm_rotary_.default, named, "rope_ext.qk_norm_rotary",
-                (q, k, q_weight, k_weight, cos, sin, eps, weight_offset, across_heads, interleaved), (q, k), keyset)
+                (q, k, q_weight, k_weight, cos, sin, eps, weight_offset, across_heads, interleaved, weight_after),
+                (q, k), keyset)
 
 
 def run_qk_norm_rotary_pos_(q, k, q_weight, k_weight, cos_cache, sin_cache, positions, eps, weight_offset=0.0,
-                            across_heads=False, interleaved=False, *, keyset=None) -> None:
+                            across_heads=False, interleaved=False, weight_after=False, *, keyset=None) -> None:
     """qk_norm_rotary_pos_ below autograd (run_inplace)."""
     named = (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight), ("cos_cache", cos_cache),
              ("sin_cache", sin_cache))
     run_inplace(torch.ops.rope_ext.qk_norm_rotary_pos_.default, named, "rope_ext.qk_norm_rotary_pos",
                 (q, k, q_weight, k_weight, cos_cache, sin_cache, positions, eps, weight_offset, across_heads,
-                 interleaved), (q, k), keyset)
+                 interleaved, weight_after), (q, k), keyset)
 
 
 _LIB = torch.library.Library("rope_ext", "IMPL")  # noqa: TOR901 (kept alive: the registrations below)

@@ -299,6 +299,7 @@ def qk_norm_rotary(
     weight_offset: float = 0.0,
     norm_over: str = "head",
     interleaved: bool = False,
+    weight_after: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMS-normalize queries and keys, then rotate them: QK-norm and RoPE in one op call.
 
@@ -309,7 +310,13 @@ def qk_norm_rotary(
     (``g = 1`` when the weight is None), the mean taken over a row, and the rotation as
     :func:`rotary`'s: both pairings, partial rotary (columns past ``cos.shape[-1]`` are normalized and
     passed through). This is what Qwen3, Gemma 3, OLMo 2, Flux, Wan and most models since 2025 do
-    before attention.
+    before attention. With ``weight_after=True`` the weight is applied to the rotated row instead::
+
+        out = g * rotary(x / sqrt(mean(x^2) + eps), cos, sin)
+
+    which is ``rms_norm(rotary(x))``, the order of models that normalize after RoPE (HunYuan,
+    TimesFM 2.5), whenever the tables hold a rotation (``cos^2 + sin^2 = 1``, as RoPE's do without
+    an attention scale folded in): a rotation keeps each row's sum of squares.
 
     Args:
         q: ``(..., heads_q, head_dim)``, any layout and strides (``(B, S, H, D)``, HF's
@@ -325,6 +332,9 @@ def qk_norm_rotary(
         norm_over: ``"head"``: each head's ``head_dim`` values (Qwen3, Gemma 3, Flux). ``"heads"``:
             all of a token's heads, dim -2, ``heads * head_dim`` values (OLMo 2, Wan, LTX).
         interleaved: the pairing, as :func:`rotary`'s.
+        weight_after: apply ``g`` after the rotation rather than before (see above). Without a
+            weight, or with a weight that is the same for both members of every pair, both orders
+            give the same result.
 
     Returns:
         ``(q_out, k_out)``: new tensors with q's and k's shapes, dtypes and layouts. The math runs in
@@ -336,7 +346,7 @@ def qk_norm_rotary(
     differentiable ops.
     """
     args = _norm_args("rope_ext.qk_norm_rotary", (q, k, q_weight, k_weight, cos, sin), eps, weight_offset,
-                      norm_over, interleaved)
+                      norm_over, interleaved, weight_after)
     if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos, sin)):
         return _qk_norm_rotary(*args)[:2]
     with _below_autograd():
@@ -353,17 +363,20 @@ def norm_rotary(
     weight_offset: float = 0.0,
     norm_over: str = "head",
     interleaved: bool = False,
+    weight_after: bool = False,
 ) -> torch.Tensor:
     """:func:`qk_norm_rotary` of one tensor: q alone or k alone, for models that normalize and rotate
     them in separate calls (Gemma 3n and 4, whose k may come from another layer)::
 
         out = rotary(g * x / sqrt(mean(x^2) + eps), cos, sin),    g = weight + weight_offset
 
+    (``g * rotary(...)`` with ``weight_after=True``).
+
     Args:
         x: ``(..., heads, head_dim)``, any layout and strides; float32, float64, float16 or bfloat16.
         weight: the norm's weight or None, as :func:`qk_norm_rotary`'s ``q_weight``.
         cos, sin: tables as :func:`rotary` takes them, broadcasting against ``x.shape[:-1] + (r,)``.
-        eps, weight_offset, norm_over, interleaved: as :func:`qk_norm_rotary`'s.
+        eps, weight_offset, norm_over, interleaved, weight_after: as :func:`qk_norm_rotary`'s.
 
     Returns:
         A new tensor with x's shape, dtype and layout, computed as either output of
@@ -373,7 +386,8 @@ def norm_rotary(
     Autograd: gradients to x, the weight and, when they require grad, cos and sin, as
     :func:`qk_norm_rotary`'s.
     """
-    args = _norm_args("rope_ext.norm_rotary", (x, weight, cos, sin), eps, weight_offset, norm_over, interleaved)
+    args = _norm_args("rope_ext.norm_rotary", (x, weight, cos, sin), eps, weight_offset, norm_over, interleaved,
+                      weight_after)
     if _compiling() or (_grad_enabled() and _any_requires_grad(x, weight, cos, sin)):
         return _norm_rotary(*args)[0]
     with _below_autograd():
@@ -393,11 +407,13 @@ def qk_norm_rotary_pos(
     weight_offset: float = 0.0,
     norm_over: str = "head",
     interleaved: bool = False,
+    weight_after: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`qk_norm_rotary` with the tables gathered by position, as :func:`rotary_pos_qk` gathers them.
 
     Args:
-        q, k, q_weight, k_weight, eps, weight_offset, norm_over, interleaved: as :func:`qk_norm_rotary`.
+        q, k, q_weight, k_weight, eps, weight_offset, norm_over, interleaved, weight_after: as
+            :func:`qk_norm_rotary`.
         cos_cache, sin_cache: ``(max_positions, r/2)`` half-width caches (``RotaryEmbedding``'s),
             q's dtype or float32.
         positions: int32 or int64, broadcasting against ``q.shape[:-1]`` and ``k.shape[:-1]``, e.g.
@@ -409,7 +425,7 @@ def qk_norm_rotary_pos(
         they require grad, the caches (summed into the rows the positions name).
     """
     args = _norm_args("rope_ext.qk_norm_rotary_pos", (q, k, q_weight, k_weight, cos_cache, sin_cache,
-                      positions), eps, weight_offset, norm_over, interleaved)
+                      positions), eps, weight_offset, norm_over, interleaved, weight_after)
     try:
         if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos_cache, sin_cache)):
             return _qk_norm_rotary_pos(*args)[:2]
@@ -432,6 +448,7 @@ def qk_norm_rotary_(
     weight_offset: float = 0.0,
     norm_over: str = "head",
     interleaved: bool = False,
+    weight_after: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In-place :func:`qk_norm_rotary`, for inference: overwrites q and k; returns ``(q, k)``.
 
@@ -441,7 +458,7 @@ def qk_norm_rotary_(
     ``fused_qk_norm_rope`` works so).
     """
     args = _norm_args("rope_ext.qk_norm_rotary_", (q, k, q_weight, k_weight, cos, sin), eps, weight_offset,
-                      norm_over, interleaved)
+                      norm_over, interleaved, weight_after)
     if _compiling():
         _qk_norm_rotary_inplace(*args)
     else:
@@ -462,10 +479,11 @@ def qk_norm_rotary_pos_(
     weight_offset: float = 0.0,
     norm_over: str = "head",
     interleaved: bool = False,
+    weight_after: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In-place :func:`qk_norm_rotary_pos`, for inference, as :func:`qk_norm_rotary_`; returns ``(q, k)``."""
     args = _norm_args("rope_ext.qk_norm_rotary_pos_", (q, k, q_weight, k_weight, cos_cache, sin_cache,
-                      positions), eps, weight_offset, norm_over, interleaved)
+                      positions), eps, weight_offset, norm_over, interleaved, weight_after)
     try:
         if _compiling():
             _qk_norm_rotary_pos_inplace(*args)
@@ -477,11 +495,11 @@ def qk_norm_rotary_pos_(
     return q, k
 
 
-def _norm_args(op, tensors, eps, weight_offset, norm_over, interleaved):
+def _norm_args(op, tensors, eps, weight_offset, norm_over, interleaved, weight_after):
     """The op's arguments from a norm wrapper's: norm_over checked and turned into across_heads."""
     if norm_over not in _NORM_OVER:
         raise ValueError(f"{op}: norm_over must be 'head' or 'heads', got {norm_over!r}")
-    return (*tensors, eps, weight_offset, _NORM_OVER[norm_over], interleaved)
+    return (*tensors, eps, weight_offset, _NORM_OVER[norm_over], interleaved, weight_after)
 
 
 def cpu_kernel_isa() -> str:
@@ -731,7 +749,7 @@ def _check_qk_norm_call(op, q, k, q_weight, k_weight, cos, sin, positions, eps, 
 
 @torch.library.register_fake("rope_ext::qk_norm_rotary")
 def _qk_norm_rotary_fake(q, k, q_weight, k_weight, cos, sin, eps, weight_offset=0.0, across_heads=False,
-                         interleaved=False):
+                         interleaved=False, weight_after=False):
     _check_qk_norm_call("rope_ext.qk_norm_rotary", q, k, q_weight, k_weight, cos, sin, None, eps, weight_offset,
                         across_heads)
     return torch.empty_like(q), torch.empty_like(k), _norm_stat(q, across_heads), _norm_stat(k, across_heads)
@@ -739,21 +757,22 @@ def _qk_norm_rotary_fake(q, k, q_weight, k_weight, cos, sin, eps, weight_offset=
 
 @torch.library.register_fake("rope_ext::qk_norm_rotary_pos")
 def _qk_norm_rotary_pos_fake(q, k, q_weight, k_weight, cos_cache, sin_cache, positions, eps, weight_offset=0.0,
-                             across_heads=False, interleaved=False):
+                             across_heads=False, interleaved=False, weight_after=False):
     _check_qk_norm_call("rope_ext.qk_norm_rotary_pos", q, k, q_weight, k_weight, cos_cache, sin_cache, positions,
                         eps, weight_offset, across_heads)
     return torch.empty_like(q), torch.empty_like(k), _norm_stat(q, across_heads), _norm_stat(k, across_heads)
 
 
 @torch.library.register_fake("rope_ext::norm_rotary")
-def _norm_rotary_fake(x, weight, cos, sin, eps, weight_offset=0.0, across_heads=False, interleaved=False):
+def _norm_rotary_fake(x, weight, cos, sin, eps, weight_offset=0.0, across_heads=False, interleaved=False,
+                      weight_after=False):
     _check_qk_norm_args("rope_ext.norm_rotary", x, weight, cos, sin, eps, weight_offset, across_heads, "x", "weight")
     return torch.empty_like(x), _norm_stat(x, across_heads)
 
 
 @torch.library.register_fake("rope_ext::qk_norm_rotary_backward")
 def _qk_norm_rotary_backward_fake(grad, x, weight, rstd, cos, sin, positions, weight_offset, across_heads,
-                                  interleaved, weight_grad):
+                                  interleaved, weight_grad, weight_after=False):
     op = "rope_ext.qk_norm_rotary_backward"
     _check_qk_norm_args(op, x, weight, cos, sin, 0.0, weight_offset, across_heads, "x", "weight", positions)
     stat = _norm_stat(x, across_heads)
@@ -774,13 +793,13 @@ def _qk_norm_rotary_backward_fake(grad, x, weight, rstd, cos, sin, positions, we
 
 @torch.library.register_fake("rope_ext::qk_norm_rotary_")
 def _qk_norm_rotary_inplace_fake(q, k, q_weight, k_weight, cos, sin, eps, weight_offset=0.0, across_heads=False,
-                                 interleaved=False):
+                                 interleaved=False, weight_after=False):
     _check_qk_norm_call("rope_ext.qk_norm_rotary_", q, k, q_weight, k_weight, cos, sin, None, eps, weight_offset,
                         across_heads)
 
 
 @torch.library.register_fake("rope_ext::qk_norm_rotary_pos_")
 def _qk_norm_rotary_pos_inplace_fake(q, k, q_weight, k_weight, cos_cache, sin_cache, positions, eps,
-                                     weight_offset=0.0, across_heads=False, interleaved=False):
+                                     weight_offset=0.0, across_heads=False, interleaved=False, weight_after=False):
     _check_qk_norm_call("rope_ext.qk_norm_rotary_pos_", q, k, q_weight, k_weight, cos_cache, sin_cache, positions,
                         eps, weight_offset, across_heads)

@@ -139,8 +139,10 @@ def rms_norm_rotary_reference(
     weight_offset: float = 0.0,
     norm_over: str = "head",
     interleaved: bool = False,
+    weight_after: bool = False,
 ) -> torch.Tensor:
-    """QK-norm then RoPE, from the formulas: ``rotary(g * x / sqrt(mean(x^2) + eps), cos, sin)``.
+    """QK-norm then RoPE, from the formulas: ``rotary(g * x / sqrt(mean(x^2) + eps), cos, sin)``, or
+    with ``weight_after`` ``g * rotary(x / sqrt(mean(x^2) + eps), cos, sin)``.
 
     The mean runs over each head's row (``norm_over="head"``, ``weight`` of shape ``(D,)``) or over
     all of a token's heads, dim -2 of ``x`` (``"heads"``, ``weight`` of shape ``(H * D,)``).
@@ -151,8 +153,13 @@ def rms_norm_rotary_reference(
     dtype = torch.promote_types(torch.promote_types(x.dtype, cos.dtype), torch.float32)
     if weight is not None:
         dtype = torch.promote_types(dtype, weight.dtype)
-    v = rms_norm_reference(x, weight, eps=eps, weight_offset=weight_offset, norm_over=norm_over, dtype=dtype)
-    return rotary_reference(v, cos.to(dtype), sin.to(dtype), interleaved).to(x.dtype)
+    before = None if weight_after else weight
+    v = rms_norm_reference(x, before, eps=eps, weight_offset=weight_offset, norm_over=norm_over, dtype=dtype)
+    v = rotary_reference(v, cos.to(dtype), sin.to(dtype), interleaved)
+    if weight_after and weight is not None:
+        g = weight.to(dtype) + weight_offset
+        v = v * (g.unflatten(-1, x.shape[-2:]) if norm_over == "heads" else g)
+    return v.to(x.dtype)
 
 
 def rms_norm_reference(

@@ -186,13 +186,13 @@ def rotary_pos_qk(place, q="S2", k="S2", positions="R"):
     return _result(place, list(outs), [qs, ks], [c, s])
 
 
-def qk_norm(place, q="S2", k="S2", tables="R", norm_over="head", positions=None):
+def qk_norm(place, q="S2", k="S2", tables="R", norm_over="head", positions=None, weight_after=False):
     """qk_norm_rotary (qk_norm_rotary_pos with `positions`' placement) with both weights learned."""
     wide = norm_over == "heads"
     qs, ks = place.put(_x(H, S, "bshd", 2), q, grad=True), place.put(_x(HK, S, "bshd", 3), k, grad=True)
     wq = place.put(_randn(D * (H if wide else 1), seed=6).abs() + 0.5, "R", grad=True)
     wk = place.put(_randn(D * (HK if wide else 1), seed=7).abs() + 0.5, "R", grad=True)
-    kw = dict(eps=1e-6, weight_offset=0.25, norm_over=norm_over)
+    kw = dict(eps=1e-6, weight_offset=0.25, norm_over=norm_over, weight_after=weight_after)
     if positions is None:
         cos, sin = _tables(_randn(1, S, R // 2, seed=1), "bshd")
         c, s = place.put(cos, tables, grad=True), place.put(sin, tables, grad=True)
@@ -204,14 +204,15 @@ def qk_norm(place, q="S2", k="S2", tables="R", norm_over="head", positions=None)
     return _result(place, list(outs), [qs, ks], [wq, wk, c, s])
 
 
-def norm_one(place, x="S2", tables="R", norm_over="head"):
+def norm_one(place, x="S2", tables="R", norm_over="head", weight_after=False):
     """norm_rotary (one tensor) with its weight learned."""
     wide = norm_over == "heads"
     xs = place.put(_x(H, S, "bshd", 2), x, grad=True)
     w = place.put(_randn(D * (H if wide else 1), seed=6).abs() + 0.5, "R", grad=True)
     cos, sin = _tables(_randn(1, S, R // 2, seed=1), "bshd")
     c, s = place.put(cos, tables, grad=True), place.put(sin, tables, grad=True)
-    out = rope_ext.norm_rotary(xs, w, c, s, eps=1e-6, weight_offset=0.25, norm_over=norm_over)
+    out = rope_ext.norm_rotary(xs, w, c, s, eps=1e-6, weight_offset=0.25, norm_over=norm_over,
+                               weight_after=weight_after)
     return _result(place, [out], [xs], [w, c, s])
 
 
@@ -372,7 +373,10 @@ CASES = {
     "qk_norm_rotary/heads": (P(qk_norm, q="S2", k="S2"), ["S2", "S2"]),
     "qk_norm_rotary/seq": (P(qk_norm, q="S1", k="S1", tables="S1"), ["S1", "S1"]),
     "qk_norm_rotary/across heads, batch": (P(qk_norm, q="S0", k="S0", norm_over="heads"), ["S0", "S0"]),
+    "qk_norm_rotary/seq, weight after": (P(qk_norm, q="S1", k="S1", tables="S1", weight_after=True), ["S1", "S1"]),
     "norm_rotary/heads": (P(norm_one, x="S2"), ["S2"]),
+    "norm_rotary/across heads, batch, weight after": (P(norm_one, x="S0", norm_over="heads", weight_after=True),
+                                                      ["S0"]),
     "norm_rotary/across heads, seq": (P(norm_one, x="S1", tables="S1", norm_over="heads"), ["S1"]),
     "qk_norm_rotary_pos/seq": (P(qk_norm, q="S1", k="S1", positions="S0"), ["S1", "S1"]),
     "qk_norm_rotary_pos/across heads, seq": (P(qk_norm, q="S1", k="S1", positions="S0", norm_over="heads"),

@@ -100,9 +100,10 @@ NORM_LAUNCH = ("grid_x", "block_x", "block_y", "groups", "vec", "pairs_per_item"
 def norm_cases(gen):
     """(name, intended kernel, op, arguments) for every QK-norm kernel: q (2, 3, 4, 32) and k (2, 3, 2, 32),
     r = 32 (16 with interleaved pairs: pass-through columns), across heads for the gathered caches,
-    per head for full tables; scalar where the rows start one element past a vector boundary."""
-    for (dtype, table_dtype), interleaved, vector, gathered, backward in itertools.product(
-            DTYPE_PAIRS, (False, True), (True, False), (False, True), (False, True)):
+    per head for full tables; scalar where the rows start one element past a vector boundary. Each
+    kernel twice: the weight before the rotation and after it (weight_after, a flag of the same kernel)."""
+    for (dtype, table_dtype), interleaved, vector, gathered, backward, after in itertools.product(
+            DTYPE_PAIRS, (False, True), (True, False), (False, True), (False, True), (False, True)):
         q = torch.randn(2, 3, 4, 32, generator=gen, dtype=torch.float64).to(dtype)
         k = torch.randn(2, 3, 2, 32, generator=gen, dtype=torch.float64).to(dtype)
         if not vector:
@@ -118,16 +119,16 @@ def norm_cases(gen):
             tables = (*random_tables((3, 1, r), table_dtype, gen), None)
         name = f"qk_norm {'backward' if backward else 'forward'} {str(dtype)[6:]}/{str(table_dtype)[6:]} " \
                f"{'interleaved' if interleaved else 'halfsplit'} {'vector' if vector else 'scalar'} " \
-               f"{'gathered across heads' if gathered else 'full per head'}"
+               f"{'gathered across heads' if gathered else 'full per head'}{', weight after' if after else ''}"
         yield name, (dtype, table_dtype, interleaved, vector, gathered, backward), (q, k, wq, wk, *tables), \
-            (1e-6, 0.5, across, interleaved), backward
+            (1e-6, 0.5, across, interleaved, after), backward
 
 
 def run_norm(testing, args, scalars, backward):
     """The forward's four outputs, or the backward's (dx, dweight) of q, through `testing`'s op set
     (torch.ops.rope_ext_testing's cuda_emulate_*, or the product's ops without that prefix)."""
     q, k, wq, wk, cos, sin, positions = args
-    eps, offset, across, interleaved = scalars
+    eps, offset, across, interleaved, after = scalars
     if positions is None:
         out = testing("qk_norm_rotary")(q, k, wq, wk, cos, sin, *scalars)
     else:
@@ -136,7 +137,7 @@ def run_norm(testing, args, scalars, backward):
         return out
     dy = (q.detach().cpu().double() * 0.5 - 0.25).to(q.dtype).to(q.device)  # (any values)
     return testing("qk_norm_rotary_backward")(dy, q, wq, out[2], cos, sin, positions, offset, across, interleaved,
-                                              True)
+                                              True, after)
 
 
 def norm_kernel_of(args, scalars, backward) -> tuple:
@@ -186,7 +187,7 @@ def main() -> int:
         x = torch.randn(32775, 4, 8, generator=gen)
         w = torch.rand(8, generator=gen)
         cos, sin = random_tables((32775, 1, 8), torch.float32, gen)
-        scalars = (1e-6, 0.0, False, False)
+        scalars = (1e-6, 0.0, False, False, False)
         many = (x, x, w, w, cos, sin, None)
         cfg = dict(zip(NORM_LAUNCH, TESTING.cuda_norm_launch_config(x, w, cos, sin, None, False, False, True),
                        strict=True))
@@ -201,7 +202,7 @@ def main() -> int:
         x = torch.randn(2, 3, 4, 32, generator=gen).bfloat16()
         w = torch.rand(32, generator=gen)
         cos, sin = random_tables((3, 1, 32), torch.float32, gen)
-        scalars = (1e-6, 0.5, False, False)
+        scalars = (1e-6, 0.5, False, False, True)
         got = torch.ops.rope_ext.norm_rotary(*_twins((x, w, cos, sin), args.device)[0], *scalars)
         want = TESTING.cuda_emulate_norm_rotary(x, w, cos, sin, *scalars)
         for which, g, w_ in zip(("out", "rstd"), _twins(got, "cpu")[0], want, strict=True):

@@ -8,16 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CONVENTIONS, DTYPES, TESTING, randn, random_tables
-from test_qk_norm import check_against_truth, make_weight
+from test_qk_norm import WEIGHT_FORM_IDS, WEIGHT_FORMS, check_against_truth, make_weight
 from torch.testing._internal.optests import opcheck
 
 import rope_ext
 from rope_ext.reference import rms_norm_rotary_reference
 
-WEIGHTS = ("none", "own", "float32_offset")
 
-
-def _case(dtype, norm_over, weight, gen, *, D=24, r=16, heads=3, grad=False, tables_grad=False):
+def _case(dtype, norm_over, weight, gen, *, D=24, r=16, heads=3, grad=False, tables_grad=False, after=False):
     x = randn(2, 5, heads, D, dtype=dtype, gen=gen).requires_grad_(grad)
     w, offset = make_weight(weight, D * (heads if norm_over == "heads" else 1), dtype, gen)
     w = None if w is None else w.requires_grad_(grad)
@@ -25,15 +23,15 @@ def _case(dtype, norm_over, weight, gen, *, D=24, r=16, heads=3, grad=False, tab
     cos, sin = random_tables((2, 5, 1, r), dtype=table_dtype, gen=gen)
     cos.requires_grad_(tables_grad)
     sin.requires_grad_(tables_grad)
-    return (x, w, cos, sin), dict(eps=1e-6, weight_offset=offset, norm_over=norm_over)
+    return (x, w, cos, sin), dict(eps=1e-6, weight_offset=offset, norm_over=norm_over, weight_after=after)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("convention", CONVENTIONS)
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
-@pytest.mark.parametrize("weight", WEIGHTS)
-def test_matches_float64_truth_and_the_two_tensor_op(dtype, convention, norm_over, weight, gen):
-    (x, w, cos, sin), kw = _case(dtype, norm_over, weight, gen)
+@pytest.mark.parametrize("weight,after", WEIGHT_FORMS, ids=WEIGHT_FORM_IDS)
+def test_matches_float64_truth_and_the_two_tensor_op(dtype, convention, norm_over, weight, after, gen):
+    (x, w, cos, sin), kw = _case(dtype, norm_over, weight, gen, after=after)
     kw["interleaved"] = CONVENTIONS[convention]
     out = rope_ext.norm_rotary(x, w, cos, sin, **kw)
     check_against_truth(out, x, w, cos, sin, **kw)
@@ -63,10 +61,10 @@ def test_layouts(layout, gen):
 
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
 @pytest.mark.parametrize("convention", CONVENTIONS)
-@pytest.mark.parametrize("weight", WEIGHTS)
-def test_gradients_match_float64_autograd(norm_over, convention, weight, gen):
+@pytest.mark.parametrize("weight,after", WEIGHT_FORMS, ids=WEIGHT_FORM_IDS)
+def test_gradients_match_float64_autograd(norm_over, convention, weight, after, gen):
     """In float64, every gradient (x, the weight, cos, sin) equals autograd's of the reference."""
-    inputs, kw = _case(torch.float64, norm_over, weight, gen, grad=True, tables_grad=True)
+    inputs, kw = _case(torch.float64, norm_over, weight, gen, grad=True, tables_grad=True, after=after)
     kw["interleaved"] = CONVENTIONS[convention]
     wanted = [t for t in inputs if t is not None]
     g = randn(*inputs[0].shape, dtype=torch.float64, gen=gen)
@@ -77,9 +75,10 @@ def test_gradients_match_float64_autograd(norm_over, convention, weight, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_gradients_equal_the_two_tensor_ops(dtype, gen):
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+def test_gradients_equal_the_two_tensor_ops(dtype, after, gen):
     """The same bits as qk_norm_rotary's gradients of q and its weight (one backward op call each)."""
-    inputs, kw = _case(dtype, "head", "own", gen, grad=True, tables_grad=True)
+    inputs, kw = _case(dtype, "head", "own", gen, grad=True, tables_grad=True, after=after)
     g = randn(*inputs[0].shape, dtype=dtype, gen=gen)
     ours = torch.autograd.grad(rope_ext.norm_rotary(*inputs, **kw), inputs, g)
     x, w, cos, sin = inputs
@@ -92,8 +91,10 @@ def test_gradients_equal_the_two_tensor_ops(dtype, gen):
 
 
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
-def test_gradcheck_and_gradgradcheck(norm_over, gen):
-    inputs, kw = _case(torch.float64, norm_over, "own", gen, D=8, r=6, heads=2, grad=True, tables_grad=True)
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+def test_gradcheck_and_gradgradcheck(norm_over, after, gen):
+    inputs, kw = _case(torch.float64, norm_over, "own", gen, D=8, r=6, heads=2, grad=True, tables_grad=True,
+                       after=after)
 
     def f(*args):
         return rope_ext.norm_rotary(*args, **kw, interleaved=True)
@@ -102,10 +103,11 @@ def test_gradcheck_and_gradgradcheck(norm_over, gen):
     assert torch.autograd.gradgradcheck(f, inputs)
 
 
-def test_opcheck_compile_and_export(gen):
-    inputs, kw = _case(torch.float32, "heads", "own", gen, grad=True, tables_grad=True)
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+def test_opcheck_compile_and_export(after, gen):
+    inputs, kw = _case(torch.float32, "heads", "own", gen, grad=True, tables_grad=True, after=after)
     x, w, cos, sin = inputs
-    opcheck(torch.ops.rope_ext.norm_rotary.default, (x, w, cos, sin, 1e-6, 0.0, True, False))
+    opcheck(torch.ops.rope_ext.norm_rotary.default, (x, w, cos, sin, 1e-6, 0.0, True, False, after))
 
     @torch.compile(fullgraph=True, backend="aot_eager")
     def f(*args):
@@ -121,7 +123,7 @@ def test_opcheck_compile_and_export(gen):
 
     class M(torch.nn.Module):
         def forward(self, x, w, cos, sin):
-            return rope_ext.norm_rotary(x, w, cos, sin, eps=1e-6, norm_over="heads")
+            return rope_ext.norm_rotary(x, w, cos, sin, eps=1e-6, norm_over="heads", weight_after=after)
 
     plain = [t.detach() for t in inputs]
     ep = torch.export.export(M(), tuple(plain))
@@ -154,11 +156,12 @@ def test_bad_input_is_refused_by_name(call, message, grad):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
-def test_cuda_host_emulation(dtype, norm_over, gen):
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+def test_cuda_host_emulation(dtype, norm_over, after, gen):
     """The CUDA kernels' thread code, run on the CPU by the host emulator, through the one-tensor op:
     the float64 truth, and the bits and rstd of the two-tensor op's emulation for the same q."""
-    (x, w, cos, sin), kw = _case(dtype, norm_over, "own", gen)
-    args = (kw["eps"], kw["weight_offset"], norm_over == "heads", False)
+    (x, w, cos, sin), kw = _case(dtype, norm_over, "own", gen, after=after)
+    args = (kw["eps"], kw["weight_offset"], norm_over == "heads", False, after)
     out, rstd = TESTING.cuda_emulate_norm_rotary(x, w, cos, sin, *args)
     check_against_truth(out, x, w, cos, sin, **kw)
     k = randn(2, 5, 1, x.shape[-1], dtype=dtype, gen=gen)

@@ -35,6 +35,10 @@ import rope_ext
 from rope_ext.reference import rms_norm_rotary_reference, rotate
 
 WEIGHTS = ("none", "own", "float32_offset")
+# (weight form, weight_after): the weight before the rotation, and after it (weight_after=True, the
+# norm of models that normalize after RoPE). Without a weight the two are the same op.
+WEIGHT_FORMS = [("none", False), ("own", False), ("float32_offset", False), ("own", True), ("float32_offset", True)]
+WEIGHT_FORM_IDS = ["none", "own", "float32_offset", "own-after", "float32_offset-after"]
 
 
 def norm_tolerance(dtype, n, out):
@@ -56,18 +60,26 @@ def truth(x, w, cos, sin, **kw):
     return rms_norm_rotary_reference(x.double(), None if w is None else w.double(), cos.double(), sin.double(), **kw)
 
 
-def eager(x, w, cos, sin, *, eps, weight_offset=0.0, norm_over="head", interleaved=False):
-    """What eager transformers computes (Qwen3RMSNorm, then apply_rotary_pos_emb), in x's dtype."""
+def eager(x, w, cos, sin, *, eps, weight_offset=0.0, norm_over="head", interleaved=False, weight_after=False):
+    """What eager transformers computes (Qwen3RMSNorm, then apply_rotary_pos_emb), in x's dtype; with
+    weight_after, the weight applied to the rotation's output (in x's dtype, as a norm module after
+    RoPE applies it)."""
+    def weigh(h):
+        if w is None:
+            return h
+        g = w.unflatten(-1, x.shape[-2:]) if norm_over == "heads" and weight_after else w
+        return ((g.float() + weight_offset) * h.float()).to(x.dtype) if weight_offset else g.to(x.dtype) * h
+
     v = x.flatten(-2) if norm_over == "heads" else x
     h = v.float()
     h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    if w is not None:
-        h = ((w.float() + weight_offset) * h.float()).to(x.dtype) if weight_offset else w.to(x.dtype) * h
+    h = h if weight_after else weigh(h)
     h = h.unflatten(-1, x.shape[-2:]) if norm_over == "heads" else h
     r = cos.shape[-1]
     c, s = cos.to(x.dtype), sin.to(x.dtype)
     rot = h[..., :r] * c + rotate(h[..., :r], interleaved) * s
-    return torch.cat((rot, h[..., r:]), -1)
+    out = torch.cat((rot, h[..., r:]), -1)
+    return weigh(out) if weight_after else out
 
 
 def check_against_truth(out, x, w, cos, sin, **kw):
@@ -86,11 +98,12 @@ def check_against_truth(out, x, w, cos, sin, **kw):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("convention", CONVENTIONS)
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
-@pytest.mark.parametrize("weight", WEIGHTS)
+@pytest.mark.parametrize("weight,after", WEIGHT_FORMS, ids=WEIGHT_FORM_IDS)
 @pytest.mark.parametrize("D,r", [(128, 128), (128, 64), (24, 12)], ids=["full", "partial", "tail"])
-def test_matches_float64_truth(dtype, convention, norm_over, weight, D, r, gen):
-    """Every norm form, pairing, weight form and dtype, full and partial rotary, head dims with whole
-    vector steps and with tails only, float32 and own-dtype tables."""
+def test_matches_float64_truth(dtype, convention, norm_over, weight, after, D, r, gen):
+    """Every norm form, pairing, weight form (before and after the rotation) and dtype, full and
+    partial rotary, head dims with whole vector steps and with tails only, float32 and own-dtype
+    tables."""
     interleaved = CONVENTIONS[convention]
     B, S, Hq, Hk = 2, 5, 4, 2
     q, k = randn(B, S, Hq, D, dtype=dtype, gen=gen), randn(B, S, Hk, D, dtype=dtype, gen=gen)
@@ -98,10 +111,42 @@ def test_matches_float64_truth(dtype, convention, norm_over, weight, D, r, gen):
     cos, sin = random_tables((B, S, 1, r), dtype=table_dtype, gen=gen)
     wq, offset = make_weight(weight, D * (Hq if norm_over == "heads" else 1), dtype, gen)
     wk, _ = make_weight(weight, D * (Hk if norm_over == "heads" else 1), dtype, gen)
-    kw = dict(eps=1e-6, weight_offset=offset, norm_over=norm_over, interleaved=interleaved)
+    kw = dict(eps=1e-6, weight_offset=offset, norm_over=norm_over, interleaved=interleaved, weight_after=after)
     q_out, k_out = rope_ext.qk_norm_rotary(q, k, wq, wk, cos, sin, **kw)
     check_against_truth(q_out, q, wq, cos, sin, **kw)
     check_against_truth(k_out, k, wk, cos, sin, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("convention", CONVENTIONS)
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+def test_weight_after_is_the_norm_of_the_rotated_rows(dtype, convention, norm_over, gen):
+    """weight_after=True against the order of the models it serves, written out here in float64 on
+    the same inputs: RoPE with tables of a rotation (cos^2 + sin^2 = 1), then the RMS norm with its
+    weight (HunYuan's query_layernorm after apply_rotary_pos_emb); partial rotary. Without a weight
+    the op gives the same bits with either weight_after."""
+    interleaved = CONVENTIONS[convention]
+    B, S, H, D, r = 2, 5, 3, 64, 48
+    x = randn(B, S, H, D, dtype=dtype, gen=gen)
+    angle = torch.rand(B, S, 1, r // 2, generator=gen, dtype=torch.float64) * 6.3
+    angle = angle.repeat_interleave(2, -1) if interleaved else torch.cat((angle, angle), -1)
+    cos, sin = angle.cos().float(), angle.sin().float()
+    n = D * (H if norm_over == "heads" else 1)
+    w = (torch.rand(n, generator=gen, dtype=torch.float64) * 2).to(dtype)
+    out, _ = rope_ext.qk_norm_rotary(x, x, w, w, cos, sin, eps=1e-6, norm_over=norm_over, interleaved=interleaved,
+                                     weight_after=True)
+    xd, c, s = x.double(), cos.double(), sin.double()
+    rot = torch.cat((xd[..., :r] * c + rotate(xd[..., :r], interleaved) * s, xd[..., r:]), -1)
+    v = rot.flatten(-2) if norm_over == "heads" else rot
+    v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    expected = v.unflatten(-1, (H, D)) if norm_over == "heads" else v
+    # (the statistic of x and of its rotation differ by the tables' roundings to float32: 2 u each)
+    tol = norm_tolerance(dtype, n, expected)
+    tol["atol"] += 4 * _UNIT_ROUNDOFF[torch.float32] * float(expected.abs().max())
+    torch.testing.assert_close(out.double(), expected, **tol)
+    plain = [rope_ext.qk_norm_rotary(x, x, None, None, cos, sin, eps=1e-6, norm_over=norm_over,
+                                     interleaved=interleaved, weight_after=after)[0] for after in (False, True)]
+    assert torch.equal(plain[0], plain[1])
 
 
 @pytest.mark.parametrize("layout", ["bshd", "hf_view", "qkv_slice", "strided_cols", "thd", "padded"])
@@ -188,7 +233,7 @@ def test_a_zero_row_with_eps_zero_is_nan_like_the_formula():
 # --- gradients ------------------------------------------------------------------------------------
 
 
-def _grad_case(dtype, norm_over, interleaved, weight_kind, gen, tables_grad=True, D=16, r=12):
+def _grad_case(dtype, norm_over, interleaved, weight_kind, gen, tables_grad=True, D=16, r=12, after=False):
     B, S, Hq, Hk = 2, 3, 4, 2
     q = randn(B, S, Hq, D, dtype=dtype, gen=gen).requires_grad_()
     k = randn(B, S, Hk, D, dtype=dtype, gen=gen).requires_grad_()
@@ -199,7 +244,7 @@ def _grad_case(dtype, norm_over, interleaved, weight_kind, gen, tables_grad=True
     cos, sin = random_tables((1, S, 1, r), dtype=torch.float32 if dtype != torch.float64 else dtype, gen=gen)
     cos.requires_grad_(tables_grad)
     sin.requires_grad_(tables_grad)
-    kw = dict(eps=1e-6, weight_offset=offset, norm_over=norm_over, interleaved=interleaved)
+    kw = dict(eps=1e-6, weight_offset=offset, norm_over=norm_over, interleaved=interleaved, weight_after=after)
     return (q, k, wq, wk, cos, sin), kw
 
 
@@ -209,11 +254,11 @@ def _reference_pair(q, k, wq, wk, cos, sin, **kw):
 
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
 @pytest.mark.parametrize("convention", CONVENTIONS)
-@pytest.mark.parametrize("weight", WEIGHTS)
-def test_gradients_match_float64_autograd(norm_over, convention, weight, gen):
+@pytest.mark.parametrize("weight,after", WEIGHT_FORMS, ids=WEIGHT_FORM_IDS)
+def test_gradients_match_float64_autograd(norm_over, convention, weight, after, gen):
     """In float64, every gradient (q, k, both weights, cos, sin) equals autograd's of the reference
     composite to float64 rounding."""
-    inputs, kw = _grad_case(torch.float64, norm_over, CONVENTIONS[convention], weight, gen)
+    inputs, kw = _grad_case(torch.float64, norm_over, CONVENTIONS[convention], weight, gen, after=after)
     gq = randn(*inputs[0].shape, dtype=torch.float64, gen=gen)
     gk = randn(*inputs[1].shape, dtype=torch.float64, gen=gen)
     wanted = [t for t in inputs if t is not None]
@@ -225,12 +270,13 @@ def test_gradients_match_float64_autograd(norm_over, convention, weight, gen):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
-def test_low_precision_gradients_match_float64(dtype, norm_over, gen):
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+def test_low_precision_gradients_match_float64(dtype, norm_over, after, gen):
     """float32/16-bit gradients against the float64 truth: dx rounds once (rtol: half an ulp of the
     dtype) after float32 math over a row (atol: the row's length in float32 roundings, relative to
     the largest gradient); the weights' gradients are float32 sums over every row, rounded once to
     the weight's dtype."""
-    inputs, kw = _grad_case(dtype, norm_over, False, "own", gen, tables_grad=True, D=32, r=32)
+    inputs, kw = _grad_case(dtype, norm_over, False, "own", gen, tables_grad=True, D=32, r=32, after=after)
     gq, gk = randn(*inputs[0].shape, dtype=dtype, gen=gen), randn(*inputs[1].shape, dtype=dtype, gen=gen)
     ours = torch.autograd.grad(rope_ext.qk_norm_rotary(*inputs, **kw), inputs, (gq, gk))
     wide = [t.detach().double().requires_grad_() for t in inputs]
@@ -244,8 +290,9 @@ def test_low_precision_gradients_match_float64(dtype, norm_over, gen):
 
 
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
-def test_gradcheck_and_gradgradcheck(norm_over, gen):
-    inputs, kw = _grad_case(torch.float64, norm_over, True, "own", gen, D=8, r=6)
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+def test_gradcheck_and_gradgradcheck(norm_over, after, gen):
+    inputs, kw = _grad_case(torch.float64, norm_over, True, "own", gen, D=8, r=6, after=after)
 
     def f(*args):
         return rope_ext.qk_norm_rotary(*args, **kw)
@@ -267,7 +314,8 @@ def on_threads(fn, *counts):
         torch.set_num_threads(threads)
 
 
-def test_weight_gradients_are_bitwise_reproducible_across_thread_counts(gen):
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+def test_weight_gradients_are_bitwise_reproducible_across_thread_counts(after, gen):
     """The weights' gradients summed in a fixed order: the same bits for 1 and 2 threads and for
     another parallel grain (enough rows for many blocks of the reduction)."""
     q = randn(4, 256, 8, 64, gen=gen).requires_grad_()
@@ -276,7 +324,7 @@ def test_weight_gradients_are_bitwise_reproducible_across_thread_counts(gen):
     g = randn(*q.shape, gen=gen)
 
     def grads():
-        out, _ = rope_ext.qk_norm_rotary(q, q, wq, wq, cos, sin, eps=1e-6)
+        out, _ = rope_ext.qk_norm_rotary(q, q, wq, wq, cos, sin, eps=1e-6, weight_after=after)
         return torch.autograd.grad(out, (q, wq), g)
 
     one, two = on_threads(grads, 1, 2)
@@ -297,20 +345,22 @@ def test_tables_get_no_gradient_unless_they_need_one(gen):
 
 
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
-def test_opcheck(norm_over, gen):
-    inputs, kw = _grad_case(torch.float32, norm_over, False, "own", gen)
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+def test_opcheck(norm_over, after, gen):
+    inputs, kw = _grad_case(torch.float32, norm_over, False, "own", gen, after=after)
     across = norm_over == "heads"
-    args = (*inputs, kw["eps"], kw["weight_offset"], across, kw["interleaved"])
+    args = (*inputs, kw["eps"], kw["weight_offset"], across, kw["interleaved"], after)
     opcheck(torch.ops.rope_ext.qk_norm_rotary.default, args)
     q, _, wq, _, cos, sin = (t.detach() for t in inputs)
-    _, _, rstd, _ = torch.ops.rope_ext.qk_norm_rotary(q, q, wq, wq, cos, sin, 1e-6, 0.0, across, False)
+    _, _, rstd, _ = torch.ops.rope_ext.qk_norm_rotary(q, q, wq, wq, cos, sin, 1e-6, 0.0, across, False, after)
     opcheck(torch.ops.rope_ext.qk_norm_rotary_backward.default,
-            (torch.randn_like(q), q, wq, rstd, cos, sin, None, 0.0, across, False, True),
+            (torch.randn_like(q), q, wq, rstd, cos, sin, None, 0.0, across, False, True, after),
             test_utils=("test_schema", "test_faketensor"))
 
 
-def test_compile_fullgraph_forward_and_backward(gen):
-    inputs, kw = _grad_case(torch.float32, "heads", True, "own", gen)
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+def test_compile_fullgraph_forward_and_backward(after, gen):
+    inputs, kw = _grad_case(torch.float32, "heads", True, "own", gen, after=after)
 
     @torch.compile(fullgraph=True, backend="aot_eager")
     def f(*args):
@@ -457,8 +507,10 @@ def _gathered_tables(cc, sc, positions, interleaved):
 @pytest.mark.parametrize("convention", CONVENTIONS)
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
-def test_gathered_form_matches_float64_truth(dtype, convention, norm_over, index_dtype, gen):
-    """Per-token positions (each sequence its own offsets), GQA, partial rotary, float32 caches."""
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+def test_gathered_form_matches_float64_truth(dtype, convention, norm_over, index_dtype, after, gen):
+    """Per-token positions (each sequence its own offsets), GQA, partial rotary, float32 caches; the
+    weight before and after the rotation."""
     interleaved = CONVENTIONS[convention]
     B, S, Hq, Hk, D, r, P = 2, 5, 4, 2, 32, 24, 40
     q, k = randn(B, S, Hq, D, dtype=dtype, gen=gen), randn(B, S, Hk, D, dtype=dtype, gen=gen)
@@ -466,7 +518,7 @@ def test_gathered_form_matches_float64_truth(dtype, convention, norm_over, index
     positions = torch.randint(0, P, (B, S, 1), generator=gen, dtype=index_dtype)
     wq = torch.rand(D * (Hq if norm_over == "heads" else 1), generator=gen, dtype=torch.float64).to(dtype)
     wk = torch.rand(D * (Hk if norm_over == "heads" else 1), generator=gen, dtype=torch.float64).to(dtype)
-    kw = dict(eps=1e-6, norm_over=norm_over, interleaved=interleaved)
+    kw = dict(eps=1e-6, norm_over=norm_over, interleaved=interleaved, weight_after=after)
     q_out, k_out = rope_ext.qk_norm_rotary_pos(q, k, wq, wk, cc, sc, positions, **kw)
     cos, sin = _gathered_tables(cc, sc, positions, interleaved)
     check_against_truth(q_out, q, wq, cos, sin, **kw)
@@ -477,7 +529,8 @@ def test_gathered_form_matches_float64_truth(dtype, convention, norm_over, index
 
 
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
-def test_gathered_form_gradients_and_gradgradcheck(norm_over, gen):
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+def test_gathered_form_gradients_and_gradgradcheck(norm_over, after, gen):
     """Every gradient, the caches' summed into the rows the positions name (two tokens share one),
     against float64 autograd of the composite; gradcheck and gradgradcheck."""
     B, S, Hq, Hk, D, r, P = 1, 4, 2, 1, 8, 6, 5
@@ -487,7 +540,7 @@ def test_gathered_form_gradients_and_gradgradcheck(norm_over, gen):
     wk = torch.rand(D * (Hk if norm_over == "heads" else 1), dtype=torch.float64, generator=gen).requires_grad_()
     cc, sc = (t.requires_grad_() for t in _caches(P, r, torch.float64, gen))
     positions = torch.tensor([[[3], [1], [3], [0]]])
-    kw = dict(eps=1e-6, weight_offset=0.5, norm_over=norm_over, interleaved=True)
+    kw = dict(eps=1e-6, weight_offset=0.5, norm_over=norm_over, interleaved=True, weight_after=after)
     inputs = (q, k, wq, wk, cc, sc)
     gq, gk = randn(*q.shape, dtype=torch.float64, gen=gen), randn(*k.shape, dtype=torch.float64, gen=gen)
     ours = torch.autograd.grad(rope_ext.qk_norm_rotary_pos(q, k, wq, wk, cc, sc, positions, **kw), inputs, (gq, gk))
@@ -518,7 +571,9 @@ def test_gathered_form_opcheck_and_compile(gen):
     w = torch.rand(16, generator=gen).requires_grad_()
     cc, sc = _caches(8, 16, torch.float32, gen)
     positions = torch.randint(0, 8, (2, 3, 1), generator=gen)
-    opcheck(torch.ops.rope_ext.qk_norm_rotary_pos.default, (q, k, w, w, cc, sc, positions, 1e-6, 0.0, False, False))
+    for after in (False, True):
+        opcheck(torch.ops.rope_ext.qk_norm_rotary_pos.default,
+                (q, k, w, w, cc, sc, positions, 1e-6, 0.0, False, False, after))
 
     @torch.compile(fullgraph=True, backend="aot_eager")
     def f(q, k, w, positions):
@@ -636,7 +691,8 @@ def test_qknorm_starts_at_a_gain_of_one(offset):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
 @pytest.mark.parametrize("gathered", [False, True], ids=["tables", "positions"])
-def test_in_place_equals_out_of_place_on_a_fused_qkv_buffer(dtype, norm_over, gathered, gen):
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+def test_in_place_equals_out_of_place_on_a_fused_qkv_buffer(dtype, norm_over, gathered, after, gen):
     """q and k as slices of one packed (T, 3, H, D) qkv buffer (vLLM's layout), overwritten with exactly
     what the out-of-place op returns; v untouched; versions bumped."""
     T, H, D = 10, 4, 32
@@ -644,7 +700,7 @@ def test_in_place_equals_out_of_place_on_a_fused_qkv_buffer(dtype, norm_over, ga
     v_before = qkv[:, 2].clone()
     q, k = qkv[:, 0], qkv[:, 1]
     w = torch.rand(D * (H if norm_over == "heads" else 1), generator=gen, dtype=torch.float64).to(dtype)
-    kw = dict(eps=1e-6, norm_over=norm_over)
+    kw = dict(eps=1e-6, norm_over=norm_over, weight_after=after)
     if gathered:
         cc, sc = _caches(16, D, torch.float32, gen)
         positions = torch.randint(0, 16, (T, 1), generator=gen)
@@ -682,7 +738,9 @@ def test_in_place_compiles_and_opchecks(gen):
     q, k = randn(1, 4, 2, 16, gen=gen), randn(1, 4, 1, 16, gen=gen)
     cos, sin = random_tables((1, 4, 1, 16), gen=gen)
     w = torch.rand(16, generator=gen)
-    opcheck(torch.ops.rope_ext.qk_norm_rotary_.default, (q.clone(), k.clone(), w, w, cos, sin, 1e-6, 0.0, False, False))
+    for after in (False, True):
+        opcheck(torch.ops.rope_ext.qk_norm_rotary_.default,
+                (q.clone(), k.clone(), w, w, cos, sin, 1e-6, 0.0, False, False, after))
 
     @torch.compile(fullgraph=True, backend="aot_eager")
     def f(q, k):
@@ -720,7 +778,8 @@ def _laid_out(src, kind):
 
 def test_fuzz_against_the_truth():
     """Random problems: sizes with 0 and 1, head dims 2 to 72 with full or partial rotary, every dtype,
-    both pairings and norm forms, weights none / own dtype / float32 with an offset, per-token,
+    both pairings and norm forms, weights none / own dtype / float32 with an offset, before or after
+    the rotation, per-token,
     per-head or shared tables, four layouts, tables or gathered caches, and the parallel grain from
     one element. Forward against the float64 truth; in float32 and float64, the gradients of x and
     the weight against float64 autograd of the reference."""
@@ -733,7 +792,7 @@ def test_fuzz_against_the_truth():
         dtype = data.draw(st.sampled_from(DTYPES))
         interleaved, across = data.draw(st.booleans()), data.draw(st.booleans())
         layout = data.draw(st.sampled_from(["bshd", "strided_cols", "padded"] + ([] if across else ["hf_view"])))
-        weight = data.draw(st.sampled_from(WEIGHTS))
+        weight, after = data.draw(st.sampled_from(WEIGHT_FORMS))
         gathered = data.draw(st.booleans())
         grain = data.draw(st.sampled_from([1, 7, 32768]))
         g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
@@ -741,7 +800,8 @@ def test_fuzz_against_the_truth():
         hf = layout == "hf_view"
         n = D * (H if across else 1)
         w, offset = make_weight(weight, n, dtype, g)
-        kw = dict(eps=1e-5, weight_offset=offset, norm_over="heads" if across else "head", interleaved=interleaved)
+        kw = dict(eps=1e-5, weight_offset=offset, norm_over="heads" if across else "head", interleaved=interleaved,
+                  weight_after=after)
         table_dtype = torch.float32 if weight != "own" else dtype
         if gathered:
             cc, sc = random_tables((6, r // 2), dtype=table_dtype, gen=g)

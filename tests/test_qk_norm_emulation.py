@@ -16,11 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import _UNIT_ROUNDOFF, CONVENTIONS, DTYPES, TESTING, randn, random_tables
-from test_qk_norm import _gathered_tables, check_against_truth, make_weight
+from test_qk_norm import WEIGHT_FORM_IDS, WEIGHT_FORMS, _gathered_tables, check_against_truth, make_weight
 
 from rope_ext.reference import rms_norm_rotary_reference
 
-WEIGHTS = ("none", "own", "float32_offset")
 NORM_LAUNCH = ("grid_x", "block_x", "block_y", "groups", "vec", "pairs_per_item", "rot_items", "pass_items",
                "group_items", "partial_rows", "table_vec", "weight_vec")
 
@@ -31,18 +30,19 @@ def launch(x, w, cos, sin, positions=None, *, norm_over="head", interleaved=Fals
 
 
 def emulated(q, k, wq, wk, cos, sin, positions=None, *, eps=1e-6, weight_offset=0.0, norm_over="head",
-             interleaved=False):
+             interleaved=False, weight_after=False):
     """(q_out, k_out, q_rstd, k_rstd) from the emulated kernels."""
-    args = (eps, weight_offset, norm_over == "heads", interleaved)
+    args = (eps, weight_offset, norm_over == "heads", interleaved, weight_after)
     if positions is None:
         return TESTING.cuda_emulate_qk_norm_rotary(q, k, wq, wk, cos, sin, *args)
     return TESTING.cuda_emulate_qk_norm_rotary_pos(q, k, wq, wk, cos, sin, positions, *args)
 
 
 def emulated_backward(dy, x, w, rstd, cos, sin, positions=None, *, weight_offset=0.0, norm_over="head",
-                      interleaved=False):
+                      interleaved=False, weight_after=False):
     return TESTING.cuda_emulate_qk_norm_rotary_backward(dy, x, w, rstd, cos, sin, positions, weight_offset,
-                                                        norm_over == "heads", interleaved, w is not None)
+                                                        norm_over == "heads", interleaved, w is not None,
+                                                        weight_after)
 
 
 def rstd_truth(x, norm_over, eps=1e-6):
@@ -60,18 +60,19 @@ def check_rstd(rstd, x, norm_over):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("convention", CONVENTIONS)
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
-@pytest.mark.parametrize("weight", WEIGHTS)
+@pytest.mark.parametrize("weight,after", WEIGHT_FORMS, ids=WEIGHT_FORM_IDS)
 @pytest.mark.parametrize("D,r", [(128, 128), (128, 64), (24, 12)], ids=["full", "partial", "tail"])
-def test_forward_matches_float64_truth(dtype, convention, norm_over, weight, D, r, gen):
+def test_forward_matches_float64_truth(dtype, convention, norm_over, weight, after, D, r, gen):
     """test_qk_norm.py's accuracy test, on the kernels: every dtype, pairing, norm form and weight
-    form, full and partial rotary, own-dtype and float32 tables; and the statistic it saves."""
+    form (before and after the rotation), full and partial rotary, own-dtype and float32 tables; and
+    the statistic it saves."""
     interleaved = CONVENTIONS[convention]
     B, S, Hq, Hk = 2, 3, 4, 2
     q, k = randn(B, S, Hq, D, dtype=dtype, gen=gen), randn(B, S, Hk, D, dtype=dtype, gen=gen)
     cos, sin = random_tables((B, S, 1, r), dtype=torch.float32 if weight != "own" else dtype, gen=gen)
     wq, offset = make_weight(weight, D * (Hq if norm_over == "heads" else 1), dtype, gen)
     wk, _ = make_weight(weight, D * (Hk if norm_over == "heads" else 1), dtype, gen)
-    kw = dict(eps=1e-6, weight_offset=offset, norm_over=norm_over, interleaved=interleaved)
+    kw = dict(eps=1e-6, weight_offset=offset, norm_over=norm_over, interleaved=interleaved, weight_after=after)
     q_out, k_out, q_rstd, k_rstd = emulated(q, k, wq, wk, cos, sin, **kw)
     check_against_truth(q_out, q, wq, cos, sin, **kw)
     check_against_truth(k_out, k, wk, cos, sin, **kw)
@@ -136,16 +137,17 @@ def check_grads(dx, dweight, x, w, cos, sin, dy, **kw):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("convention", CONVENTIONS)
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
-@pytest.mark.parametrize("weight", WEIGHTS)
+@pytest.mark.parametrize("weight,after", WEIGHT_FORMS, ids=WEIGHT_FORM_IDS)
 @pytest.mark.parametrize("gathered", [False, True], ids=["tables", "positions"])
-def test_backward_matches_float64_autograd(dtype, convention, norm_over, weight, gathered, gen):
+def test_backward_matches_float64_autograd(dtype, convention, norm_over, weight, after, gathered, gen):
     """dx and the weight's gradient from the emulated backward kernel and the weights' sum, against
-    autograd of the float64 reference; partial rotary (pass-through columns in both sums)."""
+    autograd of the float64 reference; partial rotary (pass-through columns in both sums); the weight
+    before and after the rotation."""
     interleaved = CONVENTIONS[convention]
     B, S, H, D, r, P = 2, 3, 4, 32, 24, 16
     x = randn(B, S, H, D, dtype=dtype, gen=gen)
     w, offset = make_weight(weight, D * (H if norm_over == "heads" else 1), dtype, gen)
-    kw = dict(weight_offset=offset, norm_over=norm_over, interleaved=interleaved)
+    kw = dict(weight_offset=offset, norm_over=norm_over, interleaved=interleaved, weight_after=after)
     if gathered:
         cc, sc = random_tables((P, r // 2), dtype=torch.float32, gen=gen)
         positions = torch.randint(0, P, (B, S, 1), generator=gen)
@@ -161,7 +163,8 @@ def test_backward_matches_float64_autograd(dtype, convention, norm_over, weight,
 
 
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
-def test_forward_and_backward_equal_the_cpu_ops_to_rounding(norm_over, gen):
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+def test_forward_and_backward_equal_the_cpu_ops_to_rounding(norm_over, after, gen):
     """The kernels against the CPU kernel on a Qwen3-like call (bfloat16, GQA, weights): their group
     sums add in another order, so rstd agrees to the sums' rounding (n / 2 + 3 float32 roundings each),
     outputs to an ulp, gradients to float32 rounding over a group."""
@@ -169,7 +172,7 @@ def test_forward_and_backward_equal_the_cpu_ops_to_rounding(norm_over, gen):
     cos, sin = random_tables((2, 8, 1, 128), dtype=torch.float32, gen=gen)
     wq = torch.rand(128 * (8 if norm_over == "heads" else 1), generator=gen).bfloat16()
     wk = torch.rand(128 * (2 if norm_over == "heads" else 1), generator=gen).bfloat16()
-    args = (1e-6, 0.0, norm_over == "heads", False)
+    args = (1e-6, 0.0, norm_over == "heads", False, after)
     ours = TESTING.cuda_emulate_qk_norm_rotary(q, k, wq, wk, cos, sin, *args)
     cpu = torch.ops.rope_ext.qk_norm_rotary(q, k, wq, wk, cos, sin, *args)
     for a, b in zip(ours[:2], cpu[:2], strict=True):
@@ -178,7 +181,7 @@ def test_forward_and_backward_equal_the_cpu_ops_to_rounding(norm_over, gen):
         n = 128 * (x.shape[-2] if norm_over == "heads" else 1)
         torch.testing.assert_close(a, b, atol=0, rtol=2 * (n / 2 + 3) * 2.0**-24)
     dy = randn(*q.shape, dtype=torch.bfloat16, gen=gen)
-    back = (dy, q, wq, cpu[2], cos, sin, None, 0.0, norm_over == "heads", False, True)
+    back = (dy, q, wq, cpu[2], cos, sin, None, 0.0, norm_over == "heads", False, True, after)
     dx, dw = TESTING.cuda_emulate_qk_norm_rotary_backward(*back)
     dx_cpu, dw_cpu = torch.ops.rope_ext.qk_norm_rotary_backward(*back)
     torch.testing.assert_close(dx.float(), dx_cpu.float(), atol=2.0**-7 * float(dx_cpu.abs().max()), rtol=2.0**-7)
@@ -208,7 +211,8 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_layouts_take_the_vector_or_the_scalar_path(layout, norm_over, dtype, gen):
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+def test_layouts_take_the_vector_or_the_scalar_path(layout, norm_over, dtype, after, gen):
     """Both sides of the vector gate, forward and backward: contiguous, aligned rows (also a strided
     head or token dim) take vectors; strided columns and a misaligned start take the scalar kernels.
     Each is checked against the truth; out and dx come back in x's layout as the ops make it."""
@@ -217,9 +221,9 @@ def test_layouts_take_the_vector_or_the_scalar_path(layout, norm_over, dtype, ge
     x = make(randn(B, S, H, D, dtype=dtype, gen=gen))
     w = torch.rand(D * (H if norm_over == "heads" else 1), generator=gen).to(dtype)
     cos, sin = random_tables((B, S, 1, D), dtype=dtype, gen=gen)
-    kw = dict(norm_over=norm_over)
-    assert (launch(x, w, cos, sin, **kw)["vec"] > 1) == vector
-    assert (launch(x, w, cos, sin, backward=True, **kw)["vec"] > 1) == vector
+    assert (launch(x, w, cos, sin, norm_over=norm_over)["vec"] > 1) == vector
+    assert (launch(x, w, cos, sin, backward=True, norm_over=norm_over)["vec"] > 1) == vector
+    kw = dict(norm_over=norm_over, weight_after=after)
     out, _, rstd, _ = emulated(x, x, w, w, cos, sin, **kw)
     check_against_truth(out, x, w, cos, sin, eps=1e-6, **kw)
     dy = randn(*x.shape, dtype=dtype, gen=gen)
@@ -255,7 +259,8 @@ def test_tables_and_weights_take_vectors_or_not(gen):
 
 
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
-def test_many_groups_loop_and_fold_the_weights_partial_sums(norm_over, gen):
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+def test_many_groups_loop_and_fold_the_weights_partial_sums(norm_over, after, gen):
     """A backward with more groups than its 512 blocks hold in one pass (each thread's group loop runs
     several times, adding into its partial sums) and, per head, the block's rows of partial sums
     folded before the blocks' sum; across heads one row per block (no fold). Against float64, and
@@ -269,11 +274,12 @@ def test_many_groups_loop_and_fold_the_weights_partial_sums(norm_over, gen):
     L = launch(x, w, cos, sin, norm_over=norm_over, backward=True)
     assert L["grid_x"] == 512 and L["groups"] > 512 * L["block_y"], L  # (more than one iteration)
     assert (L["block_y"] > 1) == (norm_over == "head"), L
-    _, _, rstd, _ = emulated(x, x, w, w, cos, sin, norm_over=norm_over)
+    kw = dict(norm_over=norm_over, weight_after=after)
+    _, _, rstd, _ = emulated(x, x, w, w, cos, sin, **kw)
     dy = randn(*x.shape, gen=gen)
-    dx, dweight = emulated_backward(dy, x, w, rstd, cos, sin, norm_over=norm_over)
-    check_grads(dx, dweight, x, w, cos, sin, dy, eps=1e-6, norm_over=norm_over)
-    again = emulated_backward(dy, x, w, rstd, cos, sin, norm_over=norm_over)
+    dx, dweight = emulated_backward(dy, x, w, rstd, cos, sin, **kw)
+    check_grads(dx, dweight, x, w, cos, sin, dy, eps=1e-6, **kw)
+    again = emulated_backward(dy, x, w, rstd, cos, sin, **kw)
     assert torch.equal(dx, again[0]) and torch.equal(dweight, again[1])
 
 
@@ -286,14 +292,15 @@ def test_in_place_forms_equal_the_out_of_place_ones(gen):
     cos, sin = random_tables((T, 1, D), dtype=torch.float32, gen=gen)
     cc, sc = random_tables((8, D // 2), dtype=torch.float32, gen=gen)
     positions = torch.randint(0, 8, (T, 1), generator=gen)
-    for tables in [(cos, sin), (cc, sc, positions)]:
+    for tables, after in [((cos, sin), False), ((cc, sc, positions), False), ((cos, sin), True),
+                          ((cc, sc, positions), True)]:
         buf = qkv.clone()
         q, k = buf[:, 0], buf[:, 1]
-        q_out, k_out, _, _ = emulated(q, k, wq, wk, *tables)
+        q_out, k_out, _, _ = emulated(q, k, wq, wk, *tables, weight_after=after)
         if len(tables) == 2:
-            TESTING.cuda_emulate_qk_norm_rotary_(q, k, wq, wk, *tables, 1e-6, 0.0, False, False)
+            TESTING.cuda_emulate_qk_norm_rotary_(q, k, wq, wk, *tables, 1e-6, 0.0, False, False, after)
         else:
-            TESTING.cuda_emulate_qk_norm_rotary_pos_(q, k, wq, wk, *tables, 1e-6, 0.0, False, False)
+            TESTING.cuda_emulate_qk_norm_rotary_pos_(q, k, wq, wk, *tables, 1e-6, 0.0, False, False, after)
         assert torch.equal(q, q_out) and torch.equal(k, k_out)
         assert torch.equal(buf[:, 2], qkv[:, 2])
 
@@ -316,28 +323,29 @@ def test_groups_of_no_values(gen):
 
 
 def test_sector_efficiency_of_the_main_shapes(gen):
-    """The traffic model (benchmarks/cuda_traffic.py prints the full table): Qwen3's per-head norm and
-    Wan's across heads, forward and backward, at least 0.90 of each warp instruction's sector bytes
-    needed, for loads and for stores."""
+    """The traffic model (benchmarks/cuda_traffic.py prints the full table): Qwen3's per-head norm,
+    Wan's across heads and HunYuan's weight after the rotation, forward and backward, at least 0.90
+    of each warp instruction's sector bytes needed, for loads and for stores."""
     from test_cuda_emulation import recorded_traffic
 
     bf, f32 = torch.bfloat16, torch.float32
-    cases = [("head", 8, bf, f32, False), ("head", 8, bf, bf, False), ("head", 8, bf, bf, True),
-             ("heads", 40, bf, f32, False), ("head", 8, f32, f32, False)]
+    cases = [("head", 8, bf, f32, False, False), ("head", 8, bf, bf, False, False), ("head", 8, bf, bf, True, False),
+             ("heads", 40, bf, f32, False, False), ("head", 8, f32, f32, False, False),
+             ("head", 8, bf, f32, False, True)]
     D = 128
-    for norm_over, H, dtype, table_dtype, interleaved in cases:
+    for norm_over, H, dtype, table_dtype, interleaved, after in cases:
         x = randn(1, 16, H, D, dtype=dtype, gen=gen)
         w = torch.rand(D * (H if norm_over == "heads" else 1), generator=gen).to(dtype)
         cc, sc = random_tables((64, D // 2), dtype=table_dtype, gen=gen)
         positions = torch.randint(0, 64, (1, 16, 1), generator=gen)
-        kw = (1e-6, 0.0, norm_over == "heads", interleaved)
+        kw = (1e-6, 0.0, norm_over == "heads", interleaved, after)
         (_, _, rstd, _), fwd, _ = recorded_traffic(TESTING.cuda_emulate_qk_norm_rotary_pos, x, x, w, w, cc, sc,
                                                     positions, *kw)
         dy = randn(*x.shape, dtype=dtype, gen=gen)
         _, bwd, _ = recorded_traffic(TESTING.cuda_emulate_qk_norm_rotary_backward, dy, x, w, rstd, cc, sc, positions,
-                                     0.0, norm_over == "heads", interleaved, True)
+                                     0.0, norm_over == "heads", interleaved, True, after)
         for name, t in (("forward", fwd), ("backward", bwd)):
             for kind in ("ld", "st"):
                 eff = t[f"{kind}_needed"] / t[f"{kind}_sectors"]
-                case = f"{norm_over} {dtype}/{table_dtype} interleaved={interleaved} {name} {kind}"
+                case = f"{norm_over} {dtype}/{table_dtype} interleaved={interleaved} after={after} {name} {kind}"
                 assert eff >= 0.90, f"{case}: sector efficiency {eff:.3f}"

@@ -7,6 +7,9 @@
 //   forward   rstd = 1 / sqrt(mean(x^2) + eps);  out = rotary(g * (x * rstd), cos, sin)
 //   backward  u = rotary^T(dy);  dg += u * x_hat  (x_hat = x * rstd);  d = u * g;
 //             dx = rstd * (d - x_hat * mean(d * x_hat))
+// and with the weight after the rotation (NormOperands::weight_after):
+//   forward   out = g * rotary(x * rstd, cos, sin)
+//   backward  d = rotary^T(g * dy);  dg += dy * rotary(x_hat);  dx as above
 // The row is read once into a T buffer; every value is rounded once, when stored. The backward
 // recomputes x_hat from x and the saved rstd (never from out: a weight near 0 would lose it).
 // The weights' gradient is summed in T per block of groups whose size depends on the shape only,
@@ -139,14 +142,15 @@ void rotate_buffer(const T* a, const T* c, const T* s, T* y, int64_t r, int64_t 
   for (int64_t j = r; j < d; ++j) y[j] = a[j];
 }
 
-// out = rotary(a * s * g) on the first r of d columns of one row, the rest a * s * g (g may be null:
-// a * s), into `out` (column stride col) rounded once: where out's columns are contiguous, whole
-// vector steps of pairs are scaled, rotated and stored in one pass; the other pairs and the
-// pass-through columns go through the buffers z (scaled) and y (rotated). (The same roundings as
-// rotate_buffer after NormMath::scale: (a * s) * g, then rotate_pair.)
+// out = rotary(a * s * g) on the first r of d columns of one row (`after`: g * rotary(a * s)), the
+// rest a * s * g (g may be null: a * s), into `out` (column stride col) rounded once: where out's
+// columns are contiguous, whole vector steps of pairs are scaled, rotated and stored in one pass; the
+// other pairs and the pass-through columns go through the buffers z (scaled) and y (rotated). (The
+// same roundings as rotate_buffer after NormMath::scale: (a * s) * g, then rotate_pair; `after`:
+// a * s, rotate_pair, then the product with g.)
 template <typename scalar_t, bool kInterleaved>
 void store_scaled_rotation(const at::opmath_type<scalar_t>* a, at::opmath_type<scalar_t> s,
-                           const at::opmath_type<scalar_t>* g, const at::opmath_type<scalar_t>* c,
+                           const at::opmath_type<scalar_t>* g, bool after, const at::opmath_type<scalar_t>* c,
                            const at::opmath_type<scalar_t>* sn, at::opmath_type<scalar_t>* z,
                            at::opmath_type<scalar_t>* y, int64_t r, int64_t d, scalar_t* out, int64_t col) {
   using T = at::opmath_type<scalar_t>;
@@ -159,11 +163,10 @@ void store_scaled_rotation(const at::opmath_type<scalar_t>* a, at::opmath_type<s
   if (col == 1) {
     const Vec vs(s);
     for (; i + IO::kStep <= half; i += IO::kStep) {
-      Vec x1[2], x2[2], c1[2], c2[2], s1[2], s2[2], o1[2], o2[2];
+      Vec x1[2], x2[2], c1[2], c2[2], s1[2], s2[2], o1[2], o2[2], g1[2], g2[2];
       IO::template load_pairs<kInterleaved>(a, i, half, x1, x2);
-      if (g != nullptr) {
-        Vec g1[2], g2[2];
-        IO::template load_pairs<kInterleaved>(g, i, half, g1, g2);
+      if (g != nullptr) IO::template load_pairs<kInterleaved>(g, i, half, g1, g2);
+      if (g != nullptr && !after) {
         for (int k = 0; k < 2; ++k) x1[k] = x1[k] * vs * g1[k], x2[k] = x2[k] * vs * g2[k];
       } else {
         for (int k = 0; k < 2; ++k) x1[k] = x1[k] * vs, x2[k] = x2[k] * vs;
@@ -171,21 +174,36 @@ void store_scaled_rotation(const at::opmath_type<scalar_t>* a, at::opmath_type<s
       IO::template load_pairs<kInterleaved>(c, i, half, c1, c2);
       IO::template load_pairs<kInterleaved>(sn, i, half, s1, s2);
       for (int k = 0; k < 2; ++k) rotate_pair<false>(x1[k], x2[k], c1[k], s1[k], c2[k], s2[k], o1[k], o2[k]);
+      if (g != nullptr && after) {
+        for (int k = 0; k < 2; ++k) o1[k] = o1[k] * g1[k], o2[k] = o2[k] * g2[k];
+      }
       OutIO::template store_pairs<kInterleaved>(out, i, half, o1, o2);
     }
   }
   if (i == half && r == d) return;  // (every column stored: no tail, no pass-through columns)
-  // the columns of pairs [i, half) and the pass-through ones, scaled into z
-  const auto scale = [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) z[j] = g != nullptr ? a[j] * s * g[j] : a[j] * s;
+  // the columns of pairs [i, half) and the pass-through ones, scaled into z (the rotated columns by g
+  // before the rotation, or after it into y)
+  const T* const g_before = after ? nullptr : g;
+  const auto scale = [&](int64_t j0, int64_t j1, const T* gs) {
+    for (int64_t j = j0; j < j1; ++j) z[j] = gs != nullptr ? a[j] * s * gs[j] : a[j] * s;
+  };
+  const auto scale_after = [&](int64_t j0, int64_t j1) {
+    if (g != nullptr && after) for (int64_t j = j0; j < j1; ++j) y[j] = y[j] * g[j];
   };
   if (kInterleaved) {
-    scale(2 * i, d);
+    scale(2 * i, r, g_before);
   } else {
-    scale(i, half);
-    scale(half + i, d);
+    scale(i, half, g_before);
+    scale(half + i, r, g_before);
   }
+  scale(r, d, g);
   rotate_tail<T, kInterleaved, false>(z, c, sn, y, i, half);
+  if (kInterleaved) {
+    scale_after(2 * i, r);
+  } else {
+    scale_after(i, half);
+    scale_after(half + i, r);
+  }
   for (int64_t j = r; j < d; ++j) y[j] = z[j];
   using Row = NormRowIO<scalar_t>;
   if (col != 1) {  // (no vector step ran: y holds the whole row)
@@ -343,8 +361,9 @@ void norm_forward(const NormPlan& p, const NormOperands& o, const Thresholds& th
         for (int64_t h = 0; h < G; ++h, writing.next()) {
           const int64_t* off = writing.off;
           tables.load(p, o, off[kNormCos], off[kNormSin]);
-          store_scaled_rotation<scalar_t, kInterleaved>(xf + (b * G + h) * D, inv[b], ctx.g_for(h), tables.c,
-                                                        tables.s, z, y, R, D, out + off[kNormOut], p.out_col);
+          store_scaled_rotation<scalar_t, kInterleaved>(xf + (b * G + h) * D, inv[b], ctx.g_for(h), o.weight_after,
+                                                        tables.c, tables.s, z, y, R, D, out + off[kNormOut],
+                                                        p.out_col);
         }
       }
     }
@@ -374,12 +393,13 @@ void norm_backward(const NormPlan& p, const NormOperands& o, const Thresholds& t
   std::vector<T> partial(dweight != nullptr ? blocks * W : 0, T(0));
   const int64_t grain = std::max<int64_t>(1, th.grain_elements / (block * N));
   parallel_for(pool, 0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<T> buf(2 * N + 2 * D + 2 * R);
+    std::vector<T> buf(2 * N + 3 * D + 2 * R);
     T* const xh = buf.data();  // x_hat, the group's rows
     T* const d = xh + N;       // the gradient of x_hat
     T* const gy = d + N;       // one row of dy, then of dx
-    T* const u = gy + D;
-    TableRows<scalar_t, kInterleaved> tables{u + D, u + D + R};
+    T* const u = gy + D;       // rotary^T(dy); with the weight after, rotary(x_hat)
+    T* const gdy = u + D;      // with the weight after, g * dy
+    TableRows<scalar_t, kInterleaved> tables{gdy + D, gdy + D + R};
     int64_t off[5];
     for (int64_t b = b0; b < b1; ++b) {
       T* const part = dweight != nullptr ? partial.data() + b * W : nullptr;
@@ -392,9 +412,20 @@ void norm_backward(const NormPlan& p, const NormOperands& o, const Thresholds& t
           NormMath<T>::scale(xr, inv, nullptr, xr, D);
           Row::load(dy + off[kNormGrad], p.grad_col, D, gy);
           tables.load(p, o, off[kNormCos], off[kNormSin]);
-          rotate_buffer<T, kInterleaved, true>(gy, tables.c, tables.s, u, R, D);
-          if (part != nullptr) NormMath<T>::add_products(u, xr, part + (W > D ? h * D : 0), D);
-          NormMath<T>::scale(u, T(1), ctx.g_for(h), d + h * D, D);
+          T* const part_h = part != nullptr ? part + (W > D ? h * D : 0) : nullptr;
+          if (o.weight_after) {  // d = rotary^T(g * dy); dg += dy * rotary(x_hat)
+            if (part_h != nullptr) {
+              rotate_buffer<T, kInterleaved, false>(xr, tables.c, tables.s, u, R, D);
+              NormMath<T>::add_products(gy, u, part_h, D);
+            }
+            const T* const g = ctx.g_for(h);
+            if (g != nullptr) NormMath<T>::scale(gy, T(1), g, gdy, D);
+            rotate_buffer<T, kInterleaved, true>(g != nullptr ? gdy : gy, tables.c, tables.s, d + h * D, R, D);
+          } else {  // u = rotary^T(dy); dg += u * x_hat; d = u * g
+            rotate_buffer<T, kInterleaved, true>(gy, tables.c, tables.s, u, R, D);
+            if (part_h != nullptr) NormMath<T>::add_products(u, xr, part_h, D);
+            NormMath<T>::scale(u, T(1), ctx.g_for(h), d + h * D, D);
+          }
         }
         const T mean = NormMath<T>::dot(d, xh, N) / static_cast<T>(N);
         for (int64_t h = 0; h < G; ++h) {

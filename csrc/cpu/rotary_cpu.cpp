@@ -276,7 +276,8 @@ void run_norm(const NormCall& c) {
                               c.grad != nullptr ? c.grad->const_data_ptr() : nullptr,
                               c.dweight != nullptr ? c.dweight->mutable_data_ptr() : nullptr,
                               kernel_dtype(c.x.scalar_type()),
-                              c.cos.scalar_type() != c.x.scalar_type()};
+                              c.cos.scalar_type() != c.x.scalar_type(),
+                              c.weight_after};
   variant_for_call().norm(plan, operands, c.interleaved, c.grad != nullptr, th, kTorchPool);
 }
 

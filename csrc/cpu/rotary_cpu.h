@@ -100,6 +100,7 @@ struct NormOperands {
   void* dweight;       // the backward's weight gradient (the compute dtype), or nullptr
   KernelDtype dtype;   // of x, out, grad
   bool float_tables;
+  bool weight_after;   // g applied after the rotation (NormCall::weight_after)
 };
 
 #define ROPE_EXT_DECLARE_KERNEL(CAP)                                                           \

@@ -173,6 +173,7 @@ struct NormThread {
   int32_t head_items;  // rot_items + pass_items
   PartialLayout layout;
   bool weight_float, table_vec, weight_vec;
+  bool weight_after;  // g applied after the rotation (NormCall::weight_after): a uniform branch
 
   static NormThread make(const NormCall& c, const NormPlan& plan, const NormLaunch& L, void* partial) {
     NormThread t{};
@@ -197,6 +198,7 @@ struct NormThread {
     t.layout = L.partial;
     t.table_vec = L.table_vec;
     t.weight_vec = L.weight_vec;
+    t.weight_after = c.weight_after;
     return t;
   }
 
@@ -362,17 +364,34 @@ struct NormThread {
                                                                 table_vec, s1, s2);
     }
   }
-  // Backward: u = rotary^T(dy) and x_hat = x * rstd at the pairs.
-  ROPE_HD void u_and_x_hat_pairs(const Item& a, opmath_t inv, opmath_t (&u1)[kPairs], opmath_t (&u2)[kPairs],
-                                 opmath_t (&h1)[kPairs], opmath_t (&h2)[kPairs]) const {
-    opmath_t d1[kPairs], d2[kPairs], c1[kPairs], s1[kPairs], c2[kPairs], s2[kPairs];
+  // Backward at the pairs: x_hat = x * rstd, and d, the gradient of x_hat: rotary^T(dy) * g, or with
+  // the weight after, rotary^T(g * dy). kTerms: also each column's term of the weights' gradient,
+  // rotary^T(dy) * x_hat, or with the weight after, dy * rotary(x_hat).
+  template <bool kTerms>
+  ROPE_HD void grad_pairs(const Item& a, opmath_t inv, opmath_t (&d1)[kPairs], opmath_t (&d2)[kPairs],
+                          opmath_t (&h1)[kPairs], opmath_t (&h2)[kPairs], opmath_t (&t1)[kPairs],
+                          opmath_t (&t2)[kPairs]) const {
+    opmath_t y1[kPairs], y2[kPairs], c1[kPairs], s1[kPairs], c2[kPairs], s2[kPairs], g1[kPairs], g2[kPairs];
     load_pairs<kVec, kInterleaved, kSiteGrad1, kSiteGrad2, Mem>(grad + a.off[kNormGrad], p.grad_col, half(), pair0(a),
-                                                                true, d1, d2);
+                                                                true, y1, y2);
     table_pairs(a, c1, s1, c2, s2);
     x_pairs(a, h1, h2);
+    gain_pairs(a, g1, g2);
     for (int j = 0; j < kPairs; ++j) {
-      rotate_pair<true>(d1[j], d2[j], c1[j], s1[j], c2[j], s2[j], u1[j], u2[j]);
       h1[j] = h1[j] * inv, h2[j] = h2[j] * inv;
+      if (weight_after) {
+        if constexpr (kTerms) {
+          opmath_t r1, r2;
+          rotate_pair<false>(h1[j], h2[j], c1[j], s1[j], c2[j], s2[j], r1, r2);
+          t1[j] = y1[j] * r1, t2[j] = y2[j] * r2;
+        }
+        rotate_pair<true>(y1[j] * g1[j], y2[j] * g2[j], c1[j], s1[j], c2[j], s2[j], d1[j], d2[j]);
+      } else {
+        opmath_t u1, u2;
+        rotate_pair<true>(y1[j], y2[j], c1[j], s1[j], c2[j], s2[j], u1, u2);
+        if constexpr (kTerms) t1[j] = u1 * h1[j], t2[j] = u2 * h2[j];
+        d1[j] = u1 * g1[j], d2[j] = u2 * g2[j];
+      }
     }
   }
 
@@ -417,19 +436,21 @@ struct NormThread {
       x_pairs(a, x1, x2);
       for (int j = 0; j < kPairs; ++j) sum += x1[j] * x1[j] + x2[j] * x2[j];
     } else {
-      opmath_t u1[kPairs], u2[kPairs], h1[kPairs], h2[kPairs], g1[kPairs], g2[kPairs];
-      u_and_x_hat_pairs(a, Mem::template load<kSiteRstdLoad>(rstd + n), u1, u2, h1, h2);
+      opmath_t d1[kPairs], d2[kPairs], h1[kPairs], h2[kPairs], t1[kPairs], t2[kPairs];
+      const opmath_t inv = Mem::template load<kSiteRstdLoad>(rstd + n);
       if (partial != nullptr) {  // (slot order: PartialLayout::of_column's)
+        grad_pairs<true>(a, inv, d1, d2, h1, h2, t1, t2);
         opmath_t v[kSlot] = {};
         if (it > 0) load_slot(g, item, v);
         for (int j = 0; j < kPairs; ++j) {
-          v[kInterleaved ? 2 * j : j] += u1[j] * h1[j];
-          v[kInterleaved ? 2 * j + 1 : kPairs + j] += u2[j] * h2[j];
+          v[kInterleaved ? 2 * j : j] += t1[j];
+          v[kInterleaved ? 2 * j + 1 : kPairs + j] += t2[j];
         }
         store_slot(g, item, v);
+      } else {
+        grad_pairs<false>(a, inv, d1, d2, h1, h2, t1, t2);
       }
-      gain_pairs(a, g1, g2);
-      for (int j = 0; j < kPairs; ++j) sum += u1[j] * g1[j] * h1[j] + u2[j] * g2[j] * h2[j];
+      for (int j = 0; j < kPairs; ++j) sum += d1[j] * h1[j] + d2[j] * h2[j];
     }
     return sum;
   }
@@ -454,7 +475,8 @@ struct NormThread {
     return sum;
   }
 
-  // Forward: out = rotary(x * rstd * g). Backward: dx = rstd * (d - x_hat * mean), d = u * g.
+  // Forward: out = rotary(x * rstd * g), or g * rotary(x * rstd). Backward: dx = rstd * (d - x_hat *
+  // mean), d as grad_pairs gives it (u * g at the pass-through columns, where the order does not matter).
   ROPE_HD void item_write(int64_t n, int64_t item, opmath_t inv, opmath_t mean) const {
     const Item a = locate(n, item);
     if (a.j < rot_items) {
@@ -464,22 +486,27 @@ struct NormThread {
     }
   }
   ROPE_HD void pairs_write(const Item& a, opmath_t inv, opmath_t mean) const {
-    opmath_t g1[kPairs], g2[kPairs], o1[kPairs], o2[kPairs];
-    gain_pairs(a, g1, g2);
+    opmath_t o1[kPairs], o2[kPairs];
     if constexpr (!kBackward) {
-      opmath_t x1[kPairs], x2[kPairs], c1[kPairs], s1[kPairs], c2[kPairs], s2[kPairs];
+      opmath_t x1[kPairs], x2[kPairs], c1[kPairs], s1[kPairs], c2[kPairs], s2[kPairs], g1[kPairs], g2[kPairs];
+      gain_pairs(a, g1, g2);
       x_pairs(a, x1, x2);
       table_pairs(a, c1, s1, c2, s2);
       for (int j = 0; j < kPairs; ++j) {
-        const opmath_t y1 = x1[j] * inv * g1[j], y2 = x2[j] * inv * g2[j];
-        rotate_pair<false>(y1, y2, c1[j], s1[j], c2[j], s2[j], o1[j], o2[j]);
+        if (weight_after) {
+          rotate_pair<false>(x1[j] * inv, x2[j] * inv, c1[j], s1[j], c2[j], s2[j], o1[j], o2[j]);
+          o1[j] = o1[j] * g1[j], o2[j] = o2[j] * g2[j];
+        } else {
+          const opmath_t y1 = x1[j] * inv * g1[j], y2 = x2[j] * inv * g2[j];
+          rotate_pair<false>(y1, y2, c1[j], s1[j], c2[j], s2[j], o1[j], o2[j]);
+        }
       }
     } else {
-      opmath_t u1[kPairs], u2[kPairs], h1[kPairs], h2[kPairs];
-      u_and_x_hat_pairs(a, inv, u1, u2, h1, h2);
+      opmath_t d1[kPairs], d2[kPairs], h1[kPairs], h2[kPairs], t1[kPairs], t2[kPairs];
+      grad_pairs<false>(a, inv, d1, d2, h1, h2, t1, t2);
       for (int j = 0; j < kPairs; ++j) {
-        o1[j] = inv * (u1[j] * g1[j] - h1[j] * mean);
-        o2[j] = inv * (u2[j] * g2[j] - h2[j] * mean);
+        o1[j] = inv * (d1[j] - h1[j] * mean);
+        o2[j] = inv * (d2[j] - h2[j] * mean);
       }
     }
     store_pairs<kVec, kInterleaved, kSiteOut1, kSiteOut2, Mem>(out + a.off[kNormOut], p.out_col, half(), pair0(a),
