@@ -133,9 +133,10 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
     """The replacement a fusion's rewritten method calls: ``call(module, q_attr, k_attr, mode, rope,
     q, k, *args, **kwargs)``, where ``rope(q, k, *args, **kwargs)`` (``pair``: ``rope(q, ...)`` and
     ``rope(k, ...)``) is the model's RoPE call, mode None means the norms already ran (or are off),
-    mode ``"after"`` means the model normalizes after RoPE (fused only where the norms have no
-    weight), mode ``"single"`` means one tensor (q, with k None and ``rope(q, *args, **kwargs)``
-    its RoPE call; the result is one tensor), and rope None means the norms alone.
+    mode ``"after"`` means the model normalizes after RoPE (fused, the weight applied after the
+    rotation, only where the model's tables are a rotation's), mode ``"single"`` means one tensor
+    (q, with k None and ``rope(q, *args, **kwargs)`` its RoPE call; the result is one tensor), and
+    rope None means the norms alone.
 
     Args:
         norms: norm class -> (its :class:`NormForm`, its ``forward`` as patched): the classes whose
@@ -194,7 +195,7 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
                 return None
             q, k, cos, sin = q.transpose(1, 2), k.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2)
         wq, wk = _norm_weight(qn, norm_form), _norm_weight(kn, norm_form)
-        if mode == "after" and (wq is not None or wk is not None or not _unit_tables(module)):
+        if mode == "after" and not _unit_tables(module):  # (the statistic of x is then not that of its rotation)
             return None
         across = mode not in ("head", "after")
         if across and (wq is None or wk is None):  # the weights' size is what shows the norm's row
@@ -203,7 +204,8 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
         if not (_weight_ok(wq, norm_form, q, rows(q)) and _weight_ok(wk, norm_form, k, rows(k))):
             return None
         return q, k, wq, wk, cos, sin, dict(eps=float(eps), weight_offset=norm_form.offset,
-                                            norm_over="heads" if across else "head", interleaved=form.interleaved)
+                                            norm_over="heads" if across else "head", interleaved=form.interleaved,
+                                            weight_after=mode == "after")
 
     def single(module, attr, rope, x, args, kwargs):
         """mode "single": one tensor, normalized by module.<attr>, then rotated by rope(x, ...)."""

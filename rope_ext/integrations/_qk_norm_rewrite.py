@@ -347,11 +347,10 @@ def _fuse_after(fn, owner: str, sites, q: str, k: str, norm_attrs, holder) -> Si
     """The norms after RoPE (NanoChat's ``Q, K = rope(Q, K, ...)`` then ``Q = O.q_norm(Q)`` and
     ``K = O.k_norm(K)``), as one fused call in place of the three statements, mode ``"after"``.
 
-    A rotation keeps each row's sum of squares, so a norm without a weight gives the same rows after
-    RoPE as before it, and the op (which normalizes first) computes both orders, where the tables
-    are a rotation's (cos^2 + sin^2 = 1: the call checks the model's RoPE type, see
-    ``_qk_norm_call``); with a weight it does not (the weight's columns would be rotated), and the
-    call runs the model's RoPE, then its norms.
+    A rotation keeps each row's sum of squares, so the statistic of the rotated rows is that of the
+    rows, where the tables are a rotation's (cos^2 + sin^2 = 1: the call checks the model's RoPE
+    type, see ``_qk_norm_call``); the op normalizes first and applies a weight after the rotation
+    (``weight_after=True``), which computes the model's order.
     The fused call replaces exactly one RoPE statement (or pair) whose next two statements, in the
     same block, are the two norms of the rotated names themselves."""
     refused = Unfusable("q and k are normalized after RoPE, not directly after its one call")

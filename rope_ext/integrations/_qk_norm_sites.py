@@ -219,9 +219,6 @@ def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dic
                 reason = (f"{rope} is refused" if form is None else
                           f"{rope}'s signature ({form.signature}) has no fused call yet")
         found = judge(key, None if reason is None else Unsupported(reason), forward, "self", ropes, set(called))
-        if isinstance(found, Site) and found.mode == "after" and any(f.weight is not None for f in forms):
-            found = Unsupported("q and k are normalized after RoPE by norms with a weight (the op applies the "
-                              "weight before the rotation)")
         sites.append(site.refused(found) if isinstance(found, FusionRefusal) else
                      dataclasses.replace(site, norm_form=forms.pop(), site=found))
     return sites

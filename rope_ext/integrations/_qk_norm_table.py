@@ -33,7 +33,7 @@ def _self(rope: str = "apply_rotary_pos_emb", mode: str = "head", q: str = "q_no
 # that keeps a method's code keeps its fingerprint, and the entry is listed under each), with the
 # families that have it (the first one, or the one named in tests/test_qk_norm_fusion.py's CASES,
 # is the one the test runs).
-# transformers 4.57.6: 11 fusions
+# transformers 4.57.6: 12 fusions
 _TESTED_4_57_6 = {
     "f8bb98c7dc479833": _self(),  # apertus
     "466ef967e569269f": _self(),  # doge
@@ -42,6 +42,7 @@ _TESTED_4_57_6 = {
     "2bff8037f77037f6": _self(mode='heads_bhsd'),  # flex_olmo, olmo2
     "3ac485fb6c021336": _self(),  # gemma3
     "0fb56587dc6147bd": _self(),  # glm4_moe
+    "5cbc7d39a9fb2404": _self(mode='after', q='query_layernorm', k='key_layernorm'),  # hunyuan_v1_dense, hunyuan_v1_moe
     "8a3fc0fcf2b48db0": _self(q='q_layernorm', k='k_layernorm'),  # lfm2
     "377b3b287f6f66c5": _self(mode='heads_bhsd'),  # olmo3
     "180dd1ee02ec7469": _self(),  # qwen3_next
@@ -52,7 +53,6 @@ _UNFUSABLE_4_57_6 = {
     "7d34dbfe2ef8c949": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested RMS norm form",  # chameleon
     "3edbd5d3c736dcc7": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested RMS norm form",  # cohere
     "e550c0d97b3105f1": "self.k_norm's class Gemma3nRMSNorm (fingerprint bf9746660b7d7006) matches no tested RMS norm form",  # gemma3n
-    "5cbc7d39a9fb2404": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # hunyuan_v1_dense, hunyuan_v1_moe
     "a8d22eeb98df352d": "apply_rotary_pos_emb's signature (qk, tables by position_ids) has no fused call yet",  # idefics
     "54f346c30ac6bc3d": '`query_states = query_states.view(bsz, q_len, self.num_heads, self.head_dim).tran` uses query_states, key_states or what their norms read between the norms and RoPE',  # olmoe
     "71fc001ae52ca00a": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // self.num_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # persimmon
@@ -61,7 +61,7 @@ _UNFUSABLE_4_57_6 = {
     "c0fa07245d827bcc": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
 }
 
-# transformers 5.23.0: 34 fusions
+# transformers 5.23.0: 37 fusions
 _TESTED_5_23_0 = {
     "91e1bf1cafd7aa2a": _self(),  # afmoe
     "fef913fe49b2cd0b": _self(),  # apertus, hy_v3
@@ -80,6 +80,8 @@ _TESTED_5_23_0 = {
     "6c72696ac3f95ee4": _self(mode='single'),  # gemma3n
     "3fbe4a8e128254d1": _self(mode='single'),  # gemma4, gemma4_unified
     "005d1a2988569304": _self(),  # glm4_moe
+    "857ab43f0d54a138": _self(mode='after', q='query_layernorm', k='key_layernorm'),  # hunyuan_v1_dense, hunyuan_v1_moe
+    "663366a9f5fb585c": _self(mode='after', q='query_layernorm', k='key_layernorm'),  # hunyuan_vl
     "4f4611d27c5626e9": _self(),  # laguna
     "c9a25efcd35dbac3": _self(q='q_layernorm', k='k_layernorm'),  # lfm2, lfm2_moe
     "3324b74a38f17d5e": _self(),  # lfm3
@@ -97,6 +99,7 @@ _TESTED_5_23_0 = {
     "d6782bb92034c344": _self(),  # qwen3_vl, qwen3_vl_moe
     "91ef87389aa8bc84": _self(),  # step3p7
     "790f7c80b55a5e38": _self(),  # t5gemma2
+    "22925477930e9fe8": _self(mode='after'),  # timesfm2_5
 }
 
 _UNFUSABLE_5_23_0 = {
@@ -105,8 +108,6 @@ _UNFUSABLE_5_23_0 = {
     "6e184945cf0dcc49": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested RMS norm form",  # cohere
     "1335617521965374": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # dots3_note, glm_moe_dsa
     "42b6a0ea04cf0a35": "self.k_norm's class EsmcLayerNorm (fingerprint d431cf3f77e54d0b) matches no tested RMS norm form",  # esmc
-    "857ab43f0d54a138": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # hunyuan_v1_dense, hunyuan_v1_moe
-    "663366a9f5fb585c": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # hunyuan_vl
     "be7e5a4fd2310a04": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps): not an RMS norm class its file defines',  # hy_v4
     "3a878b44e2256eda": 'q and k are normalized after RoPE, not directly after its one call',  # idefics
     "958ff91a25bb938d": 'idx_q, idx_k or what their norms read is used between their two norms',  # minimax_m3_vl
@@ -120,10 +121,9 @@ _UNFUSABLE_5_23_0 = {
     "1d9ae95bbcdd25b2": "self.k_layernorm's class Qwen4ExpTextRMSNorm (fingerprint d82b17b1ea3a3199) matches no tested RMS norm form",  # qwen4_exp
     "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not an RMS norm class its file defines',  # sapiens2
     "13e2d0e7e6486a44": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
-    "22925477930e9fe8": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # timesfm2_5
 }
 
-# transformers 5.24.0: 34 fusions
+# transformers 5.24.0: 37 fusions
 _TESTED_5_24_0 = {
     "2610de19b1b92456": _self(),  # afmoe
     "35e5e0b49a1f818b": _self(),  # apertus, apertus1p5, hy_v3
@@ -142,6 +142,8 @@ _TESTED_5_24_0 = {
     "eecf660637ac7a26": _self(mode='single'),  # gemma3n
     "0941a374e572fc48": _self(mode='single'),  # gemma4, gemma4_unified
     "1453e93aa1f20e72": _self(),  # glm4_moe
+    "97285b70d0da794a": _self(mode='after', q='query_layernorm', k='key_layernorm'),  # hunyuan_v1_dense, hunyuan_v1_moe
+    "82f2fc566bc395ff": _self(mode='after', q='query_layernorm', k='key_layernorm'),  # hunyuan_vl
     "3aebbdeb503750c1": _self(),  # laguna
     "19caa7c016683755": _self(q='q_layernorm', k='k_layernorm'),  # lfm2, lfm2_moe
     "d3b73d23916aaf4b": _self(),  # lfm3
@@ -159,6 +161,7 @@ _TESTED_5_24_0 = {
     "54abb277e234eeda": _self(),  # qwen3_vl, qwen3_vl_moe
     "a8e098472f625c67": _self(),  # step3p7
     "6dfc7f74f925a53e": _self(),  # t5gemma2
+    "493015b25dcc0fcb": _self(mode='after'),  # timesfm2_5
 }
 
 _UNFUSABLE_5_24_0 = {
@@ -168,8 +171,6 @@ _UNFUSABLE_5_24_0 = {
     "e29392e9a934db7e": "self.k_norm's class DoryL2Norm (fingerprint aa1ef494b4fd2dfc) matches no tested RMS norm form",  # dory
     "683afcb13938924b": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # dots3_note, glm_moe_dsa
     "f64b2d6cea5f845b": "self.k_norm's class EsmcLayerNorm (fingerprint d431cf3f77e54d0b) matches no tested RMS norm form",  # esmc
-    "97285b70d0da794a": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # hunyuan_v1_dense, hunyuan_v1_moe
-    "82f2fc566bc395ff": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # hunyuan_vl
     "b2320298c1fd4875": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps, dtype=torch.float32): not an RMS norm class its file defines',  # hy_v4
     "a6987fb124adcb92": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps, dtype=torch.float32): not an RMS norm class its file defines',  # hy_v4_vl
     "29a39ac3d730fb65": 'q and k are normalized after RoPE, not directly after its one call',  # idefics
@@ -185,7 +186,6 @@ _UNFUSABLE_5_24_0 = {
     "1d8908e09df86a96": "self.k_layernorm's class Qwen4ExpTextRMSNorm (fingerprint d82b17b1ea3a3199) matches no tested RMS norm form",  # qwen4_exp
     "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not an RMS norm class its file defines',  # sapiens2
     "4b5178c93db4c65c": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
-    "493015b25dcc0fcb": 'q and k are normalized after RoPE by norms with a weight (the op applies the weight before the rotation)',  # timesfm2_5
 }
 
 TRANSFORMERS_RELEASES: dict[str, set[str]] = {
