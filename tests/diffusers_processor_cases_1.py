@@ -5,9 +5,9 @@ tables its transformer builds with its own pos-embed code (float32 unless the mo
 CASES["<file>:<Processor.__call__>"] = Case(build, fused_calls): build() -> (module, run), run(module)
 -> one tensor; fused_calls is how many qk_norm_rotary forward calls the patched run makes.
 
-Where a processor only fuses without an added (text) stream, because the text tokens are concatenated
-into q and k between the norms and RoPE, the module is built without one: that is the path the fusion
-takes.
+Where a processor joins an added (text) stream to q and k between the norms and RoPE, as Flux's
+double-stream blocks do, the case runs its module both ways (_BothStreams): built without the stream,
+as the single-stream block builds it (one fused call), and with it (two: one per stream).
 """
 from __future__ import annotations
 
@@ -47,6 +47,20 @@ def _flat(out):
     if isinstance(out, torch.Tensor):
         return out
     return torch.cat([t.flatten() for t in out if t is not None])
+
+
+class _BothStreams(torch.nn.Module):
+    """One processor's attention module built twice, as a single-stream block builds it (no text
+    stream) and as a double-stream block does (a text stream, added_kv_proj_dim), run one after the
+    other by the case: the two paths its fusion takes."""
+
+    def __init__(self, single, double):
+        super().__init__()
+        self.single_stream, self.double_stream = single, double
+
+    @property
+    def processor(self):
+        return self.single_stream.processor
 
 
 # --- ace_step_transformer ------------------------------------------------------------------------
@@ -114,40 +128,44 @@ def _flux_like_ids(txt, height, width):
     return torch.cat([torch.zeros(txt, 3), img.reshape(-1, 3)])
 
 
-def _bria():
-    # BriaAttention as the single-stream block builds it (pre_only), 32 wide, 2 heads of 16; BriaEmbedND axes 4+6+6
-    from diffusers.models.transformers.transformer_bria import BriaAttention, BriaAttnProcessor, BriaEmbedND
-
+def _flux_like(attention, processor, embed):
+    """A Flux-like attention class both ways (_BothStreams), 32 wide, 2 heads of 16: as the
+    single-stream block builds it (pre_only) on 5 text + 4 x 5 image tokens, and as the
+    double-stream block does (a 32-wide text stream, context_pre_only=False) on the image tokens
+    with the text ones as encoder_hidden_states; the tables, embed's over Flux's ids (text first),
+    are the same."""
     torch.manual_seed(0)
-    module = _randomized(BriaAttention(query_dim=32, dim_head=16, heads=2, out_dim=32, bias=True, eps=1e-6,
-                                       pre_only=True, processor=BriaAttnProcessor()))
+    single = _randomized(attention(query_dim=32, dim_head=16, heads=2, out_dim=32, bias=True, eps=1e-6, pre_only=True,
+                                   processor=processor()))
+    double = _randomized(attention(query_dim=32, dim_head=16, heads=2, out_dim=32, bias=True, eps=1e-6,
+                                   added_kv_proj_dim=32, context_pre_only=False, processor=processor()))
     txt, height, width = 5, 4, 5
-    rotary = BriaEmbedND(theta=10000, axes_dim=[4, 6, 6])(_flux_like_ids(txt, height, width))
+    rotary = embed(theta=10000, axes_dim=[4, 6, 6])(_flux_like_ids(txt, height, width))
 
     def run(m):
-        return m(_randn(m, B, txt + height * width, 32, seed=1), image_rotary_emb=rotary)
+        x = _randn(m, B, txt + height * width, 32, seed=1)
+        joined = m.double_stream(x[:, txt:], encoder_hidden_states=x[:, :txt], image_rotary_emb=rotary)
+        return torch.cat([m.single_stream(x, image_rotary_emb=rotary).flatten(), _flat(joined)])
 
-    return module, run
+    return _BothStreams(single, double), run
+
+
+def _bria():
+    # BriaAttention both ways; BriaEmbedND axes 4+6+6
+    from diffusers.models.transformers.transformer_bria import BriaAttention, BriaAttnProcessor, BriaEmbedND
+
+    return _flux_like(BriaAttention, BriaAttnProcessor, BriaEmbedND)
 
 
 def _bria_fibo():
-    # BriaFiboAttention without a text stream (pre_only), 32 wide, 2 heads of 16; BriaFiboEmbedND axes 4+6+6
+    # BriaFiboAttention both ways; BriaFiboEmbedND axes 4+6+6
     from diffusers.models.transformers.transformer_bria_fibo import (
         BriaFiboAttention,
         BriaFiboAttnProcessor,
         BriaFiboEmbedND,
     )
 
-    torch.manual_seed(0)
-    module = _randomized(BriaFiboAttention(query_dim=32, dim_head=16, heads=2, out_dim=32, bias=True, eps=1e-6,
-                                           pre_only=True, processor=BriaFiboAttnProcessor()))
-    txt, height, width = 5, 4, 5
-    rotary = BriaFiboEmbedND(theta=10000, axes_dim=[4, 6, 6])(_flux_like_ids(txt, height, width))
-
-    def run(m):
-        return m(_randn(m, B, txt + height * width, 32, seed=1), image_rotary_emb=rotary)
-
-    return module, run
+    return _flux_like(BriaFiboAttention, BriaFiboAttnProcessor, BriaFiboEmbedND)
 
 
 # --- bria_fibo2 ----------------------------------------------------------------------------------
@@ -305,39 +323,50 @@ def _flux2_rotary(txt, height, width):
 
 
 def _flux2_attention(processor):
+    """Flux2Attention both ways (_BothStreams), 32 wide, 2 heads of 16: without a text stream, and
+    with a 32-wide one (added_kv_proj_dim)."""
     from diffusers.models.transformers.transformer_flux2 import Flux2Attention
 
     torch.manual_seed(0)
-    return _randomized(Flux2Attention(query_dim=32, dim_head=16, heads=2, out_dim=32, bias=False, out_bias=False,
-                                      eps=1e-6, processor=processor))
+    single, double = (_randomized(Flux2Attention(query_dim=32, dim_head=16, heads=2, out_dim=32, bias=False,
+                                                 out_bias=False, eps=1e-6, added_kv_proj_dim=added,
+                                                 processor=processor()))
+                      for added in (None, 32))
+    return _BothStreams(single, double)
 
 
 def _flux2():
-    # Flux2Attention without a text stream, 32 wide, 2 heads of 16; Flux2PosEmbed axes 4+4+4+4
+    # Flux2Attention both ways; Flux2PosEmbed axes 4+4+4+4 over 5 text + 4 x 5 image tokens
     from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor
 
-    module = _flux2_attention(Flux2AttnProcessor())
+    module = _flux2_attention(Flux2AttnProcessor)
     rotary, seq = _flux2_rotary(5, 4, 5)
 
     def run(m):
-        return m(_randn(m, B, seq, 32, seed=1), image_rotary_emb=rotary)
+        x = _randn(m, B, seq, 32, seed=1)
+        joined = m.double_stream(x[:, 5:], encoder_hidden_states=x[:, :5], image_rotary_emb=rotary)
+        return torch.cat([m.single_stream(x, image_rotary_emb=rotary).flatten(), _flat(joined)])
 
     return module, run
 
 
 def _flux2_kv():
-    # Flux2Attention + Flux2KVAttnProcessor without a text stream, extracting 6 reference tokens into a KV cache,
-    # 32 wide, 2 heads of 16; Flux2PosEmbed axes 4+4+4+4
+    # Flux2Attention + Flux2KVAttnProcessor both ways, each extracting 6 reference tokens into a KV cache;
+    # Flux2PosEmbed axes 4+4+4+4 over 5 text + 4 x 5 image tokens
     from diffusers.models.transformers.transformer_flux2 import Flux2KVAttnProcessor, Flux2KVLayerCache
 
-    module = _flux2_attention(Flux2KVAttnProcessor())
+    module = _flux2_attention(Flux2KVAttnProcessor)
     rotary, seq = _flux2_rotary(5, 4, 5)
 
     def run(m):
-        cache = Flux2KVLayerCache()
-        out = m(_randn(m, B, seq, 32, seed=1), image_rotary_emb=rotary, kv_cache=cache, kv_cache_mode="extract",
-                num_ref_tokens=6)
-        return torch.cat([out.flatten(), cache.get()[0].flatten()])
+        x, parts = _randn(m, B, seq, 32, seed=1), []
+        for attention, kwargs in ((m.single_stream, dict(hidden_states=x)),
+                                  (m.double_stream, dict(hidden_states=x[:, 5:], encoder_hidden_states=x[:, :5]))):
+            cache = Flux2KVLayerCache()
+            out = attention(**kwargs, image_rotary_emb=rotary, kv_cache=cache, kv_cache_mode="extract",
+                            num_ref_tokens=6)
+            parts += [_flat(out).flatten(), cache.get()[0].flatten()]
+        return torch.cat(parts)
 
     return module, run
 
@@ -365,14 +394,14 @@ def _flux2_parallel():
 CASES = {
     "ace_step_transformer:AceStepAttnProcessor2_0.__call__": Case(_ace_step, 1),
     "attention_processor:MochiAttnProcessor2_0.__call__": Case(_mochi, 1),
-    "bria:BriaAttnProcessor.__call__": Case(_bria, 1),
-    "bria_fibo:BriaFiboAttnProcessor.__call__": Case(_bria_fibo, 1),
+    "bria:BriaAttnProcessor.__call__": Case(_bria, 3),
+    "bria_fibo:BriaFiboAttnProcessor.__call__": Case(_bria_fibo, 3),
     "bria_fibo2:BriaFibo2AttnProcessor.__call__": Case(_bria_fibo2, 1),
     "z_image:ZSingleStreamAttnProcessor.__call__": Case(_z_image, 1),
     "cosmos:CosmosAttnProcessor2_0.__call__": Case(_cosmos_2_0, 1),
     "cosmos:CosmosAttnProcessor2_5.__call__": Case(_cosmos_2_5, 1),
     "ernie_image:ErnieImageSingleStreamAttnProcessor.__call__": Case(_ernie_image, 1),
-    "flux2:Flux2AttnProcessor.__call__": Case(_flux2, 1),
-    "flux2:Flux2KVAttnProcessor.__call__": Case(_flux2_kv, 1),
+    "flux2:Flux2AttnProcessor.__call__": Case(_flux2, 3),
+    "flux2:Flux2KVAttnProcessor.__call__": Case(_flux2_kv, 3),
     "flux2:Flux2ParallelSelfAttnProcessor.__call__": Case(_flux2_parallel, 1),
 }

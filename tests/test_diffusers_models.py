@@ -302,7 +302,7 @@ def test_compiled_flux_block_is_one_graph():
         return [o.detach() for o in out], x.grad, {n: p.grad for n, p in block.named_parameters()}
 
     torch._dynamo.reset()
-    with rope_diffusers.patch(["flux"]):  # the QK-norm fusion on: this block runs its norms alone
+    with rope_diffusers.patch(["flux"]):  # the QK-norm fusion on: one call per stream
         with RopeOpSpy() as spy:  # (Dynamo does not trace under a dispatch mode)
             eager = run(block)
         assert spy.calls

@@ -81,10 +81,12 @@ def test_norm_class_matches_its_form(kind, eps, affine, x_dtype, w_dtype):
 
 # --- whole models -----------------------------------------------------------------------------------
 
-# The attention layers of each tiny model whose norms and RoPE run fused. Flux's double-stream block
-# and HunyuanVideo's concatenate the text tokens (normalized by other norms) into q and k between
-# the norms and RoPE: there the norms run alone where q is read, and RoPE after them unfused.
-FUSED_LAYERS = {"flux": 1, "wan": 2, "hunyuan_video": 1, "ltx": 2, "qwenimage": 2}
+# The fused op's calls in a run of each tiny model: one per fused attention layer, two in Flux's
+# double-stream block (its text tokens, normalized by norms of their own and concatenated in front
+# of q and k before RoPE, are a call of their own, with their rows of the tables). HunyuanVideo's
+# double-stream block rotates the image tokens alone (fused) and joins the text tokens after RoPE;
+# its single-stream block rotates a slice of q: there the norms run alone, and RoPE after them.
+FUSED_LAYERS = {"flux": 3, "wan": 2, "hunyuan_video": 1, "ltx": 2, "qwenimage": 2}
 
 
 def _run(model, run, name, mode):
@@ -95,7 +97,7 @@ def _run(model, run, name, mode):
 def _randomize_norms(model):
     gen = torch.Generator().manual_seed(3)
     for name, p in model.named_parameters():
-        if re.search(r"\.norm_[qk]\.", name):
+        if re.search(r"\.norm_(added_)?[qk]\.", name):  # (a text stream's norms too: weights of its own)
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + 1.0)
 
@@ -242,7 +244,8 @@ def test_the_offline_tool_proposes_the_table(monkeypatch, capsys):
         monkeypatch.setattr("sys.argv", ["qk_norm_table.py", "--library", "diffusers"])
         assert tool.main() == 1
     out = capsys.readouterr().out
-    assert f"NEW fusion {key} (flux:FluxAttnProcessor, " in out and f"\"{key}\": _attn('apply_rotary_emb')," in out, out
+    assert f"NEW fusion {key} (flux:FluxAttnProcessor, " in out, out
+    assert f"\"{key}\": _attn('apply_rotary_emb', stream=_TEXT_FIRST)," in out, out
 
 
 def test_the_bound_can_fail(monkeypatch):
@@ -284,6 +287,37 @@ def test_a_hooked_norm_runs_diffusers_code():
     torch.testing.assert_close(out, rope_only, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("case", ["hooked norm_added_q", "tables of one row"])
+def test_a_double_stream_block_the_fusion_does_not_take_runs_diffusers_code(case):
+    """Flux's double-stream block where one stream's checks fail (its text norm hooked), or where the
+    tables are not the joined sequence's rows (one row for every token, which diffusers' RoPE
+    broadcasts): diffusers' code (both streams' norms, the cat, RoPE) bit for bit, and no fused op;
+    the block as built fuses both streams."""
+    from test_diffusers_models import _flux_block
+
+    block, args = _flux_block()
+
+    def run(args, **kwargs):
+        with torch.no_grad(), rope_diffusers.patch(["flux"], **kwargs), RopeOpSpy() as spy:
+            return block(*args), spy.names
+
+    assert run(args)[1].count("qk_norm_rotary") == 2
+    handle = None
+    if case == "hooked norm_added_q":
+        handle = block.attn.norm_added_q.register_forward_hook(lambda *a: None)
+    else:
+        cos, sin = args[3]
+        args = (*args[:3], (cos[:1], sin[:1]))
+    try:
+        stock, _ = run(args, qk_norm=False)
+        out, names = run(args)
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert "qk_norm_rotary" not in names and names, names
+    assert len(out) == len(stock) == 2 and all(torch.equal(o, s) for o, s in zip(out, stock, strict=True))
+
+
 def test_compiled_flux_single_block_is_one_graph():
     from diffusers.models.transformers.transformer_flux import FluxPosEmbed, FluxSingleTransformerBlock
 
@@ -309,7 +343,8 @@ def test_listing_says_which_are_fused(capsys):
     rope_diffusers.main()
     out = capsys.readouterr().out
     assert re.search(r"qk-norm WanAttnProcessor\.__call__: fused, over all heads of a token", out)
-    assert re.search(r"qk-norm FluxAttnProcessor\.__call__: fused, over each head", out)
+    assert re.search(r"qk-norm FluxAttnProcessor\.__call__: fused, over each head; with the "
+                     r"encoder_query/encoder_key stream it joins in front of q and k", out)
     assert re.search(r"qk-norm Cosmos3AttnProcessor\.__call__: not fused: its RoPE is written inline", out)
     counts = re.search(r"(\d+) have processors that normalize q and k and apply RoPE; (\d+) fuse them", out)
     assert int(counts[2]) >= 30  # of 0.42.1's 43

@@ -916,8 +916,9 @@ def test_norms_after_rope_are_fused_under_tables_of_a_rotation():
 
 
 def test_a_conditional_read_keeps_the_fusion_and_the_code_exact():
-    """Flux's shape: a block that reads q between the norms and RoPE only under a condition. The
-    norms then run there (pending), and the RoPE after them alone; otherwise the call is fused."""
+    """Flux's shape with a joined tensor that is not normalized (no second stream): a block that
+    reads q between the norms and RoPE only under a condition. The norms then run there (pending),
+    and the RoPE after them alone; otherwise the call is fused."""
     import types
 
     source = """
@@ -954,3 +955,110 @@ def forward(self, x, y, cos, sin, extra):
     q, k = namespace["forward"](module, x, y, 1.0, 0.5, extra)
     assert [q.tolist(), k.tolist()] == [[[5.5, 2.5, 2.5]], [[5.5, 3.5, 3.5]]]  # the norms before the cat
     assert calls == [("head", False), (None, True)]  # the norms alone, then RoPE alone
+
+
+_TWO_STREAM = """
+def forward(self, q, k, eq, ek, cos, sin, joined):
+    q = self.q_norm(q)
+    k = self.k_norm(k)
+    if joined:
+        eq = self.norm_added_q(eq)
+        ek = self.norm_added_k(ek)
+        q = torch.cat([eq, q], dim=1)
+        k = torch.cat([ek, k], dim=1)
+    if cos is not None:
+        q = rope(q, cos, sin)
+        k = rope(k, cos, sin)
+    return q, k
+"""
+
+
+def _two_stream_holder(calls):
+    """A stand-in for _qk_norm_call.fused's call that records each call's mode and computes what the
+    model computes for it: the norms (of each stream), the cat the mode says, RoPE."""
+    def holder(module, qa, ka, mode, rope, q, k, *args):
+        calls.append((mode, rope is not None))
+        if isinstance(mode, tuple):  # ("two_stream", dim, first): q = (q, q2), k = (k, k2)
+            _, dim, first = mode
+            order = (1, 0) if first else (0, 1)
+            qs = [getattr(module, a)(x) for a, x in zip(qa, q, strict=True)]
+            ks = [getattr(module, a)(x) for a, x in zip(ka, k, strict=True)]
+            q, k = (torch.cat([xs[i] for i in order], dim=dim) for xs in (qs, ks))
+        elif mode is not None:
+            q, k = module.q_norm(q), module.k_norm(k)
+        return (q, k) if rope is None else (rope(q, *args), rope(k, *args))
+
+    return holder
+
+
+def _two_stream_run(source, site, paths=(True, False)):
+    """The method of source, rewritten, against itself as written, on every path (the stream joined or
+    not, RoPE run or not): the results bit for bit, and the holder's calls on each path."""
+    import types
+
+    fn = ast.parse(source).body[0]
+    assert _qk_norm_rewrite.fusion_rewrite(fn, "self", {"rope"}, _ATTRS, "holder") == site
+    calls = []
+    rope = lambda t, c, s: t * c + s.roll(1, -1)  # noqa: E731  (per token: the tables' rows matter)
+    rewritten = {"torch": torch, "holder": _two_stream_holder(calls), "rope": rope}
+    exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), "<test>", "exec"), rewritten)
+    stock = {"torch": torch, "rope": rope}
+    exec(source, stock)
+    module = types.SimpleNamespace(q_norm=lambda t: t * 2, k_norm=lambda t: t * 3, norm_added_q=lambda t: t * 5,
+                                   norm_added_k=lambda t: t * 7)
+    gen = torch.Generator().manual_seed(0)
+    q, k, eq, ek = (torch.randn(2, n, 4, generator=gen) for n in (3, 3, 2, 2))
+    cos, sin = torch.randn(5, 4, generator=gen), torch.randn(5, 4, generator=gen)
+    out = {}
+    for joined in paths:
+        for tables in ((cos, sin), (None, None)) if joined else ((cos[:3], sin[:3]), (None, None)):
+            calls.clear()
+            got = rewritten["forward"](module, q, k, eq, ek, *tables, joined)
+            want = stock["forward"](module, q, k, eq, ek, *tables, joined)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (joined, tables[0] is None)
+            out[joined, tables[0] is not None] = list(calls)
+    return out
+
+
+def test_a_second_stream_fuses_with_its_own_norms_and_the_code_exact():
+    """Flux's double-stream shape: the text stream's norms and its cat in front of q and k between
+    their norms and RoPE. Deferred with them: the RoPE call gets both streams (each with its norms:
+    one fused call each, then the cat); a path without RoPE runs the norms and the cat as written."""
+    stream = _qk_norm_rewrite.Stream("eq", "ek", "norm_added_q", "norm_added_k", True, 1)
+    calls = _two_stream_run(_TWO_STREAM, _qk_norm_rewrite.Site("self", "q_norm", "k_norm", "rope", True, "head",
+                                                               stream))
+    two = (("two_stream", 1, True), True)
+    assert calls == {(True, True): [two], (True, False): [("head", False)],  # fused; or the norms, then the cat
+                     (False, True): [("head", True)], (False, False): [("head", False)]}
+
+
+@pytest.mark.parametrize("where", ["after", "top level"])
+def test_a_second_stream_elsewhere_is_fused_in_its_order(where):
+    """The cat the other way round (the stream after q and k), or the stream's statements at the top
+    level: the same fusion, the order recorded."""
+    if where == "after":
+        source, first = _TWO_STREAM.replace("[eq, q]", "[q, eq]").replace("[ek, k]", "[k, ek]"), False
+    else:
+        lines = _TWO_STREAM.splitlines(keepends=True)
+        source, first = "".join(lines[:4] + [line[4:] for line in lines[5:9]] + lines[9:]), True
+        assert "if joined" not in source
+    stream = _qk_norm_rewrite.Stream("eq", "ek", "norm_added_q", "norm_added_k", first, 1)
+    calls = _two_stream_run(source, _qk_norm_rewrite.Site("self", "q_norm", "k_norm", "rope", True, "head", stream),
+                            (True, False) if where == "after" else (True,))
+    assert calls[True, True] == [(("two_stream", 1, first), True)]
+
+
+@pytest.mark.parametrize("edit", [
+    ("        ek = self.norm_added_k(ek)\n", "        n = eq.shape[1]\n        ek = self.norm_added_k(ek)\n"),
+    ("[ek, k]", "[k, ek]"),  # q's and k's cats in other orders
+    ("    return q, k\n", "    return q, k, eq\n"),  # the stream read after its cat
+    ("        q = torch.cat([eq, q], dim=1)\n", "        q = torch.cat([eq, q], dim=1)\n        eq = eq + 1\n"),
+    ("    q = self.q_norm(q)\n", "    f = lambda: eq\n    q = self.q_norm(q)\n"),  # a function of the method reads it
+], ids=["read between norm and cat", "orders differ", "read after", "changed between the cats", "closure"])
+def test_a_second_stream_of_another_shape_is_not_deferred(edit):
+    """Where the stream's statements are not exactly Flux's four, or it is read after them, only q's
+    and k's norms are deferred: they run before the cat (where q is read), RoPE after it alone."""
+    source = _TWO_STREAM.replace(*edit)
+    assert source != _TWO_STREAM
+    calls = _two_stream_run(source, _qk_norm_rewrite.Site("self", "q_norm", "k_norm", "rope", True, "head"))
+    assert calls[True, True] == [("head", False), (None, True)]

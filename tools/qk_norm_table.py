@@ -157,6 +157,8 @@ def _processor_site(site) -> str:
     args = [repr(site.rope)] + [f"{name}={value!r}" for name, value, default in (
         ("mode", site.mode, "head"), ("q", site.q_norm, "norm_q"), ("k", site.k_norm, "norm_k"),
         ("pair", site.pair, True), ("owner", site.owner, "attn")) if value != default]
+    if site.stream is not None:  # the table's name for Flux's text stream, else the Stream itself
+        args.append("stream=_TEXT_FIRST" if site.stream == _qk_norm_table._TEXT_FIRST else f"stream={site.stream!r}")
     return f"_attn({', '.join(args)})"
 
 

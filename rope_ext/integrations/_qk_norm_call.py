@@ -129,14 +129,48 @@ def norms_alone(module, q_attr, k_attr, mode, q, k):
     return tuple(out)
 
 
+def _stream_tables(qs, ks, ops, dim: int, order):
+    """Each stream's rows of the tables for two streams joined along dim (mode "two_stream"), or
+    None where they are not rows of one sequence that the joined tensors would be rotated by.
+
+    qs, ks: the streams' q and k, ``(B, S_i, H, D)`` for dim 1 (the streams may differ only in
+    dim's size, q and k of one stream not at all there); ops: each stream's plan (its tables, as the
+    op takes them for that stream, come from the same RoPE arguments: ``(1, S_1 + S_2, 1, D)``);
+    order: the streams' order along dim. Returns ``[(cos, sin)]`` per stream, views of its rows:
+    the tables' dim must hold exactly the joined sequence (a table of another length, one that
+    broadcasts along dim, or of another rank, is not sliced: the model's code runs)."""
+    rank = qs[0].dim()
+    if not -rank <= dim < rank:
+        return None
+    d = dim % rank
+    for xs in (qs, ks):
+        if any(x.dim() != rank or x.dtype != qs[0].dtype or x.device != qs[0].device for x in xs):
+            return None
+        if xs[0].shape[:d] != xs[1].shape[:d] or xs[0].shape[d + 1:] != xs[1].shape[d + 1:]:
+            return None
+    lengths = [q.shape[d] for q in qs]
+    if [k.shape[d] for k in ks] != lengths:
+        return None
+    starts = {order[0]: 0, order[1]: lengths[order[0]]}
+    out = []
+    for i, op in enumerate(ops):
+        cos, sin = op[4], op[5]
+        if cos.dim() != rank or sin.shape != cos.shape or cos.shape[d] != sum(lengths):
+            return None
+        out.append((cos.narrow(d, starts[i], lengths[i]), sin.narrow(d, starts[i], lengths[i])))
+    return out
+
+
 def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
     """The replacement a fusion's rewritten method calls: ``call(module, q_attr, k_attr, mode, rope,
     q, k, *args, **kwargs)``, where ``rope(q, k, *args, **kwargs)`` (``pair``: ``rope(q, ...)`` and
     ``rope(k, ...)``) is the model's RoPE call, mode None means the norms already ran (or are off),
     mode ``"after"`` means the model normalizes after RoPE (fused, the weight applied after the
     rotation, only where the model's tables are a rotation's), mode ``"single"`` means one tensor
-    (q, with k None and ``rope(q, *args, **kwargs)`` its RoPE call; the result is one tensor), and
-    rope None means the norms alone.
+    (q, with k None and ``rope(q, *args, **kwargs)`` its RoPE call; the result is one tensor), mode
+    ``("two_stream", dim, first)`` means two streams joined along dim before RoPE (q_attr, k_attr,
+    q and k pairs: the method's own stream, then the second one, which comes first in the model's
+    cat where ``first``; see :func:`_stream_tables`), and rope None means the norms alone.
 
     Args:
         norms: norm class -> (its :class:`NormForm`, its ``forward`` as patched): the classes whose
@@ -215,7 +249,32 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
         x, _, weight, _, cos, sin, options = op_args
         return rope_ext.norm_rotary(x, weight, cos, sin, **options)
 
+    def two_streams(module, q_attrs, k_attrs, spec, rope, qs, ks, args, kwargs):
+        """mode ("two_stream", dim, first): qs = (q, q2), ks = (k, k2), each stream normalized by
+        its own norms (q_attrs, k_attrs), joined along dim (q2 first where first) and rotated by
+        rope over the joined sequence: one op call per stream, each with its rows of the tables,
+        then the model's cat. Where a stream's checks (plan's) or the tables' rows
+        (_stream_tables') fail, the model's own code: the norms, the cat, RoPE."""
+        _, dim, first = spec
+        order = (1, 0) if first else (0, 1)  # the streams in the model's cat
+
+        def joined(xs):
+            return torch.cat([xs[i] for i in order], dim=dim)
+
+        ops = [plan(module, qa, ka, "head", rope, x, y, args, kwargs)
+               for qa, ka, x, y in zip(q_attrs, k_attrs, qs, ks, strict=True)]
+        tables = None if any(op is None for op in ops) else _stream_tables(qs, ks, ops, dim, order)
+        if tables is None:  # the model's own code, in its order: q's and k's norms, the stream's, the cat, RoPE
+            q, k = norms_alone(module, q_attrs[0], k_attrs[0], "head", qs[0], ks[0])
+            q2, k2 = getattr(module, q_attrs[1])(qs[1]), getattr(module, k_attrs[1])(ks[1])
+            return rotated(rope, joined((q, q2)), joined((k, k2)), args, kwargs)
+        outs = [rope_ext.qk_norm_rotary(x, y, wx, wy, cos, sin, **options)
+                for (x, y, wx, wy, _, _, options), (cos, sin) in zip(ops, tables, strict=True)]
+        return joined([o[0] for o in outs]), joined([o[1] for o in outs])
+
     def call(module, q_attr, k_attr, mode, rope, q, k, *args, **kwargs):
+        if isinstance(mode, tuple) and mode[0] == "two_stream":
+            return two_streams(module, q_attr, k_attr, mode, rope, q, k, args, kwargs)
         if mode == "single":
             return single(module, q_attr, rope, q, args, kwargs)
         if rope is None:  # the norms alone

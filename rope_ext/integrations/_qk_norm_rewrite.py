@@ -18,17 +18,25 @@ and rotation together while the flag is set, the rotation alone once it is not);
 statement that uses Q or K, or a name whose tensor they may share (``x`` of ``Q = O.q_norm(x)``),
 the rewrite inserts ``if <flag>: Q, K = <the norms alone>``; ``with`` blocks are not entered (their
 context must not wrap norms the code ran outside it). So every path through the method computes what the model's
-code computes: a block that reads q in between (Flux's text tokens, OLMoE's ``clamp_``) gets the
+code computes: a block that reads q in between (HunyuanVideo's slice of q, OLMoE's ``clamp_``) gets the
 norms there, and the RoPE after it runs alone; a path that skips RoPE (a cross-attention) gets the
 norms where q is next read. A site is refused only where that cannot hold (a function the method
 defines reads q, the RoPE call's tables read it) or where the fused call could never run (q is used
 on every path between norm and RoPE).
 
+A second stream joined to q and k between their norms and RoPE (Flux's double-stream blocks: the
+text tokens, normalized by norms of their own, concatenated in front of q and k) is deferred too,
+where its four statements are exactly as :class:`Stream` says: with the norms still pending there,
+the statements are skipped and a second flag set; the RoPE call then runs one fused call per stream
+(each with its slice of the tables) and the model's cat, and any other read of q or k first runs
+the norms, the stream's four statements, as written. Where the stream's statements are of any other
+shape, the site is fused as before (the norms run before the cat, RoPE after it alone).
+
 This module reads and rewrites a method's syntax tree; nothing here runs at call time. Which methods
-are rewritten is not this module's choice: transformers' ``patch()`` rewrites only those the table
-of tested fusions lists (``_qk_norm_sites``, ``_qk_norm_table``), and ``tools/qk_norm_table.py`` runs
-:func:`probe` over a release's source, offline, to propose entries for it; diffusers' ``patch()``
-still rewrites the processors :func:`probe` accepts.
+are rewritten is not this module's choice: transformers' and diffusers' ``patch()`` rewrite only
+those the table of tested fusions lists (``_qk_norm_sites``, ``_qk_norm_table``), and
+``tools/qk_norm_table.py`` runs :func:`probe` over a release's source, offline, to propose entries
+for it.
 """
 
 from __future__ import annotations
@@ -41,7 +49,39 @@ from rope_ext.integrations._engine import located
 
 HIDDEN_SHAPE = "hidden_shape = (*input_shape, -1, self.head_dim)"
 PENDING = "_rope_ext_qk_norm_pending"  # the local flag: the norms of q and k are still to run
+STREAMS = "_rope_ext_qk_norm_streams"  # and the second stream's norms and cat (set only with PENDING)
 MODES = ("head", "heads_bhsd", "heads_bshd", "after", "single")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """A second stream of queries and keys that a method normalizes by norms of its own and joins to
+    q and k between their norms and RoPE, by four statements in a row (Flux's double-stream blocks,
+    ``EQ``/``EK`` its text tokens, ``(B, S_text, H, D)``, q and k ``(B, S_img, H, D)``)::
+
+        EQ = O.<q_norm>(EQ)
+        EK = O.<k_norm>(EK)
+        Q = torch.cat([EQ, Q], dim=<dim>)      # or [Q, EQ] (first False): the same order for K
+        K = torch.cat([EK, K], dim=<dim>)
+
+    The RoPE after them rotates the joined sequence by tables of ``S_text + S_img`` rows: fused,
+    each stream is one op call with its own norms' weights and its rows of the tables (a view), then
+    the model's cat. Taken only where EQ and EK are not read after the cat (the fusion never
+    computes the normalized stream alone).
+
+    Attributes:
+        q, k: the stream's tensors' names (``encoder_query``, ``encoder_key``).
+        q_norm, k_norm: their norms' attributes on the attention module.
+        first: the stream comes first in the cat (Flux's text tokens precede the image's).
+        dim: the cat's dim, the tensors' sequence dim (1 in ``(B, S, H, D)``).
+    """
+
+    q: str
+    k: str
+    q_norm: str
+    k_norm: str
+    first: bool
+    dim: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +99,8 @@ class Site:
             ``"heads_bshd"`` (across heads, q ``(B, S, H, D)``), ``"after"`` (per head, the norms
             right after the RoPE call: see :func:`_fuse_after`) or ``"single"`` (per head, each
             tensor normalized and rotated by its own two statements: see :func:`_fuse_single`).
+        stream: the second stream joined to q and k before RoPE and fused with them (mode
+            ``"head"`` only), or None.
     """
 
     owner: str
@@ -67,6 +109,7 @@ class Site:
     rope: str
     pair: bool
     mode: str
+    stream: Stream | None = None
 
 
 class FusionRefusal:
@@ -331,16 +374,77 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
     if isinstance(mode, Unfusable):
         return mode
     skip = {id(fn.body[i]) for name in (q, k) for i, _ in layouts[name]}
+    stream = None
+    if mode == "head" and not (layouts[q] or layouts[k]) and nq.guard is None and not (nq.transposed or nk.transposed):
+        stream = _stream(fn, owner, q, k, hi, first_top)
+    joined = {id(stmt) for stmt in stream[1]} if stream else set()  # (deferred with the norms)
     for stmt in fn.body[hi + 1:first_top]:  # on every path between the norms and RoPE: never fused
         header = _header(stmt)
-        if id(stmt) not in skip and watch & _names(stmt) and (header is None or any(
+        if id(stmt) not in skip | joined and watch & _names(stmt) and (header is None or any(
                 watch & _names(n) for n in header)):
             return Unfusable(f"`{_text(stmt)[:80]}` uses {q}, {k} or what their norms read between the norms and RoPE")
-    site = Site(owner, nq.attr, nk.attr, rope, kind == "pair", mode)
+    site = Site(owner, nq.attr, nk.attr, rope, kind == "pair", mode, stream and stream[0])
     reshaped = min((i for name in (q, k) for i, _ in layouts[name]), default=hi)  # the first layout statement
-    if not _apply(fn, site, q, k, nq, nk, sites, skip, watch, holder, reshaped):
+    if not _apply(fn, site, q, k, nq, nk, sites, skip, watch, holder, reshaped, stream and stream[1]):
         return Unfusable(f"every path to its RoPE call reads {q} or {k} after their norms")
     return site
+
+
+def _stream_norm(expr, owner: str, name: str) -> str | None:
+    """attr where expr is ``<owner>.<attr>(name)`` and attr names a norm (holds ``norm``), else None."""
+    if (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and isinstance(expr.func.value, ast.Name)
+            and expr.func.value.id == owner and "norm" in expr.func.attr and not expr.keywords
+            and [_text(a) for a in expr.args] == [name]):
+        return expr.func.attr
+    return None
+
+
+def _stream_at(stmts, owner: str, q: str, k: str) -> Stream | None:
+    """The :class:`Stream` that the four statements stmts are, or None."""
+    parts = [_assign(s) for s in stmts]
+    if len(parts) != 4 or not all(parts):
+        return None
+    (eq, vq), (ek, vk), (tq, cq), (tk, ck) = parts
+    aq, ak = _stream_norm(vq, owner, eq), _stream_norm(vk, owner, ek)
+    if aq is None or ak is None or len({eq, ek, q, k}) != 4 or (tq, tk) != (q, k):
+        return None
+    kw = cq.keywords if isinstance(cq, ast.Call) else []
+    if not (len(kw) == 1 and kw[0].arg == "dim" and isinstance(kw[0].value, ast.Constant)
+            and type(kw[0].value.value) is int):
+        return None
+    dim = kw[0].value.value
+    for first in (True, False):
+        pair_q, pair_k = ((eq, q), (ek, k)) if first else ((q, eq), (k, ek))
+        if [_text(cq), _text(ck)] == [f"torch.cat([{a}, {b}], dim={dim})" for a, b in (pair_q, pair_k)]:
+            return Stream(eq, ek, aq, ak, first, dim)
+    return None
+
+
+def _stream(fn, owner: str, q: str, k: str, hi: int, first_top: int):
+    """The second stream (:class:`Stream`) joined to q and k after their norms (fn.body[hi]) and
+    before the first top-level statement that holds a RoPE call (fn.body[first_top]), with its four
+    statements (a list), or None where there is none the fusion takes: its statements at the top
+    level or directly in a top-level ``if`` block (never in a loop: the rewrite follows them in
+    the order they run), exactly one such group, and EQ and EK read by no statement after it nor
+    by a function the method defines (after the cat, EQ holds the stream unnormalized)."""
+    found = []  # (stream, its four statements, the statements that run after them)
+    for j in range(hi + 1, first_top):
+        if j + 3 < first_top:
+            found.append((fn.body[j:j + 4], fn.body[j + 4:]))
+        if isinstance(fn.body[j], ast.If):
+            for block in (fn.body[j].body, fn.body[j].orelse):
+                found += [(block[i:i + 4], block[i + 4:] + fn.body[j + 1:]) for i in range(len(block) - 3)]
+    found = [(stream, stmts, after) for stmts, after in found
+             if (stream := _stream_at(stmts, owner, q, k)) is not None]
+    if len(found) != 1:
+        return None
+    (stream, stmts, after), = found
+    names = {stream.q, stream.k}
+    closures = [n for n in ast.walk(fn) if isinstance(n, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef))
+                and n is not fn]
+    if names & _names(after) or any(names & _names(c) for c in closures):
+        return None
+    return stream, stmts
 
 
 def _fuse_after(fn, owner: str, sites, q: str, k: str, norm_attrs, holder) -> Site | Unfusable:
@@ -429,21 +533,32 @@ def _mode(nq: _Norm, nk: _Norm, lq: list, lk: list) -> str | Unfusable:
     return "heads_bhsd" if heads[0] == "v" else "heads_bshd"
 
 
-def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watch, holder, reshaped: int) -> int:
+def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watch, holder, reshaped: int,
+           stream_stmts=None) -> int:
     """The rewrite of fusion_rewrite; returns how many RoPE statements became fused calls. Norms
     materialized at a top-level statement before fn.body[reshaped] (the first layout statement: a
     block the layout scan crossed) run in the norms' own layout, q and k not yet reshaped: mode
-    "head", the norm modules' plain call."""
+    "head", the norm modules' plain call. stream_stmts: the four statements of site.stream."""
     # the RoPE statements themselves, and the statements before the first layout one, before step 1
     # moves the top level's indices
     unreshaped = {id(stmt) for stmt in fn.body[:reshaped]}
     targets = [(block[i], block[i + 1] if kind == "pair" else None, kind, call) for block, i, kind, _, _, call in sites]
+    stream = site.stream
+    # the stream's statements as the model writes them: what runs where they cannot be deferred
+    stream_text = "".join(f"\n{_text(stmt)}" for stmt in stream_stmts or ())
+
     def parse(text, at):
         return located(ast.parse(text).body, at)
 
+    def indent(text, by="    "):
+        return text.replace("\n", "\n" + by)
+
     def materialize(mode):
         call = f"{q}, {k} = {holder}({site.owner}, {site.q_norm!r}, {site.k_norm!r}, {mode!r}, None, {q}, {k})"
-        return f"if {PENDING}:\n    {call}\n    {PENDING} = False"
+        text = f"if {PENDING}:\n    {call}\n    {PENDING} = False"
+        if stream is not None:  # then the stream's norms and the cat, as written (set only with PENDING)
+            text += f"\n    if {STREAMS}:" + indent(stream_text, " " * 8) + f"\n        {STREAMS} = False"
+        return text
     # 1. the norms: dropped, the flag set
     if nq.guard is not None:
         fn.body[nq.index] = parse(f"{PENDING} = {_text(nq.guard)}", fn.body[nq.index])[0]
@@ -456,19 +571,30 @@ def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watch, holde
                 fn.body[n.index] = parse(f"{name} = {_text(n.arg)}" + (".transpose(1, 2)" if n.transposed else ""),
                                          old)[0]
         last = max(nq.index, nk.index)
-        fn.body[last:last + 1] = [fn.body[last], *parse(f"{PENDING} = True", fn.body[last])]
-        skip = skip | {id(fn.body[last + 1])}
+        flags = parse(f"{PENDING} = True" + (f"\n{STREAMS} = False" if stream is not None else ""), fn.body[last])
+        fn.body[last:last + 1] = [fn.body[last], *flags]
+        skip = skip | {id(f) for f in flags}
     # 2. the RoPE statements
     replaced = {}
     for stmt, second, kind, call in targets:
         rest = ", ".join([_text(a) for a in call.args[2 if kind == "qk" else 1:]] + [_text(w) for w in call.keywords])
         fused_call = (f"{q}, {k} = {holder}({site.owner}, {site.q_norm!r}, {site.k_norm!r}, "
                       f"{site.mode!r} if {PENDING} else None, {site.rope}, {q}, {k}" + (f", {rest})" if rest else ")"))
+        if stream is not None:  # the two streams deferred: each fused with its own norms, then the cat
+            attrs = ((site.q_norm, stream.q_norm), (site.k_norm, stream.k_norm))
+            two = (f"{q}, {k} = {holder}({site.owner}, {attrs[0]!r}, {attrs[1]!r}, "
+                   f"('two_stream', {stream.dim}, {stream.first}), {site.rope}, ({q}, {stream.q}), ({k}, {stream.k})"
+                   + (f", {rest})" if rest else ")"))
+            fused_call = f"if {STREAMS}:\n    {two}\n    {STREAMS} = False\nelse:\n    {fused_call}"
         replaced[id(stmt)] = parse(fused_call, stmt)
         if second is None:
             replaced[id(stmt)] += parse(f"{PENDING} = False", stmt)
         else:
             replaced[id(second)] = parse(f"{PENDING} = False", second)
+    if stream is not None:  # the stream's four statements: deferred while the norms are
+        replaced[id(stream_stmts[0])] = parse(f"if {PENDING}:\n    {STREAMS} = True\nelse:" + indent(stream_text),
+                                              stream_stmts[0])
+        replaced.update({id(stmt): [] for stmt in stream_stmts[1:]})
 
     # 3. every other statement after the norms that reads or sets q or k, or changes what the norms
     #    read: the norms alone first, if still pending (inside compound statements whose header is clean)

@@ -246,5 +246,9 @@ def site_text(site: FusionSite) -> str:
         across = {"head": "each head", "heads_bhsd": "all heads of a token", "heads_bshd": "all heads of a token",
                   "after": "each head, after RoPE", "single": "each head, q and k in calls of their own"}
         what = f"{site.norm_form.describe()}, " if site.norm_form else ""
-        return f"qk-norm {site.method}: fused, {what}over {across[site.site.mode]}"
+        stream = site.site.stream
+        joined = "" if stream is None else (
+            f"; with the {stream.q}/{stream.k} stream it joins {'in front of' if stream.first else 'after'} q and k "
+            f"({site.site.owner}.{stream.q_norm}/{stream.k_norm}), each with its rows of the tables")
+        return f"qk-norm {site.method}: fused, {what}over {across[site.site.mode]}{joined}"
     return f"qk-norm {site.method}: not fused: {site.reason}"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rope_ext.integrations._qk_norm_rewrite import Site
+from rope_ext.integrations._qk_norm_rewrite import Site, Stream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,8 +195,13 @@ TRANSFORMERS = Table(tested={**_TESTED_4_57_6, **_TESTED_5_23_0, **_TESTED_5_24_
 
 
 def _attn(rope: str, mode: str = "head", q: str = "norm_q", k: str = "norm_k", pair: bool = True,
-          owner: str = "attn") -> Site:
-    return Site(owner, q, k, rope, pair, mode)
+          owner: str = "attn", stream: Stream | None = None) -> Site:
+    return Site(owner, q, k, rope, pair, mode, stream)
+
+
+# The text stream of Flux's double-stream blocks (and the processors written like them): its own
+# norms, concatenated in front of the image tokens along the sequence dim of (B, S, H, D).
+_TEXT_FIRST = Stream("encoder_query", "encoder_key", "norm_added_q", "norm_added_k", True, 1)
 
 
 # diffusers 0.42.1: the processors' ``__call__`` fingerprints (``site_key`` of the method alone: the
@@ -206,17 +211,17 @@ def _attn(rope: str, mode: str = "head", q: str = "norm_q", k: str = "norm_k", p
 # (tests/diffusers_processor_cases_*.py). Other releases keep the entries whose code they keep.
 _DIFFUSERS_TESTED_0_42_1 = {
     "36c739d6fbadf7be": _attn('apply_rotary_emb'),  # ace_step_transformer:AceStepAttnProcessor2_0
-    "d425efddccb5d211": _attn('apply_rotary_emb'),  # bria:BriaAttnProcessor, longcat_image:LongCatImageAttnProcessor, ovis_image:OvisImageAttnProcessor
-    "aaaafc737fe908c0": _attn('apply_rotary_emb'),  # bria_fibo:BriaFiboAttnProcessor
+    "d425efddccb5d211": _attn('apply_rotary_emb', stream=_TEXT_FIRST),  # bria:BriaAttnProcessor, longcat_image:LongCatImageAttnProcessor, ovis_image:OvisImageAttnProcessor
+    "aaaafc737fe908c0": _attn('apply_rotary_emb', stream=_TEXT_FIRST),  # bria_fibo:BriaFiboAttnProcessor
     "4a2560e0e763f04c": _attn('apply_rotary_emb'),  # bria_fibo2:BriaFibo2AttnProcessor
     "9263cfee897f624e": _attn('apply_rotary_emb', mode='heads_bshd'),  # chronoedit:WanAttnProcessor, wan:WanAttnProcessor, wan_animate:WanAttnProcessor
     "5becaccfaa3962d9": _attn('apply_rotary_emb'),  # controlnet_z_image:ZSingleStreamAttnProcessor, z_image:ZSingleStreamAttnProcessor
     "56bf61bc2b95dee3": _attn('apply_rotary_emb'),  # cosmos:CosmosAttnProcessor2_0
     "2522107f4713f73c": _attn('apply_rotary_emb'),  # cosmos:CosmosAttnProcessor2_5
     "2ea8861cec81a84d": _attn('apply_rotary_emb'),  # ernie_image:ErnieImageSingleStreamAttnProcessor
-    "0cc7f80a710d8328": _attn('apply_rotary_emb'),  # flux:FluxAttnProcessor
-    "dac2e3e82b6d95c9": _attn('apply_rotary_emb'),  # flux2:Flux2AttnProcessor
-    "deb8a41f4403ff01": _attn('apply_rotary_emb'),  # flux2:Flux2KVAttnProcessor
+    "0cc7f80a710d8328": _attn('apply_rotary_emb', stream=_TEXT_FIRST),  # flux:FluxAttnProcessor
+    "dac2e3e82b6d95c9": _attn('apply_rotary_emb', stream=_TEXT_FIRST),  # flux2:Flux2AttnProcessor
+    "deb8a41f4403ff01": _attn('apply_rotary_emb', stream=_TEXT_FIRST),  # flux2:Flux2KVAttnProcessor
     "24406c3920a8d8df": _attn('apply_rotary_emb'),  # flux2:Flux2KVParallelSelfAttnProcessor
     "ad7f4b9234b354f0": _attn('apply_rotary_emb'),  # flux2:Flux2ParallelSelfAttnProcessor
     "d5456c34176c1258": _attn('apply_rotary_emb'),  # flux3:Flux3AttnProcessor
