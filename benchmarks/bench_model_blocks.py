@@ -8,11 +8,13 @@ and q/k norms + RoPE fused into one rope_ext call (issue 39).
 Blocks (random weights, the models' own classes from the installed transformers and diffusers):
   qwen3  a Qwen3 decoder layer: hidden 1024, 16 query and 8 key/value heads of 128, MLP 3072,
          1 x 512 tokens, tables from Qwen3RotaryEmbedding.
+  hunyuan a HunYuan v1 dense decoder layer at the same sizes: its q and k normalized after RoPE by
+         norms with a weight (the fused variant applies the weight after the rotation).
   gemma4 a Gemma 4 text model of one layer at the same sizes (q and k each normalized and rotated in
          statements of their own: the fused variant makes a rope_ext.norm_rotary call for each).
   flux   bench_diffusers.py's Flux double-stream block (4 heads of 128, 1024 image and 128 text
-         tokens, FluxPosEmbed's tables): its text tokens join q and k between norm and RoPE, so
-         its norms run alone and the fused row is RoPE alone (the listing says why);
+         tokens, FluxPosEmbed's tables): its text tokens, normalized by norms of their own, join q
+         and k between norm and RoPE, so the fused variant makes one call per stream;
   flux-single  the same sizes in a single-stream block (text and image in one sequence), fused.
   wan    bench_diffusers.py's Wan block (4 heads of 128, q/k normalized across heads, 1024 video and
          128 text tokens, WanRotaryPosEmbed's tables).
@@ -45,41 +47,61 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # --- the blocks ---------------------------------------------------------------------------------------
 
 
-def qwen3_block(dtype):
-    from transformers import Qwen3Config
-    from transformers.models.qwen3 import modeling_qwen3 as mq
+def _decoder_layer_block(family, prefix, norms, dtype, **sizes):
+    """A decoder layer of a transformers family at qwen3's sizes (hidden 1024, 16 query and 8
+    key/value heads of 128, MLP 3072, 1 x 512 tokens), its classes named <prefix>Config,
+    <prefix>DecoderLayer and <prefix>RotaryEmbedding in modeling_<family>; `norms`: the attention's
+    q and k norm attributes."""
+    import importlib
+
+    import transformers
 
     from rope_ext.integrations import transformers as rope_hf
 
-    config = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
-                         head_dim=128, num_hidden_layers=1, vocab_size=128)
+    m = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    config = getattr(transformers, f"{prefix}Config")(
+        hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        num_hidden_layers=1, vocab_size=128, **sizes)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    layer = mq.Qwen3DecoderLayer(config, 0).to(dtype)
+    layer = getattr(m, f"{prefix}DecoderLayer")(config, 0).to(dtype)
     x = torch.randn(1, 512, 1024, dtype=dtype, requires_grad=True)
     positions = torch.arange(512).unsqueeze(0)
-    embeddings = mq.Qwen3RotaryEmbedding(config)(x, positions)
+    embeddings = getattr(m, f"{prefix}RotaryEmbedding")(config)(x, positions)
 
     def step(tables=embeddings):
         return layer(x, position_embeddings=tables, attention_mask=None)
 
     def none():
         attn = layer.self_attn
-        saved = attn.q_norm, attn.k_norm, mq.apply_rotary_pos_emb
-        attn.q_norm = attn.k_norm = torch.nn.Identity()
-        mq.apply_rotary_pos_emb = lambda q, k, cos, sin, unsqueeze_dim=1: (q, k)
+        saved = [getattr(attn, n) for n in norms], m.apply_rotary_pos_emb
+        for n in norms:
+            setattr(attn, n, torch.nn.Identity())
+        m.apply_rotary_pos_emb = lambda q, k, cos, sin, unsqueeze_dim=1: (q, k)
         try:
             yield
         finally:
-            attn.q_norm, attn.k_norm, mq.apply_rotary_pos_emb = saved
+            for n, norm in zip(norms, saved[0], strict=True):
+                setattr(attn, n, norm)
+            m.apply_rotary_pos_emb = saved[1]
 
     variants = {
         "stock": contextlib.nullcontext,
-        "rope": lambda: rope_hf.patch(["qwen3"], qk_norm=False),
-        "fused": lambda: rope_hf.patch(["qwen3"]),
+        "rope": lambda: rope_hf.patch([family], qk_norm=False),
+        "fused": lambda: rope_hf.patch([family]),
         "none": contextlib.contextmanager(none),
     }
     return layer, x, step, variants
+
+
+def qwen3_block(dtype):
+    return _decoder_layer_block("qwen3", "Qwen3", ("q_norm", "k_norm"), dtype)
+
+
+def hunyuan_block(dtype):
+    """HunYuan v1 dense: its q and k normalized after RoPE, by norms with a weight (the fused variant:
+    one qk_norm_rotary call with weight_after)."""
+    return _decoder_layer_block("hunyuan_v1_dense", "HunYuanDenseV1", ("query_layernorm", "key_layernorm"), dtype)
 
 
 def gemma4_block(dtype):
@@ -196,6 +218,7 @@ def flux_single_block(dtype):
 
 BLOCKS = {
     "qwen3": qwen3_block,
+    "hunyuan": hunyuan_block,
     "gemma4": gemma4_block,
     "flux": _diffusers_block(bench_diffusers.flux_block, lambda m: m.attn),
     "flux-single": _diffusers_block(flux_single_block, lambda m: m.attn),
