@@ -424,7 +424,8 @@ struct NormThread {
     store_slot(g, item, z);
   }
 
-  // The item's part of the group's sum: sum(x^2) (forward), sum(d * x_hat) with d = u * g (backward).
+  // The item's part of the group's sum: sum(x^2) (forward), sum(d * x_hat) with d as grad_pairs gives
+  // it (backward).
   ROPE_HD opmath_t item_share(const ThreadCoord& g, int64_t it, int64_t n, int64_t item) const {
     const Item a = locate(n, item);
     return a.j < rot_items ? pairs_share(g, it, n, item, a) : run_share(g, it, n, item, a);

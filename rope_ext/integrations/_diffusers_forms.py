@@ -477,7 +477,7 @@ FUSED_TABLES = {
 TORCH_RMS_NORM = NormForm("torch.nn.RMSNorm", "eps", eps_none="finfo")
 KNOWN_NORMS: dict[str, NormForm] = {
     # diffusers.models.normalization.RMSNorm: a 16-bit weight's dtype, else float32; a bias is not this form
-    "ee1f23e5d030faaf": NormForm("diffusers RMSNorm", "eps", output="weight", bias="bias"),
+    "ee1f23e5d030faaf": NormForm("diffusers RMSNorm", "eps", output="weight", unset=("bias",)),
     # normalization.MochiRMSNorm: x * rsqrt(mean(x^2) in float32 + eps) * w, cast back to x's dtype
     "fe531029d689d886": NormForm("diffusers MochiRMSNorm", "eps"),
     # transformer_krea2.Krea2RMSNorm: F.rms_norm in float32 with 1 + w (added in w's dtype: the

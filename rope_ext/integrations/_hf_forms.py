@@ -357,6 +357,7 @@ FUSED_TABLES = {
     "qk": _unsqueezed,
     "qk+position_ids": lambda form: (lambda x, cos, sin, position_ids=None, unsqueeze_dim=1:
                                      (form, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))),
+    "q, k=None": _unsqueezed,  # (Qwen4-Exp's: the fused sites pass both q and k, as "qk" does)
     "x": _unsqueezed,  # (one tensor: Gemma 3n's and 4's q and k, each in a call of its own)
     "vision": lambda form: (lambda x, cos, sin: (form, cos.unsqueeze(-2), sin.unsqueeze(-2))),
     "vision, 2-D tables": lambda form: (lambda x, cos, sin: (form, cos[:, None, :], sin[:, None, :])),
@@ -379,6 +380,9 @@ KNOWN_NORMS: dict[str, NormForm] = {
     "a6dd56b6dac40ce8": NormForm("olmo2", "variance_epsilon"),
     # gemma3 (Gemma3RMSNorm): normalized * (1 + weight), in float32
     "e2137060dcb90c46": NormForm("gemma", "eps", offset=1.0),
+    # qwen4_exp (Qwen4ExpTextRMSNorm): gemma's, without a group size (with one it normalizes groups of
+    # a row's columns, which the op does not)
+    "d82b17b1ea3a3199": NormForm("gemma", "eps", offset=1.0, unset=("group_size",)),
     # gemma3n (Gemma3nRMSNorm): normalized * weight if with_scale, in float32
     "8b52c2c6cf81a572": NormForm("gemma3n", "eps", weight_if="with_scale"),
     # nanochat (NanoChatRMSNorm): no weight

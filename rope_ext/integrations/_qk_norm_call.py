@@ -34,7 +34,8 @@ class NormForm:
             (``weight * x_normed.to(x.dtype)``: the promotion of the weight's and x's); ``"weight"``
             (diffusers' RMSNorm: a 16-bit weight's dtype, else float32).
         eps_none: what a None eps means: ``"finfo"``, x's dtype's machine epsilon (torch's RMSNorm).
-        bias: an attribute that must be None (a norm with a bias is not this form).
+        unset: attributes that must be None for an instance to be this form (diffusers' RMSNorm
+            with a bias, Qwen4-Exp's norm with a group size, compute something else).
         offset_in_weight_dtype: the class adds ``offset`` in the weight's dtype (Krea2RMSNorm's
             ``self.weight + 1.0``), which rounds for a 16-bit weight; the op adds it in float32, so
             it takes a float32 weight only.
@@ -47,7 +48,7 @@ class NormForm:
     offset: float = 0.0
     output: str = "input"
     eps_none: str | None = None
-    bias: str | None = None
+    unset: tuple[str, ...] = ()
     offset_in_weight_dtype: bool = False
 
     def describe(self) -> str:
@@ -102,14 +103,19 @@ _UNIT_TABLE_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "proportiona
 def _unit_tables(module) -> bool:
     """Whether the attention's model builds rotation tables (cos^2 + sin^2 = 1), by its config's RoPE
     type (``rope_parameters`` in transformers 5, ``rope_scaling`` in 4): what a norm after RoPE needs
-    to be computed before it. False where the config does not say."""
+    to be computed before it. Where the parameters are per layer type (transformers 5's
+    ``{"full_attention": {...}, "sliding_attention": {...}}``), every layer type's must be. False
+    where the config does not say."""
     config = getattr(module, "config", None)
     if config is None:
         return False
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if not isinstance(params, dict):
         return False
-    return params.get("rope_type", params.get("type", "default")) in _UNIT_TABLE_ROPE_TYPES
+    nested = [p for p in params.values() if isinstance(p, dict)]
+    if nested and len(nested) != len(params):  # (a mix of both shapes: not a config transformers writes)
+        return False
+    return all(p.get("rope_type", p.get("type", "default")) in _UNIT_TABLE_ROPE_TYPES for p in nested or [params])
 
 
 def norms_alone(module, q_attr, k_attr, mode, q, k):
@@ -202,7 +208,7 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
             entry = norms.get(type(norm))
             if entry is None or type(norm).forward is not entry[1] or _hooked(norm):
                 return None
-            if entry[0].bias is not None and getattr(norm, entry[0].bias) is not None:
+            if any(getattr(norm, attr) is not None for attr in entry[0].unset):
                 return None
             found.append(entry[0])
         norm_form = found[0]

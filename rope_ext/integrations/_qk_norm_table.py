@@ -61,7 +61,7 @@ _UNFUSABLE_4_57_6 = {
     "c0fa07245d827bcc": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
 }
 
-# transformers 5.23.0: 37 fusions
+# transformers 5.23.0: 38 fusions
 _TESTED_5_23_0 = {
     "91e1bf1cafd7aa2a": _self(),  # afmoe
     "fef913fe49b2cd0b": _self(),  # apertus, hy_v3
@@ -97,6 +97,7 @@ _TESTED_5_23_0 = {
     "a9326ced2f28758d": _self(),  # pe_audio, pe_audio_video, pe_video
     "8abec6633e3eb670": _self(),  # qwen3_5, qwen3_5_moe, qwen3_next
     "d6782bb92034c344": _self(),  # qwen3_vl, qwen3_vl_moe
+    "330b1172813d42c6": _self(),  # qwen4_exp
     "91ef87389aa8bc84": _self(),  # step3p7
     "790f7c80b55a5e38": _self(),  # t5gemma2
     "22925477930e9fe8": _self(mode='after'),  # timesfm2_5
@@ -117,13 +118,12 @@ _UNFUSABLE_5_23_0 = {
     "c9d5bd83ec44a079": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // self.num_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # persimmon
     "ea63844489bbd024": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // config.num_attention_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # phi
     "a8c4e5d9c3d84d24": 'self.k_norm is nn.Identity(): not an RMS norm class its file defines',  # qwen3_omni_moe
-    "330b1172813d42c6": "self.k_norm's class Qwen4ExpTextRMSNorm (fingerprint d82b17b1ea3a3199) matches no tested RMS norm form",  # qwen4_exp
-    "1d9ae95bbcdd25b2": "self.k_layernorm's class Qwen4ExpTextRMSNorm (fingerprint d82b17b1ea3a3199) matches no tested RMS norm form",  # qwen4_exp
+    "1d9ae95bbcdd25b2": 'q and k are normalized and rotated one at a time, but not as one norm-then-RoPE pair each that holds every RoPE call',  # qwen4_exp
     "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not an RMS norm class its file defines',  # sapiens2
     "13e2d0e7e6486a44": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
 }
 
-# transformers 5.24.0: 37 fusions
+# transformers 5.24.0: 38 fusions
 _TESTED_5_24_0 = {
     "2610de19b1b92456": _self(),  # afmoe
     "35e5e0b49a1f818b": _self(),  # apertus, apertus1p5, hy_v3
@@ -159,6 +159,7 @@ _TESTED_5_24_0 = {
     "6f4f689ce5f24ded": _self(),  # pe_audio, pe_audio_video, pe_video
     "938af49af01d518d": _self(),  # qwen3_5, qwen3_5_moe, qwen3_next
     "54abb277e234eeda": _self(),  # qwen3_vl, qwen3_vl_moe
+    "396ac5e56f2aa100": _self(),  # qwen4_exp
     "a8e098472f625c67": _self(),  # step3p7
     "6dfc7f74f925a53e": _self(),  # t5gemma2
     "493015b25dcc0fcb": _self(mode='after'),  # timesfm2_5
@@ -182,8 +183,7 @@ _UNFUSABLE_5_24_0 = {
     "e86a120a4ba32161": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // self.num_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # persimmon
     "eda69a0e500223e4": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // config.num_attention_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # phi
     "4473acab5c2737e9": 'self.k_norm is nn.Identity(): not an RMS norm class its file defines',  # qwen3_omni_moe
-    "396ac5e56f2aa100": "self.k_norm's class Qwen4ExpTextRMSNorm (fingerprint d82b17b1ea3a3199) matches no tested RMS norm form",  # qwen4_exp
-    "1d8908e09df86a96": "self.k_layernorm's class Qwen4ExpTextRMSNorm (fingerprint d82b17b1ea3a3199) matches no tested RMS norm form",  # qwen4_exp
+    "1d8908e09df86a96": 'q and k are normalized and rotated one at a time, but not as one norm-then-RoPE pair each that holds every RoPE call',  # qwen4_exp
     "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not an RMS norm class its file defines',  # sapiens2
     "4b5178c93db4c65c": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
 }
