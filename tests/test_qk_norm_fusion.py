@@ -632,6 +632,17 @@ def test_qwen3_source_is_fused():
     assert _sites(_qwen3_source())["Qwen3Attention.forward"].fused
 
 
+def test_identity_norms_are_no_qk_norm():
+    """An attention whose q and k norms are both nn.Identity() (Qwen3-Omni-MoE's Code2Wav) normalizes
+    neither: it is no QK-norm site at all; with one real norm it is still a site (refused)."""
+    source = _qwen3_source()
+    for name in ("q_norm", "k_norm"):
+        source = re.sub(rf"self\.{name} = Qwen3RMSNorm\(.*\)", f"self.{name} = nn.Identity()", source)
+    assert "Qwen3Attention.forward" not in _sites(source)
+    one = re.sub(r"self\.k_norm = Qwen3RMSNorm\(.*\)", "self.k_norm = nn.Identity()", _qwen3_source())
+    assert not _sites(one)["Qwen3Attention.forward"].fused
+
+
 def test_an_altered_norm_is_untested_and_named():
     source = _qwen3_source().replace("variance + self.variance_epsilon", "variance + 2 * self.variance_epsilon")
     site = _sites(source)["Qwen3Attention.forward"]  # the site's fingerprint holds its norms': untested

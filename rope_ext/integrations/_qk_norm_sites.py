@@ -166,12 +166,17 @@ def _norm_bindings(init: ast.FunctionDef, attribute) -> dict[str, set[str]]:
     return out
 
 
+# How an ``__init__`` binds a norm attribute to no norm at all (Qwen3-Omni-MoE's Code2Wav attention:
+# ``self.q_norm = nn.Identity()``): an attention whose q/k norms are all such normalizes neither.
+_IDENTITY = frozenset({"nn.Identity()", "torch.nn.Identity()", "Identity"})
+
+
 def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dict, attribute,
                fused_signatures, judge) -> list[FusionSite]:
     """The attention methods (``forward``) of a transformers model file (``tree``, imported as
     ``module``) that call one of their q/k norms (attributes matching ``attribute``, a compiled
-    regex, bound in ``__init__``) and one of the file's RoPE functions (``rope_forms``: name ->
-    Form, None where refused), fused or with the reason they are not.
+    regex, bound in ``__init__``, not all to ``nn.Identity()``) and one of the file's RoPE functions
+    (``rope_forms``: name -> Form, None where refused), fused or with the reason they are not.
 
     Args:
         known_norms: norm fingerprint -> NormForm.
@@ -193,7 +198,7 @@ def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dic
         called = {n.func.attr for n in ast.walk(forward) if _attr_call(n, "self", bindings)}
         ropes = {n.func.id for n in ast.walk(forward)
                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in rope_forms}
-        if not called or not ropes:
+        if not called or not ropes or all(bindings[attr] <= _IDENTITY for attr in called):
             continue
         norms = tuple(sorted((attr, "|".join(sorted(bindings[attr]))) for attr in called))
         norm_keys = {attr: norm_fingerprint(definitions, classes[bound]) if bound in classes else bound

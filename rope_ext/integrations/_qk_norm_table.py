@@ -57,7 +57,6 @@ _UNFUSABLE_4_57_6 = {
     "54f346c30ac6bc3d": '`query_states = query_states.view(bsz, q_len, self.num_heads, self.head_dim).tran` uses query_states, key_states or what their norms read between the norms and RoPE',  # olmoe
     "71fc001ae52ca00a": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // self.num_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # persimmon
     "45afaea47331119e": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // config.num_attention_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # phi
-    "1e923dd8f413d13b": 'self.k_norm is nn.Identity(): not an RMS norm class its file defines',  # qwen3_omni_moe
     "c0fa07245d827bcc": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
 }
 
@@ -117,7 +116,6 @@ _UNFUSABLE_5_23_0 = {
     "3b6455d17d124f85": 'self.k_norm is nn.LayerNorm(self.head_dim): not an RMS norm class its file defines',  # nemotron3_5_transcribe
     "c9d5bd83ec44a079": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // self.num_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # persimmon
     "ea63844489bbd024": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // config.num_attention_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # phi
-    "a8c4e5d9c3d84d24": 'self.k_norm is nn.Identity(): not an RMS norm class its file defines',  # qwen3_omni_moe
     "1d9ae95bbcdd25b2": 'q and k are normalized and rotated one at a time, but not as one norm-then-RoPE pair each that holds every RoPE call',  # qwen4_exp
     "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not an RMS norm class its file defines',  # sapiens2
     "13e2d0e7e6486a44": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
@@ -182,7 +180,6 @@ _UNFUSABLE_5_24_0 = {
     "3b6455d17d124f85": 'self.k_norm is nn.LayerNorm(self.head_dim): not an RMS norm class its file defines',  # nemotron3_5_transcribe
     "e86a120a4ba32161": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // self.num_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # persimmon
     "eda69a0e500223e4": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // config.num_attention_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # phi
-    "4473acab5c2737e9": 'self.k_norm is nn.Identity(): not an RMS norm class its file defines',  # qwen3_omni_moe
     "1d8908e09df86a96": 'q and k are normalized and rotated one at a time, but not as one norm-then-RoPE pair each that holds every RoPE call',  # qwen4_exp
     "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not an RMS norm class its file defines',  # sapiens2
     "4b5178c93db4c65c": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
