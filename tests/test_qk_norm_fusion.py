@@ -182,7 +182,8 @@ CASES = {
     "laguna": Case("laguna"),
     "lfm3": Case("lfm3", _FULL),
     "minimax_m2": Case("minimax_m2"),
-    "minimax_m3_vl": Case("minimax_m3_vl_text"),
+    "minimax_m3_vl": Case("minimax_m3_vl_text", {"layer_types": ["full_attention", "minimax_m3_sparse"],
+                                                 "use_cache": False}),  # (its second layer's indexer too)
     "molmo2": Case("molmo2_text"),
     "nanochat": Case("nanochat"),  # (weightless norms after RoPE)
     "neomme": Case("neomme"),
@@ -451,6 +452,45 @@ def test_a_grouped_norm_runs_transformers_code():
             out = run(model)
     assert spy.names.count("qk_norm_rotary") == len(attentions) - 1, spy.names
     torch.testing.assert_close(out, stock, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.skipif("minimax_m3_vl" not in _cases(), reason="this release has no MiniMax-M3-VL")
+def test_the_minimax_indexer_scores_what_stock_scores():
+    """MiniMax-M3-VL's Lightning Indexer returns block indices, which the whole model's parity cannot
+    see move: its fused q and k are checked where it scores them, the one matmul of its forward
+    (idx_q against idx_k), fused against stock, in float32, within fusion_checks' float32 bound (2^-16
+    of the largest value). k's input is made between the two norms (the deferral crosses it)."""
+    import transformers.models.minimax_m3_vl.modeling_minimax_m3_vl as mm
+
+    family, model, _, _ = _model("minimax_m3_vl")
+    (indexer,) = [m for m in model.modules() if isinstance(m, mm.MiniMaxM3VLIndexer)]
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(2, 12, model.config.hidden_size, generator=gen)
+    positions = torch.arange(12).expand(2, 12)
+    tables = model.model.rotary_emb(hidden, position_ids=positions)
+    real = torch.matmul
+
+    def scored(fused):
+        seen = []
+
+        def matmul(a, b):
+            seen.append((a.detach().clone(), b.detach().clone()))
+            return real(a, b)
+
+        with torch.no_grad(), (rope_hf.patch([family]) if fused else contextlib.nullcontext()), RopeOpSpy() as spy:
+            torch.matmul = matmul
+            try:
+                indexer(hidden, tables, None, positions)
+            finally:
+                torch.matmul = real
+        assert len(seen) == 1, len(seen)
+        return seen[0], spy.names
+
+    (q0, k0), stock_ops = scored(False)
+    (q1, k1), fused_ops = scored(True)
+    assert stock_ops == [] and fused_ops == ["qk_norm_rotary"], fused_ops
+    for a, b in ((q1, q0), (k1, k0)):
+        torch.testing.assert_close(a, b, atol=2**-16 * float(b.abs().max()), rtol=0)
 
 
 def test_fallbacks_run_transformers_code():
@@ -744,6 +784,18 @@ def _probe(body: str, ropes=("apply_rotary_pos_emb",)):
     return _qk_norm_rewrite.probe(ast.parse(source).body[0], "self", set(ropes), _ATTRS)
 
 
+def test_matcher_crosses_what_runs_before_the_second_norm():
+    """MiniMax-M3-VL's indexer makes k's input between the two norms: only the first norm is deferred
+    past that statement, so it is fused; a statement there that reads q is not (see test_matcher_refuses)."""
+    site = _probe("""
+q = self.q_norm(x).transpose(1, 2)
+k = y * 2
+k = self.k_norm(k).transpose(1, 2)
+q, k = apply_rotary_pos_emb(q, k, cos, sin)
+return q, k""")
+    assert site == _qk_norm_rewrite.Site("self", "q_norm", "k_norm", "apply_rotary_pos_emb", False, "head")
+
+
 def test_matcher_keeps_the_plain_form():
     site = _probe("""
 q = self.q_norm(x).transpose(1, 2)
@@ -782,7 +834,9 @@ return q, k""")
     ("q = self.q_norm(x)\nk = self.k_norm(y)\nz = x\nz.add_(3.0)\nq, k = apply_rotary_pos_emb(q, k, cos, sin)",
      "`z = x` uses q, k or what their norms read"),
     ("q = self.q_norm(x)\nx.add_(3.0)\nk = self.k_norm(y)\nq, k = apply_rotary_pos_emb(q, k, cos, sin)",
-     "what their norms read is used between their two norms"),
+     "q or what its norm reads is used between the two norms"),
+    ("k = self.k_norm(y)\nm = k.abs()\nq = self.q_norm(x)\nq, k = apply_rotary_pos_emb(q, k, cos, sin)",
+     "k or what its norm reads is used between the two norms"),
     # a block crossed between q's reshape to heads and k's: its norms would run with q as heads and
     # k as rows (review 3)
     ("hidden_shape = (*input_shape, -1, self.head_dim)\nq = self.q_norm(x)\nk = self.k_norm(y)\n"

@@ -341,9 +341,13 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
     # name, means the norms run first)
     roots = {_alias_root(n.arg, owner) for n in (nq, nk) if n.arg is not None} - {None}
     watch = {q, k} | roots
-    if any(watch & _names(s) for s in fn.body[lo + 1:hi]):
-        return Unfusable(f"{q}, {k} or what their norms read is used between their two norms")
     (first, first_name), (later, _) = sorted(((nq, q), (nk, k)), key=lambda pair: pair[0].index)
+    # Between the two norms only the first one is deferred past anything: the statements there run
+    # before the second norm in both orders (MiniMax-M3-VL's indexer makes k's input there), so only
+    # the first norm's tensor and what it reads are watched.
+    first_watch = {first_name, _alias_root(first.arg, owner) if first.arg is not None else None} - {None}
+    if any(first_watch & _names(s) for s in fn.body[lo + 1:hi]):
+        return Unfusable(f"{first_name} or what its norm reads is used between the two norms")
     if later.arg is not None and first.index != later.index and (
             {first_name, _alias_root(first.arg, owner) if first.arg is not None else None} & _names(later.arg)):
         return Unfusable(f"the second norm reads {first_name} or what its norm reads")

@@ -60,7 +60,7 @@ _UNFUSABLE_4_57_6 = {
     "c0fa07245d827bcc": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
 }
 
-# transformers 5.23.0: 38 fusions
+# transformers 5.23.0: 39 fusions
 _TESTED_5_23_0 = {
     "91e1bf1cafd7aa2a": _self(),  # afmoe
     "fef913fe49b2cd0b": _self(),  # apertus, hy_v3
@@ -87,6 +87,7 @@ _TESTED_5_23_0 = {
     "aeea0f09ba8da3e1": _self('apply_rotary_pos_emb_vision'),  # lfm3_vl
     "32d0eb57954ce253": _self(mode='heads_bhsd'),  # minimax_m2
     "ba77ed43407ad115": _self(),  # minimax_m3_vl
+    "958ff91a25bb938d": _self(),  # minimax_m3_vl
     "e6b4b8a4fef8537d": _self(),  # molmo2
     "eeae7f5e57cd0d27": _self(mode='after'),  # nanochat
     "966261e93ebea29f": _self(),  # neomme
@@ -110,7 +111,6 @@ _UNFUSABLE_5_23_0 = {
     "42b6a0ea04cf0a35": "self.k_norm's class EsmcLayerNorm (fingerprint d431cf3f77e54d0b) matches no tested RMS norm form",  # esmc
     "be7e5a4fd2310a04": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps): not an RMS norm class its file defines',  # hy_v4
     "3a878b44e2256eda": 'q and k are normalized after RoPE, not directly after its one call',  # idefics
-    "958ff91a25bb938d": 'idx_q, idx_k or what their norms read is used between their two norms',  # minimax_m3_vl
     "b0a6eb9720a86307": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # mistral_large4
     "f4188a857579ffda": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
     "3b6455d17d124f85": 'self.k_norm is nn.LayerNorm(self.head_dim): not an RMS norm class its file defines',  # nemotron3_5_transcribe
@@ -121,7 +121,7 @@ _UNFUSABLE_5_23_0 = {
     "13e2d0e7e6486a44": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
 }
 
-# transformers 5.24.0: 38 fusions
+# transformers 5.24.0: 39 fusions
 _TESTED_5_24_0 = {
     "2610de19b1b92456": _self(),  # afmoe
     "35e5e0b49a1f818b": _self(),  # apertus, apertus1p5, hy_v3
@@ -148,6 +148,7 @@ _TESTED_5_24_0 = {
     "aeea0f09ba8da3e1": _self('apply_rotary_pos_emb_vision'),  # lfm3_vl
     "0a0895256d2ae369": _self(mode='heads_bhsd'),  # minimax_m2
     "dffe59133ce917d8": _self(),  # minimax_m3_vl
+    "1e7b08ac10545d37": _self(),  # minimax_m3_vl
     "591439d1876101f5": _self(),  # molmo2
     "69882c520d639546": _self(mode='after'),  # nanochat
     "1ecfda64dd0072d1": _self(),  # neomme
@@ -174,7 +175,6 @@ _UNFUSABLE_5_24_0 = {
     "a6987fb124adcb92": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps, dtype=torch.float32): not an RMS norm class its file defines',  # hy_v4_vl
     "29a39ac3d730fb65": 'q and k are normalized after RoPE, not directly after its one call',  # idefics
     "7fc49f59ea016c4b": "self.k_norm's class LaraMiniRMSNorm (fingerprint 59c26a99fc9b9886) matches no tested RMS norm form",  # lara_mini
-    "1e7b08ac10545d37": 'idx_q, idx_k or what their norms read is used between their two norms',  # minimax_m3_vl
     "9024619d2e59486d": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # mistral_large4
     "6675f35171d50baf": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
     "3b6455d17d124f85": 'self.k_norm is nn.LayerNorm(self.head_dim): not an RMS norm class its file defines',  # nemotron3_5_transcribe
