@@ -834,9 +834,24 @@ return q, k""")
     ("q = self.q_norm(x)\nk = self.k_norm(y)\nz = x\nz.add_(3.0)\nq, k = apply_rotary_pos_emb(q, k, cos, sin)",
      "`z = x` uses q, k or what their norms read"),
     ("q = self.q_norm(x)\nx.add_(3.0)\nk = self.k_norm(y)\nq, k = apply_rotary_pos_emb(q, k, cos, sin)",
-     "q or what its norm reads is used between the two norms"),
+     "what their norms read is used between their two norms"),
     ("k = self.k_norm(y)\nm = k.abs()\nq = self.q_norm(x)\nq, k = apply_rotary_pos_emb(q, k, cos, sin)",
-     "k or what its norm reads is used between the two norms"),
+     "what their norms read is used between their two norms"),
+    # between the norms, the second's input made anew only where it cannot share the first's memory
+    # (review 4: each of these fused would change what the deferred first norm reads)
+    ("y = x\nq = self.q_norm(x)\ny.add_(1)\nk = self.k_norm(y)\nq, k = apply_rotary_pos_emb(q, k, cos, sin)",
+     "what their norms read is used between their two norms"),
+    ("q = self.q_norm(x)\nk = x[:]\nk.add_(1)\nk = self.k_norm(k)\nq, k = apply_rotary_pos_emb(q, k, cos, sin)",
+     "what their norms read is used between their two norms"),
+    ("q = self.q_norm(x)\nk = x.view(-1)\nk = self.k_norm(k)\nq, k = apply_rotary_pos_emb(q, k, cos, sin)",
+     "what their norms read is used between their two norms"),
+    ("q = self.q_norm(x)\nk = y.add_(1)\nk = self.k_norm(k)\nq, k = apply_rotary_pos_emb(q, k, cos, sin)",
+     "what their norms read is used between their two norms"),
+    # a name bound to x's tensor before the norms, changed in place after one (review 4)
+    ("z = x.view(-1)\nq = self.q_norm(x)\nz.add_(1)\nk = self.k_norm(y)\nq, k = apply_rotary_pos_emb(q, k, cos, sin)",
+     "what their norms read is used between their two norms"),
+    ("w = y\nz = w[:]\nq = self.q_norm(x)\nk = self.k_norm(y)\nz.add_(1)\nq, k = apply_rotary_pos_emb(q, k, cos, sin)",
+     "`z.add_(1)` uses q, k or what their norms read between the norms and RoPE"),
     # a block crossed between q's reshape to heads and k's: its norms would run with q as heads and
     # k as rows (review 3)
     ("hidden_shape = (*input_shape, -1, self.head_dim)\nq = self.q_norm(x)\nk = self.k_norm(y)\n"

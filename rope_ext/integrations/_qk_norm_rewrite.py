@@ -224,6 +224,40 @@ def _layout(stmt, name: str, owner: str, hidden_shape: bool) -> str | None:
     return None
 
 
+def _aliases(stmts, roots: set, owner: str) -> set:
+    """The names stmts (what runs before the norms) bind to a tensor that may share memory with one
+    of roots (``z = x``, ``z = x.view(...)``, and names bound to those in turn): a change through one
+    of them after the first norm changes what the deferred norms read."""
+    found = set()
+    assigns = [n for stmt in stmts for n in ast.walk(stmt) if isinstance(n, (ast.Assign, ast.NamedExpr))]
+    while True:
+        more = set()
+        for n in assigns:
+            root = _alias_root(n.value, owner)
+            if root in roots | found:
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                more |= {name for t in targets for name in _names(t)} - roots - found
+        if not more:
+            return found
+        found |= more
+
+
+def _fresh_input(stmt, names, watch, owner: str) -> bool:
+    """Whether stmt, between the two norms, only makes the second norm's input (one of ``names``)
+    anew: ``N = E`` where E is a new tensor (``_alias_root`` None: MiniMax-M3-VL's indexer's ``idx_k =
+    self.k_proj(h).view(...)``), reads no ``watch`` name and changes nothing in place (no call of a
+    method ending in ``_``). The second norm runs after it in both orders and the first norm's input
+    cannot share the new tensor's memory, so deferring the first norm past it changes nothing. Any
+    other statement that reads a watched name (a view of x changed in place, ``k = q``) is not."""
+    found = _assign(stmt)
+    if found is None or found[0] not in names:
+        return False
+    value = found[1]
+    return (_alias_root(value, owner) is None and not (watch & _names(value)) and not any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr.endswith("_")
+        for n in ast.walk(value)))
+
+
 def _alias_root(expr, owner: str) -> str | None:
     """The name whose tensor expr may share memory with: ``x`` of ``x``, ``x.view(...)``,
     ``x[...]``, ``x.transpose(1, 2)`` and other method chains on x; None where expr makes a new
@@ -338,16 +372,13 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
     lo, hi = sorted((nq.index, nk.index))
     # what the deferred norms read: q and k, and a tensor they may share memory with (q = O.q_norm(x)
     # makes q hold x's tensor until the norm runs: x read or changed, in place or through another
-    # name, means the norms run first)
+    # name bound to it before or after, means the norms run first)
     roots = {_alias_root(n.arg, owner) for n in (nq, nk) if n.arg is not None} - {None}
-    watch = {q, k} | roots
-    (first, first_name), (later, _) = sorted(((nq, q), (nk, k)), key=lambda pair: pair[0].index)
-    # Between the two norms only the first one is deferred past anything: the statements there run
-    # before the second norm in both orders (MiniMax-M3-VL's indexer makes k's input there), so only
-    # the first norm's tensor and what it reads are watched.
-    first_watch = {first_name, _alias_root(first.arg, owner) if first.arg is not None else None} - {None}
-    if any(first_watch & _names(s) for s in fn.body[lo + 1:hi]):
-        return Unfusable(f"{first_name} or what its norm reads is used between the two norms")
+    watch = {q, k} | roots | _aliases(fn.body[:lo], roots, owner)
+    (first, first_name), (later, later_name) = sorted(((nq, q), (nk, k)), key=lambda pair: pair[0].index)
+    if any(watch & _names(s) and not _fresh_input(s, {later_name, _alias_root(later.arg, owner)}, watch, owner)
+           for s in fn.body[lo + 1:hi]):
+        return Unfusable(f"{q}, {k} or what their norms read is used between their two norms")
     if later.arg is not None and first.index != later.index and (
             {first_name, _alias_root(first.arg, owner) if first.arg is not None else None} & _names(later.arg)):
         return Unfusable(f"the second norm reads {first_name} or what its norm reads")
