@@ -334,6 +334,20 @@ def test_weight_gradients_are_bitwise_reproducible_across_thread_counts(after, g
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+def test_a_weight_that_needs_no_gradient(after, gen):
+    """A weight that does not require grad (a frozen norm): the backward skips the weight's sums
+    (with the weight after, the rotation of x_hat they need), and dx still equals float64 autograd's."""
+    inputs, kw = _grad_case(torch.float64, "head", True, "own", gen, after=after)
+    q, k, wq, wk, cos, sin = inputs
+    wq, wk = wq.detach(), wk.detach()
+    gq, gk = randn(*q.shape, dtype=torch.float64, gen=gen), randn(*k.shape, dtype=torch.float64, gen=gen)
+    ours = torch.autograd.grad(rope_ext.qk_norm_rotary(q, k, wq, wk, cos, sin, **kw), (q, k), (gq, gk))
+    theirs = torch.autograd.grad(_reference_pair(q, k, wq, wk, cos, sin, **kw), (q, k), (gq, gk))
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
 def test_tables_get_no_gradient_unless_they_need_one(gen):
     inputs, kw = _grad_case(torch.float32, "head", False, "own", gen, tables_grad=False)
     q_out, k_out = rope_ext.qk_norm_rotary(*inputs, **kw)

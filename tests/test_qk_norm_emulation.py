@@ -162,6 +162,33 @@ def test_backward_matches_float64_autograd(dtype, convention, norm_over, weight,
     check_grads(dx, dweight, x, w, cos, sin, dy, eps=1e-6, **kw)
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+@pytest.mark.parametrize("gathered", [False, True], ids=["tables", "positions"])
+def test_backward_without_the_weights_gradient(after, gathered, gen):
+    """The backward kernel with a weight but no weight gradient (no partial sums; with the weight after,
+    grad_pairs without the terms): dx against float64 autograd, both vector widths."""
+    B, S, H, D, r, P = 2, 3, 4, 32, 24, 16
+    x = randn(B, S, H, D, gen=gen)
+    w = torch.rand(D, generator=gen) + 0.5
+    if gathered:
+        cc, sc = random_tables((P, r // 2), dtype=torch.float32, gen=gen)
+        positions = torch.randint(0, P, (B, S, 1), generator=gen)
+        cos, sin = _gathered_tables(cc, sc, positions, False)
+        tables = (cc, sc, positions)
+    else:
+        cos, sin = random_tables((B, S, 1, r), dtype=torch.float32, gen=gen)
+        tables = (cos, sin, None)
+    for rows in (x, _misaligned(x)):  # (the vector path and the scalar one)
+        _, _, rstd, _ = emulated(rows, rows, w, w, *tables, weight_after=after)
+        dy = randn(*x.shape, gen=gen)
+        dx, dweight = TESTING.cuda_emulate_qk_norm_rotary_backward(dy, rows, w, rstd, *tables, 0.0, False, False,
+                                                                   False, after)
+        assert dweight.numel() == 0
+        want, _ = _reference_grads(rows, w, cos, sin, dy, eps=1e-6, weight_after=after)
+        torch.testing.assert_close(dx.double(), want, rtol=_UNIT_ROUNDOFF[x.dtype],  # (check_grads' dx bound)
+                                   atol=2 * (D + 8) * 2.0**-24 * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("norm_over", ["head", "heads"])
 @pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
 def test_forward_and_backward_equal_the_cpu_ops_to_rounding(norm_over, after, gen):
