@@ -216,10 +216,8 @@ def _gain(weight, weight_offset, across_heads, like, dtype):
 def _normalized(x, weight, rstd, weight_offset, across_heads):
     """g * x * rstd in the compute dtype (x * rstd without a weight)."""
     v = x.to(rstd.dtype)
-    v = (v.flatten(-2) * rstd.unsqueeze(-1)) if across_heads else v * rstd.unsqueeze(-1)
-    if weight is not None:
-        v = v * (weight.to(rstd.dtype) + weight_offset)
-    return v.unflatten(-1, x.shape[-2:]) if across_heads else v
+    v = (v.flatten(-2) * rstd.unsqueeze(-1)).unflatten(-1, x.shape[-2:]) if across_heads else v * rstd.unsqueeze(-1)
+    return v if weight is None else v * _gain(weight, weight_offset, across_heads, x, rstd.dtype)
 
 
 def _qk_norm_rotary_setup(ctx, inputs, output):

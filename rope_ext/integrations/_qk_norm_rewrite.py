@@ -427,11 +427,9 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
 
 def _stream_norm(expr, owner: str, name: str) -> str | None:
     """attr where expr is ``<owner>.<attr>(name)`` and attr names a norm (holds ``norm``), else None."""
-    if (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and isinstance(expr.func.value, ast.Name)
-            and expr.func.value.id == owner and "norm" in expr.func.attr and not expr.keywords
-            and [_text(a) for a in expr.args] == [name]):
-        return expr.func.attr
-    return None
+    attr = expr.func.attr if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) else ""
+    call = _attr_call(expr, owner, {attr}) if "norm" in attr else None
+    return attr if call is not None and _text(call.args[0]) == name else None
 
 
 def _stream_at(stmts, owner: str, q: str, k: str) -> Stream | None:
