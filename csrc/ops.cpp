@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "cpu/rotary_cpu.h"
+#include "qk_norm_schemas.h"
 #include "registration.h"
 #include "rope_ext/version.h"
 #include "stable_tensor.h"
@@ -86,47 +87,8 @@ void define_schemas(TorchLibraryHandle lib) {
       "rotary_pos_(Tensor(a!) q, Tensor(b!)? k, Tensor cos_cache, Tensor sin_cache, Tensor positions, "
       "bool interleaved=False, bool conjugate=False) -> ()");
 
-  // QK-norm + RoPE: for each of q and k, out = rotary(g * x * rstd, cos, sin) with rstd = 1 / sqrt(mean(x^2)
-  // + eps) over each head's row (x.size(-1) columns) or, across_heads, over all of a token's heads
-  // (dim -2), g = weight + weight_offset (or 1 without a weight; the weight (x.size(-1),), or
-  // (x.size(-2) * x.size(-1),) across heads); weight_after: out = g * rotary(x * rstd, cos, sin), the
-  // norm of models that normalize after RoPE. cos/sin as rotary's, shared by q and k. Computed in
-  // float32 (float64 for float64 inputs) and rounded once. Also returns the rstd of each row (or
-  // token), in the compute dtype, which the backward reads.
-  def(
-      "qk_norm_rotary(Tensor q, Tensor k, Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin, float eps, "
-      "float weight_offset=0., bool across_heads=False, bool interleaved=False, bool weight_after=False) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
-
-  // qk_norm_rotary with the tables gathered from half-width caches at positions, as rotary_pos_qk
-  // gathers them: the module's path, one call for q and k.
-  def(
-      "qk_norm_rotary_pos(Tensor q, Tensor k, Tensor? q_weight, Tensor? k_weight, Tensor cos_cache, "
-      "Tensor sin_cache, Tensor positions, float eps, float weight_offset=0., bool across_heads=False, "
-      "bool interleaved=False, bool weight_after=False) -> (Tensor, Tensor, Tensor, Tensor)");
-
-  // qk_norm_rotary of one tensor, for models that rotate q and k in separate calls: (out, rstd).
-  def(
-      "norm_rotary(Tensor x, Tensor? weight, Tensor cos, Tensor sin, float eps, float weight_offset=0., "
-      "bool across_heads=False, bool interleaved=False, bool weight_after=False) -> (Tensor, Tensor)");
-
-  // In place, for inference (vLLM's fused_qk_norm_rope): q and k overwritten. Refuse inputs that need grad.
-  def(
-      "qk_norm_rotary_(Tensor(a!) q, Tensor(b!) k, Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin, "
-      "float eps, float weight_offset=0., bool across_heads=False, bool interleaved=False, "
-      "bool weight_after=False) -> ()");
-  def(
-      "qk_norm_rotary_pos_(Tensor(a!) q, Tensor(b!) k, Tensor? q_weight, Tensor? k_weight, Tensor cos_cache, "
-      "Tensor sin_cache, Tensor positions, float eps, float weight_offset=0., bool across_heads=False, "
-      "bool interleaved=False, bool weight_after=False) -> ()");
-
-  // The backward of either, for one of q and k: (dx, dweight) from the output's gradient, x and the
-  // forward's rstd (cos/sin are caches when positions is given); dweight (the compute dtype, the
-  // weight's shape) when weight_grad, else empty.
-  def(
-      "qk_norm_rotary_backward(Tensor grad, Tensor x, Tensor? weight, Tensor rstd, Tensor cos, Tensor sin, "
-      "Tensor? positions, float weight_offset, bool across_heads, bool interleaved, bool weight_grad, "
-      "bool weight_after=False) -> (Tensor, Tensor)");
+  // QK-norm + RoPE (qk_norm_schemas.h says what each computes).
+  for (const OpSchema& schema : kQkNormSchemas) def(str(schema.name, schema.signature).c_str());
 
   // rope_ext's version (rope_ext/version.h), and the file of the library that registered these
   // schemas (see the top of this file).

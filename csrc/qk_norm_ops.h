@@ -20,10 +20,11 @@ struct QkNormOps {
   using T = TensorRef;
   using OptT = std::optional<TensorRef>;
   using Four = std::tuple<OwnedTensor, OwnedTensor, OwnedTensor, OwnedTensor>;
+  using Three = std::tuple<OwnedTensor, OwnedTensor, OwnedTensor>;
 
   static TensorArg read_optional(const OptT& t) { return t.has_value() ? read_arg(*t) : TensorArg{}; }
 
-  // The compute dtype, which rstd and the weights' gradients are kept in.
+  // The compute dtype, which the statistics and the weights' and biases' gradients are kept in.
   static ScalarType stat_dtype(const TensorArg& x) {
     return x.scalar_type() == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
   }
@@ -40,27 +41,35 @@ struct QkNormOps {
     return true;
   }
 
-  static Output new_stat(const TensorArg& x, bool across_heads) {
-    const std::vector<int64_t> shape = norm_stat_shape(x, across_heads);
+  static Output new_stat(const TensorArg& x, bool across_heads, bool centered) {
+    const std::vector<int64_t> shape = norm_stat_shape(x, across_heads, centered);
     return new_contiguous(Dims{shape.data(), static_cast<int64_t>(shape.size())}, stat_dtype(x), x.device());
   }
 
+  // How a call normalizes, past its tensors: the arguments every forward form takes alike.
+  struct NormForm {
+    double eps, weight_offset;
+    bool across_heads, interleaved, weight_after, centered;
+  };
+
   // q and k of a forward call, read (writable, in place) and through every check the forms share.
   struct QkArgs {
-    TensorArg q, k, cos, sin, q_weight, k_weight, pos;  // pos: undefined without positions
+    TensorArg q, k, cos, sin, q_weight, k_weight, q_bias, k_bias, pos;  // pos: undefined without positions
     bool gathered;
     const TensorArg* positions() const { return gathered ? &pos : nullptr; }
   };
 
   static QkArgs read_qk(const char* op, const T& q, const T& k, const OptT& q_weight, const OptT& k_weight,
-                        const T& cos, const T& sin, const TensorRef* positions, double eps, double weight_offset,
-                        bool across_heads, bool writes) {
-    QkArgs a{read_arg(q, writes), read_arg(k, writes), read_arg(cos), read_arg(sin), read_optional(q_weight),
-             read_optional(k_weight), positions != nullptr ? read_arg(*positions) : TensorArg{}, positions != nullptr};
-    check_qk_norm_args(op, a.q, &a.q_weight, a.cos, a.sin, a.positions(), eps, weight_offset, across_heads, "q",
-                       "q_weight");
-    check_qk_norm_args(op, a.k, &a.k_weight, a.cos, a.sin, a.positions(), eps, weight_offset, across_heads, "k",
-                       "k_weight");
+                        const OptT& q_bias, const OptT& k_bias, const T& cos, const T& sin,
+                        const TensorRef* positions, const NormForm& f, bool writes) {
+    QkArgs a{read_arg(q, writes),     read_arg(k, writes),     read_arg(cos),
+             read_arg(sin),           read_optional(q_weight), read_optional(k_weight),
+             read_optional(q_bias),   read_optional(k_bias),
+             positions != nullptr ? read_arg(*positions) : TensorArg{}, positions != nullptr};
+    check_qk_norm_args(op, a.q, {&a.q_weight, &a.q_bias, "q_weight", "q_bias"}, a.cos, a.sin, a.positions(), f.eps,
+                       f.weight_offset, f.across_heads, "q");
+    check_qk_norm_args(op, a.k, {&a.k_weight, &a.k_bias, "k_weight", "k_bias"}, a.cos, a.sin, a.positions(), f.eps,
+                       f.weight_offset, f.across_heads, "k");
     if (a.gathered) {
       check_qk_args(op, a.q, a.k, a.pos, "positions", 0);
     } else {
@@ -69,129 +78,137 @@ struct QkNormOps {
     return a;
   }
 
-  // The forward of q and of k into q_out and k_out (q and k themselves, in place), keeping their rstd
-  // where given.
-  static void run_qk(const char* op, const QkArgs& a, const TensorArg& q_out, const TensorArg& k_out,
-                     const TensorArg* q_rstd, const TensorArg* k_rstd, double eps, double weight_offset,
-                     bool across_heads, bool interleaved, bool weight_after) {
+  // The forward of one tensor into out (x itself, in place), keeping its statistics where given.
+  static void run_one(const char* op, const TensorArg& x, const TensorArg& out, const TensorArg& weight,
+                      const TensorArg& bias, const TensorArg& cos, const TensorArg& sin, const TensorArg* positions,
+                      const TensorArg* stats, const NormForm& f) {
     // (Named, not braced in the call: nvcc's front end misreads a braced argument to a function
     // pointer template parameter.)
-    const NormCall q_call{a.q,    q_out,         &a.q_weight,  a.cos,         a.sin,        q_rstd, a.positions(),
-                          nullptr, nullptr,      eps,          weight_offset, across_heads, interleaved, op,
-                          weight_after};
-    const NormCall k_call{a.k,    k_out,         &a.k_weight,  a.cos,         a.sin,        k_rstd, a.positions(),
-                          nullptr, nullptr,      eps,          weight_offset, across_heads, interleaved, op,
-                          weight_after};
-    run(q_call);
-    run(k_call);
+    const NormCall call{x,       out,     &weight, cos,  sin,    stats,          positions,
+                        nullptr, nullptr, f.eps,   f.weight_offset, f.across_heads, f.interleaved, op,
+                        f.weight_after, &bias, nullptr, f.centered};
+    run(call);
   }
 
-  // (q_out, k_out, q_rstd, k_rstd); cos/sin are full-form tables, or half-width caches gathered at
+  // The forward of q and of k into q_out and k_out (q and k themselves, in place), keeping their
+  // statistics where given.
+  static void run_qk(const char* op, const QkArgs& a, const TensorArg& q_out, const TensorArg& k_out,
+                     const TensorArg* q_stats, const TensorArg* k_stats, const NormForm& f) {
+    run_one(op, a.q, q_out, a.q_weight, a.q_bias, a.cos, a.sin, a.positions(), q_stats, f);
+    run_one(op, a.k, k_out, a.k_weight, a.k_bias, a.cos, a.sin, a.positions(), k_stats, f);
+  }
+
+  // (q_out, k_out, q_stats, k_stats); cos/sin are full-form tables, or half-width caches gathered at
   // `positions` when it is set (qk_norm_rotary_pos).
   static Four out_of_place(const char* op, const T& q_, const T& k_, const OptT& q_weight, const OptT& k_weight,
-                           const T& cos, const T& sin, const TensorRef* positions, double eps, double weight_offset,
-                           bool across_heads, bool interleaved, bool weight_after) {
-    const QkArgs a = read_qk(op, q_, k_, q_weight, k_weight, cos, sin, positions, eps, weight_offset, across_heads,
-                             false);
+                           const OptT& q_bias, const OptT& k_bias, const T& cos, const T& sin,
+                           const TensorRef* positions, const NormForm& f) {
+    const QkArgs a = read_qk(op, q_, k_, q_weight, k_weight, q_bias, k_bias, cos, sin, positions, f, false);
     Output q_out = new_like(q_.handle, a.q), k_out = new_like(k_.handle, a.k);
-    Output q_rstd = new_stat(a.q, across_heads), k_rstd = new_stat(a.k, across_heads);
-    run_qk(op, a, q_out.arg, k_out.arg, &q_rstd.arg, &k_rstd.arg, eps, weight_offset, across_heads, interleaved,
-           weight_after);
-    return {std::move(q_out.tensor), std::move(k_out.tensor), std::move(q_rstd.tensor), std::move(k_rstd.tensor)};
+    Output q_stats = new_stat(a.q, f.across_heads, f.centered), k_stats = new_stat(a.k, f.across_heads, f.centered);
+    run_qk(op, a, q_out.arg, k_out.arg, &q_stats.arg, &k_stats.arg, f);
+    return {std::move(q_out.tensor), std::move(k_out.tensor), std::move(q_stats.tensor), std::move(k_stats.tensor)};
   }
 
   static Four qk_norm_rotary(const T& q, const T& k, const OptT& q_weight, const OptT& k_weight, const T& cos,
                              const T& sin, double eps, double weight_offset, bool across_heads, bool interleaved,
-                             bool weight_after) {
-    return out_of_place("rope_ext.qk_norm_rotary", q, k, q_weight, k_weight, cos, sin, nullptr, eps, weight_offset,
-                        across_heads, interleaved, weight_after);
+                             bool weight_after, const OptT& q_bias, const OptT& k_bias, bool centered) {
+    return out_of_place("rope_ext.qk_norm_rotary", q, k, q_weight, k_weight, q_bias, k_bias, cos, sin, nullptr,
+                        {eps, weight_offset, across_heads, interleaved, weight_after, centered});
   }
 
   static Four qk_norm_rotary_pos(const T& q, const T& k, const OptT& q_weight, const OptT& k_weight,
                                  const T& cos_cache, const T& sin_cache, const T& positions, double eps,
-                                 double weight_offset, bool across_heads, bool interleaved, bool weight_after) {
-    return out_of_place("rope_ext.qk_norm_rotary_pos", q, k, q_weight, k_weight, cos_cache, sin_cache, &positions,
-                        eps, weight_offset, across_heads, interleaved, weight_after);
+                                 double weight_offset, bool across_heads, bool interleaved, bool weight_after,
+                                 const OptT& q_bias, const OptT& k_bias, bool centered) {
+    return out_of_place("rope_ext.qk_norm_rotary_pos", q, k, q_weight, k_weight, q_bias, k_bias, cos_cache,
+                        sin_cache, &positions, {eps, weight_offset, across_heads, interleaved, weight_after, centered});
   }
 
-  // In place, for inference: q and k overwritten with their (q_out, k_out); no rstd is kept. Every
-  // check of the out-of-place op, and q and k must store each element once and share no memory with
-  // each other or any input.
+  // In place, for inference: q and k overwritten with their (q_out, k_out); no statistics are kept.
+  // Every check of the out-of-place op, and q and k must store each element once and share no
+  // memory with each other or any input.
   static void in_place(const char* op, const T& q, const T& k, const OptT& q_weight, const OptT& k_weight,
-                       const T& cos, const T& sin, const TensorRef* positions, double eps, double weight_offset,
-                       bool across_heads, bool interleaved, bool weight_after) {
-    const QkArgs a = read_qk(op, q, k, q_weight, k_weight, cos, sin, positions, eps, weight_offset, across_heads, true);
+                       const OptT& q_bias, const OptT& k_bias, const T& cos, const T& sin,
+                       const TensorRef* positions, const NormForm& f) {
+    const QkArgs a = read_qk(op, q, k, q_weight, k_weight, q_bias, k_bias, cos, sin, positions, f, true);
     const char* nc = a.gathered ? "cos_cache" : "cos";
     const char* ns = a.gathered ? "sin_cache" : "sin";
     for (const auto& [x, name] : {std::pair{&a.q, "q"}, std::pair{&a.k, "k"}}) {
       check_inplace_args(op, *x, {{nc, &a.cos}, {ns, &a.sin}, {"positions", &a.pos}, {"q_weight", &a.q_weight},
-                                  {"k_weight", &a.k_weight}}, name);
+                                  {"k_weight", &a.k_weight}, {"q_bias", &a.q_bias}, {"k_bias", &a.k_bias}}, name);
     }
     check_inplace_args(op, a.q, {{"k", &a.k}}, "q");
-    run_qk(op, a, a.q, a.k, nullptr, nullptr, eps, weight_offset, across_heads, interleaved, weight_after);
+    run_qk(op, a, a.q, a.k, nullptr, nullptr, f);
   }
 
   static void qk_norm_rotary_(const T& q, const T& k, const OptT& q_weight, const OptT& k_weight, const T& cos,
                               const T& sin, double eps, double weight_offset, bool across_heads, bool interleaved,
-                              bool weight_after) {
-    in_place("rope_ext.qk_norm_rotary_", q, k, q_weight, k_weight, cos, sin, nullptr, eps, weight_offset,
-             across_heads, interleaved, weight_after);
+                              bool weight_after, const OptT& q_bias, const OptT& k_bias, bool centered) {
+    in_place("rope_ext.qk_norm_rotary_", q, k, q_weight, k_weight, q_bias, k_bias, cos, sin, nullptr,
+             {eps, weight_offset, across_heads, interleaved, weight_after, centered});
   }
 
   static void qk_norm_rotary_pos_(const T& q, const T& k, const OptT& q_weight, const OptT& k_weight,
                                   const T& cos_cache, const T& sin_cache, const T& positions, double eps,
-                                  double weight_offset, bool across_heads, bool interleaved, bool weight_after) {
-    in_place("rope_ext.qk_norm_rotary_pos_", q, k, q_weight, k_weight, cos_cache, sin_cache, &positions, eps,
-             weight_offset, across_heads, interleaved, weight_after);
+                                  double weight_offset, bool across_heads, bool interleaved, bool weight_after,
+                                  const OptT& q_bias, const OptT& k_bias, bool centered) {
+    in_place("rope_ext.qk_norm_rotary_pos_", q, k, q_weight, k_weight, q_bias, k_bias, cos_cache, sin_cache,
+             &positions, {eps, weight_offset, across_heads, interleaved, weight_after, centered});
   }
 
-  // One tensor (models that normalize and rotate q and k in separate calls): (out, rstd), what either
-  // half of qk_norm_rotary computes, checked and named as "x" and "weight". Its backward is
+  // One tensor (models that normalize and rotate q and k in separate calls): (out, stats), what either
+  // half of qk_norm_rotary computes, checked and named as "x", "weight" and "bias". Its backward is
   // qk_norm_rotary_backward's.
   static std::tuple<OwnedTensor, OwnedTensor> norm_rotary(const T& x_, const OptT& weight, const T& cos_,
                                                           const T& sin_, double eps, double weight_offset,
-                                                          bool across_heads, bool interleaved, bool weight_after) {
+                                                          bool across_heads, bool interleaved, bool weight_after,
+                                                          const OptT& bias, bool centered) {
     const char* op = "rope_ext.norm_rotary";
-    const TensorArg x = read_arg(x_), w = read_optional(weight), cos = read_arg(cos_), sin = read_arg(sin_);
-    check_qk_norm_args(op, x, &w, cos, sin, nullptr, eps, weight_offset, across_heads, "x", "weight");
-    Output out = new_like(x_.handle, x), rstd = new_stat(x, across_heads);
-    const NormCall call{x,       out.arg, &w,  cos,           sin,          &rstd.arg,   nullptr,
-                        nullptr, nullptr, eps, weight_offset, across_heads, interleaved, op, weight_after};
-    run(call);
-    return {std::move(out.tensor), std::move(rstd.tensor)};
+    const TensorArg x = read_arg(x_), w = read_optional(weight), b = read_optional(bias);
+    const TensorArg cos = read_arg(cos_), sin = read_arg(sin_);
+    check_qk_norm_args(op, x, {&w, &b}, cos, sin, nullptr, eps, weight_offset, across_heads, "x");
+    Output out = new_like(x_.handle, x), stats = new_stat(x, across_heads, centered);
+    run_one(op, x, out.arg, w, b, cos, sin, nullptr, &stats.arg,
+            {eps, weight_offset, across_heads, interleaved, weight_after, centered});
+    return {std::move(out.tensor), std::move(stats.tensor)};
   }
 
-  // (dx, dweight): dweight in the compute dtype, of the weight's shape, when weight_grad; else empty.
-  static std::tuple<OwnedTensor, OwnedTensor> qk_norm_rotary_backward(const T& grad_, const T& x_, const OptT& weight_,
-                                                                      const T& rstd_, const T& cos_, const T& sin_,
-                                                                      const OptT& positions_, double weight_offset,
-                                                                      bool across_heads, bool interleaved,
-                                                                      bool weight_grad, bool weight_after) {
+  // (dx, dweight, dbias): dweight (dbias) in the compute dtype, of the weight's shape, when
+  // weight_grad (bias_grad); else empty. The bias itself is not an input: it moves no gradient but
+  // its own, whose length is the weight's (x.size(-1), or x.size(-2) * x.size(-1) across heads).
+  static Three qk_norm_rotary_backward(const T& grad_, const T& x_, const OptT& weight_, const T& rstd_,
+                                       const T& cos_, const T& sin_, const OptT& positions_, double weight_offset,
+                                       bool across_heads, bool interleaved, bool weight_grad, bool weight_after,
+                                       bool centered, bool bias_grad) {
     const char* op = "rope_ext.qk_norm_rotary_backward";
     const TensorArg grad = read_arg(grad_), x = read_arg(x_), rstd = read_arg(rstd_);
     const TensorArg cos = read_arg(cos_), sin = read_arg(sin_), w = read_optional(weight_);
     const TensorArg pos = read_optional(positions_);
     const TensorArg* positions = pos.defined() ? &pos : nullptr;
-    check_qk_norm_args(op, x, &w, cos, sin, positions, 0.0, weight_offset, across_heads, "x", "weight");
+    check_qk_norm_args(op, x, {&w, nullptr}, cos, sin, positions, 0.0, weight_offset, across_heads, "x");
     ROPE_EXT_CHECK(grad.defined() && grad.sizes() == x.sizes() && grad.scalar_type() == x.scalar_type() &&
                        grad.device() == x.device(),
                    op, ": grad must have x's shape ", x.sizes(), ", dtype ", x.scalar_type(), " and device ",
                    x.device(), ", got ", grad.defined() ? str(grad.sizes(), " ", grad.scalar_type(), " on ",
                                                               grad.device()) : std::string("None"));
-    const std::vector<int64_t> shape = norm_stat_shape(x, across_heads);
+    const std::vector<int64_t> shape = norm_stat_shape(x, across_heads, centered);
     const Dims stat{shape.data(), static_cast<int64_t>(shape.size())};
     ROPE_EXT_CHECK(rstd.defined() && rstd.sizes() == stat && rstd.scalar_type() == stat_dtype(x) &&
                        rstd.device() == x.device() && contiguous(rstd),
-                   op, ": rstd must be the forward's: contiguous, of shape ", stat, ", ", stat_dtype(x), " on ",
-                   x.device());
+                   op, ": rstd must be the forward's statistics: contiguous, of shape ", stat, ", ", stat_dtype(x),
+                   " on ", x.device());
     ROPE_EXT_CHECK(!weight_grad || w.defined(), op, ": weight_grad=True needs a weight");
     Output dx = new_like(x_.handle, x);
-    const int64_t n = weight_grad ? w.size(0) : 0;
-    Output dweight = new_contiguous(Dims{&n, 1}, stat_dtype(x), x.device());
+    const int64_t width = across_heads ? x.size(-2) * x.size(-1) : x.size(-1);
+    const int64_t nw = weight_grad ? width : 0, nb = bias_grad ? width : 0;
+    Output dweight = new_contiguous(Dims{&nw, 1}, stat_dtype(x), x.device());
+    Output dbias = new_contiguous(Dims{&nb, 1}, stat_dtype(x), x.device());
     const NormCall call{x,   dx.arg, &w, cos, sin, &rstd, positions, &grad, weight_grad ? &dweight.arg : nullptr,
-                        0.0, weight_offset, across_heads, interleaved, op, weight_after};
+                        0.0, weight_offset, across_heads, interleaved, op, weight_after, nullptr,
+                        bias_grad ? &dbias.arg : nullptr, centered};
     run(call);
-    return {std::move(dx.tensor), std::move(dweight.tensor)};
+    return {std::move(dx.tensor), std::move(dweight.tensor), std::move(dbias.tensor)};
   }
 };
 

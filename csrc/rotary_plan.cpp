@@ -301,9 +301,9 @@ RotaryPlan make_rotary_plan(const TensorArg& x, const TensorArg& out, const Tens
   return p;
 }
 
-void check_qk_norm_args(const char* op, const TensorArg& x, const TensorArg* weight, const TensorArg& cos,
+void check_qk_norm_args(const char* op, const TensorArg& x, const NormParams& params, const TensorArg& cos,
                         const TensorArg& sin, const TensorArg* positions, double eps, double weight_offset,
-                        bool across_heads, const char* nx, const char* nw) {
+                        bool across_heads, const char* nx) {
   if (positions != nullptr) {
     check_rotary_pos_args(op, x, cos, sin, *positions, nx);
   } else {
@@ -315,25 +315,29 @@ void check_qk_norm_args(const char* op, const TensorArg& x, const TensorArg* wei
     ROPE_EXT_CHECK(x.dim() >= 2, op, ": ", nx, " must have at least two dims (..., heads, head_dim) to be ",
                    "normalized across heads, got shape ", x.sizes());
   }
-  if (weight == nullptr || !weight->defined()) return;
-  const TensorArg& w = *weight;
-  const int64_t n = across_heads ? x.size(-2) * x.size(-1) : x.size(-1);
-  ROPE_EXT_CHECK(w.dim() == 1 && w.size(0) == n, op, ": ", nw, " must have shape (", n, ",) (",
-                 across_heads ? str(nx, ".size(-2) * ", nx, ".size(-1), normalized across heads")
-                              : str(nx, ".size(-1)"),
-                 "), got ", w.sizes());
-  const auto xt = x.scalar_type();
-  ROPE_EXT_CHECK(w.scalar_type() == xt || w.scalar_type() == ScalarType::Float, op, ": ", nw, " must have ", nx,
-                 "'s dtype (", xt, ") or float32, got ", w.scalar_type());
-  ROPE_EXT_CHECK(w.device() == x.device(), op, ": ", nx, " and ", nw, " must be on the same device, got ", nx,
-                 " on ", x.device(), " and ", nw, " on ", w.device());
+  for (const auto& [t, nw] : {std::pair{params.weight, params.weight_name}, std::pair{params.bias, params.bias_name}}) {
+    if (t == nullptr || !t->defined()) continue;
+    const TensorArg& w = *t;
+    const int64_t n = across_heads ? x.size(-2) * x.size(-1) : x.size(-1);
+    ROPE_EXT_CHECK(w.dim() == 1 && w.size(0) == n, op, ": ", nw, " must have shape (", n, ",) (",
+                   across_heads ? str(nx, ".size(-2) * ", nx, ".size(-1), normalized across heads")
+                                : str(nx, ".size(-1)"),
+                   "), got ", w.sizes());
+    const auto xt = x.scalar_type();
+    ROPE_EXT_CHECK(w.scalar_type() == xt || w.scalar_type() == ScalarType::Float, op, ": ", nw, " must have ", nx,
+                   "'s dtype (", xt, ") or float32, got ", w.scalar_type());
+    ROPE_EXT_CHECK(w.device() == x.device(), op, ": ", nx, " and ", nw, " must be on the same device, got ", nx,
+                   " on ", x.device(), " and ", nw, " on ", w.device());
+  }
 }
 
-std::vector<int64_t> norm_stat_shape(const TensorArg& x, bool across_heads) {
-  return std::vector<int64_t>(x.sizes().begin(), x.sizes().end() - (across_heads ? 2 : 1));
+std::vector<int64_t> norm_stat_shape(const TensorArg& x, bool across_heads, bool centered) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - (across_heads ? 2 : 1));
+  if (centered) shape.push_back(2);
+  return shape;
 }
 
-NormPlan make_norm_plan(const TensorArg& x, const TensorArg& out, const TensorArg* weight, const TensorArg& cos,
+NormPlan make_norm_plan(const TensorArg& x, const TensorArg& out, const NormParams& params, const TensorArg& cos,
                         const TensorArg& sin, const TensorArg* positions, const TensorArg* grad, bool across_heads) {
   NormPlan p;
   p.group = across_heads ? x.size(-2) : 1;
@@ -353,9 +357,13 @@ NormPlan make_norm_plan(const TensorArg& x, const TensorArg& out, const TensorAr
   p.x_col = x.stride(-1);
   p.out_col = out.stride(-1);
   p.grad_col = grad != nullptr ? grad->stride(-1) : 1;
-  if (weight != nullptr && weight->defined()) {
-    p.weight_len = weight->size(0);
-    p.weight_stride = weight->stride(0);
+  if (params.weight != nullptr && params.weight->defined()) {
+    p.weight_len = params.weight->size(0);
+    p.weight_stride = params.weight->stride(0);
+  }
+  if (params.bias != nullptr && params.bias->defined()) {
+    p.bias_len = params.bias->size(0);
+    p.bias_stride = params.bias->stride(0);
   }
   return p;
 }

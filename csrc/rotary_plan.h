@@ -114,42 +114,54 @@ inline int64_t broadcast_stride(const TensorArg& t, int64_t d, int64_t ndim) {
   return i < 0 || t.size(i) == 1 ? 0 : t.stride(i);
 }
 
-// QK-norm + RoPE (qk_norm_rotary): out = rotary(g * x * rstd, cos, sin) per row, rstd = 1/sqrt(mean(x^2)
-// + eps) over a row of one head (x.size(-1) columns) or, across heads, over all of a token's heads
-// (dim -2 of x: x.size(-2) * x.size(-1) columns); g = weight + weight_offset, or 1 without a weight.
+// QK-norm + RoPE (qk_norm_rotary): out = rotary(g * x_hat + b, cos, sin) per row, x_hat = x * rstd,
+// rstd = 1/sqrt(mean(x^2) + eps) over a row of one head (x.size(-1) columns) or, across heads, over
+// all of a token's heads (dim -2 of x: x.size(-2) * x.size(-1) columns); g = weight + weight_offset,
+// or 1 without a weight; b the bias, or 0. Centered (LayerNorm): x_hat = (x - mean) * rstd, rstd =
+// 1/sqrt(mean((x - mean)^2) + eps), the mean over the same columns.
 // Operand slots in NormPlan::rows; kGrad is the backward's incoming gradient (out is then dx).
 enum NormOperand { kNormX = 0, kNormOut = 1, kNormCos = 2, kNormSin = 3, kNormGrad = 4 };
 
 // How a qk_norm_rotary call walks memory: the rows of x (all dims but the last, size-1 dims dropped
 // and adjacent ones merged, in row-major order), `group` consecutive rows normalized together (1, or
-// x.size(-2) across heads). Group n's statistic is rstd[n] of a contiguous (numel / row / group)
-// tensor in the compute dtype (float32; float64 for float64 x).
+// x.size(-2) across heads). Group n's statistics are in a contiguous tensor in the compute dtype
+// (float32; float64 for float64 x): rstd[n], or centered, (mean, rstd) at [2n] and [2n + 1].
 struct NormPlan : TableLayout {
   StridedDims<5> rows;  // strides of x, out, cos, sin, grad (elements; the tables' broadcast)
   int64_t group = 1;
   int64_t x_col = 1, out_col = 1, grad_col = 1;
   int64_t weight_len = 0, weight_stride = 1;  // 0: no weight (g = 1)
+  int64_t bias_len = 0, bias_stride = 1;      // 0: no bias (b = 0)
 
   int64_t num_rows() const { return rows.numel(); }
   int64_t num_groups() const { return group == 0 ? 0 : num_rows() / group; }
 };
 
-// Checks one of q and k (named `x_name`, its weight `weight_name`) against qk_norm_rotary's contract:
-// the tables as rotary's (check_rotary_args), or with `positions` as rotary_pos's caches
-// (check_rotary_pos_args), the weight 1-D of x.size(-1) elements, or x.size(-2) *
-// x.size(-1) across heads, in x's dtype or float32, on x's device; eps and weight_offset finite, eps
-// >= 0. Returns nothing; throws with a message naming the argument.
-ROPE_EXT_INTERNAL void check_qk_norm_args(const char* op, const TensorArg& x, const TensorArg* weight,
-                                          const TensorArg& cos, const TensorArg& sin, const TensorArg* positions,
-                                          double eps, double weight_offset, bool across_heads, const char* x_name,
-                                          const char* weight_name);
+// A norm's affine parameters and the names error messages give them; a null or undefined tensor is
+// absent.
+struct NormParams {
+  const TensorArg* weight = nullptr;
+  const TensorArg* bias = nullptr;
+  const char* weight_name = "weight";
+  const char* bias_name = "bias";
+};
 
-// The shape of the per-group statistic of checked x: x.shape[:-1], or x.shape[:-2] across heads.
-ROPE_EXT_INTERNAL std::vector<int64_t> norm_stat_shape(const TensorArg& x, bool across_heads);
+// Checks one of q and k (named `x_name`) against qk_norm_rotary's contract: the tables as rotary's
+// (check_rotary_args), or with `positions` as rotary_pos's caches (check_rotary_pos_args); the weight
+// and the bias each 1-D of x.size(-1) elements, or x.size(-2) * x.size(-1) across heads, in x's dtype
+// or float32, on x's device; eps and weight_offset finite, eps >= 0. Returns nothing; throws with a
+// message naming the argument.
+ROPE_EXT_INTERNAL void check_qk_norm_args(const char* op, const TensorArg& x, const NormParams& params,
+                                          const TensorArg& cos, const TensorArg& sin, const TensorArg* positions,
+                                          double eps, double weight_offset, bool across_heads, const char* x_name);
+
+// The shape of the per-group statistics of checked x: x.shape[:-1], or x.shape[:-2] across heads;
+// centered, with a last dim of 2 (mean, rstd).
+ROPE_EXT_INTERNAL std::vector<int64_t> norm_stat_shape(const TensorArg& x, bool across_heads, bool centered);
 
 // The plan for a checked call (cos/sin are caches when `positions` is set); `grad` (the backward)
 // has x's sizes and is walked with its own strides.
-ROPE_EXT_INTERNAL NormPlan make_norm_plan(const TensorArg& x, const TensorArg& out, const TensorArg* weight,
+ROPE_EXT_INTERNAL NormPlan make_norm_plan(const TensorArg& x, const TensorArg& out, const NormParams& params,
                                           const TensorArg& cos, const TensorArg& sin, const TensorArg* positions,
                                           const TensorArg* grad, bool across_heads);
 
@@ -172,26 +184,33 @@ struct RotaryCall {
 
 using RunFn = void (*)(const RotaryCall& call);
 
-// One backend call of qk_norm_rotary on one tensor. Forward (grad unset): out = rotary(g * x * rstd),
-// or with weight_after out = g * rotary(x * rstd) (the norm of models that normalize after RoPE:
-// the rotation keeps a row's sum of squares, so only the weight's place differs); rstd written
-// unless it is null (the in-place ops keep none; out may be x). Backward: out = dx from grad (dy)
-// and the saved rstd, and, when dweight is set, the weight's gradient (weight_len values, the
-// compute dtype) written there.
+// One backend call of qk_norm_rotary on one tensor. Forward (grad unset): out = rotary(g * x_hat + b),
+// or with weight_after out = g * rotary(x_hat) + b (the norm of models that normalize after RoPE:
+// the rotation keeps a row's sum of squares, so only the weight's place differs); x_hat centered or
+// not (NormPlan's note); the statistics written to rstd unless it is null (the in-place ops keep
+// none; out may be x). Backward: out = dx from grad (dy) and the saved statistics, and, when dweight
+// (dbias) is set, the weight's (bias's) gradient, weight_len values in the compute dtype, written
+// there.
 struct NormCall {
   const TensorArg& x;
   const TensorArg& out;
   const TensorArg* weight;  // nullptr or undefined: g = 1
   const TensorArg& cos;
   const TensorArg& sin;
-  const TensorArg* rstd;  // contiguous, norm_stat_shape(x), the compute dtype; or null (in place)
+  const TensorArg* rstd;  // the statistics: contiguous, norm_stat_shape(x), the compute dtype; or null (in place)
   const TensorArg* positions = nullptr;  // set: cos/sin are half-width caches gathered at these
   const TensorArg* grad = nullptr;
   const TensorArg* dweight = nullptr;
   double eps = 0, weight_offset = 0;
   bool across_heads = false, interleaved = false;
   const char* op = "rope_ext";
-  bool weight_after = false;  // (last, so that the calls that leave it false need not name it)
+  // (last, so that the calls that leave them unset need not name them)
+  bool weight_after = false;
+  const TensorArg* bias = nullptr;   // nullptr or undefined: b = 0
+  const TensorArg* dbias = nullptr;  // the backward's bias gradient (as dweight), or nullptr
+  bool centered = false;             // LayerNorm: the mean subtracted
+
+  NormParams params() const { return {weight, bias}; }
 };
 
 using NormRunFn = void (*)(const NormCall& call);

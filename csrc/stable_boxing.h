@@ -51,7 +51,7 @@ namespace detail {
 
 // The input handles of one call, freed when it returns or throws.
 struct Borrowed {
-  AtenTensorHandle handles[8] = {};
+  AtenTensorHandle handles[10] = {};
   int n = 0;
   AtenTensorHandle keep(AtenTensorHandle h) {
     if (h != nullptr) handles[n++] = h;

@@ -200,11 +200,25 @@ def _rotary_pos_qk_backward(ctx, gq, gk):
 
 # --- qk_norm_rotary ------------------------------------------------------------------------------
 #
-# y = rotary(g * x_hat), x_hat = x * rstd, or with weight_after y = g * rotary(x_hat). The kernel's
-# backward (qk_norm_rotary_backward) gives dx and the weight's gradient from the saved x and rstd;
-# cos and sin, when they need gradients, get rotary's table formulas applied to what the rotation
-# rotates (g * x_hat, or x_hat) and the gradient of its output (dy, or g * dy), recomputed here. With
-# create_graph the whole backward is the composite reference's, so that it can be differentiated.
+# y = rotary(g * x_hat + b), x_hat = x * rstd (centered: (x - mean) * rstd), or with weight_after
+# y = g * rotary(x_hat) + b. The kernel's backward (qk_norm_rotary_backward) gives dx and the weight's
+# and bias's gradients from the saved x and statistics; cos and sin, when they need gradients, get
+# rotary's table formulas applied to what the rotation rotates (g * x_hat + b, or x_hat) and the
+# gradient of its output (dy, or g * dy), recomputed here. With create_graph the whole backward is
+# the composite reference's, so that it can be differentiated.
+
+
+def _with_defaults(inputs, n_args, defaults):
+    """An op's n_args inputs, the trailing ones a call left out (the dispatcher drops trailing
+    arguments equal to their defaults) filled in from `defaults`, the optional arguments' defaults."""
+    missing = n_args - len(inputs)
+    return (*inputs, *defaults[len(defaults) - missing:]) if missing > 0 else tuple(inputs)
+
+
+# The norm ops' optional arguments' defaults, from weight_offset on: the two ops on q and k take
+# both biases, norm_rotary one.
+_QK_NORM_DEFAULTS = (0.0, False, False, False, None, None, False)
+_NORM_DEFAULTS = (0.0, False, False, False, None, False)
 
 
 def _gain(weight, weight_offset, across_heads, like, dtype):
@@ -213,111 +227,156 @@ def _gain(weight, weight_offset, across_heads, like, dtype):
     return g.unflatten(-1, like.shape[-2:]) if across_heads else g
 
 
-def _normalized(x, weight, rstd, weight_offset, across_heads):
-    """g * x * rstd in the compute dtype (x * rstd without a weight)."""
-    v = x.to(rstd.dtype)
-    v = (v.flatten(-2) * rstd.unsqueeze(-1)).unflatten(-1, x.shape[-2:]) if across_heads else v * rstd.unsqueeze(-1)
-    return v if weight is None else v * _gain(weight, weight_offset, across_heads, x, rstd.dtype)
+def _shaped(t, across_heads, like, dtype):
+    """A bias (or a weight, with no offset) in ``dtype``, shaped to add to a tensor of ``like``'s shape."""
+    return _gain(t, 0.0, across_heads, like, dtype)
 
 
-def _qk_norm_rotary_setup(ctx, inputs, output):
-    q, k, q_weight, k_weight, cos, sin, eps, weight_offset, across_heads, interleaved, weight_after = inputs
-    ctx.flags = (eps, weight_offset, across_heads, interleaved, weight_after)
-    ctx.mark_non_differentiable(output[2], output[3])
-    ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin, None, output[2], output[3])
+def _normalized(x, weight, bias, stats, flags):
+    """g * x_hat + b in the compute dtype (x_hat without a weight and a bias); stats: the forward's."""
+    _, weight_offset, across_heads, _, _, centered = flags
+    v = x.to(stats.dtype)
+    if across_heads:
+        v = v.flatten(-2)
+    if centered:
+        v = (v - stats[..., :1]) * stats[..., 1:]
+    else:
+        v = v * stats.unsqueeze(-1)
+    if across_heads:
+        v = v.unflatten(-1, x.shape[-2:])
+    if weight is not None:
+        v = v * _gain(weight, weight_offset, across_heads, x, stats.dtype)
+    return v if bias is None else v + _shaped(bias, across_heads, x, stats.dtype)
 
 
-def _qk_norm_rotary_pos_setup(ctx, inputs, output):
-    q, k, q_weight, k_weight, cos, sin, positions, eps, weight_offset, across_heads, interleaved, weight_after = inputs
-    ctx.flags = (eps, weight_offset, across_heads, interleaved, weight_after)
-    ctx.mark_non_differentiable(output[2], output[3])
-    ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin, positions, output[2], output[3])
+class _NormRow:
+    """One normalized tensor of a norm op: x, its weight and bias (or None), its saved statistics,
+    the gradient of its output, and where in the op's arguments x, the weight and the bias are."""
+
+    def __init__(self, x, weight, bias, stats, grad, at):
+        self.x, self.weight, self.bias, self.stats, self.grad = x, weight, bias, stats, grad
+        self.at = at  # (x's, the weight's, the bias's argument index)
 
 
-def _norm_grads(g, x, w, rstd, cos, sin, positions, flags, need_x, need_w, need_cos, need_sin):
-    """One tensor's share of the norm ops' backward: (dx, dweight, dcos, dsin), None where not needed."""
-    _, weight_offset, across_heads, interleaved, weight_after = flags
-    dx = dw = dcos = dsin = None
-    if need_x or need_w:
-        dx, dw = torch.ops.rope_ext.qk_norm_rotary_backward(
-            g, x, w, rstd, cos, sin, positions, weight_offset, across_heads, interleaved, need_w, weight_after
+def _norm_grads(row, cos, sin, positions, flags, need_x, need_w, need_b, need_cos, need_sin):
+    """One row's share of the norm ops' backward: {argument index: gradient}, and (dcos, dsin)."""
+    _, weight_offset, across_heads, interleaved, weight_after, centered = flags
+    x, w, b, stats, g = row.x, row.weight, row.bias, row.stats, row.grad
+    grads = {}
+    if need_x or need_w or need_b:
+        dx, dw, db = torch.ops.rope_ext.qk_norm_rotary_backward(
+            g, x, w, stats, cos, sin, positions, weight_offset, across_heads, interleaved, need_w, weight_after,
+            centered, need_b
         )
-        dx, dw = dx if need_x else None, dw.to(w.dtype) if need_w else None
+        grads = {row.at[0]: dx if need_x else None, row.at[1]: dw.to(w.dtype) if need_w else None,
+                 row.at[2]: db.to(b.dtype) if need_b else None}
+    dcos = dsin = None
     if need_cos or need_sin:
         if weight_after:  # the rotation rotates x_hat, and its output's gradient is g * dy
-            a = _normalized(x, None, rstd, weight_offset, across_heads)
+            a = _normalized(x, None, None, stats, flags)
             if w is not None:
-                g = g.to(rstd.dtype) * _gain(w, weight_offset, across_heads, x, rstd.dtype)
+                g = g.to(stats.dtype) * _gain(w, weight_offset, across_heads, x, stats.dtype)
         else:
-            a = _normalized(x, w, rstd, weight_offset, across_heads)
+            a = _normalized(x, w, b, stats, flags)
         if positions is None:
             dcos, dsin = _table_grads(g, a, cos, interleaved, False, need_cos, need_sin)
         else:
             dcos, dsin = _cache_grads(g, a, cos, positions, interleaved, False, need_cos, need_sin)
-    return dx, dw, dcos, dsin
+    return grads, dcos, dsin
 
 
-def _qk_norm_backward(ctx, gq, gk, n_args):
-    """Both ops' backward: (dq, dk, dq_weight, dk_weight, dcos, dsin), the rest of the n_args None."""
-    q, k, q_weight, k_weight, cos, sin, positions, q_rstd, k_rstd = ctx.saved_tensors
-    need_q, need_k, need_qw, need_kw, need_cos, need_sin = need = _needs(ctx, n_args)[:6]
-    rest = (None,) * (n_args - 6)
+def _norm_backward(ctx, rows, cos, sin, positions, n_args, tables_at):
+    """Every norm op's backward: one gradient per argument (None where none is needed or defined);
+    tables_at: the indices of cos and sin among the op's arguments."""
+    need = _needs(ctx, n_args)
     if torch.is_grad_enabled():  # create_graph=True: the composite, differentiable again
-        return (*_norm_composite_backward(ctx.flags, ((q, q_weight, gq), (k, k_weight, gk)), cos, sin, positions,
-                                          need), *rest)
-    dq, dqw, cq, sq = _norm_grads(gq, q, q_weight, q_rstd, cos, sin, positions, ctx.flags, need_q, need_qw,
-                                  need_cos, need_sin)
-    dk, dkw, ck, sk = _norm_grads(gk, k, k_weight, k_rstd, cos, sin, positions, ctx.flags, need_k, need_kw,
-                                  need_cos, need_sin)
-    return (dq, dk, dqw, dkw, _add(cq, ck), _add(sq, sk), *rest)
+        return _norm_composite_backward(ctx.flags, rows, cos, sin, positions, need, tables_at)
+    out = [None] * n_args
+    c, s = tables_at
+    for row in rows:
+        grads, dcos, dsin = _norm_grads(row, cos, sin, positions, ctx.flags, *(need[i] for i in row.at), need[c],
+                                        need[s])
+        for i, grad in grads.items():
+            out[i] = grad
+        out[c], out[s] = _add(out[c], dcos), _add(out[s], dsin)
+    return tuple(out)
 
 
-def _qk_norm_rotary_backward(ctx, gq, gk, _gq_rstd, _gk_rstd):
-    return _qk_norm_backward(ctx, gq, gk, 11)
+def _qk_norm_setup(ctx, inputs, output, positions_given):
+    """qk_norm_rotary's and qk_norm_rotary_pos's: they differ by positions, after the tables."""
+    ctx.n_args = 7 + positions_given + len(_QK_NORM_DEFAULTS)
+    inputs = _with_defaults(inputs, ctx.n_args, _QK_NORM_DEFAULTS)
+    q, k, q_weight, k_weight, cos, sin = inputs[:6]
+    positions = inputs[6] if positions_given else None
+    eps, weight_offset, across_heads, interleaved, weight_after, q_bias, k_bias, centered = inputs[6 + positions_given:]
+    ctx.flags = (eps, weight_offset, across_heads, interleaved, weight_after, centered)
+    ctx.mark_non_differentiable(output[2], output[3])
+    ctx.save_for_backward(q, k, q_weight, k_weight, q_bias, k_bias, cos, sin, positions, output[2], output[3])
 
 
-def _qk_norm_rotary_pos_backward(ctx, gq, gk, _gq_rstd, _gk_rstd):
-    return _qk_norm_backward(ctx, gq, gk, 12)
+def _qk_norm_rotary_setup(ctx, inputs, output):
+    _qk_norm_setup(ctx, inputs, output, False)
+
+
+def _qk_norm_rotary_pos_setup(ctx, inputs, output):
+    _qk_norm_setup(ctx, inputs, output, True)
+
+
+def _qk_norm_backward(ctx, gq, gk, _gq_stats, _gk_stats):
+    """Both ops' backward: gradients to q, k, the weights, the tables and the biases."""
+    q, k, q_weight, k_weight, q_bias, k_bias, cos, sin, positions, q_stats, k_stats = ctx.saved_tensors
+    bias_at = ctx.n_args - 3  # (q_bias, k_bias, centered last)
+    rows = (_NormRow(q, q_weight, q_bias, q_stats, gq, (0, 2, bias_at)),
+            _NormRow(k, k_weight, k_bias, k_stats, gk, (1, 3, bias_at + 1)))
+    return _norm_backward(ctx, rows, cos, sin, positions, ctx.n_args, (4, 5))
 
 
 def _norm_rotary_setup(ctx, inputs, output):
-    x, weight, cos, sin, eps, weight_offset, across_heads, interleaved, weight_after = inputs
-    ctx.flags = (eps, weight_offset, across_heads, interleaved, weight_after)
+    x, weight, cos, sin, eps, weight_offset, across_heads, interleaved, weight_after, bias, centered = (
+        _with_defaults(inputs, 5 + len(_NORM_DEFAULTS), _NORM_DEFAULTS))
+    ctx.flags = (eps, weight_offset, across_heads, interleaved, weight_after, centered)
     ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(x, weight, cos, sin, output[1])
+    ctx.save_for_backward(x, weight, bias, cos, sin, output[1])
 
 
-def _norm_rotary_backward(ctx, g, _g_rstd):
-    """norm_rotary's: (dx, dweight, dcos, dsin, None x 5)."""
-    x, weight, cos, sin, rstd = ctx.saved_tensors
-    need = _needs(ctx, 9)[:4]
-    if torch.is_grad_enabled():
-        return (*_norm_composite_backward(ctx.flags, ((x, weight, g),), cos, sin, None, need), *(None,) * 5)
-    return (*_norm_grads(g, x, weight, rstd, cos, sin, None, ctx.flags, *need), *(None,) * 5)
+def _norm_rotary_backward(ctx, g, _g_stats):
+    """norm_rotary's: gradients to x, the weight, the tables and the bias."""
+    x, weight, bias, cos, sin, stats = ctx.saved_tensors
+    rows = (_NormRow(x, weight, bias, stats, g, (0, 1, 9)),)  # (bias: argument 9)
+    return _norm_backward(ctx, rows, cos, sin, None, 5 + len(_NORM_DEFAULTS), (2, 3))
 
 
-def _norm_composite_backward(flags, rows, cos, sin, positions, need):
+def _norm_composite_backward(flags, rows, cos, sin, positions, need, tables_at):
     """The backward as the gradient of rope_ext.reference's composite, with a graph of its own: rows
-    are the op's (x, weight, grad) triples; need says which of (every x, every weight, cos, sin), in
-    the op's argument order, want a gradient."""
-    from rope_ext.reference import rms_norm_rotary_reference
+    are the op's _NormRows; need says which of the op's arguments want a gradient."""
+    from rope_ext.reference import norm_rotary_reference
 
-    eps, weight_offset, across_heads, interleaved, weight_after = flags
-    inputs = (*(x for x, _, _ in rows), *(w for _, w, _ in rows), cos, sin)
-    wanted = [t for t, n in zip(inputs, need, strict=True) if n]
+    eps, weight_offset, across_heads, interleaved, weight_after, centered = flags
+    wanted = {}  # argument index: tensor
+    for row in rows:
+        for i, t in zip(row.at, (row.x, row.weight, row.bias), strict=True):
+            if need[i] and t is not None:
+                wanted[i] = t
+    for i, t in zip(tables_at, (cos, sin), strict=True):
+        if need[i]:
+            wanted[i] = t
     norm_over = "heads" if across_heads else "head"
     with torch.enable_grad():
         c, s = cos, sin
         if positions is not None:  # the caches' rows at the positions, in the full form
             c, s = (_full_form(t[positions.long()], interleaved) for t in (cos, sin))
         outs = [
-            rms_norm_rotary_reference(x, w, c, s, eps=eps, weight_offset=weight_offset, norm_over=norm_over,
-                                      interleaved=interleaved, weight_after=weight_after)
-            for x, w, _ in rows
+            norm_rotary_reference(row.x, row.weight, c, s, eps=eps, weight_offset=weight_offset, norm_over=norm_over,
+                                  interleaved=interleaved, weight_after=weight_after,
+                                  norm="layer" if centered else "rms", bias=row.bias)
+            for row in rows
         ]
-        grads = iter(torch.autograd.grad(outs, wanted, [g for _, _, g in rows], create_graph=True,
-                                         allow_unused=True))
-    return tuple(next(grads) if n else None for n in need)
+        grads = torch.autograd.grad(outs, list(wanted.values()), [row.grad for row in rows], create_graph=True,
+                                    allow_unused=True)
+    out = [None] * len(need)
+    for i, grad in zip(wanted, grads, strict=True):
+        out[i] = grad
+    return tuple(out)
 
 
 def _full_form(half, interleaved):
@@ -374,22 +433,25 @@ def run_rotary_pos_(q, k, cos_cache, sin_cache, positions, interleaved=False, co
 
 
 def run_qk_norm_rotary_(q, k, q_weight, k_weight, cos, sin, eps, weight_offset=0.0, across_heads=False,
-                        interleaved=False, weight_after=False, *, keyset=None) -> None:
+                        interleaved=False, weight_after=False, q_bias=None, k_bias=None, centered=False, *,
+                        keyset=None) -> None:
     """qk_norm_rotary_ below autograd (run_inplace): its autograd kernel, and rope_ext.qk_norm_rotary_'s call."""
-    named = (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos), ("sin", sin))
+    named = (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight), ("q_bias", q_bias),
+             ("k_bias", k_bias), ("cos", cos), ("sin", sin))
     run_inplace(torch.ops.rope_ext.qk_norm_rotary_.default, named, "rope_ext.qk_norm_rotary",
-                (q, k, q_weight, k_weight, cos, sin, eps, weight_offset, across_heads, interleaved, weight_after),
-                (q, k), keyset)
+                (q, k, q_weight, k_weight, cos, sin, eps, weight_offset, across_heads, interleaved, weight_after,
+                 q_bias, k_bias, centered), (q, k), keyset)
 
 
 def run_qk_norm_rotary_pos_(q, k, q_weight, k_weight, cos_cache, sin_cache, positions, eps, weight_offset=0.0,
-                            across_heads=False, interleaved=False, weight_after=False, *, keyset=None) -> None:
+                            across_heads=False, interleaved=False, weight_after=False, q_bias=None, k_bias=None,
+                            centered=False, *, keyset=None) -> None:
     """qk_norm_rotary_pos_ below autograd (run_inplace)."""
-    named = (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight), ("cos_cache", cos_cache),
-             ("sin_cache", sin_cache))
+    named = (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight), ("q_bias", q_bias),
+             ("k_bias", k_bias), ("cos_cache", cos_cache), ("sin_cache", sin_cache))
     run_inplace(torch.ops.rope_ext.qk_norm_rotary_pos_.default, named, "rope_ext.qk_norm_rotary_pos",
                 (q, k, q_weight, k_weight, cos_cache, sin_cache, positions, eps, weight_offset, across_heads,
-                 interleaved, weight_after), (q, k), keyset)
+                 interleaved, weight_after, q_bias, k_bias, centered), (q, k), keyset)
 
 
 _LIB = torch.library.Library("rope_ext", "IMPL")  # noqa: TOR901 (kept alive: the registrations below)
@@ -402,8 +464,8 @@ def register() -> None:
         ("rotary_qk", _rotary_qk_backward, _rotary_qk_setup),
         ("rotary_pos", _rotary_pos_backward, _rotary_pos_setup),
         ("rotary_pos_qk", _rotary_pos_qk_backward, _rotary_pos_qk_setup),
-        ("qk_norm_rotary", _qk_norm_rotary_backward, _qk_norm_rotary_setup),
-        ("qk_norm_rotary_pos", _qk_norm_rotary_pos_backward, _qk_norm_rotary_pos_setup),
+        ("qk_norm_rotary", _qk_norm_backward, _qk_norm_rotary_setup),
+        ("qk_norm_rotary_pos", _qk_norm_backward, _qk_norm_rotary_pos_setup),
         ("norm_rotary", _norm_rotary_backward, _norm_rotary_setup),
     ):
         torch.library.register_autograd(f"rope_ext::{name}", backward, setup_context=setup)

@@ -285,6 +285,7 @@ def rotary_pos_(
 
 
 _NORM_OVER = {"head": False, "heads": True}
+_NORMS = {"rms": False, "layer": True}  # centered: the mean subtracted
 
 
 def qk_norm_rotary(
@@ -300,14 +301,19 @@ def qk_norm_rotary(
     norm_over: str = "head",
     interleaved: bool = False,
     weight_after: bool = False,
+    norm: str = "rms",
+    q_bias: torch.Tensor | None = None,
+    k_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMS-normalize queries and keys, then rotate them: QK-norm and RoPE in one op call.
+    """Normalize queries and keys, then rotate them: QK-norm and RoPE in one op call.
 
-    For each of ``(x, weight)`` in ``(q, q_weight)`` and ``(k, k_weight)``::
+    For each of ``(x, weight, bias)`` in ``(q, q_weight, q_bias)`` and ``(k, k_weight, k_bias)``::
 
-        out = rotary(g * x / sqrt(mean(x^2) + eps), cos, sin),    g = weight + weight_offset
+        out = rotary(g * x / sqrt(mean(x^2) + eps) + bias, cos, sin),    g = weight + weight_offset
 
-    (``g = 1`` when the weight is None), the mean taken over a row, and the rotation as
+    (``g = 1`` when the weight is None, no bias when it is None), the mean taken over a row, and
+    with ``norm="layer"`` the norm is LayerNorm's, ``x - mean(x)`` in place of ``x`` (Persimmon, Phi,
+    Cohere, the DeepSeek-V3.2 indexer's keys). The rotation is as
     :func:`rotary`'s: both pairings, partial rotary (columns past ``cos.shape[-1]`` are normalized and
     passed through). This is what Qwen3, Gemma 3, OLMo 2, Flux, Wan and most models since 2025 do
     before attention. With ``weight_after=True`` the weight is applied to the rotated row instead::
@@ -316,7 +322,8 @@ def qk_norm_rotary(
 
     which is ``rms_norm(rotary(x))``, the order of models that normalize after RoPE (HunYuan,
     TimesFM 2.5), whenever the tables hold a rotation (``cos^2 + sin^2 = 1``, as RoPE's do without
-    an attention scale folded in): a rotation keeps each row's sum of squares.
+    an attention scale folded in): a rotation keeps each row's sum of squares. The bias, if any, is
+    then added after the rotation too.
 
     Args:
         q: ``(..., heads_q, head_dim)``, any layout and strides (``(B, S, H, D)``, HF's
@@ -332,22 +339,25 @@ def qk_norm_rotary(
         norm_over: ``"head"``: each head's ``head_dim`` values (Qwen3, Gemma 3, Flux). ``"heads"``:
             all of a token's heads, dim -2, ``heads * head_dim`` values (OLMo 2, Wan, LTX).
         interleaved: the pairing, as :func:`rotary`'s.
-        weight_after: apply ``g`` after the rotation rather than before (see above). Without a
-            weight, or with a weight that is the same for both members of every pair, both orders
-            give the same result.
+        weight_after: apply ``g`` (and the bias) after the rotation rather than before (see above).
+            Without a weight, or with a weight that is the same for both members of every pair, both
+            orders give the same result.
+        norm: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm: the mean subtracted first, the variance
+            the biased one, as ``torch.nn.LayerNorm``'s).
+        q_bias, k_bias: the norms' biases, or None: shaped and typed as the weights.
 
     Returns:
         ``(q_out, k_out)``: new tensors with q's and k's shapes, dtypes and layouts. The math runs in
         float32 (float64 for float64 inputs) and rounds once.
 
-    Autograd: gradients to q, k, both weights (summed in float32, in an order that does not depend
-    on the thread count) and, when they require grad, cos and sin. The backward saves x and one
-    float32 statistic per row and recomputes the rest. Double backward runs through a composite of
-    differentiable ops.
+    Autograd: gradients to q, k, both weights and both biases (summed in float32, in an order that
+    does not depend on the thread count) and, when they require grad, cos and sin. The backward
+    saves x and one float32 statistic per row (two for LayerNorm: the mean and rstd) and recomputes
+    the rest. Double backward runs through a composite of differentiable ops.
     """
     args = _norm_args("rope_ext.qk_norm_rotary", (q, k, q_weight, k_weight, cos, sin), eps, weight_offset,
-                      norm_over, interleaved, weight_after)
-    if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos, sin)):
+                      norm_over, interleaved, weight_after, norm, (q_bias, k_bias))
+    if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos, sin, q_bias, k_bias)):
         return _qk_norm_rotary(*args)[:2]
     with _below_autograd():
         return _qk_norm_rotary_kernel(*args)[:2]
@@ -364,6 +374,8 @@ def norm_rotary(
     norm_over: str = "head",
     interleaved: bool = False,
     weight_after: bool = False,
+    norm: str = "rms",
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`qk_norm_rotary` of one tensor: q alone or k alone, for models that normalize and rotate
     them in separate calls (Gemma 3n and 4, whose k may come from another layer)::
@@ -376,19 +388,20 @@ def norm_rotary(
         x: ``(..., heads, head_dim)``, any layout and strides; float32, float64, float16 or bfloat16.
         weight: the norm's weight or None, as :func:`qk_norm_rotary`'s ``q_weight``.
         cos, sin: tables as :func:`rotary` takes them, broadcasting against ``x.shape[:-1] + (r,)``.
-        eps, weight_offset, norm_over, interleaved, weight_after: as :func:`qk_norm_rotary`'s.
+        eps, weight_offset, norm_over, interleaved, weight_after, norm: as :func:`qk_norm_rotary`'s.
+        bias: the norm's bias or None, as :func:`qk_norm_rotary`'s ``q_bias``.
 
     Returns:
         A new tensor with x's shape, dtype and layout, computed as either output of
         :func:`qk_norm_rotary` is (the same bits as its ``q_out`` for the same q, and the same
         gradients to q and the weight).
 
-    Autograd: gradients to x, the weight and, when they require grad, cos and sin, as
+    Autograd: gradients to x, the weight, the bias and, when they require grad, cos and sin, as
     :func:`qk_norm_rotary`'s.
     """
     args = _norm_args("rope_ext.norm_rotary", (x, weight, cos, sin), eps, weight_offset, norm_over, interleaved,
-                      weight_after)
-    if _compiling() or (_grad_enabled() and _any_requires_grad(x, weight, cos, sin)):
+                      weight_after, norm, (bias,))
+    if _compiling() or (_grad_enabled() and _any_requires_grad(x, weight, cos, sin, bias)):
         return _norm_rotary(*args)[0]
     with _below_autograd():
         return _norm_rotary_kernel(*args)[0]
@@ -408,12 +421,15 @@ def qk_norm_rotary_pos(
     norm_over: str = "head",
     interleaved: bool = False,
     weight_after: bool = False,
+    norm: str = "rms",
+    q_bias: torch.Tensor | None = None,
+    k_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`qk_norm_rotary` with the tables gathered by position, as :func:`rotary_pos_qk` gathers them.
 
     Args:
-        q, k, q_weight, k_weight, eps, weight_offset, norm_over, interleaved, weight_after: as
-            :func:`qk_norm_rotary`.
+        q, k, q_weight, k_weight, eps, weight_offset, norm_over, interleaved, weight_after, norm,
+            q_bias, k_bias: as :func:`qk_norm_rotary`.
         cos_cache, sin_cache: ``(max_positions, r/2)`` half-width caches (``RotaryEmbedding``'s),
             q's dtype or float32.
         positions: int32 or int64, broadcasting against ``q.shape[:-1]`` and ``k.shape[:-1]``, e.g.
@@ -421,13 +437,14 @@ def qk_norm_rotary_pos(
             the cache is an error, as in :func:`rotary_pos`.
 
     Returns:
-        ``(q_out, k_out)``, as :func:`qk_norm_rotary`. Gradients reach q, k, the weights and, when
-        they require grad, the caches (summed into the rows the positions name).
+        ``(q_out, k_out)``, as :func:`qk_norm_rotary`. Gradients reach q, k, the weights, the biases
+        and, when they require grad, the caches (summed into the rows the positions name).
     """
     args = _norm_args("rope_ext.qk_norm_rotary_pos", (q, k, q_weight, k_weight, cos_cache, sin_cache,
-                      positions), eps, weight_offset, norm_over, interleaved, weight_after)
+                      positions), eps, weight_offset, norm_over, interleaved, weight_after, norm, (q_bias, k_bias))
     try:
-        if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos_cache, sin_cache)):
+        if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos_cache, sin_cache,
+                                                                   q_bias, k_bias)):
             return _qk_norm_rotary_pos(*args)[:2]
         with _below_autograd():
             return _qk_norm_rotary_pos_kernel(*args)[:2]
@@ -449,6 +466,9 @@ def qk_norm_rotary_(
     norm_over: str = "head",
     interleaved: bool = False,
     weight_after: bool = False,
+    norm: str = "rms",
+    q_bias: torch.Tensor | None = None,
+    k_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In-place :func:`qk_norm_rotary`, for inference: overwrites q and k; returns ``(q, k)``.
 
@@ -458,7 +478,7 @@ def qk_norm_rotary_(
     ``fused_qk_norm_rope`` works so).
     """
     args = _norm_args("rope_ext.qk_norm_rotary_", (q, k, q_weight, k_weight, cos, sin), eps, weight_offset,
-                      norm_over, interleaved, weight_after)
+                      norm_over, interleaved, weight_after, norm, (q_bias, k_bias))
     if _compiling():
         _qk_norm_rotary_inplace(*args)
     else:
@@ -480,10 +500,13 @@ def qk_norm_rotary_pos_(
     norm_over: str = "head",
     interleaved: bool = False,
     weight_after: bool = False,
+    norm: str = "rms",
+    q_bias: torch.Tensor | None = None,
+    k_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In-place :func:`qk_norm_rotary_pos`, for inference, as :func:`qk_norm_rotary_`; returns ``(q, k)``."""
     args = _norm_args("rope_ext.qk_norm_rotary_pos_", (q, k, q_weight, k_weight, cos_cache, sin_cache,
-                      positions), eps, weight_offset, norm_over, interleaved, weight_after)
+                      positions), eps, weight_offset, norm_over, interleaved, weight_after, norm, (q_bias, k_bias))
     try:
         if _compiling():
             _qk_norm_rotary_pos_inplace(*args)
@@ -495,11 +518,14 @@ def qk_norm_rotary_pos_(
     return q, k
 
 
-def _norm_args(op, tensors, eps, weight_offset, norm_over, interleaved, weight_after):
-    """The op's arguments from a norm wrapper's: norm_over checked and turned into across_heads."""
+def _norm_args(op, tensors, eps, weight_offset, norm_over, interleaved, weight_after, norm, biases):
+    """The op's arguments from a norm wrapper's: norm_over and norm checked and turned into
+    across_heads and centered, the biases in the schema's place."""
     if norm_over not in _NORM_OVER:
         raise ValueError(f"{op}: norm_over must be 'head' or 'heads', got {norm_over!r}")
-    return (*tensors, eps, weight_offset, _NORM_OVER[norm_over], interleaved, weight_after)
+    if norm not in _NORMS:
+        raise ValueError(f"{op}: norm must be 'rms' or 'layer', got {norm!r}")
+    return (*tensors, eps, weight_offset, _NORM_OVER[norm_over], interleaved, weight_after, *biases, _NORMS[norm])
 
 
 def cpu_kernel_isa() -> str:
@@ -701,7 +727,9 @@ def _rotary_pos_inplace_fake(q, k, cos_cache, sin_cache, positions, interleaved=
         _check_qk_args(op, q, k, positions, "positions", trailing=0)
 
 
-def _check_qk_norm_args(op, x, weight, cos, sin, eps, weight_offset, across_heads, nx, nw, positions=None):
+def _check_qk_norm_args(op, x, params, cos, sin, eps, weight_offset, across_heads, nx, positions=None):
+    """One of q and k (named nx) against the norm ops' contract; params: (name, tensor or None) pairs,
+    the weight and the bias."""
     if positions is None:
         _check_rotary_args(op, x, cos, sin, (nx, "cos", "sin"))
     else:
@@ -714,33 +742,39 @@ def _check_qk_norm_args(op, x, weight, cos, sin, eps, weight_offset, across_head
             lambda: f"{op}: {nx} must have at least two dims (..., heads, head_dim) to be normalized across heads, "
             f"got shape {list(x.shape)}",
         )
-    if weight is None:
-        return
-    n = x.shape[-2] * x.shape[-1] if across_heads else x.shape[-1]
-    what = f"{nx}.size(-2) * {nx}.size(-1), normalized across heads" if across_heads else f"{nx}.size(-1)"
-    torch._check(
-        weight.dim() == 1 and weight.shape[0] == n,
-        lambda: f"{op}: {nw} must have shape ({n},) ({what}), got {list(weight.shape)}",
-    )
-    torch._check(
-        weight.dtype in (x.dtype, torch.float32),
-        lambda: f"{op}: {nw} must have {nx}'s dtype ({x.dtype}) or float32, got {weight.dtype}",
-    )
-    torch._check(
-        weight.device == x.device,
-        lambda: f"{op}: {nx} and {nw} must be on the same device, got {nx} on {x.device} and {nw} on {weight.device}",
-    )
+    for nw, weight in params:
+        if weight is None:
+            continue
+        n = x.shape[-2] * x.shape[-1] if across_heads else x.shape[-1]
+        what = f"{nx}.size(-2) * {nx}.size(-1), normalized across heads" if across_heads else f"{nx}.size(-1)"
+        torch._check(
+            weight.dim() == 1 and weight.shape[0] == n,
+            lambda nw=nw, weight=weight, n=n, what=what: f"{op}: {nw} must have shape ({n},) ({what}), "
+            f"got {list(weight.shape)}",
+        )
+        torch._check(
+            weight.dtype in (x.dtype, torch.float32),
+            lambda nw=nw, weight=weight: f"{op}: {nw} must have {nx}'s dtype ({x.dtype}) or float32, got {weight.dtype}",
+        )
+        torch._check(
+            weight.device == x.device,
+            lambda nw=nw, weight=weight: f"{op}: {nx} and {nw} must be on the same device, got {nx} on {x.device} "
+            f"and {nw} on {weight.device}",
+        )
 
 
-def _norm_stat(x, across_heads):
+def _norm_stat(x, across_heads, centered=False):
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return x.new_empty(x.shape[: -2 if across_heads else -1], dtype=dtype)
+    shape = x.shape[: -2 if across_heads else -1]
+    return x.new_empty((*shape, 2) if centered else shape, dtype=dtype)
 
 
-def _check_qk_norm_call(op, q, k, q_weight, k_weight, cos, sin, positions, eps, weight_offset, across_heads):
+def _check_qk_norm_call(op, q, k, q_weight, k_weight, q_bias, k_bias, cos, sin, positions, eps, weight_offset,
+                        across_heads):
     """What the norm ops check of q and k together (positions: the gathered forms')."""
-    for x, w, nx, nw in ((q, q_weight, "q", "q_weight"), (k, k_weight, "k", "k_weight")):
-        _check_qk_norm_args(op, x, w, cos, sin, eps, weight_offset, across_heads, nx, nw, positions)
+    for x, w, b, nx in ((q, q_weight, q_bias, "q"), (k, k_weight, k_bias, "k")):
+        _check_qk_norm_args(op, x, ((f"{nx}_weight", w), (f"{nx}_bias", b)), cos, sin, eps, weight_offset,
+                            across_heads, nx, positions)
     if positions is None:
         _check_qk_args(op, q, k, cos)
     else:
@@ -749,33 +783,37 @@ def _check_qk_norm_call(op, q, k, q_weight, k_weight, cos, sin, positions, eps, 
 
 @torch.library.register_fake("rope_ext::qk_norm_rotary")
 def _qk_norm_rotary_fake(q, k, q_weight, k_weight, cos, sin, eps, weight_offset=0.0, across_heads=False,
-                         interleaved=False, weight_after=False):
-    _check_qk_norm_call("rope_ext.qk_norm_rotary", q, k, q_weight, k_weight, cos, sin, None, eps, weight_offset,
-                        across_heads)
-    return torch.empty_like(q), torch.empty_like(k), _norm_stat(q, across_heads), _norm_stat(k, across_heads)
+                         interleaved=False, weight_after=False, q_bias=None, k_bias=None, centered=False):
+    _check_qk_norm_call("rope_ext.qk_norm_rotary", q, k, q_weight, k_weight, q_bias, k_bias, cos, sin, None, eps,
+                        weight_offset, across_heads)
+    return (torch.empty_like(q), torch.empty_like(k), _norm_stat(q, across_heads, centered),
+            _norm_stat(k, across_heads, centered))
 
 
 @torch.library.register_fake("rope_ext::qk_norm_rotary_pos")
 def _qk_norm_rotary_pos_fake(q, k, q_weight, k_weight, cos_cache, sin_cache, positions, eps, weight_offset=0.0,
-                             across_heads=False, interleaved=False, weight_after=False):
-    _check_qk_norm_call("rope_ext.qk_norm_rotary_pos", q, k, q_weight, k_weight, cos_cache, sin_cache, positions,
-                        eps, weight_offset, across_heads)
-    return torch.empty_like(q), torch.empty_like(k), _norm_stat(q, across_heads), _norm_stat(k, across_heads)
+                             across_heads=False, interleaved=False, weight_after=False, q_bias=None, k_bias=None,
+                             centered=False):
+    _check_qk_norm_call("rope_ext.qk_norm_rotary_pos", q, k, q_weight, k_weight, q_bias, k_bias, cos_cache,
+                        sin_cache, positions, eps, weight_offset, across_heads)
+    return (torch.empty_like(q), torch.empty_like(k), _norm_stat(q, across_heads, centered),
+            _norm_stat(k, across_heads, centered))
 
 
 @torch.library.register_fake("rope_ext::norm_rotary")
 def _norm_rotary_fake(x, weight, cos, sin, eps, weight_offset=0.0, across_heads=False, interleaved=False,
-                      weight_after=False):
-    _check_qk_norm_args("rope_ext.norm_rotary", x, weight, cos, sin, eps, weight_offset, across_heads, "x", "weight")
-    return torch.empty_like(x), _norm_stat(x, across_heads)
+                      weight_after=False, bias=None, centered=False):
+    _check_qk_norm_args("rope_ext.norm_rotary", x, (("weight", weight), ("bias", bias)), cos, sin, eps, weight_offset,
+                        across_heads, "x")
+    return torch.empty_like(x), _norm_stat(x, across_heads, centered)
 
 
 @torch.library.register_fake("rope_ext::qk_norm_rotary_backward")
 def _qk_norm_rotary_backward_fake(grad, x, weight, rstd, cos, sin, positions, weight_offset, across_heads,
-                                  interleaved, weight_grad, weight_after=False):
+                                  interleaved, weight_grad, weight_after=False, centered=False, bias_grad=False):
     op = "rope_ext.qk_norm_rotary_backward"
-    _check_qk_norm_args(op, x, weight, cos, sin, 0.0, weight_offset, across_heads, "x", "weight", positions)
-    stat = _norm_stat(x, across_heads)
+    _check_qk_norm_args(op, x, (("weight", weight),), cos, sin, 0.0, weight_offset, across_heads, "x", positions)
+    stat = _norm_stat(x, across_heads, centered)
     torch._check(
         grad.shape == x.shape and grad.dtype == x.dtype and grad.device == x.device,
         lambda: f"{op}: grad must have x's shape {list(x.shape)}, dtype {x.dtype} and device {x.device}, "
@@ -783,23 +821,25 @@ def _qk_norm_rotary_backward_fake(grad, x, weight, rstd, cos, sin, positions, we
     )
     torch._check(
         rstd.shape == stat.shape and rstd.dtype == stat.dtype and rstd.device == x.device and rstd.is_contiguous(),
-        lambda: f"{op}: rstd must be the forward's: contiguous, of shape {list(stat.shape)}, "
+        lambda: f"{op}: rstd must be the forward's statistics: contiguous, of shape {list(stat.shape)}, "
         f"{stat.dtype} on {x.device}",
     )
     torch._check(not weight_grad or weight is not None, lambda: f"{op}: weight_grad=True needs a weight")
-    n = weight.shape[0] if weight_grad else 0
-    return torch.empty_like(x), x.new_empty((n,), dtype=stat.dtype)
+    width = x.shape[-2] * x.shape[-1] if across_heads else x.shape[-1]
+    return (torch.empty_like(x), x.new_empty((width if weight_grad else 0,), dtype=stat.dtype),
+            x.new_empty((width if bias_grad else 0,), dtype=stat.dtype))
 
 
 @torch.library.register_fake("rope_ext::qk_norm_rotary_")
 def _qk_norm_rotary_inplace_fake(q, k, q_weight, k_weight, cos, sin, eps, weight_offset=0.0, across_heads=False,
-                                 interleaved=False, weight_after=False):
-    _check_qk_norm_call("rope_ext.qk_norm_rotary_", q, k, q_weight, k_weight, cos, sin, None, eps, weight_offset,
-                        across_heads)
+                                 interleaved=False, weight_after=False, q_bias=None, k_bias=None, centered=False):
+    _check_qk_norm_call("rope_ext.qk_norm_rotary_", q, k, q_weight, k_weight, q_bias, k_bias, cos, sin, None, eps,
+                        weight_offset, across_heads)
 
 
 @torch.library.register_fake("rope_ext::qk_norm_rotary_pos_")
 def _qk_norm_rotary_pos_inplace_fake(q, k, q_weight, k_weight, cos_cache, sin_cache, positions, eps,
-                                     weight_offset=0.0, across_heads=False, interleaved=False, weight_after=False):
-    _check_qk_norm_call("rope_ext.qk_norm_rotary_pos_", q, k, q_weight, k_weight, cos_cache, sin_cache, positions,
-                        eps, weight_offset, across_heads)
+                                     weight_offset=0.0, across_heads=False, interleaved=False, weight_after=False,
+                                     q_bias=None, k_bias=None, centered=False):
+    _check_qk_norm_call("rope_ext.qk_norm_rotary_pos_", q, k, q_weight, k_weight, q_bias, k_bias, cos_cache,
+                        sin_cache, positions, eps, weight_offset, across_heads)

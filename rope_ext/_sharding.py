@@ -39,6 +39,7 @@ _DTENSOR = "torch.distributed.tensor"
 # Per op: the rotated arguments (their placements are the outputs'), whether the op writes them in
 # place, and its tables (which follow the rotated arguments; _followers says whom each serves) or
 # its caches (replicated; their positions follow the rotated arguments).
+_QK_PARAMS = ("q_weight", "k_weight", "q_bias", "k_bias")
 _OPS = {
     "rotary": dict(rotated=("x",), tables=("cos", "sin"), inplace=False),
     "rotary_": dict(rotated=("x",), tables=("cos", "sin"), inplace=True),
@@ -46,19 +47,20 @@ _OPS = {
     "rotary_pos": dict(rotated=("x",), caches=("cos_cache", "sin_cache"), inplace=False),
     "rotary_pos_qk": dict(rotated=("q", "k"), caches=("cos_cache", "sin_cache"), inplace=False),
     "rotary_pos_": dict(rotated=("q", "k"), caches=("cos_cache", "sin_cache"), inplace=True),
-    # QK-norm + RoPE: the norms' weights are replicated (a row needs all of its weight), and each
-    # rotated argument's rstd (its last dim, or its last two across heads, reduced) is split as it
-    # is. A norm across heads needs all of a token's heads: q or k sharded over dim -2 is refused.
-    "qk_norm_rotary": dict(rotated=("q", "k"), tables=("cos", "sin"), weights=("q_weight", "k_weight"), stats=True,
-                           inplace=False),
-    "qk_norm_rotary_pos": dict(rotated=("q", "k"), caches=("cos_cache", "sin_cache"),
-                               weights=("q_weight", "k_weight"), stats=True, inplace=False),
-    "norm_rotary": dict(rotated=("x",), tables=("cos", "sin"), weights=("weight",), stats=True, inplace=False),
-    "qk_norm_rotary_": dict(rotated=("q", "k"), tables=("cos", "sin"), weights=("q_weight", "k_weight"), inplace=True),
-    "qk_norm_rotary_pos_": dict(rotated=("q", "k"), caches=("cos_cache", "sin_cache"),
-                                weights=("q_weight", "k_weight"), inplace=True),
-    # Its backward, per tensor: grad and rstd follow x, the weight's gradient is a sum over every row
-    # (Partial where x is split). cos/sin are tables, or caches when positions are given.
+    # QK-norm + RoPE: the norms' weights and biases are replicated (a row needs all of them), and
+    # each rotated argument's statistics (its last dim, or its last two across heads, reduced; with a
+    # last dim of 2 when centered) are split as it is. A norm across heads needs all of a token's
+    # heads: q or k sharded over dim -2 is refused.
+    "qk_norm_rotary": dict(rotated=("q", "k"), tables=("cos", "sin"), weights=_QK_PARAMS, stats=True, inplace=False),
+    "qk_norm_rotary_pos": dict(rotated=("q", "k"), caches=("cos_cache", "sin_cache"), weights=_QK_PARAMS, stats=True,
+                               inplace=False),
+    "norm_rotary": dict(rotated=("x",), tables=("cos", "sin"), weights=("weight", "bias"), stats=True, inplace=False),
+    "qk_norm_rotary_": dict(rotated=("q", "k"), tables=("cos", "sin"), weights=_QK_PARAMS, inplace=True),
+    "qk_norm_rotary_pos_": dict(rotated=("q", "k"), caches=("cos_cache", "sin_cache"), weights=_QK_PARAMS,
+                                inplace=True),
+    # Its backward, per tensor: grad and the statistics follow x, the weight's and the bias's
+    # gradients are sums over every row (Partial where x is split). cos/sin are tables, or caches
+    # when positions are given.
     "qk_norm_rotary_backward": dict(rotated=("x",), tables=("cos", "sin"), weights=("weight",), inplace=False,
                                     backward=True),
 }
@@ -197,8 +199,8 @@ class _Rule:
             if spec.get("stats"):  # each rotated argument's rstd, split as it is
                 outputs += [p if isinstance(p, Replicate) else Shard(p.dim % bound[n].ndim)
                             for n, p in zip(rotated, placements, strict=True)]
-            if spec.get("backward"):  # the weight's gradient: a sum over every row
-                outputs.append(Replicate() if isinstance(placements[0], Replicate) else Partial())
+            if spec.get("backward"):  # the weight's and the bias's gradients: sums over every row
+                outputs += [Replicate() if isinstance(placements[0], Replicate) else Partial()] * 2
             return outputs, inputs
 
         if spec["inplace"]:

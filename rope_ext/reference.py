@@ -33,6 +33,8 @@ __all__ = [
     "rotary_complex",
     "rotary_pairs_loop",
     "angles_to_cos_sin",
+    "norm_rotary_reference",
+    "norm_reference",
     "rms_norm_rotary_reference",
     "rms_norm_reference",
 ]
@@ -129,7 +131,7 @@ def angles_to_cos_sin(angles: torch.Tensor, interleaved: bool = False):
     return full.cos(), full.sin()
 
 
-def rms_norm_rotary_reference(
+def norm_rotary_reference(
     x: torch.Tensor,
     weight: torch.Tensor | None,
     cos: torch.Tensor,
@@ -140,29 +142,43 @@ def rms_norm_rotary_reference(
     norm_over: str = "head",
     interleaved: bool = False,
     weight_after: bool = False,
+    norm: str = "rms",
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """QK-norm then RoPE, from the formulas: ``rotary(g * x / sqrt(mean(x^2) + eps), cos, sin)``, or
-    with ``weight_after`` ``g * rotary(x / sqrt(mean(x^2) + eps), cos, sin)``.
+    """QK-norm then RoPE, from the formulas: ``rotary(g * x_hat + b, cos, sin)``, or with
+    ``weight_after`` ``g * rotary(x_hat, cos, sin) + b``, where ``x_hat = x / sqrt(mean(x^2) + eps)``
+    (``norm="rms"``) or ``(x - mean(x)) / sqrt(var(x) + eps)`` (``norm="layer"``, the biased
+    variance, as ``torch.nn.LayerNorm``'s).
 
-    The mean runs over each head's row (``norm_over="head"``, ``weight`` of shape ``(D,)``) or over
-    all of a token's heads, dim -2 of ``x`` (``"heads"``, ``weight`` of shape ``(H * D,)``).
-    ``g = weight + weight_offset``, or 1 when ``weight`` is None. Computed in float32, or float64
-    when x, the weight or the tables are float64, then cast to x's dtype: one rounding, as
-    :func:`rope_ext.qk_norm_rotary` rounds. Differentiable and decomposable.
+    The mean runs over each head's row (``norm_over="head"``, ``weight`` and ``bias`` of shape
+    ``(D,)``) or over all of a token's heads, dim -2 of ``x`` (``"heads"``, shape ``(H * D,)``).
+    ``g = weight + weight_offset``, or 1 when ``weight`` is None; ``b = bias``, or 0. Computed in
+    float32, or float64 when x, the weight, the bias or the tables are float64, then cast to x's
+    dtype: one rounding, as :func:`rope_ext.qk_norm_rotary` rounds. Differentiable and decomposable.
     """
     dtype = torch.promote_types(torch.promote_types(x.dtype, cos.dtype), torch.float32)
-    if weight is not None:
-        dtype = torch.promote_types(dtype, weight.dtype)
-    before = None if weight_after else weight
-    v = rms_norm_reference(x, before, eps=eps, weight_offset=weight_offset, norm_over=norm_over, dtype=dtype)
+    for t in (weight, bias):
+        if t is not None:
+            dtype = torch.promote_types(dtype, t.dtype)
+    v = norm_reference(x, None if weight_after else weight, eps=eps, weight_offset=weight_offset, norm_over=norm_over,
+                       dtype=dtype, norm=norm, bias=None if weight_after else bias)
     v = rotary_reference(v, cos.to(dtype), sin.to(dtype), interleaved)
-    if weight_after and weight is not None:
-        g = weight.to(dtype) + weight_offset
-        v = v * (g.unflatten(-1, x.shape[-2:]) if norm_over == "heads" else g)
+    if weight_after:
+        shape = (lambda t: t.unflatten(-1, x.shape[-2:])) if norm_over == "heads" else (lambda t: t)
+        if weight is not None:
+            v = v * shape(weight.to(dtype) + weight_offset)
+        if bias is not None:
+            v = v + shape(bias.to(dtype))
     return v.to(x.dtype)
 
 
-def rms_norm_reference(
+def rms_norm_rotary_reference(x, weight, cos, sin, **kwargs) -> torch.Tensor:
+    """:func:`norm_rotary_reference` with the RMS norm (``norm="rms"``, no bias): the QK-norm of
+    Qwen3, Gemma 3, OLMo 2, Flux and Wan."""
+    return norm_rotary_reference(x, weight, cos, sin, norm="rms", **kwargs)
+
+
+def norm_reference(
     x: torch.Tensor,
     weight: torch.Tensor | None,
     *,
@@ -170,16 +186,31 @@ def rms_norm_reference(
     weight_offset: float = 0.0,
     norm_over: str = "head",
     dtype: torch.dtype = torch.float32,
+    norm: str = "rms",
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``g * x / sqrt(mean(x^2) + eps)`` in ``dtype`` (not rounded back to x's), the norm of
-    :func:`rms_norm_rotary_reference`: over each head's row, or over dim -2 and -1 together
-    (``norm_over="heads"``); ``g = weight + weight_offset``, or 1 without a weight."""
+    """``g * x / sqrt(mean(x^2) + eps) + b`` (``norm="rms"``) or ``g * (x - mean(x)) / sqrt(mean((x -
+    mean(x))^2) + eps) + b`` (``norm="layer"``) in ``dtype`` (not rounded back to x's), the norm of
+    :func:`norm_rotary_reference`: over each head's row, or over dim -2 and -1 together
+    (``norm_over="heads"``); ``g = weight + weight_offset``, or 1 without a weight; ``b = bias``, or
+    0."""
     v = x.to(dtype)
     if norm_over == "heads":
         v = v.flatten(-2)
     elif norm_over != "head":
         raise ValueError(f"norm_over must be 'head' or 'heads', got {norm_over!r}")
+    if norm == "layer":
+        v = v - v.mean(-1, keepdim=True)
+    elif norm != "rms":
+        raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")
     v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
         v = v * (weight.to(dtype) + weight_offset)
+    if bias is not None:
+        v = v + bias.to(dtype)
     return v.unflatten(-1, x.shape[-2:]) if norm_over == "heads" else v
+
+
+def rms_norm_reference(x, weight, **kwargs) -> torch.Tensor:
+    """:func:`norm_reference` with the RMS norm: ``g * x / sqrt(mean(x^2) + eps)``."""
+    return norm_reference(x, weight, norm="rms", **kwargs)

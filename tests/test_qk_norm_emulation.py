@@ -40,9 +40,10 @@ def emulated(q, k, wq, wk, cos, sin, positions=None, *, eps=1e-6, weight_offset=
 
 def emulated_backward(dy, x, w, rstd, cos, sin, positions=None, *, weight_offset=0.0, norm_over="head",
                       interleaved=False, weight_after=False):
+    """(dx, dweight) from the emulated backward kernel (no bias: its gradient is empty)."""
     return TESTING.cuda_emulate_qk_norm_rotary_backward(dy, x, w, rstd, cos, sin, positions, weight_offset,
                                                         norm_over == "heads", interleaved, w is not None,
-                                                        weight_after)
+                                                        weight_after)[:2]
 
 
 def rstd_truth(x, norm_over, eps=1e-6):
@@ -181,8 +182,8 @@ def test_backward_without_the_weights_gradient(after, gathered, gen):
     for rows in (x, _misaligned(x)):  # (the vector path and the scalar one)
         _, _, rstd, _ = emulated(rows, rows, w, w, *tables, weight_after=after)
         dy = randn(*x.shape, gen=gen)
-        dx, dweight = TESTING.cuda_emulate_qk_norm_rotary_backward(dy, rows, w, rstd, *tables, 0.0, False, False,
-                                                                   False, after)
+        dx, dweight, _ = TESTING.cuda_emulate_qk_norm_rotary_backward(dy, rows, w, rstd, *tables, 0.0, False,
+                                                                      False, False, after)
         assert dweight.numel() == 0
         want, _ = _reference_grads(rows, w, cos, sin, dy, eps=1e-6, weight_after=after)
         torch.testing.assert_close(dx.double(), want, rtol=_UNIT_ROUNDOFF[x.dtype],  # (check_grads' dx bound)
@@ -209,8 +210,8 @@ def test_forward_and_backward_equal_the_cpu_ops_to_rounding(norm_over, after, ge
         torch.testing.assert_close(a, b, atol=0, rtol=2 * (n / 2 + 3) * 2.0**-24)
     dy = randn(*q.shape, dtype=torch.bfloat16, gen=gen)
     back = (dy, q, wq, cpu[2], cos, sin, None, 0.0, norm_over == "heads", False, True, after)
-    dx, dw = TESTING.cuda_emulate_qk_norm_rotary_backward(*back)
-    dx_cpu, dw_cpu = torch.ops.rope_ext.qk_norm_rotary_backward(*back)
+    dx, dw, _ = TESTING.cuda_emulate_qk_norm_rotary_backward(*back)
+    dx_cpu, dw_cpu, _ = torch.ops.rope_ext.qk_norm_rotary_backward(*back)
     torch.testing.assert_close(dx.float(), dx_cpu.float(), atol=2.0**-7 * float(dx_cpu.abs().max()), rtol=2.0**-7)
     torch.testing.assert_close(dw, dw_cpu, atol=1e-5 * float(dw_cpu.abs().max()), rtol=0)
 

@@ -3,16 +3,19 @@
 // rotary_kernel_<capability>.cpp includes it after rotary_kernel.h. Not a normal header.
 //
 // Per group of `group` rows (one head, or all of a token's heads), in the compute type T (float;
-// double for double x), with g = weight + weight_offset (or 1):
-//   forward   rstd = 1 / sqrt(mean(x^2) + eps);  out = rotary(g * (x * rstd), cos, sin)
-//   backward  u = rotary^T(dy);  dg += u * x_hat  (x_hat = x * rstd);  d = u * g;
+// double for double x), with g = weight + weight_offset (or 1) and b the bias (or 0):
+//   forward   rstd = 1 / sqrt(mean(x^2) + eps);  x_hat = x * rstd;  out = rotary(g * x_hat + b, cos, sin)
+//   backward  u = rotary^T(dy);  dg += u * x_hat;  db += u;  d = u * g;
 //             dx = rstd * (d - x_hat * mean(d * x_hat))
 // and with the weight after the rotation (NormOperands::weight_after):
-//   forward   out = g * rotary(x * rstd, cos, sin)
-//   backward  d = rotary^T(g * dy);  dg += dy * rotary(x_hat);  dx as above
+//   forward   out = g * rotary(x_hat, cos, sin) + b
+//   backward  d = rotary^T(g * dy);  dg += dy * rotary(x_hat);  db += dy;  dx as above
+// Centered (LayerNorm, NormOperands::centered): x_hat = (x - mean(x)) * rstd with rstd = 1 / sqrt(
+// mean((x - mean(x))^2) + eps), two passes over the buffered group, and dx = rstd * (d - mean(d) -
+// x_hat * mean(d * x_hat)); the backward reads the mean the forward saved beside rstd.
 // The row is read once into a T buffer; every value is rounded once, when stored. The backward
 // recomputes x_hat from x and the saved rstd (never from out: a weight near 0 would lose it).
-// The weights' gradient is summed in T per block of groups whose size depends on the shape only,
+// The weights' (biases') gradient is summed in T per block of groups whose size depends on the shape only,
 // and the blocks' sums are added in block order: the same bits whatever the thread count.
 
 #ifndef CPU_CAPABILITY
@@ -59,6 +62,13 @@ struct NormMath {
     }
   }
 
+  // acc[j] += a[j]
+  static void add(const T* a, T* acc, int64_t n) {
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) (Vec::loadu(acc + j) + Vec::loadu(a + j)).store(acc + j);
+    for (; j < n; ++j) acc[j] += a[j];
+  }
+
   // acc[j] += a[j] * b[j]
   static void add_products(const T* a, const T* b, T* acc, int64_t n) {
     int64_t j = 0;
@@ -66,12 +76,47 @@ struct NormMath {
     for (; j < n; ++j) acc[j] += a[j] * b[j];
   }
 
-  // y[j] = s * (d[j] - h[j] * m)
-  static void norm_grad(const T* d, const T* h, T m, T s, T* y, int64_t n) {
+  // sum(a[j]), in dot's order.
+  static T sum(const T* a, int64_t n) {
+    Vec acc0(T(0)), acc1(T(0));
+    int64_t j = 0;
+    for (; j + 2 * kLanes <= n; j += 2 * kLanes) acc0 = acc0 + Vec::loadu(a + j), acc1 = acc1 + Vec::loadu(a + j + kLanes);
+    T total = sum_lanes(acc0 + acc1);
+    for (; j < n; ++j) total += a[j];
+    return total;
+  }
+
+  // a[j] -= m in place; returns the sum of the new a[j]^2 (in dot's order).
+  static T center(T* a, T m, int64_t n) {
+    const Vec vm(m);
+    Vec acc0(T(0)), acc1(T(0));
+    int64_t j = 0;
+    for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
+      const Vec u = Vec::loadu(a + j) - vm, v = Vec::loadu(a + j + kLanes) - vm;
+      u.store(a + j);
+      v.store(a + j + kLanes);
+      acc0 = acc0 + u * u, acc1 = acc1 + v * v;
+    }
+    T total = sum_lanes(acc0 + acc1);
+    for (; j < n; ++j) a[j] -= m, total += a[j] * a[j];
+    return total;
+  }
+
+  // y[j] = s * ((d[j] - md) - h[j] * m): md, the mean of d, is 0 but for a centered norm (and d - 0
+  // is d: the RMS norm's bits are those of s * (d - h * m)).
+  static void norm_grad(const T* d, const T* h, T m, T md, T s, T* y, int64_t n) {
+    const Vec vm(m), vd(md), vs(s);
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) (vs * ((Vec::loadu(d + j) - vd) - Vec::loadu(h + j) * vm)).store(y + j);
+    for (; j < n; ++j) y[j] = s * ((d[j] - md) - h[j] * m);
+  }
+
+  // y[j] = (a[j] - m) * s; y may be a.
+  static void center_scale(const T* a, T m, T s, T* y, int64_t n) {
     const Vec vm(m), vs(s);
     int64_t j = 0;
-    for (; j + kLanes <= n; j += kLanes) (vs * (Vec::loadu(d + j) - Vec::loadu(h + j) * vm)).store(y + j);
-    for (; j < n; ++j) y[j] = s * (d[j] - h[j] * m);
+    for (; j + kLanes <= n; j += kLanes) ((Vec::loadu(a + j) - vm) * vs).store(y + j);
+    for (; j < n; ++j) y[j] = (a[j] - m) * s;
   }
 };
 
@@ -142,15 +187,24 @@ void rotate_buffer(const T* a, const T* c, const T* s, T* y, int64_t r, int64_t 
   for (int64_t j = r; j < d; ++j) y[j] = a[j];
 }
 
-// out = rotary(a * s * g) on the first r of d columns of one row (`after`: g * rotary(a * s)), the
-// rest a * s * g (g may be null: a * s), into `out` (column stride col) rounded once: where out's
-// columns are contiguous, whole vector steps of pairs are scaled, rotated and stored in one pass; the
-// other pairs and the pass-through columns go through the buffers z (scaled) and y (rotated). (The
-// same roundings as rotate_buffer after NormMath::scale: (a * s) * g, then rotate_pair; `after`:
-// a * s, rotate_pair, then the product with g.)
+// A row's affine parameters, in the compute type: the gain g and the bias b (either may be null: 1 and
+// 0), applied before the rotation or, `after`, to the rotated row.
+template <typename T>
+struct Affine {
+  const T* g;
+  const T* b;
+  bool after;
+};
+
+// out = rotary(a * s * g + b) on the first r of d columns of one row (`after`: g * rotary(a * s) + b),
+// the rest a * s * g + b, into `out` (column stride col) rounded once: where out's columns are
+// contiguous, whole vector steps of pairs are scaled, rotated and stored in one pass; the other pairs
+// and the pass-through columns go through the buffers z (scaled) and y (rotated). (The same roundings
+// as rotate_buffer after NormMath::scale: (a * s) * g, + b, then rotate_pair; `after`: a * s,
+// rotate_pair, then the product with g, + b.)
 template <typename scalar_t, bool kInterleaved>
 void store_scaled_rotation(const at::opmath_type<scalar_t>* a, at::opmath_type<scalar_t> s,
-                           const at::opmath_type<scalar_t>* g, bool after, const at::opmath_type<scalar_t>* c,
+                           const Affine<at::opmath_type<scalar_t>>& f, const at::opmath_type<scalar_t>* c,
                            const at::opmath_type<scalar_t>* sn, at::opmath_type<scalar_t>* z,
                            at::opmath_type<scalar_t>* y, int64_t r, int64_t d, scalar_t* out, int64_t col) {
   using T = at::opmath_type<scalar_t>;
@@ -158,18 +212,25 @@ void store_scaled_rotation(const at::opmath_type<scalar_t>* a, at::opmath_type<s
   using OutIO = VecIO<scalar_t>;
   using Vec = Vectorized<T>;
   static_assert(IO::kStep == OutIO::kStep, "a step of pairs is as wide in the buffer as in the output");
+  const T* const g = f.g;
+  const T* const b = f.b;
+  const bool after = f.after;
   const int64_t half = r / 2;
   int64_t i = 0;
   if (col == 1) {
     const Vec vs(s);
     for (; i + IO::kStep <= half; i += IO::kStep) {
-      Vec x1[2], x2[2], c1[2], c2[2], s1[2], s2[2], o1[2], o2[2], g1[2], g2[2];
+      Vec x1[2], x2[2], c1[2], c2[2], s1[2], s2[2], o1[2], o2[2], g1[2], g2[2], b1[2], b2[2];
       IO::template load_pairs<kInterleaved>(a, i, half, x1, x2);
       if (g != nullptr) IO::template load_pairs<kInterleaved>(g, i, half, g1, g2);
+      if (b != nullptr) IO::template load_pairs<kInterleaved>(b, i, half, b1, b2);
       if (g != nullptr && !after) {
         for (int k = 0; k < 2; ++k) x1[k] = x1[k] * vs * g1[k], x2[k] = x2[k] * vs * g2[k];
       } else {
         for (int k = 0; k < 2; ++k) x1[k] = x1[k] * vs, x2[k] = x2[k] * vs;
+      }
+      if (b != nullptr && !after) {
+        for (int k = 0; k < 2; ++k) x1[k] = x1[k] + b1[k], x2[k] = x2[k] + b2[k];
       }
       IO::template load_pairs<kInterleaved>(c, i, half, c1, c2);
       IO::template load_pairs<kInterleaved>(sn, i, half, s1, s2);
@@ -177,26 +238,35 @@ void store_scaled_rotation(const at::opmath_type<scalar_t>* a, at::opmath_type<s
       if (g != nullptr && after) {
         for (int k = 0; k < 2; ++k) o1[k] = o1[k] * g1[k], o2[k] = o2[k] * g2[k];
       }
+      if (b != nullptr && after) {
+        for (int k = 0; k < 2; ++k) o1[k] = o1[k] + b1[k], o2[k] = o2[k] + b2[k];
+      }
       OutIO::template store_pairs<kInterleaved>(out, i, half, o1, o2);
     }
   }
   if (i == half && r == d) return;  // (every column stored: no tail, no pass-through columns)
   // the columns of pairs [i, half) and the pass-through ones, scaled into z (the rotated columns by g
-  // before the rotation, or after it into y)
-  const T* const g_before = after ? nullptr : g;
-  const auto scale = [&](int64_t j0, int64_t j1, const T* gs) {
-    for (int64_t j = j0; j < j1; ++j) z[j] = gs != nullptr ? a[j] * s * gs[j] : a[j] * s;
+  // and b before the rotation, or after it into y)
+  const auto scale = [&](int64_t j0, int64_t j1, bool affine) {
+    const T* const gs = affine ? g : nullptr;
+    const T* const bs = affine ? b : nullptr;
+    for (int64_t j = j0; j < j1; ++j) {
+      z[j] = gs != nullptr ? a[j] * s * gs[j] : a[j] * s;
+      if (bs != nullptr) z[j] = z[j] + bs[j];
+    }
   };
   const auto scale_after = [&](int64_t j0, int64_t j1) {
-    if (g != nullptr && after) for (int64_t j = j0; j < j1; ++j) y[j] = y[j] * g[j];
+    if (!after) return;
+    if (g != nullptr) for (int64_t j = j0; j < j1; ++j) y[j] = y[j] * g[j];
+    if (b != nullptr) for (int64_t j = j0; j < j1; ++j) y[j] = y[j] + b[j];
   };
   if (kInterleaved) {
-    scale(2 * i, r, g_before);
+    scale(2 * i, r, !after);
   } else {
-    scale(i, half, g_before);
-    scale(half + i, r, g_before);
+    scale(i, half, !after);
+    scale(half + i, r, !after);
   }
-  scale(r, d, g);
+  scale(r, d, true);
   rotate_tail<T, kInterleaved, false>(z, c, sn, y, i, half);
   if (kInterleaved) {
     scale_after(2 * i, r);
@@ -219,28 +289,38 @@ void store_scaled_rotation(const at::opmath_type<scalar_t>* a, at::opmath_type<s
   Row::store(out + r, 1, d - r, y + r);
 }
 
-// What one thread reads and keeps: the call's g, and the table rows of the row it is on, reloaded
-// only when the row's table offsets change (heads that share a token's tables reuse them).
+// What one thread reads and keeps: the call's g and b, and the table rows of the row it is on,
+// reloaded only when the row's table offsets change (heads that share a token's tables reuse them).
 template <typename scalar_t>
 struct NormContext {
   using T = at::opmath_type<scalar_t>;
   const NormPlan& p;
   const NormOperands& o;
   std::vector<T> g;  // weight + weight_offset; empty without a weight
+  std::vector<T> b;  // the bias; empty without one
 
   NormContext(const NormPlan& plan, const NormOperands& ops) : p(plan), o(ops) {
-    if (o.weight == nullptr) return;
-    g.resize(p.weight_len);
-    for (int64_t j = 0; j < p.weight_len; ++j) {
-      const int64_t at = j * p.weight_stride;
-      const T w = o.float_weight ? static_cast<T>(static_cast<const float*>(o.weight)[at])
-                                 : static_cast<T>(static_cast<const scalar_t*>(o.weight)[at]);
-      g[j] = w + static_cast<T>(o.weight_offset);
+    read(o.weight, o.float_weight, p.weight_len, p.weight_stride, static_cast<T>(o.weight_offset), g);
+    read(o.bias, o.float_bias, p.bias_len, p.bias_stride, T(0), b);
+  }
+  static void read(const void* t, bool as_float, int64_t len, int64_t stride, T offset, std::vector<T>& dst) {
+    if (t == nullptr) return;
+    dst.resize(len);
+    for (int64_t j = 0; j < len; ++j) {
+      const int64_t at = j * stride;
+      const T v = as_float ? static_cast<T>(static_cast<const float*>(t)[at])
+                           : static_cast<T>(static_cast<const scalar_t*>(t)[at]);
+      dst[j] = v + offset;
     }
   }
   // g for head h of a group: a per-head weight serves every head, an across-heads one has a slice each.
-  const T* g_for(int64_t h) const {
-    return g.empty() ? nullptr : g.data() + (p.weight_len > p.head_dim ? h * p.head_dim : 0);
+  const T* g_for(int64_t h) const { return slice(g, h); }
+  const T* b_for(int64_t h) const { return slice(b, h); }
+  Affine<T> affine(int64_t h) const { return {g_for(h), b_for(h), o.weight_after}; }
+
+ private:
+  const T* slice(const std::vector<T>& v, int64_t h) const {
+    return v.empty() ? nullptr : v.data() + (static_cast<int64_t>(v.size()) > p.head_dim ? h * p.head_dim : 0);
   }
 };
 
@@ -351,19 +431,28 @@ void norm_forward(const NormPlan& p, const NormOperands& o, const Thresholds& th
         Vec acc0(T(0)), acc1(T(0));
         T tail = 0;
         for (int64_t h = 0; h < G; ++h, reading.next()) {
-          Row::template load<true>(x + reading.off[kNormX], p.x_col, D, xf + (b * G + h) * D, &acc0, &acc1, &tail);
+          if (o.centered) {  // (the squares are of the centered values: below)
+            Row::load(x + reading.off[kNormX], p.x_col, D, xf + (b * G + h) * D);
+          } else {
+            Row::template load<true>(x + reading.off[kNormX], p.x_col, D, xf + (b * G + h) * D, &acc0, &acc1, &tail);
+          }
         }
-        const T squares = NormMath<T>::sum_lanes(acc0 + acc1) + tail;
+        T* const group = xf + b * G * D;
+        T squares = NormMath<T>::sum_lanes(acc0 + acc1) + tail;
+        if (o.centered) {  // two passes over the buffered group: its mean, then the centered squares
+          const T mean = NormMath<T>::sum(group, N) / count;
+          squares = NormMath<T>::center(group, mean, N);
+          if (rstd != nullptr) rstd[2 * (n0 + b)] = mean;
+        }
         inv[b] = T(1) / std::sqrt(squares / count + eps);
-        if (rstd != nullptr) rstd[n0 + b] = inv[b];
+        if (rstd != nullptr) rstd[o.centered ? 2 * (n0 + b) + 1 : n0 + b] = inv[b];
       }
       for (int64_t b = 0; b < groups; ++b) {  // pass 2: scale, rotate, round once into out
         for (int64_t h = 0; h < G; ++h, writing.next()) {
           const int64_t* off = writing.off;
           tables.load(p, o, off[kNormCos], off[kNormSin]);
-          store_scaled_rotation<scalar_t, kInterleaved>(xf + (b * G + h) * D, inv[b], ctx.g_for(h), o.weight_after,
-                                                        tables.c, tables.s, z, y, R, D, out + off[kNormOut],
-                                                        p.out_col);
+          store_scaled_rotation<scalar_t, kInterleaved>(xf + (b * G + h) * D, inv[b], ctx.affine(h), tables.c,
+                                                        tables.s, z, y, R, D, out + off[kNormOut], p.out_col);
         }
       }
     }
@@ -382,15 +471,17 @@ void norm_backward(const NormPlan& p, const NormOperands& o, const Thresholds& t
   using T = at::opmath_type<scalar_t>;
   using Row = NormRowIO<scalar_t>;
   const NormContext<scalar_t> ctx(p, o);
-  const int64_t D = p.head_dim, G = p.group, R = p.rotary_dim, N = G * D, W = p.weight_len;
+  const int64_t D = p.head_dim, G = p.group, R = p.rotary_dim, N = G * D;
   const auto* x = static_cast<const scalar_t*>(o.x);
   const auto* dy = static_cast<const scalar_t*>(o.grad);
   auto* dx = static_cast<scalar_t*>(o.out);
-  const T* rstd = static_cast<const T*>(o.rstd);
-  T* dweight = static_cast<T*>(o.dweight);
+  const T* stats = static_cast<const T*>(o.rstd);
+  // The weight's and the bias's gradients have N columns (a head's, or across heads a token's).
+  T* const sums[2] = {static_cast<T*>(o.dweight), static_cast<T*>(o.dbias)};
   const int64_t groups = p.num_groups(), block = norm_block_groups(groups, N);
   const int64_t blocks = (groups + block - 1) / block;
-  std::vector<T> partial(dweight != nullptr ? blocks * W : 0, T(0));
+  std::vector<T> partial[2];
+  for (int k = 0; k < 2; ++k) partial[k].assign(sums[k] != nullptr ? blocks * N : 0, T(0));
   const int64_t grain = std::max<int64_t>(1, th.grain_elements / (block * N));
   parallel_for(pool, 0, blocks, grain, [&](int64_t b0, int64_t b1) {
     std::vector<T> buf(2 * N + 3 * D + 2 * R);
@@ -402,49 +493,63 @@ void norm_backward(const NormPlan& p, const NormOperands& o, const Thresholds& t
     TableRows<scalar_t, kInterleaved> tables{gdy + D, gdy + D + R};
     int64_t off[5];
     for (int64_t b = b0; b < b1; ++b) {
-      T* const part = dweight != nullptr ? partial.data() + b * W : nullptr;
+      T* const part = sums[0] != nullptr ? partial[0].data() + b * N : nullptr;
+      T* const part_b = sums[1] != nullptr ? partial[1].data() + b * N : nullptr;
       for (int64_t n = b * block; n < std::min(groups, (b + 1) * block); ++n) {
-        const T inv = rstd[n];
+        const T mean = o.centered ? stats[2 * n] : T(0);
+        const T inv = o.centered ? stats[2 * n + 1] : stats[n];
         for (int64_t h = 0; h < G; ++h) {
           p.rows.offsets(n * G + h, off);
           T* const xr = xh + h * D;
           Row::load(x + off[kNormX], p.x_col, D, xr);
-          NormMath<T>::scale(xr, inv, nullptr, xr, D);
+          if (o.centered) {
+            NormMath<T>::center_scale(xr, mean, inv, xr, D);
+          } else {
+            NormMath<T>::scale(xr, inv, nullptr, xr, D);
+          }
           Row::load(dy + off[kNormGrad], p.grad_col, D, gy);
           tables.load(p, o, off[kNormCos], off[kNormSin]);
-          T* const part_h = part != nullptr ? part + (W > D ? h * D : 0) : nullptr;
-          if (o.weight_after) {  // d = rotary^T(g * dy); dg += dy * rotary(x_hat)
+          T* const part_h = part != nullptr ? part + h * D : nullptr;
+          T* const part_bh = part_b != nullptr ? part_b + h * D : nullptr;
+          if (o.weight_after) {  // d = rotary^T(g * dy); dg += dy * rotary(x_hat); db += dy
             if (part_h != nullptr) {
               rotate_buffer<T, kInterleaved, false>(xr, tables.c, tables.s, u, R, D);
               NormMath<T>::add_products(gy, u, part_h, D);
             }
+            if (part_bh != nullptr) NormMath<T>::add(gy, part_bh, D);
             const T* const g = ctx.g_for(h);
             if (g != nullptr) NormMath<T>::scale(gy, T(1), g, gdy, D);
             rotate_buffer<T, kInterleaved, true>(g != nullptr ? gdy : gy, tables.c, tables.s, d + h * D, R, D);
-          } else {  // u = rotary^T(dy); dg += u * x_hat; d = u * g
+          } else {  // u = rotary^T(dy); dg += u * x_hat; db += u; d = u * g
             rotate_buffer<T, kInterleaved, true>(gy, tables.c, tables.s, u, R, D);
             if (part_h != nullptr) NormMath<T>::add_products(u, xr, part_h, D);
+            if (part_bh != nullptr) NormMath<T>::add(u, part_bh, D);
             NormMath<T>::scale(u, T(1), ctx.g_for(h), d + h * D, D);
           }
         }
-        const T mean = NormMath<T>::dot(d, xh, N) / static_cast<T>(N);
+        const T m = NormMath<T>::dot(d, xh, N) / static_cast<T>(N);
+        const T md = o.centered ? NormMath<T>::sum(d, N) / static_cast<T>(N) : T(0);
         for (int64_t h = 0; h < G; ++h) {
           if (G > 1) p.rows.offsets(n * G + h, off);  // (one row: the offsets read it by are still in off)
-          NormMath<T>::norm_grad(d + h * D, xh + h * D, mean, inv, gy, D);
+          NormMath<T>::norm_grad(d + h * D, xh + h * D, m, md, inv, gy, D);
           Row::store(dx + off[kNormOut], p.out_col, D, gy);
         }
       }
     }
   });
-  if (dweight == nullptr) return;
   // Each column's blocks in block order, whatever the threads did (threads split the columns).
-  parallel_for(pool, 0, W, std::max<int64_t>(1, th.grain_elements / blocks), [&](int64_t j0, int64_t j1) {
-    std::fill(dweight + j0, dweight + j1, T(0));
-    for (int64_t b = 0; b < blocks; ++b) {
-      const T* part = partial.data() + b * W;
-      for (int64_t j = j0; j < j1; ++j) dweight[j] += part[j];
-    }
-  });
+  for (int k = 0; k < 2; ++k) {
+    T* const sum = sums[k];
+    if (sum == nullptr) continue;
+    const std::vector<T>& parts = partial[k];
+    parallel_for(pool, 0, N, std::max<int64_t>(1, th.grain_elements / blocks), [&](int64_t j0, int64_t j1) {
+      std::fill(sum + j0, sum + j1, T(0));
+      for (int64_t b = 0; b < blocks; ++b) {
+        const T* part = parts.data() + b * N;
+        for (int64_t j = j0; j < j1; ++j) sum[j] += part[j];
+      }
+    });
+  }
 }
 
 void qk_norm_kernel(const NormPlan& p, const NormOperands& o, bool interleaved, bool backward, const Thresholds& th,
@@ -453,7 +558,9 @@ void qk_norm_kernel(const NormPlan& p, const NormOperands& o, bool interleaved, 
     using scalar_t = decltype(scalar_tag);
     using T = at::opmath_type<scalar_t>;
     if (p.num_groups() == 0) {
-      if (backward && o.dweight != nullptr) std::fill_n(static_cast<T*>(o.dweight), p.weight_len, T(0));
+      const int64_t width = p.group * p.head_dim;
+      if (backward && o.dweight != nullptr) std::fill_n(static_cast<T*>(o.dweight), width, T(0));
+      if (backward && o.dbias != nullptr) std::fill_n(static_cast<T*>(o.dbias), width, T(0));
       return;
     }
     const auto by_inter = [&](auto inter) {

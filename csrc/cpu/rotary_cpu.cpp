@@ -250,7 +250,7 @@ void run(const RotaryCall& c) {
 void run_norm(const NormCall& c) {
   // Every position is checked before anything is written, as for the rotation.
   if (c.positions != nullptr && c.x.numel() > 0) check_positions_in_range(c.op, *c.positions, c.cos.size(0));
-  const NormPlan plan = make_norm_plan(c.x, c.out, c.weight, c.cos, c.sin, c.positions, c.grad, c.across_heads);
+  const NormPlan plan = make_norm_plan(c.x, c.out, c.params(), c.cos, c.sin, c.positions, c.grad, c.across_heads);
   const Thresholds th = thresholds();
   if (c.out.const_data_ptr() != c.x.const_data_ptr()) advise_huge_pages(c.out, th.huge_page_bytes);  // a new output
   if (c.grad == nullptr && c.rstd != nullptr && c.x.numel() == 0 && c.rstd->numel() > 0) {
@@ -263,6 +263,7 @@ void run_norm(const NormCall& c) {
     }
   }
   const bool weighted = c.weight != nullptr && c.weight->defined();
+  const bool biased = c.bias != nullptr && c.bias->defined();
   const NormOperands operands{c.x.const_data_ptr(),
                               c.out.mutable_data_ptr(),
                               c.cos.const_data_ptr(),
@@ -277,7 +278,11 @@ void run_norm(const NormCall& c) {
                               c.dweight != nullptr ? c.dweight->mutable_data_ptr() : nullptr,
                               kernel_dtype(c.x.scalar_type()),
                               c.cos.scalar_type() != c.x.scalar_type(),
-                              c.weight_after};
+                              c.weight_after,
+                              biased ? c.bias->const_data_ptr() : nullptr,
+                              biased && c.bias->scalar_type() != c.x.scalar_type(),
+                              c.dbias != nullptr ? c.dbias->mutable_data_ptr() : nullptr,
+                              c.centered};
   variant_for_call().norm(plan, operands, c.interleaved, c.grad != nullptr, th, kTorchPool);
 }
 

@@ -95,12 +95,16 @@ struct NormOperands {
   bool float_weight;   // weight in float32 rather than in x's dtype
   double weight_offset;
   double eps;
-  void* rstd;          // the compute dtype: written by the forward (unless null), read by the backward
+  void* rstd;          // the statistics (the compute dtype): written by the forward (unless null), read by the backward
   const void* grad;    // the backward's dy, or nullptr (the forward)
   void* dweight;       // the backward's weight gradient (the compute dtype), or nullptr
   KernelDtype dtype;   // of x, out, grad
   bool float_tables;
   bool weight_after;   // g applied after the rotation (NormCall::weight_after)
+  const void* bias;    // nullptr: no bias
+  bool float_bias;     // bias in float32 rather than in x's dtype
+  void* dbias;         // the backward's bias gradient (the compute dtype), or nullptr
+  bool centered;       // LayerNorm: the mean subtracted; rstd holds (mean, rstd) pairs
 };
 
 #define ROPE_EXT_DECLARE_KERNEL(CAP)                                                           \

@@ -88,10 +88,11 @@ struct NormLaunch {
   int64_t groups = 0;  // statistics: rstd's elements
   int64_t vec = 1, pairs_per_item = 1, rot_items = 0, pass_items = 0;  // per head, as RotaryLaunch's
   int64_t group_items = 0;   // a group's items: (rot_items + pass_items) * group
-  int64_t partial_rows = 0;  // backward with the weights' gradient: grid_x * block_y rows of sums
+  int64_t partial_rows = 0;  // backward with the weights' or biases' gradient: grid_x * block_y rows of sums
   PartialLayout partial;     // ... of partial.length() values each
   bool table_vec = false;    // the tables' values of an item in vector loads
   bool weight_vec = false;   // the weight's too
+  bool bias_vec = false;     // the bias's too
 };
 
 // The launch of a planned call. The vector path (vec_elems of x and the tables, as the rotation's)
@@ -101,8 +102,9 @@ struct NormLaunch {
 // NaN statistic, which the kernel writes). `ignore_alignment`: as choose_launch's.
 inline NormLaunch choose_norm_launch(const NormPlan& p, int64_t groups, const void* x, const void* out,
                                      const void* grad, const void* cos, const void* sin, const void* weight,
-                                     int64_t elem_size, int64_t table_elem_size, int64_t weight_elem_size,
-                                     bool interleaved, bool weight_grad, bool ignore_alignment = false) {
+                                     const void* bias, int64_t elem_size, int64_t table_elem_size,
+                                     int64_t weight_elem_size, int64_t bias_elem_size, bool interleaved,
+                                     bool grad_sums, bool ignore_alignment = false) {
   const auto aligned = [ignore_alignment](const void* p, int64_t bytes) {
     return ignore_alignment || reinterpret_cast<uintptr_t>(p) % bytes == 0;
   };
@@ -128,16 +130,19 @@ inline NormLaunch choose_norm_launch(const NormPlan& p, int64_t groups, const vo
   L.table_vec = tables_vectorize(p, n, token_strides_ok, cos, sin, table_elem_size, ignore_alignment);
   // A weight's runs start at multiples of the vector width (pairs, second members at half, heads at
   // D, pass-through columns at r); load_run reads them in pieces of at most 16 bytes.
-  L.weight_vec = L.vec > 1 && weight != nullptr && p.weight_stride == 1 &&
-                 aligned(weight, std::min(L.vec, kVectorBytes / std::max<int64_t>(weight_elem_size, 1)) *
-                                     weight_elem_size);
+  const auto param_vec = [&](const void* t, int64_t stride, int64_t size) {
+    return L.vec > 1 && t != nullptr && stride == 1 &&
+           aligned(t, std::min(L.vec, kVectorBytes / std::max<int64_t>(size, 1)) * size);
+  };
+  L.weight_vec = param_vec(weight, p.weight_stride, weight_elem_size);
+  L.bias_vec = param_vec(bias, p.bias_stride, bias_elem_size);
   L.groups = groups;
   L.group_items = (L.rot_items + L.pass_items) * p.group;
   L.block_x = std::clamp<int64_t>(L.group_items, 1, kMaxThreads);
   L.block_y = std::clamp<int64_t>(std::min(groups, kMaxThreads / L.block_x), 1, kMaxThreads);
   const int64_t group_blocks = (groups + L.block_y - 1) / L.block_y;
-  L.grid_x = std::clamp<int64_t>(group_blocks, 1, weight_grad ? kNormGradBlocks : kMaxGridX);
-  L.partial_rows = weight_grad ? L.grid_x * L.block_y : 0;
+  L.grid_x = std::clamp<int64_t>(group_blocks, 1, grad_sums ? kNormGradBlocks : kMaxGridX);
+  L.partial_rows = grad_sums ? L.grid_x * L.block_y : 0;
   const int64_t opmath_size = elem_size == 8 ? 8 : 4;
   L.partial = {L.group_items,        2 * L.vec,   std::min(2 * L.vec, kVectorBytes / opmath_size),
                p.head_dim,           p.rotary_dim, L.rot_items + L.pass_items,
@@ -146,17 +151,21 @@ inline NormLaunch choose_norm_launch(const NormPlan& p, int64_t groups, const vo
   return L;
 }
 
-// The thread function of a qk_norm_rotary launch: forward (out, rstd) or backward (dx and the
-// weights' partial sums). kVec, kGathered: as RotaryThread's. The kernel runs, per thread,
-//   for it in [0, iterations): reduce(it); barrier; write(it); barrier
+// The thread function of a qk_norm_rotary launch: forward (out and the statistics) or backward (dx
+// and the weights' and biases' partial sums). kVec, kGathered: as RotaryThread's. The kernel runs,
+// per thread,
+//   for it in [0, iterations): reduce(it); barrier; [center(it); barrier;] write(it); barrier
 //   fold
-// Mem: the memory policy (DeviceMemory in the kernel).
+// where center runs in a centered forward only (`centers()`, uniform over the launch). Mem: the
+// memory policy (DeviceMemory in the kernel).
 template <typename scalar_t, typename table_t, bool kInterleaved, int kVec, bool kGathered, bool kBackward, class Mem>
 struct NormThread {
   using opmath_t = typename OpMath<scalar_t>::type;
   template <class M>
   using WithMemory = NormThread<scalar_t, table_t, kInterleaved, kVec, kGathered, kBackward, M>;
   static constexpr int kPairs = pairs_per_vec<kVec, kInterleaved>();
+  // The shares of a block's threads: two sums each (the second at shares + kMaxThreads).
+  static constexpr int kShares = 2 * kMaxThreads;
 
   NormPlan p;
   const scalar_t* x;
@@ -166,16 +175,21 @@ struct NormThread {
   const table_t* sin;
   const void* positions;
   const void* weight;  // null: g = 1
+  const void* bias;    // null: b = 0
   opmath_t weight_offset, eps;
-  opmath_t* rstd;      // forward: written, unless null (in place); backward: read
+  opmath_t* rstd;      // the statistics (rstd, or centered (mean, rstd) pairs). Forward: written,
+                       // unless null (in place); backward: read
   opmath_t* partial;   // backward, weight gradient: the launch's partial_rows rows (PartialLayout)
+  opmath_t* bias_partial;  // backward, bias gradient: as many rows again, the same layout
   int64_t groups, rot_items, group_items;
   int32_t head_items;  // rot_items + pass_items
   PartialLayout layout;
-  bool weight_float, table_vec, weight_vec;
-  bool weight_after;  // g applied after the rotation (NormCall::weight_after): a uniform branch
+  bool weight_float, bias_float, table_vec, weight_vec, bias_vec;
+  bool weight_after;  // g and b applied after the rotation (NormCall::weight_after): a uniform branch
+  bool centered;      // LayerNorm (NormCall::centered): a uniform branch
 
-  static NormThread make(const NormCall& c, const NormPlan& plan, const NormLaunch& L, void* partial) {
+  static NormThread make(const NormCall& c, const NormPlan& plan, const NormLaunch& L, void* partial,
+                         void* bias_partial) {
     NormThread t{};
     t.p = plan;
     t.x = c.x.const_data_ptr<scalar_t>();
@@ -187,10 +201,14 @@ struct NormThread {
     const bool weighted = c.weight != nullptr && c.weight->defined();
     t.weight = weighted ? c.weight->const_data_ptr() : nullptr;
     t.weight_float = weighted && c.weight->scalar_type() != c.x.scalar_type();
+    const bool biased = c.bias != nullptr && c.bias->defined();
+    t.bias = biased ? c.bias->const_data_ptr() : nullptr;
+    t.bias_float = biased && c.bias->scalar_type() != c.x.scalar_type();
     t.weight_offset = static_cast<opmath_t>(c.weight_offset);
     t.eps = static_cast<opmath_t>(c.eps);
     t.rstd = c.rstd != nullptr ? static_cast<opmath_t*>(const_cast<void*>(c.rstd->const_data_ptr())) : nullptr;
     t.partial = static_cast<opmath_t*>(partial);
+    t.bias_partial = static_cast<opmath_t*>(bias_partial);
     t.groups = L.groups;
     t.rot_items = L.rot_items;
     t.group_items = L.group_items;
@@ -198,7 +216,9 @@ struct NormThread {
     t.layout = L.partial;
     t.table_vec = L.table_vec;
     t.weight_vec = L.weight_vec;
+    t.bias_vec = L.bias_vec;
     t.weight_after = c.weight_after;
+    t.centered = c.centered;
     return t;
   }
 
@@ -208,77 +228,143 @@ struct NormThread {
     return g.bx < blocks ? (blocks - 1 - g.bx) / g.grid_x + 1 : 0;
   }
 
-  // Phase 1 of iteration `it`: this thread's share of its group's sum, into shares[tid]. In the
-  // backward, its items' u * x_hat also go into its partial sums (set at it 0, where a thread
-  // without a group writes zeros, so that no partial sum is left unwritten).
+  // Whether each iteration has the center phase (a centered forward: the mean first, then the
+  // squares about it).
+  ROPE_HD bool centers() const { return !kBackward && centered; }
+
+  // Phase 1 of iteration `it`: this thread's shares of its group's sums, into shares[tid] and
+  // shares[kMaxThreads + tid]: sum(x^2), or centered sum(x) (forward); sum(d * x_hat) and, centered,
+  // sum(d) (backward). In the backward, its items' terms of the weights' and biases' gradients also
+  // go into its partial sums (set at it 0, where a thread without a group writes zeros, so that no
+  // partial sum is left unwritten).
   ROPE_HD void reduce(const ThreadCoord& g, int64_t it, opmath_t* shares) const {
     const int64_t n = group_of(g, it);
-    opmath_t sum = 0;
+    Sums sum;
     if (n < groups) {
+      const Stats st = saved(g, it, n);
       ROPE_EXT_NO_UNROLL
       for (int64_t item = g.tx; item < group_items; item += g.block_x) {
         Mem::at_item(it, item);
-        sum += item_share(g, it, n, item);
+        sum.add(item_share(g, it, n, item, st, !centered));
       }
-    } else if (kBackward && partial != nullptr && it == 0) {
+    } else if (kBackward && it == 0) {
       ROPE_EXT_NO_UNROLL
       for (int64_t item = g.tx; item < group_items; item += g.block_x) {
         Mem::at_item(it, item);
         zero_partials(g, item);
       }
     }
-    shares[g.ty * g.block_x + g.tx] = sum;
+    const int64_t tid = g.ty * g.block_x + g.tx;
+    shares[tid] = sum.a;
+    shares[kMaxThreads + tid] = sum.b;
   }
 
-  // Phase 2: the group's sum from every thread's share, then this thread's items written.
+  // The center phase (centers()): the group's mean from the first shares, then this thread's share
+  // of sum((x - mean)^2) into shares[kMaxThreads + tid].
+  ROPE_HD void center(const ThreadCoord& g, int64_t it, opmath_t* shares) const {
+    const int64_t n = group_of(g, it);
+    if (n >= groups) return;
+    Stats st;
+    st.mean = total(g, shares) / count();
+    opmath_t sum = 0;
+    ROPE_EXT_NO_UNROLL
+    for (int64_t item = g.tx; item < group_items; item += g.block_x) {
+      Mem::at_item(it, item);
+      sum += item_share(g, it, n, item, st, true).a;
+    }
+    shares[kMaxThreads + g.ty * g.block_x + g.tx] = sum;
+  }
+
+  // The last phase: the group's sums from every thread's shares, then this thread's items written.
   ROPE_HD void write(const ThreadCoord& g, int64_t it, const opmath_t* shares) const {
     const int64_t n = group_of(g, it);
     if (n >= groups) return;
-    opmath_t total = 0;
-    ROPE_EXT_NO_UNROLL
-    for (int64_t j = 0; j < g.block_x; ++j) total += shares[g.ty * g.block_x + j];
-    const opmath_t count = static_cast<opmath_t>(p.group * p.head_dim);
+    const opmath_t first = total(g, shares), second = centered ? total(g, shares + kMaxThreads) : opmath_t(0);
+    Stats st;
     if constexpr (!kBackward) {
-      const opmath_t inv = opmath_t(1) / std::sqrt(total / count + eps);  // (a group of no values: NaN)
+      st.mean = centered ? first / count() : opmath_t(0);
+      const opmath_t var = (centered ? second : first) / count();
+      st.inv = opmath_t(1) / std::sqrt(var + eps);  // (a group of no values: NaN)
       if (rstd != nullptr && g.tx == 0) {
         Mem::at_item(it, g.tx);
-        Mem::template store<kSiteRstdStore>(rstd + n, inv);
-      }
-      ROPE_EXT_NO_UNROLL
-      for (int64_t item = g.tx; item < group_items; item += g.block_x) {
-        Mem::at_item(it, item);
-        item_write(n, item, inv, opmath_t(0));
+        if (centered) {
+          Mem::template store<kSiteRstdStore>(rstd + 2 * n, st.mean);
+          Mem::template store<kSiteRstdStore>(rstd + 2 * n + 1, st.inv);
+        } else {
+          Mem::template store<kSiteRstdStore>(rstd + n, st.inv);
+        }
       }
     } else {
-      Mem::at_item(it, g.tx);
-      const opmath_t inv = Mem::template load<kSiteRstdLoad>(rstd + n);
-      const opmath_t mean = total / count;
-      ROPE_EXT_NO_UNROLL
-      for (int64_t item = g.tx; item < group_items; item += g.block_x) {
-        Mem::at_item(it, item);
-        item_write(n, item, inv, mean);
-      }
+      st = saved(g, it, n);
+      st.m = first / count();
+      st.md = second / count();
+    }
+    ROPE_EXT_NO_UNROLL
+    for (int64_t item = g.tx; item < group_items; item += g.block_x) {
+      Mem::at_item(it, item);
+      item_write(n, item, st);
     }
   }
 
-  // After the last iteration and a barrier (backward, weight gradient): the block's block_y rows of
-  // partial sums added in row order into its first row, which WeightGradSum reads.
+  // After the last iteration and a barrier (backward, weights' or biases' gradient): the block's
+  // block_y rows of partial sums added in row order into its first row, which WeightGradSum reads.
   ROPE_HD void fold(const ThreadCoord& g) const {
     if constexpr (kBackward) {
-      if (partial == nullptr || g.block_y == 1) return;
-      const int64_t w = layout.length(), threads = g.block_x * g.block_y;
-      opmath_t* rows = partial + g.bx * g.block_y * w;
-      int64_t step = 0;
-      for (int64_t col = g.tx + g.ty * g.block_x; col < w; col += threads, ++step) {
-        Mem::at_item(step, g.tx);
-        opmath_t acc = 0;
-        for (int64_t r = 0; r < g.block_y; ++r) acc += Mem::template load<kSitePartialLoad1>(rows + r * w + col);
-        Mem::template store<kSitePartialStore1>(rows + col, acc);
-      }
+      if (g.block_y == 1) return;
+      fold_rows<kSitePartialLoad1, kSitePartialStore1>(g, partial);
+      fold_rows<kSitePartialLoad2, kSitePartialStore2>(g, bias_partial);
     }
   }
 
  private:
+  // A thread's sums over its items (Sums::add), and what a group's items are computed with: mean and
+  // inv (rstd) for x_hat = (x - mean) * inv (mean 0 without centering: x - 0 is x), and in the
+  // backward's write phase m = mean(d * x_hat) and md = mean(d) (0 without centering).
+  struct Sums {
+    opmath_t a = 0, b = 0;
+    ROPE_HD void add(const Sums& o) { a += o.a, b += o.b; }
+  };
+  struct Stats {
+    opmath_t mean = 0, inv = 0, m = 0, md = 0;
+  };
+
+  ROPE_HD opmath_t count() const { return static_cast<opmath_t>(p.group * p.head_dim); }
+  // The sum of the block row's shares in thread order.
+  ROPE_HD opmath_t total(const ThreadCoord& g, const opmath_t* shares) const {
+    opmath_t sum = 0;
+    ROPE_EXT_NO_UNROLL
+    for (int64_t j = 0; j < g.block_x; ++j) sum += shares[g.ty * g.block_x + j];
+    return sum;
+  }
+  // The backward's saved statistics of group n (mean 0 without centering); nothing in the forward.
+  ROPE_HD Stats saved(const ThreadCoord& g, int64_t it, int64_t n) const {
+    Stats st;
+    if constexpr (kBackward) {
+      Mem::at_item(it, g.tx);
+      if (centered) {
+        st.mean = Mem::template load<kSiteRstdLoad>(rstd + 2 * n);
+        st.inv = Mem::template load<kSiteRstdLoad>(rstd + 2 * n + 1);
+      } else {
+        st.inv = Mem::template load<kSiteRstdLoad>(rstd + n);
+      }
+    }
+    return st;
+  }
+
+  template <int kLoad, int kStore>
+  ROPE_HD void fold_rows(const ThreadCoord& g, opmath_t* sums) const {
+    if (sums == nullptr) return;
+    const int64_t w = layout.length(), threads = g.block_x * g.block_y;
+    opmath_t* rows = sums + g.bx * g.block_y * w;
+    int64_t step = 0;
+    for (int64_t col = g.tx + g.ty * g.block_x; col < w; col += threads, ++step) {
+      Mem::at_item(step, g.tx);
+      opmath_t acc = 0;
+      for (int64_t r = 0; r < g.block_y; ++r) acc += Mem::template load<kLoad>(rows + r * w + col);
+      Mem::template store<kStore>(rows + col, acc);
+    }
+  }
+
   ROPE_HD int64_t group_of(const ThreadCoord& g, int64_t it) const { return (g.bx + it * g.grid_x) * g.block_y + g.ty; }
 
   // Where an item is: its head in the group, its index in the head, and (with offsets) the row's
@@ -299,31 +385,60 @@ struct NormThread {
   ROPE_HD int64_t half() const { return p.rotary_dim / 2; }
   ROPE_HD int64_t pair0(const Item& a) const { return a.j * kPairs; }
   ROPE_HD int64_t run_col(const Item& a) const { return p.rotary_dim + (a.j - rot_items) * kVec; }
-  // The weight's (and its gradient's) first column for head h of a group.
+  // The weight's (bias's, and their gradients') first column for head h of a group.
   ROPE_HD int64_t weight_base(int64_t h) const { return p.weight_len > p.head_dim ? h * p.head_dim : 0; }
-  // The thread's row of partial sums of the weights' gradient.
-  ROPE_HD opmath_t* partial_row(const ThreadCoord& g) const {
-    return partial + (g.bx * g.block_y + g.ty) * layout.length();
+  ROPE_HD int64_t bias_base(int64_t h) const { return p.bias_len > p.head_dim ? h * p.head_dim : 0; }
+  // The thread's row of partial sums of the weights' (biases') gradient.
+  ROPE_HD opmath_t* partial_row(const ThreadCoord& g, opmath_t* sums) const {
+    return sums + (g.bx * g.block_y + g.ty) * layout.length();
   }
   static constexpr int kSlot = 2 * kVec;
   static constexpr int kPiece = kSlot < kVectorBytes / static_cast<int>(sizeof(opmath_t))
                                     ? kSlot : kVectorBytes / static_cast<int>(sizeof(opmath_t));
   // An item's slot of partial sums, read or written piece by piece (layout.piece == kPiece).
-  ROPE_HD void load_slot(const ThreadCoord& g, int64_t item, opmath_t (&v)[kSlot]) const {
-    const opmath_t* row = partial_row(g);
+  template <int kSite>
+  ROPE_HD void load_slot(const ThreadCoord& g, opmath_t* sums, int64_t item, opmath_t (&v)[kSlot]) const {
+    const opmath_t* row = partial_row(g, sums);
     for (int q = 0; q < kSlot; q += kPiece) {
       opmath_t w[kPiece];
-      load_run<kPiece, kSitePartialLoad1, Mem>(row + layout.offset(item, q), 1, true, w);
+      load_run<kPiece, kSite, Mem>(row + layout.offset(item, q), 1, true, w);
       for (int e = 0; e < kPiece; ++e) v[q + e] = w[e];
     }
   }
-  ROPE_HD void store_slot(const ThreadCoord& g, int64_t item, const opmath_t (&v)[kSlot]) const {
-    opmath_t* row = partial_row(g);
+  template <int kSite>
+  ROPE_HD void store_slot(const ThreadCoord& g, opmath_t* sums, int64_t item, const opmath_t (&v)[kSlot]) const {
+    opmath_t* row = partial_row(g, sums);
     for (int q = 0; q < kSlot; q += kPiece) {
       opmath_t w[kPiece];
       for (int e = 0; e < kPiece; ++e) w[e] = v[q + e];
-      store_run<kPiece, kSitePartialStore1, Mem>(row + layout.offset(item, q), 1, true, w);
+      store_run<kPiece, kSite, Mem>(row + layout.offset(item, q), 1, true, w);
     }
+  }
+  // An item's terms added into its slot of the weights' (kBias: the biases') partial sums: the pairs'
+  // (t1 at the first members, t2 at the second, in PartialLayout::of_column's order), or a run's.
+  template <bool kBias>
+  ROPE_HD void add_pair_terms(const ThreadCoord& g, int64_t it, int64_t item, const opmath_t (&t1)[kPairs],
+                              const opmath_t (&t2)[kPairs]) const {
+    constexpr int kLoad = kBias ? kSitePartialLoad2 : kSitePartialLoad1;
+    constexpr int kStore = kBias ? kSitePartialStore2 : kSitePartialStore1;
+    opmath_t* const sums = kBias ? bias_partial : partial;
+    opmath_t v[kSlot] = {};
+    if (it > 0) load_slot<kLoad>(g, sums, item, v);
+    for (int j = 0; j < kPairs; ++j) {
+      v[kInterleaved ? 2 * j : j] += t1[j];
+      v[kInterleaved ? 2 * j + 1 : kPairs + j] += t2[j];
+    }
+    store_slot<kStore>(g, sums, item, v);
+  }
+  template <bool kBias>
+  ROPE_HD void add_run_terms(const ThreadCoord& g, int64_t it, int64_t item, const opmath_t (&t)[kVec]) const {
+    constexpr int kLoad = kBias ? kSitePartialLoad2 : kSitePartialLoad1;
+    constexpr int kStore = kBias ? kSitePartialStore2 : kSitePartialStore1;
+    opmath_t* const sums = kBias ? bias_partial : partial;
+    opmath_t v[kSlot] = {};
+    if (it > 0) load_slot<kLoad>(g, sums, item, v);
+    for (int j = 0; j < kVec; ++j) v[j] += t[j];
+    store_slot<kStore>(g, sums, item, v);
   }
 
   // --- loads of an item's pairs ---
@@ -337,17 +452,28 @@ struct NormThread {
       return;
     }
     if (weight_float) {
-      weight_pairs(static_cast<const float*>(weight), a, g1, g2);
+      param_pairs<kSiteWeight1, kSiteWeight2>(static_cast<const float*>(weight), weight_base(a.h), p.weight_stride,
+                                              weight_vec, a, g1, g2);
     } else {
-      weight_pairs(static_cast<const scalar_t*>(weight), a, g1, g2);
+      param_pairs<kSiteWeight1, kSiteWeight2>(static_cast<const scalar_t*>(weight), weight_base(a.h),
+                                              p.weight_stride, weight_vec, a, g1, g2);
     }
     for (int j = 0; j < kPairs; ++j) g1[j] += weight_offset, g2[j] += weight_offset;
   }
-  template <typename W>
-  ROPE_HD void weight_pairs(const W* w, const Item& a, opmath_t (&g1)[kPairs], opmath_t (&g2)[kPairs]) const {
-    load_pairs<kVec, kInterleaved, kSiteWeight1, kSiteWeight2, Mem>(w + weight_base(a.h) * p.weight_stride,
-                                                                     p.weight_stride, half(), pair0(a), weight_vec,
-                                                                     g1, g2);
+  // b at the pairs (only read with a bias).
+  ROPE_HD void bias_pairs(const Item& a, opmath_t (&b1)[kPairs], opmath_t (&b2)[kPairs]) const {
+    if (bias_float) {
+      param_pairs<kSiteBias1, kSiteBias2>(static_cast<const float*>(bias), bias_base(a.h), p.bias_stride, bias_vec,
+                                          a, b1, b2);
+    } else {
+      param_pairs<kSiteBias1, kSiteBias2>(static_cast<const scalar_t*>(bias), bias_base(a.h), p.bias_stride,
+                                          bias_vec, a, b1, b2);
+    }
+  }
+  template <int kSite1, int kSite2, typename W>
+  ROPE_HD void param_pairs(const W* w, int64_t base, int64_t stride, bool vec, const Item& a, opmath_t (&v1)[kPairs],
+                           opmath_t (&v2)[kPairs]) const {
+    load_pairs<kVec, kInterleaved, kSite1, kSite2, Mem>(w + base * stride, stride, half(), pair0(a), vec, v1, v2);
   }
   // The row's table entries at the pairs, as the rotation reads them.
   ROPE_HD void table_pairs(const Item& a, opmath_t (&c1)[kPairs], opmath_t (&s1)[kPairs], opmath_t (&c2)[kPairs],
@@ -364,13 +490,14 @@ struct NormThread {
                                                                 table_vec, s1, s2);
     }
   }
-  // Backward at the pairs: x_hat = x * rstd, and d, the gradient of x_hat: rotary^T(dy) * g, or with
-  // the weight after, rotary^T(g * dy). kTerms: also each column's term of the weights' gradient,
-  // rotary^T(dy) * x_hat, or with the weight after, dy * rotary(x_hat).
+  // Backward at the pairs: x_hat = (x - mean) * rstd, and d, the gradient of x_hat: rotary^T(dy) * g,
+  // or with the weight after, rotary^T(g * dy); e, each column's term of the biases' gradient:
+  // rotary^T(dy), or with the weight after, dy. kTerms: also each column's term of the weights'
+  // gradient, rotary^T(dy) * x_hat, or with the weight after, dy * rotary(x_hat).
   template <bool kTerms>
-  ROPE_HD void grad_pairs(const Item& a, opmath_t inv, opmath_t (&d1)[kPairs], opmath_t (&d2)[kPairs],
+  ROPE_HD void grad_pairs(const Item& a, const Stats& st, opmath_t (&d1)[kPairs], opmath_t (&d2)[kPairs],
                           opmath_t (&h1)[kPairs], opmath_t (&h2)[kPairs], opmath_t (&t1)[kPairs],
-                          opmath_t (&t2)[kPairs]) const {
+                          opmath_t (&t2)[kPairs], opmath_t (&e1)[kPairs], opmath_t (&e2)[kPairs]) const {
     opmath_t y1[kPairs], y2[kPairs], c1[kPairs], s1[kPairs], c2[kPairs], s2[kPairs], g1[kPairs], g2[kPairs];
     load_pairs<kVec, kInterleaved, kSiteGrad1, kSiteGrad2, Mem>(grad + a.off[kNormGrad], p.grad_col, half(), pair0(a),
                                                                 true, y1, y2);
@@ -378,18 +505,20 @@ struct NormThread {
     x_pairs(a, h1, h2);
     gain_pairs(a, g1, g2);
     for (int j = 0; j < kPairs; ++j) {
-      h1[j] = h1[j] * inv, h2[j] = h2[j] * inv;
+      h1[j] = (h1[j] - st.mean) * st.inv, h2[j] = (h2[j] - st.mean) * st.inv;
       if (weight_after) {
         if constexpr (kTerms) {
           opmath_t r1, r2;
           rotate_pair<false>(h1[j], h2[j], c1[j], s1[j], c2[j], s2[j], r1, r2);
           t1[j] = y1[j] * r1, t2[j] = y2[j] * r2;
         }
+        e1[j] = y1[j], e2[j] = y2[j];
         rotate_pair<true>(y1[j] * g1[j], y2[j] * g2[j], c1[j], s1[j], c2[j], s2[j], d1[j], d2[j]);
       } else {
         opmath_t u1, u2;
         rotate_pair<true>(y1[j], y2[j], c1[j], s1[j], c2[j], s2[j], u1, u2);
         if constexpr (kTerms) t1[j] = u1 * h1[j], t2[j] = u2 * h2[j];
+        e1[j] = u1, e2[j] = u2;
         d1[j] = u1 * g1[j], d2[j] = u2 * g2[j];
       }
     }
@@ -412,117 +541,144 @@ struct NormThread {
     }
     for (int j = 0; j < kVec; ++j) g[j] += weight_offset;
   }
-  ROPE_HD void u_and_x_hat_run(const Item& a, opmath_t inv, opmath_t (&u)[kVec], opmath_t (&h)[kVec]) const {
+  ROPE_HD void bias_run(const Item& a, opmath_t (&b)[kVec]) const {
+    const int64_t at = (bias_base(a.h) + run_col(a)) * p.bias_stride;
+    if (bias_float) {
+      load_run<kVec, kSiteBias1, Mem>(static_cast<const float*>(bias) + at, p.bias_stride, bias_vec, b);
+    } else {
+      load_run<kVec, kSiteBias1, Mem>(static_cast<const scalar_t*>(bias) + at, p.bias_stride, bias_vec, b);
+    }
+  }
+  ROPE_HD void u_and_x_hat_run(const Item& a, const Stats& st, opmath_t (&u)[kVec], opmath_t (&h)[kVec]) const {
     load_run<kVec, kSiteGrad1, Mem>(grad + a.off[kNormGrad] + run_col(a) * p.grad_col, p.grad_col, kVec > 1, u);
     x_run(a, h);
-    for (int j = 0; j < kVec; ++j) h[j] = h[j] * inv;
+    for (int j = 0; j < kVec; ++j) h[j] = (h[j] - st.mean) * st.inv;
   }
 
-  // Phase 1 at it 0 for a thread without a group: zeros in the item's slot of its partial sums.
+  // Phase 1 at it 0 for a thread without a group: zeros in the item's slots of its partial sums.
   ROPE_HD void zero_partials(const ThreadCoord& g, int64_t item) const {
     const opmath_t z[kSlot] = {};
-    store_slot(g, item, z);
+    if (partial != nullptr) store_slot<kSitePartialStore1>(g, partial, item, z);
+    if (bias_partial != nullptr) store_slot<kSitePartialStore2>(g, bias_partial, item, z);
   }
 
-  // The item's part of the group's sum: sum(x^2) (forward), sum(d * x_hat) with d as grad_pairs gives
-  // it (backward).
-  ROPE_HD opmath_t item_share(const ThreadCoord& g, int64_t it, int64_t n, int64_t item) const {
+  // The item's parts of the group's sums. Forward: sum((x - mean)^2) with `squares`, else sum(x) (the
+  // first phase of a centered forward), as Sums::a. Backward: sum(d * x_hat) and sum(d), d as
+  // grad_pairs gives it.
+  ROPE_HD Sums item_share(const ThreadCoord& g, int64_t it, int64_t n, int64_t item, const Stats& st,
+                          bool squares) const {
     const Item a = locate(n, item);
-    return a.j < rot_items ? pairs_share(g, it, n, item, a) : run_share(g, it, n, item, a);
+    return a.j < rot_items ? pairs_share(g, it, item, a, st, squares) : run_share(g, it, item, a, st, squares);
   }
-  ROPE_HD opmath_t pairs_share(const ThreadCoord& g, int64_t it, int64_t n, int64_t item, const Item& a) const {
-    opmath_t sum = 0;
+  ROPE_HD Sums pairs_share(const ThreadCoord& g, int64_t it, int64_t item, const Item& a, const Stats& st,
+                           bool squares) const {
+    Sums sum;
     if constexpr (!kBackward) {
       opmath_t x1[kPairs], x2[kPairs];
       x_pairs(a, x1, x2);
-      for (int j = 0; j < kPairs; ++j) sum += x1[j] * x1[j] + x2[j] * x2[j];
-    } else {
-      opmath_t d1[kPairs], d2[kPairs], h1[kPairs], h2[kPairs], t1[kPairs], t2[kPairs];
-      const opmath_t inv = Mem::template load<kSiteRstdLoad>(rstd + n);
-      if (partial != nullptr) {  // (slot order: PartialLayout::of_column's)
-        grad_pairs<true>(a, inv, d1, d2, h1, h2, t1, t2);
-        opmath_t v[kSlot] = {};
-        if (it > 0) load_slot(g, item, v);
-        for (int j = 0; j < kPairs; ++j) {
-          v[kInterleaved ? 2 * j : j] += t1[j];
-          v[kInterleaved ? 2 * j + 1 : kPairs + j] += t2[j];
-        }
-        store_slot(g, item, v);
-      } else {
-        grad_pairs<false>(a, inv, d1, d2, h1, h2, t1, t2);
+      for (int j = 0; j < kPairs; ++j) {
+        const opmath_t v1 = x1[j] - st.mean, v2 = x2[j] - st.mean;
+        sum.a += squares ? v1 * v1 + v2 * v2 : v1 + v2;
       }
-      for (int j = 0; j < kPairs; ++j) sum += d1[j] * h1[j] + d2[j] * h2[j];
+    } else {
+      opmath_t d1[kPairs], d2[kPairs], h1[kPairs], h2[kPairs], t1[kPairs], t2[kPairs], e1[kPairs], e2[kPairs];
+      if (partial != nullptr) {
+        grad_pairs<true>(a, st, d1, d2, h1, h2, t1, t2, e1, e2);
+        add_pair_terms<false>(g, it, item, t1, t2);
+      } else {
+        grad_pairs<false>(a, st, d1, d2, h1, h2, t1, t2, e1, e2);
+      }
+      if (bias_partial != nullptr) add_pair_terms<true>(g, it, item, e1, e2);
+      for (int j = 0; j < kPairs; ++j) sum.a += d1[j] * h1[j] + d2[j] * h2[j], sum.b += d1[j] + d2[j];
     }
     return sum;
   }
-  ROPE_HD opmath_t run_share(const ThreadCoord& g, int64_t it, int64_t n, int64_t item, const Item& a) const {
-    opmath_t sum = 0;
+  ROPE_HD Sums run_share(const ThreadCoord& g, int64_t it, int64_t item, const Item& a, const Stats& st,
+                         bool squares) const {
+    Sums sum;
     if constexpr (!kBackward) {
       opmath_t v[kVec];
       x_run(a, v);
-      for (int j = 0; j < kVec; ++j) sum += v[j] * v[j];
+      for (int j = 0; j < kVec; ++j) {
+        const opmath_t c = v[j] - st.mean;
+        sum.a += squares ? c * c : c;
+      }
     } else {
       opmath_t u[kVec], h[kVec], gn[kVec];
-      u_and_x_hat_run(a, Mem::template load<kSiteRstdLoad>(rstd + n), u, h);
+      u_and_x_hat_run(a, st, u, h);
       if (partial != nullptr) {
-        opmath_t v[kSlot] = {};
-        if (it > 0) load_slot(g, item, v);
-        for (int j = 0; j < kVec; ++j) v[j] += u[j] * h[j];
-        store_slot(g, item, v);
+        opmath_t t[kVec];
+        for (int j = 0; j < kVec; ++j) t[j] = u[j] * h[j];
+        add_run_terms<false>(g, it, item, t);
       }
+      if (bias_partial != nullptr) add_run_terms<true>(g, it, item, u);
       gain_run(a, gn);
-      for (int j = 0; j < kVec; ++j) sum += u[j] * gn[j] * h[j];
+      for (int j = 0; j < kVec; ++j) {
+        const opmath_t d = u[j] * gn[j];
+        sum.a += d * h[j], sum.b += d;
+      }
     }
     return sum;
   }
 
-  // Forward: out = rotary(x * rstd * g), or g * rotary(x * rstd). Backward: dx = rstd * (d - x_hat *
-  // mean), d as grad_pairs gives it (u * g at the pass-through columns, where the order does not matter).
-  ROPE_HD void item_write(int64_t n, int64_t item, opmath_t inv, opmath_t mean) const {
+  // Forward: out = rotary(x_hat * g + b), or g * rotary(x_hat) + b. Backward: dx = rstd * ((d - md) -
+  // x_hat * m), d as grad_pairs gives it (u * g at the pass-through columns, where the order does not
+  // matter).
+  ROPE_HD void item_write(int64_t n, int64_t item, const Stats& st) const {
     const Item a = locate(n, item);
     if (a.j < rot_items) {
-      pairs_write(a, inv, mean);
+      pairs_write(a, st);
     } else {
-      run_write(a, inv, mean);
+      run_write(a, st);
     }
   }
-  ROPE_HD void pairs_write(const Item& a, opmath_t inv, opmath_t mean) const {
+  ROPE_HD void pairs_write(const Item& a, const Stats& st) const {
     opmath_t o1[kPairs], o2[kPairs];
     if constexpr (!kBackward) {
       opmath_t x1[kPairs], x2[kPairs], c1[kPairs], s1[kPairs], c2[kPairs], s2[kPairs], g1[kPairs], g2[kPairs];
+      opmath_t b1[kPairs] = {}, b2[kPairs] = {};
       gain_pairs(a, g1, g2);
+      if (bias != nullptr) bias_pairs(a, b1, b2);
       x_pairs(a, x1, x2);
       table_pairs(a, c1, s1, c2, s2);
       for (int j = 0; j < kPairs; ++j) {
+        const opmath_t h1 = (x1[j] - st.mean) * st.inv, h2 = (x2[j] - st.mean) * st.inv;
         if (weight_after) {
-          rotate_pair<false>(x1[j] * inv, x2[j] * inv, c1[j], s1[j], c2[j], s2[j], o1[j], o2[j]);
+          rotate_pair<false>(h1, h2, c1[j], s1[j], c2[j], s2[j], o1[j], o2[j]);
           o1[j] = o1[j] * g1[j], o2[j] = o2[j] * g2[j];
+          if (bias != nullptr) o1[j] = o1[j] + b1[j], o2[j] = o2[j] + b2[j];
         } else {
-          const opmath_t y1 = x1[j] * inv * g1[j], y2 = x2[j] * inv * g2[j];
+          opmath_t y1 = h1 * g1[j], y2 = h2 * g2[j];
+          if (bias != nullptr) y1 = y1 + b1[j], y2 = y2 + b2[j];
           rotate_pair<false>(y1, y2, c1[j], s1[j], c2[j], s2[j], o1[j], o2[j]);
         }
       }
     } else {
-      opmath_t d1[kPairs], d2[kPairs], h1[kPairs], h2[kPairs], t1[kPairs], t2[kPairs];
-      grad_pairs<false>(a, inv, d1, d2, h1, h2, t1, t2);
+      opmath_t d1[kPairs], d2[kPairs], h1[kPairs], h2[kPairs], t1[kPairs], t2[kPairs], e1[kPairs], e2[kPairs];
+      grad_pairs<false>(a, st, d1, d2, h1, h2, t1, t2, e1, e2);
       for (int j = 0; j < kPairs; ++j) {
-        o1[j] = inv * (d1[j] - h1[j] * mean);
-        o2[j] = inv * (d2[j] - h2[j] * mean);
+        o1[j] = st.inv * ((d1[j] - st.md) - h1[j] * st.m);
+        o2[j] = st.inv * ((d2[j] - st.md) - h2[j] * st.m);
       }
     }
     store_pairs<kVec, kInterleaved, kSiteOut1, kSiteOut2, Mem>(out + a.off[kNormOut], p.out_col, half(), pair0(a),
                                                                true, o1, o2);
   }
-  ROPE_HD void run_write(const Item& a, opmath_t inv, opmath_t mean) const {
+  ROPE_HD void run_write(const Item& a, const Stats& st) const {
     opmath_t gn[kVec], o[kVec];
     gain_run(a, gn);
     if constexpr (!kBackward) {
       x_run(a, o);
-      for (int j = 0; j < kVec; ++j) o[j] = o[j] * inv * gn[j];
+      for (int j = 0; j < kVec; ++j) o[j] = (o[j] - st.mean) * st.inv * gn[j];
+      if (bias != nullptr) {
+        opmath_t b[kVec];
+        bias_run(a, b);
+        for (int j = 0; j < kVec; ++j) o[j] = o[j] + b[j];
+      }
     } else {
       opmath_t u[kVec], h[kVec];
-      u_and_x_hat_run(a, inv, u, h);
-      for (int j = 0; j < kVec; ++j) o[j] = inv * (u[j] * gn[j] - h[j] * mean);
+      u_and_x_hat_run(a, st, u, h);
+      for (int j = 0; j < kVec; ++j) o[j] = st.inv * ((u[j] * gn[j] - st.md) - h[j] * st.m);
     }
     store_run<kVec, kSitePassStore, Mem>(out + a.off[kNormOut] + run_col(a) * p.out_col, p.out_col, kVec > 1, o);
   }
@@ -566,48 +722,60 @@ struct NormCallLaunch {
 
 inline NormCallLaunch plan_norm_call(const NormCall& c, bool ignore_alignment = false) {
   NormCallLaunch r;
-  r.plan = make_norm_plan(c.x, c.out, c.weight, c.cos, c.sin, c.positions, c.grad, c.across_heads);
+  r.plan = make_norm_plan(c.x, c.out, c.params(), c.cos, c.sin, c.positions, c.grad, c.across_heads);
   const bool weighted = c.weight != nullptr && c.weight->defined();
+  const bool biased = c.bias != nullptr && c.bias->defined();
   // A forward's statistics include those of groups of no heads (NaN); otherwise the plan's groups.
   const int64_t groups = c.grad == nullptr && c.rstd != nullptr ? c.rstd->numel() : r.plan.num_groups();
   r.launch = choose_norm_launch(r.plan, groups, c.x.const_data_ptr(), c.out.const_data_ptr(),
                                 c.grad != nullptr ? c.grad->const_data_ptr() : nullptr, c.cos.const_data_ptr(),
                                 c.sin.const_data_ptr(), weighted ? c.weight->const_data_ptr() : nullptr,
-                                c.x.element_size(), c.cos.element_size(), weighted ? c.weight->element_size() : 0,
-                                c.interleaved, c.dweight != nullptr, ignore_alignment);
+                                biased ? c.bias->const_data_ptr() : nullptr, c.x.element_size(),
+                                c.cos.element_size(), weighted ? c.weight->element_size() : 0,
+                                biased ? c.bias->element_size() : 0, c.interleaved,
+                                c.dweight != nullptr || c.dbias != nullptr, ignore_alignment);
   ROPE_EXT_CHECK(r.launch.group_items < (int64_t{1} << 31), c.op, ": a group of ", r.launch.group_items,
                  " vectors is more than the CUDA kernel indexes (2^31)");
   return r;
 }
 
-// A launch's scratch for the partial sums of the weights' gradient, from torch's allocator (none
-// without them). data is null, or the tensor's.
+// A launch's scratch for the partial sums of the weights' and the biases' gradients, from torch's
+// allocator (none without them): `weight` and `bias` are null, or their parts of the tensor's.
 struct NormScratch {
   std::optional<Output> tensor;
-  void* data = nullptr;
+  void* weight = nullptr;
+  void* bias = nullptr;
 };
 
 inline NormScratch norm_scratch(const NormCall& c, const NormLaunch& L) {
   NormScratch s;
-  const int64_t size = L.partial_rows * L.partial.length();
+  const int64_t part = L.partial_rows * L.partial.length();
+  const int64_t size = part * ((c.dweight != nullptr) + (c.dbias != nullptr));
   if (size == 0) return s;
   const ScalarType stat = c.x.scalar_type() == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
   s.tensor.emplace(new_contiguous(Dims{&size, 1}, stat, c.x.device()));
-  s.data = s.tensor->arg.mutable_data_ptr();
+  char* data = static_cast<char*>(s.tensor->arg.mutable_data_ptr());
+  const int64_t part_bytes = part * (stat == ScalarType::Double ? 8 : 4);
+  if (c.dweight != nullptr) s.weight = data, data += part_bytes;
+  if (c.dbias != nullptr) s.bias = data;
   return s;
 }
 
-// For a call with the weights' gradient: f(sum, grid) with its WeightGradSum over the scratch (in the
-// compute type) and the grid of 1-D blocks of kMaxThreads it takes, one thread per column.
+// For each of the weights' and the biases' gradients a call computes: f(sum, grid) with its
+// WeightGradSum over its part of the scratch (in the compute type) and the grid of 1-D blocks of
+// kMaxThreads it takes, one thread per column.
 template <typename F>
-void dispatch_weight_grad_sum(const NormCall& c, const NormCallLaunch& cl, const void* partial, F&& f) {
+void dispatch_weight_grad_sum(const NormCall& c, const NormCallLaunch& cl, const NormScratch& scratch, F&& f) {
   const NormLaunch& L = cl.launch;
+  const int64_t columns = cl.plan.group * cl.plan.head_dim;
   const auto with = [&]<typename opmath_t>(std::type_identity<opmath_t>) {
-    const WeightGradSum<opmath_t, DeviceMemory> t{static_cast<const opmath_t*>(partial),
-                                                  static_cast<opmath_t*>(c.dweight->mutable_data_ptr()),
-                                                  cl.plan.weight_len, L.groups > 0 ? L.grid_x : 0, L.block_y,
-                                                  L.partial};
-    f(t, std::max<int64_t>((cl.plan.weight_len + kMaxThreads - 1) / kMaxThreads, 1));
+    for (const auto& [partial, sum] : {std::pair{scratch.weight, c.dweight}, std::pair{scratch.bias, c.dbias}}) {
+      if (sum == nullptr) continue;
+      const WeightGradSum<opmath_t, DeviceMemory> t{static_cast<const opmath_t*>(partial),
+                                                    static_cast<opmath_t*>(sum->mutable_data_ptr()), columns,
+                                                    L.groups > 0 ? L.grid_x : 0, L.block_y, L.partial};
+      f(t, std::max<int64_t>((columns + kMaxThreads - 1) / kMaxThreads, 1));
+    }
   };
   c.x.scalar_type() == ScalarType::Double ? with(std::type_identity<double>{}) : with(std::type_identity<float>{});
 }

@@ -32,16 +32,22 @@ __global__ void __launch_bounds__(kMaxThreads, 2) rotary_kernel(const __grid_con
 }
 
 // qk_norm_rotary (qk_norm_thread.h says how the work is split): each iteration of the group loop in
-// its two phases, then the block's partial sums of the weights' gradient folded. The shares of the
-// groups' sums are the only shared memory (1 or 2 KiB). Two blocks per SM at least, as the rotation's.
+// its phases, then the block's partial sums of the weights' and biases' gradients folded. The shares
+// of the groups' sums are the only shared memory (2 or 4 KiB). Two blocks per SM at least, as the
+// rotation's. (centers() is the same for every thread of the launch: every thread reaches every
+// barrier.)
 template <typename Thread>
 __global__ void __launch_bounds__(kMaxThreads, 2) qk_norm_kernel(const __grid_constant__ Thread t) {
-  __shared__ typename Thread::opmath_t shares[kMaxThreads];
+  __shared__ typename Thread::opmath_t shares[Thread::kShares];
   const ThreadCoord g{blockIdx.x, 0, threadIdx.x, threadIdx.y, gridDim.x, 1, blockDim.x, blockDim.y};
   const int64_t iterations = t.iterations(g);
   for (int64_t it = 0; it < iterations; ++it) {
     t.reduce(g, it, shares);
     __syncthreads();
+    if (t.centers()) {
+      t.center(g, it, shares);
+      __syncthreads();
+    }
     t.write(g, it, shares);
     __syncthreads();
   }
@@ -95,7 +101,7 @@ void run_norm_cuda(const NormCall& c) {
   const torch::stable::accelerator::DeviceGuard guard(c.x.device().index);
   const NormCallLaunch cl = plan_norm_call(c);
   const NormLaunch& L = cl.launch;
-  if (L.groups == 0 && c.dweight == nullptr) return;
+  if (L.groups == 0 && c.dweight == nullptr && c.dbias == nullptr) return;
   void* stream = nullptr;
   detail::shim_check(current_stream_fn()(c.x.device().index, &stream), "aoti_torch_get_current_cuda_stream");
   const auto s = static_cast<cudaStream_t>(stream);
@@ -104,12 +110,11 @@ void run_norm_cuda(const NormCall& c) {
     dispatch_norm_thread(c, L, [&]<class Thread>() {
       qk_norm_kernel<Thread><<<dim3(static_cast<unsigned>(L.grid_x)),
                                dim3(static_cast<unsigned>(L.block_x), static_cast<unsigned>(L.block_y)), 0, s>>>(
-          Thread::make(c, cl.plan, L, partial.data));
+          Thread::make(c, cl.plan, L, partial.weight, partial.bias));
       check_launch(c.op);
     });
   }
-  if (c.dweight == nullptr) return;
-  dispatch_weight_grad_sum(c, cl, partial.data, [&]<class Sum>(const Sum& t, int64_t grid) {
+  dispatch_weight_grad_sum(c, cl, partial, [&]<class Sum>(const Sum& t, int64_t grid) {
     weight_grad_sum_kernel<<<dim3(static_cast<unsigned>(grid)), dim3(kMaxThreads), 0, s>>>(t);
     check_launch(c.op);
   });

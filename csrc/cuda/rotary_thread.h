@@ -163,10 +163,12 @@ enum AccessSite : int {
   kSiteRstdLoad,      // the saved statistic (backward)
   kSiteRstdStore,     // the statistic (forward)
   kSitePartialLoad1,  // the weights' gradient: a block's partial sums, read
-  kSitePartialLoad2,
+  kSitePartialLoad2,  // ... and the biases'
   kSitePartialStore1, // ... and written
   kSitePartialStore2,
   kSiteWeightGrad,    // the weights' gradient, summed over the blocks
+  kSiteBias1,         // the norm's bias, as weight1 and weight2
+  kSiteBias2,
   kSiteCount
 };
 

@@ -53,7 +53,7 @@ const char* site_name(int site) {
       "position", "cos1",      "sin1",      "cos2",       "sin2",       "x1",          "x2",
       "out1",     "out2",      "pass_in",   "pass_out",   "weight1",    "weight2",     "grad1",
       "grad2",    "rstd_in",   "rstd_out",  "partial_in1", "partial_in2", "partial_out1", "partial_out2",
-      "dweight"};
+      "dweight",  "bias1",     "bias2"};
   static const auto names = [] {
     std::array<std::string, kSites> n;
     for (int s = 0; s < kSites; ++s) {
@@ -240,20 +240,20 @@ void run_norm_emulated(const NormCall& c) {
     cuda::dispatch_norm_thread(c, L, [&]<class Thread>() {
       using Emulated = typename Thread::template WithMemory<EmulatedMemory>;
       using opmath_t = typename Thread::opmath_t;
-      const Emulated t = Emulated::make(c, cl.plan, L, partial.data);
-      std::vector<opmath_t> shares(L.block_x * L.block_y);
+      const Emulated t = Emulated::make(c, cl.plan, L, partial.weight, partial.bias);
+      std::vector<opmath_t> shares(Emulated::kShares);
       for (int64_t bx = 0; bx < L.grid_x; ++bx) {
         const int64_t iterations = t.iterations({bx, 0, 0, 0, L.grid_x, 1, L.block_x, L.block_y});
         for (int64_t it = 0; it < iterations; ++it) {
           each_thread(bx, [&](const cuda::ThreadCoord& g) { t.reduce(g, it, shares.data()); });
+          if (t.centers()) each_thread(bx, [&](const cuda::ThreadCoord& g) { t.center(g, it, shares.data()); });
           each_thread(bx, [&](const cuda::ThreadCoord& g) { t.write(g, it, shares.data()); });
         }
         each_thread(bx, [&](const cuda::ThreadCoord& g) { t.fold(g); });
       }
     });
   }
-  if (c.dweight == nullptr) return;
-  cuda::dispatch_weight_grad_sum(c, cl, partial.data, [&](const auto& sum, int64_t grid) {
+  cuda::dispatch_weight_grad_sum(c, cl, partial, [&](const auto& sum, int64_t grid) {
     const auto t = sum.template with_memory<EmulatedMemory>();
     const int64_t block = cuda::kMaxThreads;
     for (int64_t bx = 0; bx < grid; ++bx)
@@ -333,10 +333,10 @@ std::vector<int64_t> norm_launch_config(const StableTensor& x_, const std::optio
   const TensorArg w = weight_ ? read_arg(*weight_) : TensorArg{};
   const TensorArg pos = positions_ ? read_arg(*positions_) : TensorArg{};
   const TensorArg* positions = positions_ ? &pos : nullptr;
-  check_qk_norm_args(op, x, &w, cos, sin, positions, 0.0, 0.0, across_heads, "x", "weight");
+  check_qk_norm_args(op, x, {&w, nullptr}, cos, sin, positions, 0.0, 0.0, across_heads, "x");
   const ScalarType stat = x.scalar_type() == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
   const Output out = new_like(x_.get(), x);
-  const std::vector<int64_t> shape = norm_stat_shape(x, across_heads);
+  const std::vector<int64_t> shape = norm_stat_shape(x, across_heads, false);
   const Output rstd = new_contiguous(Dims{shape.data(), static_cast<int64_t>(shape.size())}, stat, x.device());
   const int64_t n = w.defined() ? w.size(0) : 0;
   const Output dweight = new_contiguous(Dims{&n, 1}, stat, x.device());

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cpu/rotary_cpu.h"
+#include "qk_norm_schemas.h"
 #include "tensor_arg.h"
 #include "testing/testing.h"
 
@@ -92,30 +93,9 @@ STABLE_TORCH_LIBRARY(rope_ext_testing, m) {
       "cuda_emulate_rotary_pos_(Tensor(a!) q, Tensor(b!)? k, Tensor cos_cache, Tensor sin_cache, "
       "Tensor positions, bool interleaved=False, bool conjugate=False) -> ()");
   // qk_norm_rotary's kernels (cuda/qk_norm_thread.h) emulated the same way, with the product ops' schemas.
-  m.def(
-      "cuda_emulate_qk_norm_rotary(Tensor q, Tensor k, Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin, "
-      "float eps, float weight_offset=0., bool across_heads=False, bool interleaved=False, bool weight_after=False) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
-  m.def(
-      "cuda_emulate_qk_norm_rotary_pos(Tensor q, Tensor k, Tensor? q_weight, Tensor? k_weight, Tensor cos_cache, "
-      "Tensor sin_cache, Tensor positions, float eps, float weight_offset=0., bool across_heads=False, "
-      "bool interleaved=False, bool weight_after=False) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def(
-      "cuda_emulate_qk_norm_rotary_(Tensor(a!) q, Tensor(b!) k, Tensor? q_weight, Tensor? k_weight, Tensor cos, "
-      "Tensor sin, float eps, float weight_offset=0., bool across_heads=False, bool interleaved=False, "
-      "bool weight_after=False) -> ()");
-  m.def(
-      "cuda_emulate_qk_norm_rotary_pos_(Tensor(a!) q, Tensor(b!) k, Tensor? q_weight, Tensor? k_weight, "
-      "Tensor cos_cache, Tensor sin_cache, Tensor positions, float eps, float weight_offset=0., "
-      "bool across_heads=False, bool interleaved=False, bool weight_after=False) -> ()");
-  m.def(
-      "cuda_emulate_qk_norm_rotary_backward(Tensor grad, Tensor x, Tensor? weight, Tensor rstd, Tensor cos, "
-      "Tensor sin, Tensor? positions, float weight_offset, bool across_heads, bool interleaved, bool weight_grad, "
-      "bool weight_after=False) -> (Tensor, Tensor)");
-  m.def(
-      "cuda_emulate_norm_rotary(Tensor x, Tensor? weight, Tensor cos, Tensor sin, float eps, "
-      "float weight_offset=0., bool across_heads=False, bool interleaved=False, bool weight_after=False) "
-      "-> (Tensor, Tensor)");
+  for (const OpSchema& schema : kQkNormSchemas) {
+    m.def((std::string("cuda_emulate_") + schema.name + schema.signature).c_str());
+  }
   // qk_norm_rotary's launch for x, 12 values (host_emulation.cpp's norm_launch_config names them).
   m.def(
       "cuda_norm_launch_config(Tensor x, Tensor? weight, Tensor cos, Tensor sin, Tensor? positions, "
