@@ -377,3 +377,204 @@ def test_sector_efficiency_of_the_main_shapes(gen):
                 eff = t[f"{kind}_needed"] / t[f"{kind}_sectors"]
                 case = f"{norm_over} {dtype}/{table_dtype} interleaved={interleaved} after={after} {name} {kind}"
                 assert eff >= 0.90, f"{case}: sector efficiency {eff:.3f}"
+
+
+# --- LayerNorm (centered) and biases ------------------------------------------------------------
+#
+# test_layer_norm_rotary.py's references and tolerances, on the kernels: the center phase of the
+# forward (the group's mean, then its centered squares), the backward's second sum (of d) and the
+# biases' partial sums beside the weights'.
+
+
+def emulated_layer(x, w, b, cos, sin, positions=None, *, eps=1e-5, norm_over="head", interleaved=False,
+                   weight_after=False):
+    """(out, stats) of x from the emulated forward kernels, LayerNorm with bias b."""
+    args = (eps, 0.0, norm_over == "heads", interleaved, weight_after, b, b, True)
+    if positions is None:
+        out = TESTING.cuda_emulate_qk_norm_rotary(x, x, w, w, cos, sin, *args)
+    else:
+        out = TESTING.cuda_emulate_qk_norm_rotary_pos(x, x, w, w, cos, sin, positions, *args)
+    return out[0], out[2]
+
+
+def emulated_layer_backward(dy, x, w, stats, cos, sin, positions=None, *, norm_over="head", interleaved=False,
+                            weight_after=False, bias_grad=True):
+    """(dx, dweight, dbias) from the emulated backward kernels."""
+    return TESTING.cuda_emulate_qk_norm_rotary_backward(dy, x, w, stats, cos, sin, positions, 0.0,
+                                                        norm_over == "heads", interleaved, w is not None,
+                                                        weight_after, True, bias_grad)
+
+
+def check_layer_grads(got, x, w, b, cos, sin, dy, **kw):
+    """dx, dweight and dbias against autograd of the float64 reference: dx rounds once after a group's
+    two float32 sums; the weights' and biases' gradients are float32 sums over every row."""
+    from test_layer_norm_rotary import truth
+
+    wide = {name: t.detach().double().requires_grad_() for name, t in (("x", x), ("w", w), ("b", b)) if t is not None}
+    out = truth(wide["x"], wide.get("w"), wide.get("b"), cos, sin, **kw)
+    want = dict(zip(wide, torch.autograd.grad(out, list(wide.values()), dy.double()), strict=True))
+    n = x.shape[-1] * (x.shape[-2] if kw.get("norm_over") == "heads" else 1)
+    u = _UNIT_ROUNDOFF[torch.float64 if x.dtype == torch.float64 else torch.float32]
+    dx, dw, db = got
+    assert dx.dtype == x.dtype and dx.shape == x.shape
+    torch.testing.assert_close(dx.double(), want["x"], rtol=_UNIT_ROUNDOFF[x.dtype],
+                               atol=4 * (n + 8) * u * float(want["x"].abs().max()))
+    rows = x.numel() // n
+    for name, t, g in (("w", w, dw), ("b", b, db)):
+        if t is None:
+            continue
+        assert g.dtype == (torch.float64 if x.dtype == torch.float64 else torch.float32) and g.shape == t.shape
+        torch.testing.assert_close(g.double(), want[name], rtol=0,
+                                   atol=2 * (rows + n + 8) * u * float(want[name].abs().max()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("convention", CONVENTIONS)
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+@pytest.mark.parametrize("bias,after", [(True, False), (False, False), (True, True)],
+                         ids=["bias", "no_bias", "bias-after"])
+@pytest.mark.parametrize("gathered", [False, True], ids=["tables", "positions"])
+def test_layer_norm_forward_and_backward_match_float64(dtype, convention, norm_over, bias, after, gathered, gen):
+    """The LayerNorm kernels, forward (out and the saved (mean, rstd)) and backward (dx, dweight, dbias),
+    against the float64 truth: every dtype, pairing, norm form, with and without a bias, the affine
+    part before and after the rotation, partial rotary, full and gathered tables."""
+    from test_layer_norm_rotary import check_against_truth as check_layer, layer_input, make_params
+
+    interleaved = CONVENTIONS[convention]
+    B, S, H, D, r, P = 2, 3, 4, 32, 24, 16
+    x = layer_input(B, S, H, D, dtype=dtype, gen=gen)
+    w, b = make_params(D * (H if norm_over == "heads" else 1), dtype, gen, bias)
+    table_dtype = torch.float32 if dtype != torch.float64 else dtype
+    if gathered:
+        cc, sc = random_tables((P, r // 2), dtype=table_dtype, gen=gen)
+        positions = torch.randint(0, P, (B, S, 1), generator=gen)
+        cos, sin = _gathered_tables(cc, sc, positions, interleaved)
+        tables = (cc, sc, positions)
+    else:
+        cos, sin = random_tables((B, S, 1, r), dtype=table_dtype, gen=gen)
+        tables = (cos, sin, None)
+    kw = dict(norm_over=norm_over, interleaved=interleaved, weight_after=after)
+    out, stats = emulated_layer(x, w, b, *tables, **kw)
+    check_layer(out, x, w, b, cos, sin, eps=1e-5, **kw)
+    v = x.double().flatten(-2) if norm_over == "heads" else x.double()
+    n = v.shape[-1]
+    u = _UNIT_ROUNDOFF[torch.float64 if dtype == torch.float64 else torch.float32]
+    assert stats.shape == (*v.shape[:-1], 2)
+    torch.testing.assert_close(stats[..., 0].double(), v.mean(-1), rtol=0, atol=n * u * float(v.abs().max()))
+    torch.testing.assert_close(stats[..., 1].double(), torch.rsqrt(v.var(-1, unbiased=False) + 1e-5), atol=0,
+                               rtol=(n + 6) * u * float(v.abs().max() / v.std(-1).min()))
+    dy = randn(*x.shape, dtype=dtype, gen=gen)
+    got = emulated_layer_backward(dy, x, w, stats, *tables, **kw, bias_grad=b is not None)
+    check_layer_grads(got, x, w, b, cos, sin, dy, eps=1e-5, **kw)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "strided_cols", "misaligned"])
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+def test_layer_norm_takes_the_vector_or_the_scalar_path(layout, norm_over, gen):
+    """Both sides of the vector gate, and of the bias's own (a strided bias reads element by element),
+    with LayerNorm and a bias, forward and backward, against the truth."""
+    from test_layer_norm_rotary import check_against_truth as check_layer, layer_input, make_params
+
+    make, vector = LAYOUTS[layout]
+    B, S, H, D = 2, 3, 4, 64
+    x = make(layer_input(B, S, H, D, dtype=torch.bfloat16, gen=gen))
+    n = D * (H if norm_over == "heads" else 1)
+    w, b = make_params(n, torch.bfloat16, gen)
+    cos, sin = random_tables((B, S, 1, D), dtype=torch.bfloat16, gen=gen)
+    assert (launch(x, w, cos, sin, norm_over=norm_over)["vec"] > 1) == vector
+    for bias in (b, torch.cat((b[:, None], b[:, None]), -1)[:, 0]):  # contiguous, and of stride 2
+        out, stats = emulated_layer(x, w, bias, cos, sin, norm_over=norm_over)
+        check_layer(out, x, w, bias, cos, sin, eps=1e-5, norm_over=norm_over)
+        dy = randn(*x.shape, dtype=torch.bfloat16, gen=gen)
+        check_layer_grads(emulated_layer_backward(dy, x, w, stats, cos, sin, norm_over=norm_over), x, w, bias, cos,
+                          sin, dy, eps=1e-5, norm_over=norm_over)
+
+
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+def test_layer_norm_loops_and_folds_both_partial_sums(norm_over, gen):
+    """More groups than 512 blocks take in one pass, per head with the block's rows folded: the
+    weights' and the biases' partial sums, against float64, and bit-identical on a second run."""
+    from test_layer_norm_rotary import layer_input, make_params
+
+    D = 32
+    H = 4 if norm_over == "head" else 64
+    T = 8200 if norm_over == "head" else 600
+    x = layer_input(T, H, D, gen=gen)
+    w, b = make_params(D * (H if norm_over == "heads" else 1), torch.float32, gen)
+    cos, sin = random_tables((T, 1, D), gen=gen)
+    L = launch(x, w, cos, sin, norm_over=norm_over, backward=True)
+    assert L["grid_x"] == 512 and L["groups"] > 512 * L["block_y"], L
+    _, stats = emulated_layer(x, w, b, cos, sin, norm_over=norm_over)
+    dy = randn(*x.shape, gen=gen)
+    got = emulated_layer_backward(dy, x, w, stats, cos, sin, norm_over=norm_over)
+    check_layer_grads(got, x, w, b, cos, sin, dy, eps=1e-5, norm_over=norm_over)
+    again = emulated_layer_backward(dy, x, w, stats, cos, sin, norm_over=norm_over)
+    assert all(torch.equal(a, c) for a, c in zip(got, again, strict=True))
+
+
+@pytest.mark.parametrize("norm_over", ["head", "heads"])
+@pytest.mark.parametrize("after", [False, True], ids=["weight_before", "weight_after"])
+def test_layer_norm_equals_the_cpu_ops_to_rounding(norm_over, after, gen):
+    """The LayerNorm kernels against the CPU kernel (bfloat16, GQA, weights and biases): outputs to an
+    ulp, the statistics to their sums' rounding, gradients to float32 rounding over a group."""
+    from test_layer_norm_rotary import layer_input, make_params
+
+    q, k = layer_input(2, 8, 8, 128, dtype=torch.bfloat16, gen=gen), layer_input(2, 8, 2, 128, dtype=torch.bfloat16,
+                                                                                 gen=gen)
+    cos, sin = random_tables((2, 8, 1, 128), gen=gen)
+    wq, bq = make_params(128 * (8 if norm_over == "heads" else 1), torch.bfloat16, gen)
+    wk, bk = make_params(128 * (2 if norm_over == "heads" else 1), torch.bfloat16, gen)
+    args = (1e-5, 0.0, norm_over == "heads", False, after, bq, bk, True)
+    ours = TESTING.cuda_emulate_qk_norm_rotary(q, k, wq, wk, cos, sin, *args)
+    cpu = torch.ops.rope_ext.qk_norm_rotary(q, k, wq, wk, cos, sin, *args)
+    for a, c in zip(ours[:2], cpu[:2], strict=True):
+        torch.testing.assert_close(a.float(), c.float(), atol=0, rtol=2.0**-7)
+    for a, c, x in zip(ours[2:], cpu[2:], (q, k), strict=True):
+        n = 128 * (x.shape[-2] if norm_over == "heads" else 1)
+        torch.testing.assert_close(a, c, atol=2 * n * 2.0**-24 * 2, rtol=2 * (n / 2 + 3) * 2.0**-24)
+    dy = randn(*q.shape, dtype=torch.bfloat16, gen=gen)
+    back = (dy, q, wq, cpu[2], cos, sin, None, 0.0, norm_over == "heads", False, True, after, True, True)
+    got, want = TESTING.cuda_emulate_qk_norm_rotary_backward(*back), torch.ops.rope_ext.qk_norm_rotary_backward(*back)
+    torch.testing.assert_close(got[0].float(), want[0].float(), atol=2.0**-7 * float(want[0].abs().max()),
+                               rtol=2.0**-7)
+    for a, c in zip(got[1:], want[1:], strict=True):
+        torch.testing.assert_close(a, c, atol=1e-5 * float(c.abs().max()), rtol=0)
+
+
+def test_layer_norm_groups_of_no_values(gen):
+    """Tokens of no heads across heads: NaN statistics (mean and rstd); a backward with no groups: zero
+    weight and bias gradients."""
+    x = torch.empty(2, 3, 0, 16)
+    cos, sin = random_tables((2, 3, 1, 16), gen=gen)
+    out, stats = emulated_layer(x, None, None, cos, sin, norm_over="heads")
+    assert out.shape == x.shape and stats.shape == (2, 3, 2) and stats.isnan().all()
+    y = torch.empty(0, 3, 4, 16)
+    w = torch.rand(16, generator=gen)
+    dx, dw, db = emulated_layer_backward(y, y, w, torch.empty(0, 3, 4, 2), cos[:0], sin[:0])
+    assert dx.shape == y.shape and torch.equal(dw, torch.zeros(16)) and torch.equal(db, torch.zeros(16))
+
+
+def test_layer_norm_sector_efficiency(gen):
+    """The traffic model on the LayerNorm kernels with biases: a per-head norm (Persimmon's and Phi's
+    heads of 64 and 80, partial rotary) and ESM-C's across its 15 heads of 64, bfloat16, forward (the
+    center phase reads x a second time) and backward (both partial sums): at least 0.90 of each warp
+    instruction's sector bytes needed, for loads and for stores."""
+    from test_cuda_emulation import recorded_traffic
+    from test_layer_norm_rotary import layer_input, make_params
+
+    bf = torch.bfloat16
+    for norm_over, H, D, r in (("head", 8, 64, 32), ("head", 8, 80, 32), ("heads", 15, 64, 64)):
+        x = layer_input(1, 16, H, D, dtype=bf, gen=gen)
+        w, b = make_params(D * (H if norm_over == "heads" else 1), bf, gen)
+        cc, sc = random_tables((64, r // 2), gen=gen)
+        positions = torch.randint(0, 64, (1, 16, 1), generator=gen)
+        args = (1e-5, 0.0, norm_over == "heads", False, False, b, b, True)
+        (_, _, stats, _), fwd, _ = recorded_traffic(TESTING.cuda_emulate_qk_norm_rotary_pos, x, x, w, w, cc, sc,
+                                                     positions, *args)
+        dy = randn(*x.shape, dtype=bf, gen=gen)
+        _, bwd, _ = recorded_traffic(TESTING.cuda_emulate_qk_norm_rotary_backward, dy, x, w, stats, cc, sc, positions,
+                                     0.0, norm_over == "heads", False, True, False, True, True)
+        for name, t in (("forward", fwd), ("backward", bwd)):
+            for kind in ("ld", "st"):
+                eff = t[f"{kind}_needed"] / t[f"{kind}_sectors"]
+                assert eff >= 0.90, f"{norm_over} H={H} D={D} r={r} {name} {kind}: sector efficiency {eff:.3f}"

@@ -287,9 +287,9 @@ struct NormThread {
       st.inv = opmath_t(1) / std::sqrt(var + eps);  // (a group of no values: NaN)
       if (rstd != nullptr && g.tx == 0) {
         Mem::at_item(it, g.tx);
-        if (centered) {
-          Mem::template store<kSiteRstdStore>(rstd + 2 * n, st.mean);
-          Mem::template store<kSiteRstdStore>(rstd + 2 * n + 1, st.inv);
+        if (centered) {  // (one vector store of the pair: its 8 or 16 bytes are aligned)
+          const opmath_t pair[2] = {st.mean, st.inv};
+          store_run<2, kSiteRstdStore, Mem>(rstd + 2 * n, 1, true, pair);
         } else {
           Mem::template store<kSiteRstdStore>(rstd + n, st.inv);
         }
@@ -342,8 +342,9 @@ struct NormThread {
     if constexpr (kBackward) {
       Mem::at_item(it, g.tx);
       if (centered) {
-        st.mean = Mem::template load<kSiteRstdLoad>(rstd + 2 * n);
-        st.inv = Mem::template load<kSiteRstdLoad>(rstd + 2 * n + 1);
+        opmath_t pair[2];
+        load_run<2, kSiteRstdLoad, Mem>(rstd + 2 * n, 1, true, pair);
+        st.mean = pair[0], st.inv = pair[1];
       } else {
         st.inv = Mem::template load<kSiteRstdLoad>(rstd + n);
       }
@@ -725,8 +726,10 @@ inline NormCallLaunch plan_norm_call(const NormCall& c, bool ignore_alignment = 
   r.plan = make_norm_plan(c.x, c.out, c.params(), c.cos, c.sin, c.positions, c.grad, c.across_heads);
   const bool weighted = c.weight != nullptr && c.weight->defined();
   const bool biased = c.bias != nullptr && c.bias->defined();
-  // A forward's statistics include those of groups of no heads (NaN); otherwise the plan's groups.
-  const int64_t groups = c.grad == nullptr && c.rstd != nullptr ? c.rstd->numel() : r.plan.num_groups();
+  // A forward's statistics include those of groups of no heads (NaN); otherwise the plan's groups. (A
+  // centered call keeps two statistics a group.)
+  const int64_t groups =
+      c.grad == nullptr && c.rstd != nullptr ? c.rstd->numel() / (c.centered ? 2 : 1) : r.plan.num_groups();
   r.launch = choose_norm_launch(r.plan, groups, c.x.const_data_ptr(), c.out.const_data_ptr(),
                                 c.grad != nullptr ? c.grad->const_data_ptr() : nullptr, c.cos.const_data_ptr(),
                                 c.sin.const_data_ptr(), weighted ? c.weight->const_data_ptr() : nullptr,
