@@ -186,13 +186,18 @@ def rotary_pos_qk(place, q="S2", k="S2", positions="R"):
     return _result(place, list(outs), [qs, ks], [c, s])
 
 
-def qk_norm(place, q="S2", k="S2", tables="R", norm_over="head", positions=None, weight_after=False):
-    """qk_norm_rotary (qk_norm_rotary_pos with `positions`' placement) with both weights learned."""
+def qk_norm(place, q="S2", k="S2", tables="R", norm_over="head", positions=None, weight_after=False, norm="rms"):
+    """qk_norm_rotary (qk_norm_rotary_pos with `positions`' placement) with both weights learned, and
+    with norm="layer" both biases."""
     wide = norm_over == "heads"
     qs, ks = place.put(_x(H, S, "bshd", 2), q, grad=True), place.put(_x(HK, S, "bshd", 3), k, grad=True)
     wq = place.put(_randn(D * (H if wide else 1), seed=6).abs() + 0.5, "R", grad=True)
     wk = place.put(_randn(D * (HK if wide else 1), seed=7).abs() + 0.5, "R", grad=True)
-    kw = dict(eps=1e-6, weight_offset=0.25, norm_over=norm_over, weight_after=weight_after)
+    kw = dict(eps=1e-6, weight_offset=0.25, norm_over=norm_over, weight_after=weight_after, norm=norm)
+    biases = []
+    if norm == "layer":
+        biases = [place.put(_randn(D * (n if wide else 1), seed=seed), "R", grad=True) for n, seed in ((H, 8), (HK, 9))]
+        kw.update(q_bias=biases[0], k_bias=biases[1])
     if positions is None:
         cos, sin = _tables(_randn(1, S, R // 2, seed=1), "bshd")
         c, s = place.put(cos, tables, grad=True), place.put(sin, tables, grad=True)
@@ -201,19 +206,20 @@ def qk_norm(place, q="S2", k="S2", tables="R", norm_over="head", positions=None,
         cc, sc = _caches()
         c, s = place.put(cc, "R", grad=True), place.put(sc, "R", grad=True)
         outs = rope_ext.qk_norm_rotary_pos(qs, ks, wq, wk, c, s, place.put(_positions(S, False), positions), **kw)
-    return _result(place, list(outs), [qs, ks], [wq, wk, c, s])
+    return _result(place, list(outs), [qs, ks], [wq, wk, c, s, *biases])
 
 
-def norm_one(place, x="S2", tables="R", norm_over="head", weight_after=False):
-    """norm_rotary (one tensor) with its weight learned."""
+def norm_one(place, x="S2", tables="R", norm_over="head", weight_after=False, norm="rms"):
+    """norm_rotary (one tensor) with its weight learned, and with norm="layer" its bias."""
     wide = norm_over == "heads"
     xs = place.put(_x(H, S, "bshd", 2), x, grad=True)
     w = place.put(_randn(D * (H if wide else 1), seed=6).abs() + 0.5, "R", grad=True)
+    b = place.put(_randn(D * (H if wide else 1), seed=8), "R", grad=True) if norm == "layer" else None
     cos, sin = _tables(_randn(1, S, R // 2, seed=1), "bshd")
     c, s = place.put(cos, tables, grad=True), place.put(sin, tables, grad=True)
     out = rope_ext.norm_rotary(xs, w, c, s, eps=1e-6, weight_offset=0.25, norm_over=norm_over,
-                               weight_after=weight_after)
-    return _result(place, [out], [xs], [w, c, s])
+                               weight_after=weight_after, norm=norm, bias=b)
+    return _result(place, [out], [xs], [w, c, s] + ([b] if b is not None else []))
 
 
 def qk_norm_inplace(place, q="S1", k="S1", positions="S0"):
@@ -374,7 +380,11 @@ CASES = {
     "qk_norm_rotary/seq": (P(qk_norm, q="S1", k="S1", tables="S1"), ["S1", "S1"]),
     "qk_norm_rotary/across heads, batch": (P(qk_norm, q="S0", k="S0", norm_over="heads"), ["S0", "S0"]),
     "qk_norm_rotary/seq, weight after": (P(qk_norm, q="S1", k="S1", tables="S1", weight_after=True), ["S1", "S1"]),
+    "qk_norm_rotary/seq, layer norm": (P(qk_norm, q="S1", k="S1", tables="S1", norm="layer"), ["S1", "S1"]),
+    "qk_norm_rotary_pos/heads, layer norm, weight after": (
+        P(qk_norm, q="S2", k="S2", positions="R", norm="layer", weight_after=True), ["S2", "S2"]),
     "norm_rotary/heads": (P(norm_one, x="S2"), ["S2"]),
+    "norm_rotary/across heads, batch, layer norm": (P(norm_one, x="S0", norm_over="heads", norm="layer"), ["S0"]),
     "norm_rotary/across heads, batch, weight after": (P(norm_one, x="S0", norm_over="heads", weight_after=True),
                                                       ["S0"]),
     "norm_rotary/across heads, seq": (P(norm_one, x="S1", tables="S1", norm_over="heads"), ["S1"]),

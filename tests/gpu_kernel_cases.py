@@ -101,9 +101,10 @@ def norm_cases(gen):
     """(name, intended kernel, op, arguments) for every QK-norm kernel: q (2, 3, 4, 32) and k (2, 3, 2, 32),
     r = 32 (16 with interleaved pairs: pass-through columns), across heads for the gathered caches,
     per head for full tables; scalar where the rows start one element past a vector boundary. Each
-    kernel twice: the weight before the rotation and after it (weight_after, a flag of the same kernel)."""
-    for (dtype, table_dtype), interleaved, vector, gathered, backward, after in itertools.product(
-            DTYPE_PAIRS, (False, True), (True, False), (False, True), (False, True), (False, True)):
+    kernel four times: the RMS norm and LayerNorm with biases (centered, a flag of the same kernel), each
+    with the weight before the rotation and after it (weight_after, another flag)."""
+    for (dtype, table_dtype), interleaved, vector, gathered, backward, after, centered in itertools.product(
+            DTYPE_PAIRS, (False, True), (True, False), (False, True), (False, True), (False, True), (False, True)):
         q = torch.randn(2, 3, 4, 32, generator=gen, dtype=torch.float64).to(dtype)
         k = torch.randn(2, 3, 2, 32, generator=gen, dtype=torch.float64).to(dtype)
         if not vector:
@@ -112,6 +113,8 @@ def norm_cases(gen):
         across = gathered
         wq = torch.rand(32 * (4 if across else 1), generator=gen).to(dtype)
         wk = torch.rand(32 * (2 if across else 1), generator=gen)  # float32: the other weight form
+        bq = (torch.rand(wq.shape, generator=gen) - 0.5).to(dtype) if centered else None
+        bk = torch.rand(wk.shape, generator=gen) - 0.5 if centered else None
         if gathered:
             cc, sc = random_tables((16, r // 2), table_dtype, gen)
             tables = (cc, sc, torch.randint(0, 16, (2, 3, 1), generator=gen))
@@ -119,29 +122,31 @@ def norm_cases(gen):
             tables = (*random_tables((3, 1, r), table_dtype, gen), None)
         name = f"qk_norm {'backward' if backward else 'forward'} {str(dtype)[6:]}/{str(table_dtype)[6:]} " \
                f"{'interleaved' if interleaved else 'halfsplit'} {'vector' if vector else 'scalar'} " \
-               f"{'gathered across heads' if gathered else 'full per head'}{', weight after' if after else ''}"
-        yield name, (dtype, table_dtype, interleaved, vector, gathered, backward), (q, k, wq, wk, *tables), \
-            (1e-6, 0.5, across, interleaved, after), backward
+               f"{'gathered across heads' if gathered else 'full per head'}{', weight after' if after else ''}" \
+               f"{', layer norm' if centered else ''}"
+        yield name, (dtype, table_dtype, interleaved, vector, gathered, backward), (q, k, wq, wk, *tables, bq, bk), \
+            (1e-6, 0.5, across, interleaved, after, centered), backward
 
 
 def run_norm(testing, args, scalars, backward):
-    """The forward's four outputs, or the backward's (dx, dweight) of q, through `testing`'s op set
-    (torch.ops.rope_ext_testing's cuda_emulate_*, or the product's ops without that prefix)."""
-    q, k, wq, wk, cos, sin, positions = args
-    eps, offset, across, interleaved, after = scalars
+    """The forward's four outputs, or the backward's (dx, dweight, dbias) of q, through `testing`'s op
+    set (torch.ops.rope_ext_testing's cuda_emulate_*, or the product's ops without that prefix)."""
+    q, k, wq, wk, cos, sin, positions, bq, bk = args
+    eps, offset, across, interleaved, after, centered = scalars
+    flags = (eps, offset, across, interleaved, after, bq, bk, centered)
     if positions is None:
-        out = testing("qk_norm_rotary")(q, k, wq, wk, cos, sin, *scalars)
+        out = testing("qk_norm_rotary")(q, k, wq, wk, cos, sin, *flags)
     else:
-        out = testing("qk_norm_rotary_pos")(q, k, wq, wk, cos, sin, positions, *scalars)
+        out = testing("qk_norm_rotary_pos")(q, k, wq, wk, cos, sin, positions, *flags)
     if not backward:
         return out
     dy = (q.detach().cpu().double() * 0.5 - 0.25).to(q.dtype).to(q.device)  # (any values)
     return testing("qk_norm_rotary_backward")(dy, q, wq, out[2], cos, sin, positions, offset, across, interleaved,
-                                              True, after)
+                                              True, after, centered, bq is not None)
 
 
 def norm_kernel_of(args, scalars, backward) -> tuple:
-    q, _, wq, _, cos, sin, positions = args
+    q, _, wq, _, cos, sin, positions, _, _ = args
     cfg = dict(zip(NORM_LAUNCH, TESTING.cuda_norm_launch_config(q, wq, cos, sin, positions, scalars[2], scalars[3],
                                                                 backward), strict=True))
     return q.dtype, cos.dtype, scalars[3], cfg["vec"] > 1, positions is not None, backward
@@ -175,7 +180,7 @@ def main() -> int:
         if args.device != "cpu":
             got = run_norm(real, _twins(args_, args.device)[0], scalars, backward)
             want = run_norm(emulated, args_, scalars, backward)
-            names = ("dx", "dweight") if backward else ("q_out", "k_out", "q_rstd", "k_rstd")
+            names = ("dx", "dweight", "dbias") if backward else ("q_out", "k_out", "q_rstd", "k_rstd")
             for which, g, w in zip(names, _twins(got, "cpu")[0], want, strict=True):
                 if not (torch.equal(g, w) or torch.equal(g.isnan(), w.isnan()) and torch.equal(g.nan_to_num(),
                                                                                              w.nan_to_num())):
@@ -187,27 +192,29 @@ def main() -> int:
         x = torch.randn(32775, 4, 8, generator=gen)
         w = torch.rand(8, generator=gen)
         cos, sin = random_tables((32775, 1, 8), torch.float32, gen)
-        scalars = (1e-6, 0.0, False, False, False)
-        many = (x, x, w, w, cos, sin, None)
+        scalars = (1e-6, 0.0, False, False, False, False)
+        many = (x, x, w, w, cos, sin, None, None, None)
         cfg = dict(zip(NORM_LAUNCH, TESTING.cuda_norm_launch_config(x, w, cos, sin, None, False, False, True),
                        strict=True))
         if not cfg["groups"] > cfg["grid_x"] * cfg["block_y"]:
             failed.append(f"the many-groups case fits one iteration: {cfg}")
         got = run_norm(real, _twins(many, args.device)[0], scalars, True)
         want = run_norm(emulated, many, scalars, True)
-        for which, g, w in zip(("dx", "dweight"), _twins(got, "cpu")[0], want, strict=True):
+        for which, g, w in zip(("dx", "dweight", "dbias"), _twins(got, "cpu")[0], want, strict=True):
             if not torch.equal(g, w):
                 failed.append(f"qk_norm backward over many groups: {which} differs from the kernel's host emulation")
         # norm_rotary (one tensor): the same kernel as q's half of qk_norm_rotary, through its own op
         x = torch.randn(2, 3, 4, 32, generator=gen).bfloat16()
         w = torch.rand(32, generator=gen)
         cos, sin = random_tables((3, 1, 32), torch.float32, gen)
-        scalars = (1e-6, 0.5, False, False, True)
-        got = torch.ops.rope_ext.norm_rotary(*_twins((x, w, cos, sin), args.device)[0], *scalars)
-        want = TESTING.cuda_emulate_norm_rotary(x, w, cos, sin, *scalars)
-        for which, g, w_ in zip(("out", "rstd"), _twins(got, "cpu")[0], want, strict=True):
-            if not torch.equal(g, w_):
-                failed.append(f"norm_rotary: {which} differs from the kernel's host emulation")
+        b = torch.rand(32, generator=gen) - 0.5
+        for form, bias, centered in (("rms", None, False), ("layer", b, True)):
+            got = torch.ops.rope_ext.norm_rotary(*_twins((x, w, cos, sin), args.device)[0], 1e-6, 0.5, False, False,
+                                                 True, None if bias is None else bias.to(args.device), centered)
+            want = TESTING.cuda_emulate_norm_rotary(x, w, cos, sin, 1e-6, 0.5, False, False, True, bias, centered)
+            for which, g, w_ in zip(("out", "stats"), _twins(got, "cpu")[0], want, strict=True):
+                if not torch.equal(g, w_):
+                    failed.append(f"norm_rotary ({form}): {which} differs from the kernel's host emulation")
     expected = 2 * 7 * 2 * 2 * 2 * 2
     print(f"gpu_kernel_cases: {len(reached)} of {expected} kernels reached on {args.device}"
           f"{'' if args.device == 'cpu' else ', each bit-identical to the CPU kernel or its emulation'}")

@@ -117,6 +117,49 @@ def test_norm_form_matches_its_class(key, options, x_dtype, w_dtype):
     assert ((ours.double() - expected.double()).abs() <= ulp * scale).all()
 
 
+# torch's norm classes the fusion takes (_hf_forms.TORCH_NORMS), with the options a model builds them
+# with: nn.LayerNorm with its weight and bias, with no bias (bias=False), with neither
+# (elementwise_affine=False).
+TORCH_NORM_CASES = [(options, x, w) for options in ({}, {"bias": False}, {"elementwise_affine": False})
+                    for x, w in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                 (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
+                                 (torch.float32, torch.bfloat16))]
+
+
+@pytest.mark.parametrize("options,x_dtype,w_dtype", TORCH_NORM_CASES)
+def test_torch_layer_norm_form_matches_its_class(options, x_dtype, w_dtype):
+    """torch.nn.LayerNorm's NormForm: the fused op (identity tables), with the weight and the bias the
+    form reads, against the class itself, where the fusion takes the pair (the class returns x's
+    dtype); and the norm's shape read from normalized_shape. Bound: both compute in float32 and round
+    once, their sums in other orders: an ulp of x's dtype, and float32 reassociation over a row of
+    32 (the mean's and the variance's sums) relative to the row's largest value."""
+    cls, form = _hf_forms.TORCH_NORMS["nn.LayerNorm"]
+    gen = torch.Generator().manual_seed(0)
+    dim = 32
+    norm = cls(dim, eps=1e-5, **options)
+    for p in norm.parameters():
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5 + 0.3)
+    norm = norm.to(w_dtype)
+    x = (torch.randn(3, 5, 4, dim, generator=gen, dtype=torch.float64) * 3 + 1.0).to(x_dtype)
+    weight, bias = _qk_norm_call._norm_weight(norm, form), _qk_norm_call._norm_bias(norm, form)
+    assert (weight is None) == ("elementwise_affine" in options) and (bias is None) == bool(options)
+    assert _qk_norm_call._shape_ok(norm, form, dim) and not _qk_norm_call._shape_ok(norm, form, 2 * dim)
+    try:
+        expected = norm(x)
+    except RuntimeError:  # (torch refuses the pair: the fusion must not take it)
+        expected = None
+    takes = _qk_norm_call._weight_ok(weight, form, x, dim) and _qk_norm_call._weight_ok(bias, form, x, dim)
+    assert takes == (expected is not None and expected.dtype == x_dtype), (takes, expected is None)
+    if not takes:
+        return
+    ones, zeros = torch.ones(5, 1, dim, dtype=x_dtype), torch.zeros(5, 1, dim, dtype=x_dtype)
+    ours, _ = qk_norm_rotary(x, x, weight, weight, ones, zeros, eps=norm.eps, norm="layer", q_bias=bias, k_bias=bias)
+    ulp = {torch.float32: 8 * 32 * 2**-24, torch.bfloat16: 2**-8, torch.float16: 2**-11}[x_dtype]
+    scale = expected.double().abs().amax(-1, keepdim=True)
+    assert ((ours.double() - expected.double()).abs() <= ulp * scale).all()
+
+
 # --- every tested fusion, run: whole tiny models ------------------------------------------------------
 
 
@@ -214,7 +257,9 @@ class AttentionCase:
     on random hidden states, with the cos and sin of positions 0..n-1. ``kind``: "tokens" (B, S, H)
     states, "patches" (S, H) states and cu_seqlens (vision towers), "merged" (T5Gemma 2's decoder:
     its encoder's states too). ``ones``: parameters the module leaves uninitialized and its model's
-    init sets to ones (TimesFM 2.5's per-dimension query scaling)."""
+    init sets to ones (TimesFM 2.5's per-dimension query scaling). ``overrides``: config values set
+    on the tiny config. ``rotary``: the share of a head the tables rotate (partial rotary, where the
+    family's configs set a partial_rotary_factor)."""
 
     cls: str
     model_type: str
@@ -222,6 +267,8 @@ class AttentionCase:
     releases: tuple = ("5.23.0", "5.24.0")
     layers: int = 1
     ones: tuple[str, ...] = ()
+    overrides: dict = dataclasses.field(default_factory=dict)
+    rotary: float = 1.0
 
 
 ATTENTION_CASES = {
@@ -231,6 +278,10 @@ ATTENTION_CASES = {
     "t5gemma2": AttentionCase("T5Gemma2MergedAttention", "t5gemma2_text", "merged"),
     "esmfold2": AttentionCase("EsmFold2AtomAttention", "esmfold2", "atoms"),
     "timesfm2_5": AttentionCase("TimesFm2_5Attention", "timesfm2_5", ones=("scaling",)),  # (weights after RoPE)
+    # torch's nn.LayerNorm per head, with its bias, and half of each head rotated (its configs' factor);
+    # as many key heads as query heads, as its released config has (its v_proj has one per query head)
+    "nemotron3_5_transcribe": AttentionCase("Nemotron3_5TranscribeAttention", "nemotron3_5_transcribe_asr_audio",
+                                            overrides={"num_key_value_heads": 4}, rotary=0.5),
 }
 
 
@@ -242,6 +293,8 @@ def _attention(family):
     case = ATTENTION_CASES[family]
     cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), case.cls)
     config = _tiny(case.model_type)
+    for k, v in case.overrides.items():
+        setattr(config, k, v)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     if case.kind == "atoms":
@@ -256,7 +309,7 @@ def _attention(family):
     gen = torch.Generator().manual_seed(5)
     n, head_dim = 10, module.head_dim
     hidden = torch.randn(n, width, generator=gen) if case.kind == "patches" else torch.randn(2, n, width, generator=gen)
-    kwargs = {"position_embeddings": _tables(n, head_dim, *hidden.shape[:-2])}
+    kwargs = {"position_embeddings": _tables(n, int(head_dim * case.rotary), *hidden.shape[:-2])}
     if case.kind == "patches":
         kwargs["cu_seqlens"] = torch.tensor([0, 4, n], dtype=torch.int32)
     elif case.kind == "merged":

@@ -366,6 +366,16 @@ FUSED_TABLES = {
 # The attributes an attention's __init__ binds its q and k norms to.
 NORM_ATTRIBUTE = r"^(q|k|query|key)_?(layer_?)?norm$"
 
+# torch's own norm classes as a model file names them when it binds a q/k norm to one
+# (``nn.LayerNorm(self.head_dim)``), with what they compute and the class each name is: taken as
+# torch ships them (the rewrite checks at install that the class's forward is still torch's). Each is
+# tested against the class itself (tests/test_qk_norm_fusion.py).
+TORCH_LAYER_NORM = NormForm("torch.nn.LayerNorm", "eps", centered=True, bias="bias", shape="normalized_shape")
+TORCH_NORMS: dict[str, tuple[type, NormForm]] = {
+    "nn.LayerNorm": (torch.nn.LayerNorm, TORCH_LAYER_NORM),
+    "torch.nn.LayerNorm": (torch.nn.LayerNorm, TORCH_LAYER_NORM),
+}
+
 # The RMS norm classes read in transformers 5.23's model files, by ``_qk_norm_sites.norm_fingerprint``
 # (the class block, its name left out); the comment names one family with it. Every one is tested
 # against the class itself (tests/test_qk_norm_fusion.py).

@@ -22,7 +22,7 @@ from rope_ext.integrations._rotate import dtypes, full_tables
 
 @dataclasses.dataclass(frozen=True)
 class NormForm:
-    """What an RMS norm class computes, in :func:`rope_ext.qk_norm_rotary`'s terms.
+    """What a norm class computes, in :func:`rope_ext.qk_norm_rotary`'s terms.
 
     Attributes:
         name: for listings.
@@ -39,6 +39,10 @@ class NormForm:
         offset_in_weight_dtype: the class adds ``offset`` in the weight's dtype (Krea2RMSNorm's
             ``self.weight + 1.0``), which rounds for a 16-bit weight; the op adds it in float32, so
             it takes a float32 weight only.
+        centered: a LayerNorm (the op's ``norm="layer"``): the mean subtracted, the biased variance.
+        bias: the bias's attribute, or None (no bias; an attribute holding None is none too).
+        shape: the attribute holding the normalized shape (``torch.nn.LayerNorm``'s
+            ``normalized_shape``), which must be the op's row, or None where the weight shows it.
     """
 
     name: str
@@ -50,11 +54,16 @@ class NormForm:
     eps_none: str | None = None
     unset: tuple[str, ...] = ()
     offset_in_weight_dtype: bool = False
+    centered: bool = False
+    bias: str | None = None
+    shape: str | None = None
 
     def describe(self) -> str:
-        parts = [f"eps from .{self.eps}"]
+        parts = (["LayerNorm"] if self.centered else []) + [f"eps from .{self.eps}"]
         parts.append("no weight" if self.weight is None else
                      ("(1 + w)" if self.offset == 1.0 else "w") + (f" if .{self.weight_if}" if self.weight_if else ""))
+        if self.bias is not None:
+            parts.append(f"bias .{self.bias}")
         parts.append({"input": "returns x's dtype", "promote": "returns w's and x's promotion",
                       "weight": "returns a 16-bit w's dtype, else float32"}[self.output])
         return f"{self.name}: " + ", ".join(parts)
@@ -70,6 +79,15 @@ def _norm_weight(norm, form: NormForm):
     if form.weight is None or (form.weight_if is not None and not getattr(norm, form.weight_if)):
         return None
     return getattr(norm, form.weight)
+
+
+def _norm_bias(norm, form: NormForm):
+    return None if form.bias is None else getattr(norm, form.bias)
+
+
+def _shape_ok(norm, form: NormForm, n: int) -> bool:
+    """Whether the norm normalizes rows of n values, where its form says by which attribute."""
+    return form.shape is None or tuple(getattr(norm, form.shape)) == (n,)
 
 
 def _eps(norm, form: NormForm, x: torch.Tensor):
@@ -235,17 +253,22 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
                 return None
             q, k, cos, sin = q.transpose(1, 2), k.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2)
         wq, wk = _norm_weight(qn, norm_form), _norm_weight(kn, norm_form)
+        bq, bk = _norm_bias(qn, norm_form), _norm_bias(kn, norm_form)
         if mode == "after" and not _unit_tables(module):  # (the statistic of x is then not that of its rotation)
             return None
         across = mode not in ("head", "after")
         if across and (wq is None or wk is None):  # the weights' size is what shows the norm's row
             return None
         rows = (lambda x: x.shape[-2] * x.shape[-1]) if across else (lambda x: x.shape[-1])
-        if not (_weight_ok(wq, norm_form, q, rows(q)) and _weight_ok(wk, norm_form, k, rows(k))):
-            return None
-        return q, k, wq, wk, cos, sin, dict(eps=float(eps), weight_offset=norm_form.offset,
-                                            norm_over="heads" if across else "head", interleaved=form.interleaved,
-                                            weight_after=mode == "after")
+        for norm, x, w, b in ((qn, q, wq, bq), (kn, k, wk, bk)):
+            n = rows(x)
+            if not (_shape_ok(norm, norm_form, n) and _weight_ok(w, norm_form, x, n) and _weight_ok(b, norm_form, x, n)):
+                return None
+        options = dict(eps=float(eps), weight_offset=norm_form.offset, norm_over="heads" if across else "head",
+                       interleaved=form.interleaved, weight_after=mode == "after")
+        if norm_form.centered:
+            options.update(norm="layer", q_bias=bq, k_bias=bk)
+        return q, k, wq, wk, cos, sin, options
 
     def single(module, attr, rope, x, args, kwargs):
         """mode "single": one tensor, normalized by module.<attr>, then rotated by rope(x, ...)."""
@@ -253,6 +276,9 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
         if op_args is None:  # the model's own code
             return rope(getattr(module, attr)(x), *args, **kwargs)
         x, _, weight, _, cos, sin, options = op_args
+        if "q_bias" in options:  # (the one tensor's bias, as norm_rotary names it)
+            options = dict(options, bias=options["q_bias"])
+            del options["q_bias"], options["k_bias"]
         return rope_ext.norm_rotary(x, weight, cos, sin, **options)
 
     def two_streams(module, q_attrs, k_attrs, spec, rope, qs, ks, args, kwargs):

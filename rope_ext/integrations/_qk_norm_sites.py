@@ -171,8 +171,15 @@ def _norm_bindings(init: ast.FunctionDef, attribute) -> dict[str, set[str]]:
 _IDENTITY = frozenset({"nn.Identity()", "torch.nn.Identity()", "Identity"})
 
 
+def torch_norm(bound: str, torch_norms: dict):
+    """The (class, NormForm) of a binding to one of torch's norm classes (``nn.LayerNorm(...)``, a
+    name of ``torch_norms``), or None."""
+    callee = bound.split("(", 1)[0] if bound.endswith(")") else None
+    return torch_norms.get(callee)
+
+
 def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dict, attribute,
-               fused_signatures, judge) -> list[FusionSite]:
+               fused_signatures, judge, torch_norms: dict | None = None) -> list[FusionSite]:
     """The attention methods (``forward``) of a transformers model file (``tree``, imported as
     ``module``) that call one of their q/k norms (attributes matching ``attribute``, a compiled
     regex, bound in ``__init__``, not all to ``nn.Identity()``) and one of the file's RoPE functions
@@ -180,6 +187,8 @@ def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dic
 
     Args:
         known_norms: norm fingerprint -> NormForm.
+        torch_norms: the names of torch's norm classes a binding may call (``nn.LayerNorm``) ->
+            (class, NormForm).
         fused_signatures: the RoPE signatures a fusion can stand in for.
         judge: ``judge(fingerprint, unsupported, node, owner, ropes, norm_attrs)`` -> the method's
             :class:`Site`, or a :class:`FusionRefusal`; ``fingerprint`` is :func:`site_key`'s;
@@ -208,8 +217,12 @@ def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dic
                           fingerprint=key)
         reason, forms = None, set()
         for attr, bound in norms:
+            external = torch_norm(bound, torch_norms or {})
+            if external is not None:
+                forms.add(external[1])
+                continue
             if bound not in classes:
-                reason = f"self.{attr} is {bound}: not an RMS norm class its file defines"
+                reason = f"self.{attr} is {bound}: not a norm class its file defines or a tested torch one"
                 break
             if norm_keys[attr] not in known_norms:
                 reason = (f"self.{attr}'s class {bound} (fingerprint {norm_keys[attr]}) matches no tested RMS "

@@ -55,12 +55,12 @@ _UNFUSABLE_4_57_6 = {
     "e550c0d97b3105f1": "self.k_norm's class Gemma3nRMSNorm (fingerprint bf9746660b7d7006) matches no tested RMS norm form",  # gemma3n
     "a8d22eeb98df352d": "apply_rotary_pos_emb's signature (qk, tables by position_ids) has no fused call yet",  # idefics
     "54f346c30ac6bc3d": '`query_states = query_states.view(bsz, q_len, self.num_heads, self.head_dim).tran` uses query_states, key_states or what their norms read between the norms and RoPE',  # olmoe
-    "71fc001ae52ca00a": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // self.num_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # persimmon
-    "45afaea47331119e": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // config.num_attention_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # phi
+    "71fc001ae52ca00a": 'query_rot is not normalized by self.<k_layernorm|q_layernorm> before its RoPE call',  # persimmon
+    "45afaea47331119e": 'query_rot is not normalized by self.<k_layernorm|q_layernorm> before its RoPE call',  # phi
     "c0fa07245d827bcc": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
 }
 
-# transformers 5.23.0: 39 fusions
+# transformers 5.23.0: 40 fusions
 _TESTED_5_23_0 = {
     "91e1bf1cafd7aa2a": _self(),  # afmoe
     "fef913fe49b2cd0b": _self(),  # apertus, hy_v3
@@ -90,6 +90,7 @@ _TESTED_5_23_0 = {
     "958ff91a25bb938d": _self(),  # minimax_m3_vl
     "e6b4b8a4fef8537d": _self(),  # molmo2
     "eeae7f5e57cd0d27": _self(mode='after'),  # nanochat
+    "3b6455d17d124f85": _self(),  # nemotron3_5_transcribe
     "966261e93ebea29f": _self(),  # neomme
     "db5b2322241bbc71": _self(mode='heads_bhsd'),  # olmo3
     "762d4c07a2ca71f6": _self(mode='heads_bhsd'),  # olmo_hybrid
@@ -104,24 +105,23 @@ _TESTED_5_23_0 = {
 }
 
 _UNFUSABLE_5_23_0 = {
-    "5fb6db5b2575af1e": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # axk2, deepseek_v32
+    "5fb6db5b2575af1e": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # axk2, deepseek_v32
     "abfd41862cd0f2cc": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested RMS norm form",  # chameleon
     "6e184945cf0dcc49": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested RMS norm form",  # cohere
-    "1335617521965374": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # dots3_note, glm_moe_dsa
+    "1335617521965374": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # dots3_note, glm_moe_dsa
     "42b6a0ea04cf0a35": "self.k_norm's class EsmcLayerNorm (fingerprint d431cf3f77e54d0b) matches no tested RMS norm form",  # esmc
-    "be7e5a4fd2310a04": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps): not an RMS norm class its file defines',  # hy_v4
+    "be7e5a4fd2310a04": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # hy_v4
     "3a878b44e2256eda": 'q and k are normalized after RoPE, not directly after its one call',  # idefics
-    "b0a6eb9720a86307": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # mistral_large4
+    "b0a6eb9720a86307": "apply_rotary_pos_emb_interleave's signature (qk, k optional) has no fused call yet",  # mistral_large4
     "f4188a857579ffda": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
-    "3b6455d17d124f85": 'self.k_norm is nn.LayerNorm(self.head_dim): not an RMS norm class its file defines',  # nemotron3_5_transcribe
-    "c9d5bd83ec44a079": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // self.num_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # persimmon
-    "ea63844489bbd024": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // config.num_attention_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # phi
+    "c9d5bd83ec44a079": 'query_rot is not normalized by self.<k_layernorm|q_layernorm> before its RoPE call',  # persimmon
+    "ea63844489bbd024": 'query_rot is not normalized by self.<k_layernorm|q_layernorm> before its RoPE call',  # phi
     "1d9ae95bbcdd25b2": 'q and k are normalized and rotated one at a time, but not as one norm-then-RoPE pair each that holds every RoPE call',  # qwen4_exp
-    "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not an RMS norm class its file defines',  # sapiens2
+    "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not a norm class its file defines or a tested torch one',  # sapiens2
     "13e2d0e7e6486a44": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
 }
 
-# transformers 5.24.0: 39 fusions
+# transformers 5.24.0: 40 fusions
 _TESTED_5_24_0 = {
     "2610de19b1b92456": _self(),  # afmoe
     "35e5e0b49a1f818b": _self(),  # apertus, apertus1p5, hy_v3
@@ -151,6 +151,7 @@ _TESTED_5_24_0 = {
     "1e7b08ac10545d37": _self(),  # minimax_m3_vl
     "591439d1876101f5": _self(),  # molmo2
     "69882c520d639546": _self(mode='after'),  # nanochat
+    "3b6455d17d124f85": _self(),  # nemotron3_5_transcribe
     "1ecfda64dd0072d1": _self(),  # neomme
     "976c031b232e2edc": _self(mode='heads_bhsd'),  # olmo3
     "66bba8f758642e0b": _self(mode='heads_bhsd'),  # olmo_hybrid
@@ -165,23 +166,22 @@ _TESTED_5_24_0 = {
 }
 
 _UNFUSABLE_5_24_0 = {
-    "4793e9178caadbca": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # axk2, deepseek_v32
+    "4793e9178caadbca": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # axk2, deepseek_v32
     "5de7e3fa11dc0507": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested RMS norm form",  # chameleon
     "4db6803a585fa099": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested RMS norm form",  # cohere
     "e29392e9a934db7e": "self.k_norm's class DoryL2Norm (fingerprint aa1ef494b4fd2dfc) matches no tested RMS norm form",  # dory
-    "683afcb13938924b": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # dots3_note, glm_moe_dsa
+    "683afcb13938924b": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # dots3_note, glm_moe_dsa
     "f64b2d6cea5f845b": "self.k_norm's class EsmcLayerNorm (fingerprint d431cf3f77e54d0b) matches no tested RMS norm form",  # esmc
-    "b2320298c1fd4875": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps, dtype=torch.float32): not an RMS norm class its file defines',  # hy_v4
-    "a6987fb124adcb92": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps, dtype=torch.float32): not an RMS norm class its file defines',  # hy_v4_vl
+    "b2320298c1fd4875": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # hy_v4
+    "a6987fb124adcb92": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # hy_v4_vl
     "29a39ac3d730fb65": 'q and k are normalized after RoPE, not directly after its one call',  # idefics
     "7fc49f59ea016c4b": "self.k_norm's class LaraMiniRMSNorm (fingerprint 59c26a99fc9b9886) matches no tested RMS norm form",  # lara_mini
-    "9024619d2e59486d": 'self.k_norm is nn.LayerNorm(self.head_dim, eps=1e-06): not an RMS norm class its file defines',  # mistral_large4
+    "9024619d2e59486d": "apply_rotary_pos_emb_interleave's signature (qk, k optional) has no fused call yet",  # mistral_large4
     "6675f35171d50baf": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
-    "3b6455d17d124f85": 'self.k_norm is nn.LayerNorm(self.head_dim): not an RMS norm class its file defines',  # nemotron3_5_transcribe
-    "e86a120a4ba32161": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // self.num_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # persimmon
-    "eda69a0e500223e4": 'self.k_layernorm is nn.LayerNorm(config.hidden_size // config.num_attention_heads, eps=config.layer_norm_eps, elementwise_affine=True): not an RMS norm class its file defines',  # phi
+    "e86a120a4ba32161": 'query_rot is not normalized by self.<k_layernorm|q_layernorm> before its RoPE call',  # persimmon
+    "eda69a0e500223e4": 'query_rot is not normalized by self.<k_layernorm|q_layernorm> before its RoPE call',  # phi
     "1d8908e09df86a96": 'q and k are normalized and rotated one at a time, but not as one norm-then-RoPE pair each that holds every RoPE call',  # qwen4_exp
-    "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not an RMS norm class its file defines',  # sapiens2
+    "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not a norm class its file defines or a tested torch one',  # sapiens2
     "4b5178c93db4c65c": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
 }
 

@@ -144,7 +144,8 @@ def _fusion_sites(tree: ast.Module, module: str, functions, judge) -> list:
     """The file's attention methods that normalize q and k and apply RoPE (``_qk_norm_sites.find_sites``
     with this library's norms and RoPE functions), each as ``judge`` says."""
     return _qk_norm_sites.find_sites(tree, module, {f.name: f.form for f in functions}, _hf_forms.KNOWN_NORMS,
-                                     re.compile(_hf_forms.NORM_ATTRIBUTE), _hf_forms.FUSED_TABLES, judge)
+                                     re.compile(_hf_forms.NORM_ATTRIBUTE), _hf_forms.FUSED_TABLES, judge,
+                                     _hf_forms.TORCH_NORMS)
 
 
 def _models_root() -> str:
@@ -443,6 +444,14 @@ def _fusion_plan(family: str, report: FamilyReport, site: _qk_norm_sites.FusionS
     or the method is not the file's."""
     norms = {}
     for _, cls_name in site.norms:
+        external = _qk_norm_sites.torch_norm(cls_name, _hf_forms.TORCH_NORMS)
+        if external is not None:  # torch's class, whose forward must be torch's own
+            cls = external[0]
+            forward = cls.forward
+            if getattr(forward, "__module__", None) != cls.__module__:
+                raise ValueError(f"{cls!r}'s forward is {forward!r}, not torch's (replaced by another library?)")
+            norms[cls] = (site.norm_form, forward)
+            continue
         cls = getattr(module, cls_name, None)
         forward = getattr(cls, "forward", None)
         if getattr(getattr(forward, "__code__", None), "co_filename", None) != module.__file__:
