@@ -10,13 +10,17 @@ Cases:
          per head (Qwen3RMSNorm), half-split RoPE.
   wan    Wan-14B self-attention at S=4096: q and k (1, 4096, 40, 128), normalized across heads (a
          (5120,) weight), half-split RoPE.
+  phi    Phi-2's attention with its QK LayerNorm at S=4096: q and k (1, 4096, 32, 80), nn.LayerNorm(80)
+         with its weight and bias per head, half-split RoPE on the first 32 columns (partial rotary,
+         sliced and joined as PhiAttention does).
   bfloat16 and float32 each; the weights in the dtype (as the model holds them) and requiring grad.
 Providers:
-  eager     transformers' Qwen3RMSNorm (over H * D for wan) in the (B, S, H, D) projection layout,
-            then transformers' apply_rotary_pos_emb on the (B, H, S, D) view, as Qwen3Attention does;
+  eager     transformers' Qwen3RMSNorm (over H * D for wan; phi: torch's nn.LayerNorm) in the (B, S,
+            H, D) projection layout, then transformers' apply_rotary_pos_emb on the (B, H, S, D) view,
+            as Qwen3Attention does;
   compiled  torch.compile (Inductor) of eager;
-  unfused   torch.nn.functional.rms_norm, then rope_ext.rotary_qk;
-  fused     rope_ext.qk_norm_rotary.
+  unfused   torch.nn.functional.rms_norm (phi: layer_norm), then rope_ext.rotary_qk;
+  fused     rope_ext.qk_norm_rotary (phi: norm="layer" with the biases).
 Modes: fwd (no grad) and fwd+bwd (forward, then backward of random output gradients into q, k and
 both weights). Every provider is checked against the float64 reference first. Providers run
 interleaved, one call each per round; the table gives medians and the ratios of medians, all from
@@ -42,10 +46,12 @@ import torch.nn.functional as F
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
 import rope_ext
-from rope_ext.reference import rms_norm_rotary_reference
+from rope_ext.reference import norm_rotary_reference
 
-S, D, EPS = 4096, 128, 1e-6
-CASES = {"qwen3": (32, 8, "head"), "wan": (40, 40, "heads")}
+S, EPS = 4096, 1e-6
+# name: (q heads, k heads, norm_over, head dim, rotary dim, norm)
+CASES = {"qwen3": (32, 8, "head", 128, 128, "rms"), "wan": (40, 40, "heads", 128, 128, "rms"),
+         "phi": (32, 32, "head", 80, 32, "layer")}
 # glibc.malloc thresholds for --reuse-memory: keep freed blocks of any size for reuse, as a caching
 # allocator (a GPU's, jemalloc) does; without it each call's output is a fresh mmap whose pages fault
 # in on first write (bench_rope.py's docstring).
@@ -64,17 +70,21 @@ def sync() -> None:
 class Case:
     def __init__(self, name: str, dtype: torch.dtype):
         self.name, self.dtype = name, dtype
-        self.hq, self.hk, self.norm_over = CASES[name]
+        self.hq, self.hk, self.norm_over, D, self.r, self.norm = CASES[name]
+        self.D = D
         g = torch.Generator().manual_seed(0)
-        self.q = torch.randn(1, S, self.hq, D, generator=g).to(dtype)
-        self.k = torch.randn(1, S, self.hk, D, generator=g).to(dtype)
+        mean = 0.5 if self.norm == "layer" else 0.0  # (rows away from a mean of 0: centering changes them)
+        self.q = (torch.randn(1, S, self.hq, D, generator=g) + mean).to(dtype)
+        self.k = (torch.randn(1, S, self.hk, D, generator=g) + mean).to(dtype)
         wide = self.norm_over == "heads"
-        self.nq = Qwen3RMSNorm(D * (self.hq if wide else 1), eps=EPS).to(dtype)
-        self.nk = Qwen3RMSNorm(D * (self.hk if wide else 1), eps=EPS).to(dtype)
+        make = (lambda n: torch.nn.LayerNorm(n, eps=EPS)) if self.norm == "layer" else (lambda n: Qwen3RMSNorm(n, eps=EPS))
+        self.nq = make(D * (self.hq if wide else 1)).to(dtype)
+        self.nk = make(D * (self.hk if wide else 1)).to(dtype)
         with torch.no_grad():
-            self.nq.weight.uniform_(0.5, 1.5, generator=g)
-            self.nk.weight.uniform_(0.5, 1.5, generator=g)
-        angles = torch.arange(S, dtype=torch.float64)[:, None] * 1e6 ** (-torch.arange(0, D, 2) / D)
+            for p in (*self.nq.parameters(), *self.nk.parameters()):
+                p.uniform_(0.5, 1.5, generator=g)
+        r = self.r
+        angles = torch.arange(S, dtype=torch.float64)[:, None] * 1e6 ** (-torch.arange(0, r, 2) / r)
         emb = torch.cat((angles, angles), -1)
         self.cos, self.sin = emb.cos()[None].to(dtype), emb.sin()[None].to(dtype)  # (1, S, D), as HF's
         self.q, self.k, self.cos, self.sin = (t.to(DEVICE) for t in (self.q, self.k, self.cos, self.sin))
@@ -90,32 +100,44 @@ class Case:
             k = self.nk(k.flatten(-2)).unflatten(-1, k.shape[-2:])
         else:
             q, k = self.nq(q), self.nk(k)
-        return apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), self.cos, self.sin)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if self.r == self.D:
+            return apply_rotary_pos_emb(q, k, self.cos, self.sin)
+        r = self.r  # (PhiAttention's partial rotary: the rotated columns sliced off, rotated, joined back)
+        q_rot, k_rot = apply_rotary_pos_emb(q[..., :r], k[..., :r], self.cos, self.sin)
+        return torch.cat((q_rot, q[..., r:]), -1), torch.cat((k_rot, k[..., r:]), -1)
+
+    def _params(self):
+        biases = dict(norm="layer", q_bias=self.nq.bias, k_bias=self.nk.bias) if self.norm == "layer" else {}
+        return (self.nq.weight, self.nk.weight, self.cos[:, :, None], self.sin[:, :, None]), biases
 
     def unfused(self, q, k):
-        shape = (q.shape[-2] * D,) if self.norm_over == "heads" else (D,)
-        if self.norm_over == "heads":
-            q = F.rms_norm(q.flatten(-2), shape, self.nq.weight, EPS).unflatten(-1, q.shape[-2:])
-            k = F.rms_norm(k.flatten(-2), shape, self.nk.weight, EPS).unflatten(-1, k.shape[-2:])
-        else:
-            q, k = F.rms_norm(q, shape, self.nq.weight, EPS), F.rms_norm(k, shape, self.nk.weight, EPS)
-        return rope_ext.rotary_qk(q, k, self.cos[:, :, None], self.sin[:, :, None])
+        shape = (q.shape[-2] * self.D,) if self.norm_over == "heads" else (self.D,)
+
+        def norm(x, n):
+            v = x.flatten(-2) if self.norm_over == "heads" else x
+            v = F.layer_norm(v, shape, n.weight, n.bias, EPS) if self.norm == "layer" else F.rms_norm(v, shape,
+                                                                                                   n.weight, EPS)
+            return v.unflatten(-1, x.shape[-2:]) if self.norm_over == "heads" else v
+
+        return rope_ext.rotary_qk(norm(q, self.nq), norm(k, self.nk), self.cos[:, :, None], self.sin[:, :, None])
 
     def fused_inplace(self, q, k):
+        tensors, biases = self._params()
         with torch.no_grad():
-            return rope_ext.qk_norm_rotary_(q, k, self.nq.weight, self.nk.weight, self.cos[:, :, None],
-                                            self.sin[:, :, None], eps=EPS, norm_over=self.norm_over)
+            return rope_ext.qk_norm_rotary_(q, k, *tensors, eps=EPS, norm_over=self.norm_over, **biases)
 
     def fused(self, q, k):
-        return rope_ext.qk_norm_rotary(q, k, self.nq.weight, self.nk.weight, self.cos[:, :, None],
-                                       self.sin[:, :, None], eps=EPS, norm_over=self.norm_over)
+        tensors, biases = self._params()
+        return rope_ext.qk_norm_rotary(q, k, *tensors, eps=EPS, norm_over=self.norm_over, **biases)
 
 
 def check(case: Case, fns: dict) -> None:
     """Each provider's forward against the float64 reference, within a few roundings of the dtype."""
-    want = [rms_norm_rotary_reference(x.double().cpu(), n.weight.detach().double().cpu(),
-                                      case.cos[:, :, None].double().cpu(), case.sin[:, :, None].double().cpu(),
-                                      eps=EPS, norm_over=case.norm_over)
+    want = [norm_rotary_reference(x.double().cpu(), n.weight.detach().double().cpu(),
+                                  case.cos[:, :, None].double().cpu(), case.sin[:, :, None].double().cpu(),
+                                  eps=EPS, norm_over=case.norm_over, norm=case.norm,
+                                  bias=None if case.norm == "rms" else n.bias.detach().double().cpu())
             for x, n in ((case.q, case.nq), (case.k, case.nk))]
     u = {torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}[case.dtype]
     with torch.no_grad():
@@ -138,7 +160,8 @@ def step(case: Case, fn, mode: str):
     outs = fn(q, k)
     grads = [g if g.shape == o.shape else g.transpose(1, 2) for o, g in zip(outs, case.grads, strict=True)]
     torch.autograd.backward(outs, grads)
-    case.nq.weight.grad = case.nk.weight.grad = None
+    for p in (*case.nq.parameters(), *case.nk.parameters()):
+        p.grad = None
     return None
 
 
@@ -208,6 +231,7 @@ def peak_memory(case: Case, fn) -> float:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="qwen3 bfloat16 only, without torch.compile")
+    p.add_argument("--cases", default=",".join(CASES), help=f"a comma-separated subset of {', '.join(CASES)}")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU)")
@@ -225,7 +249,7 @@ def main():
     print(f"{where}, torch {torch.__version__}, rope_ext {rope_ext.__version__} "
           f"({'CUDA' if DEVICE.type == 'cuda' else rope_ext.cpu_kernel_isa()} kernel)")
     dtypes = (torch.bfloat16, torch.float32)
-    pairs = [("qwen3", torch.bfloat16)] if args.quick else [(n, d) for n in CASES for d in dtypes]
+    pairs = [("qwen3", torch.bfloat16)] if args.quick else [(n, d) for n in args.cases.split(",") for d in dtypes]
     verdicts = []
     print(f"{'case':16} {'mode':8} {'provider':9} {'ms':>8} {'eager/x':>8} {'compiled/x':>10} {'unfused/x':>9}")
     for name, dtype in pairs:

@@ -340,8 +340,10 @@ def qk_norm_rotary(
             all of a token's heads, dim -2, ``heads * head_dim`` values (OLMo 2, Wan, LTX).
         interleaved: the pairing, as :func:`rotary`'s.
         weight_after: apply ``g`` (and the bias) after the rotation rather than before (see above).
-            Without a weight, or with a weight that is the same for both members of every pair, both
-            orders give the same result.
+            With no bias, and no weight or one that is the same for both members of every pair, both
+            orders give the same result. The statistics are x's either way: with ``norm="layer"``
+            this is not ``layer_norm(rotary(x))`` (a rotation keeps a row's sum of squares, not its
+            mean).
         norm: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm: the mean subtracted first, the variance
             the biased one, as ``torch.nn.LayerNorm``'s).
         q_bias, k_bias: the norms' biases, or None: shaped and typed as the weights.
