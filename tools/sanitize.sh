@@ -297,7 +297,7 @@ echo "sanitize: canary read past a tensor inside pytest reported, exit $rc"
 TESTS=(tests/test_robustness.py tests/test_cuda_emulation.py tests/test_rotary.py tests/test_autograd.py
        tests/test_qk_and_inplace.py tests/test_errors.py tests/test_cpu_kernel.py tests/test_cpu_fast_path.py
        tests/test_rotary_pos.py tests/test_compat_vllm.py tests/test_fuzz.py tests/test_bad_inputs.py
-       tests/test_qk_norm.py tests/test_qk_norm_emulation.py)
+       tests/test_qk_norm.py tests/test_qk_norm_emulation.py tests/test_layer_norm_rotary.py)
 # Left out, each for its reason:
 DESELECT=(
   # a 4 GiB float16 tensor written and rewritten whole: 194 of the 446 CPU-seconds of these tests
@@ -322,6 +322,8 @@ DESELECT=(
   --deselect tests/test_qk_norm.py::test_export
   --deselect tests/test_qk_norm.py::test_gathered_form_opcheck_and_compile
   --deselect tests/test_qk_norm.py::test_in_place_compiles_and_opchecks
+  --deselect tests/test_layer_norm_rotary.py::test_compile_fullgraph_forward_and_backward
+  --deselect tests/test_layer_norm_rotary.py::test_export
   # the QK-norm kernel's DEFAULT variant rerun in a child (its AVX2 one runs, sanitized too): the
   # generic variant's code is the scalar tails the AVX-512 one runs here, and the child costs a minute
   --deselect "tests/test_qk_norm.py::test_under_the_other_variants[default]"

@@ -492,13 +492,12 @@ struct NormThread {
     }
   }
   // Backward at the pairs: x_hat = (x - mean) * rstd, and d, the gradient of x_hat: rotary^T(dy) * g,
-  // or with the weight after, rotary^T(g * dy); e, each column's term of the biases' gradient:
-  // rotary^T(dy), or with the weight after, dy. kTerms: also each column's term of the weights'
+  // or with the weight after, rotary^T(g * dy). kTerms: also each column's term of the weights'
   // gradient, rotary^T(dy) * x_hat, or with the weight after, dy * rotary(x_hat).
   template <bool kTerms>
   ROPE_HD void grad_pairs(const Item& a, const Stats& st, opmath_t (&d1)[kPairs], opmath_t (&d2)[kPairs],
                           opmath_t (&h1)[kPairs], opmath_t (&h2)[kPairs], opmath_t (&t1)[kPairs],
-                          opmath_t (&t2)[kPairs], opmath_t (&e1)[kPairs], opmath_t (&e2)[kPairs]) const {
+                          opmath_t (&t2)[kPairs]) const {
     opmath_t y1[kPairs], y2[kPairs], c1[kPairs], s1[kPairs], c2[kPairs], s2[kPairs], g1[kPairs], g2[kPairs];
     load_pairs<kVec, kInterleaved, kSiteGrad1, kSiteGrad2, Mem>(grad + a.off[kNormGrad], p.grad_col, half(), pair0(a),
                                                                 true, y1, y2);
@@ -513,15 +512,27 @@ struct NormThread {
           rotate_pair<false>(h1[j], h2[j], c1[j], s1[j], c2[j], s2[j], r1, r2);
           t1[j] = y1[j] * r1, t2[j] = y2[j] * r2;
         }
-        e1[j] = y1[j], e2[j] = y2[j];
         rotate_pair<true>(y1[j] * g1[j], y2[j] * g2[j], c1[j], s1[j], c2[j], s2[j], d1[j], d2[j]);
       } else {
         opmath_t u1, u2;
         rotate_pair<true>(y1[j], y2[j], c1[j], s1[j], c2[j], s2[j], u1, u2);
         if constexpr (kTerms) t1[j] = u1 * h1[j], t2[j] = u2 * h2[j];
-        e1[j] = u1, e2[j] = u2;
         d1[j] = u1 * g1[j], d2[j] = u2 * g2[j];
       }
+    }
+  }
+  // Each column's term of the biases' gradient at the pairs: rotary^T(dy), or with the weight after,
+  // dy. (Its own pass over dy and the tables, which the block read just before: beside grad_pairs'
+  // values, 2 * kPairs more would be live, and the 16-bit vector kernels would spill on sm_120.)
+  ROPE_HD void bias_terms(const Item& a, opmath_t (&e1)[kPairs], opmath_t (&e2)[kPairs]) const {
+    opmath_t c1[kPairs], s1[kPairs], c2[kPairs], s2[kPairs];
+    load_pairs<kVec, kInterleaved, kSiteGrad1, kSiteGrad2, Mem>(grad + a.off[kNormGrad], p.grad_col, half(), pair0(a),
+                                                                true, e1, e2);
+    if (weight_after) return;
+    table_pairs(a, c1, s1, c2, s2);
+    for (int j = 0; j < kPairs; ++j) {
+      const opmath_t y1 = e1[j], y2 = e2[j];  // (rotate_pair's outputs must not alias its inputs)
+      rotate_pair<true>(y1, y2, c1[j], s1[j], c2[j], s2[j], e1[j], e2[j]);
     }
   }
 
@@ -582,15 +593,19 @@ struct NormThread {
         sum.a += squares ? v1 * v1 + v2 * v2 : v1 + v2;
       }
     } else {
-      opmath_t d1[kPairs], d2[kPairs], h1[kPairs], h2[kPairs], t1[kPairs], t2[kPairs], e1[kPairs], e2[kPairs];
+      opmath_t d1[kPairs], d2[kPairs], h1[kPairs], h2[kPairs], t1[kPairs], t2[kPairs];
       if (partial != nullptr) {
-        grad_pairs<true>(a, st, d1, d2, h1, h2, t1, t2, e1, e2);
+        grad_pairs<true>(a, st, d1, d2, h1, h2, t1, t2);
         add_pair_terms<false>(g, it, item, t1, t2);
       } else {
-        grad_pairs<false>(a, st, d1, d2, h1, h2, t1, t2, e1, e2);
+        grad_pairs<false>(a, st, d1, d2, h1, h2, t1, t2);
       }
-      if (bias_partial != nullptr) add_pair_terms<true>(g, it, item, e1, e2);
       for (int j = 0; j < kPairs; ++j) sum.a += d1[j] * h1[j] + d2[j] * h2[j], sum.b += d1[j] + d2[j];
+      if (bias_partial != nullptr) {
+        opmath_t e1[kPairs], e2[kPairs];
+        bias_terms(a, e1, e2);
+        add_pair_terms<true>(g, it, item, e1, e2);
+      }
     }
     return sum;
   }
@@ -655,8 +670,8 @@ struct NormThread {
         }
       }
     } else {
-      opmath_t d1[kPairs], d2[kPairs], h1[kPairs], h2[kPairs], t1[kPairs], t2[kPairs], e1[kPairs], e2[kPairs];
-      grad_pairs<false>(a, st, d1, d2, h1, h2, t1, t2, e1, e2);
+      opmath_t d1[kPairs], d2[kPairs], h1[kPairs], h2[kPairs], t1[kPairs], t2[kPairs];
+      grad_pairs<false>(a, st, d1, d2, h1, h2, t1, t2);
       for (int j = 0; j < kPairs; ++j) {
         o1[j] = st.inv * ((d1[j] - st.md) - h1[j] * st.m);
         o2[j] = st.inv * ((d2[j] - st.md) - h2[j] * st.m);
