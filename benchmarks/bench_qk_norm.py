@@ -10,6 +10,8 @@ Cases:
          per head (Qwen3RMSNorm), half-split RoPE.
   wan    Wan-14B self-attention at S=4096: q and k (1, 4096, 40, 128), normalized across heads (a
          (5120,) weight), half-split RoPE.
+  layer  Qwen3-8B's shapes with torch's nn.LayerNorm(128) and its bias in place of the RMS norm (the
+         full-rotary LayerNorm of Chameleon's and Cohere's heads of 128).
   phi    Phi-2's attention with its QK LayerNorm at S=4096: q and k (1, 4096, 32, 80), nn.LayerNorm(80)
          with its weight and bias per head, half-split RoPE on the first 32 columns (partial rotary,
          sliced and joined as PhiAttention does).
@@ -51,7 +53,7 @@ from rope_ext.reference import norm_rotary_reference
 S, EPS = 4096, 1e-6
 # name: (q heads, k heads, norm_over, head dim, rotary dim, norm)
 CASES = {"qwen3": (32, 8, "head", 128, 128, "rms"), "wan": (40, 40, "heads", 128, 128, "rms"),
-         "phi": (32, 32, "head", 80, 32, "layer")}
+         "layer": (32, 8, "head", 128, 128, "layer"), "phi": (32, 32, "head", 80, 32, "layer")}
 # glibc.malloc thresholds for --reuse-memory: keep freed blocks of any size for reuse, as a caching
 # allocator (a GPU's, jemalloc) does; without it each call's output is a fresh mmap whose pages fault
 # in on first write (bench_rope.py's docstring).

@@ -348,30 +348,33 @@ def _norm_rotary_backward(ctx, g, _g_stats):
 
 def _norm_composite_backward(flags, rows, cos, sin, positions, need, tables_at):
     """The backward as the gradient of rope_ext.reference's composite, with a graph of its own: rows
-    are the op's _NormRows; need says which of the op's arguments want a gradient."""
+    are the op's _NormRows; need says which of the op's arguments want a gradient. Each argument
+    enters the composite as its own alias (a view), so that a tensor passed twice (one norm's weight
+    for q and k, x as both) gets each argument's gradient apart, as the kernels give them."""
     from rope_ext.reference import norm_rotary_reference
 
     eps, weight_offset, across_heads, interleaved, weight_after, centered = flags
-    wanted = {}  # argument index: tensor
-    for row in rows:
-        for i, t in zip(row.at, (row.x, row.weight, row.bias), strict=True):
-            if need[i] and t is not None:
-                wanted[i] = t
-    for i, t in zip(tables_at, (cos, sin), strict=True):
-        if need[i]:
-            wanted[i] = t
     norm_over = "heads" if across_heads else "head"
     with torch.enable_grad():
-        c, s = cos, sin
+        slots = {}  # argument index: its alias
+
+        def alias(i, t):
+            if t is None:
+                return None
+            slots[i] = t.view_as(t)
+            return slots[i]
+
+        c, s = alias(tables_at[0], cos), alias(tables_at[1], sin)
         if positions is not None:  # the caches' rows at the positions, in the full form
-            c, s = (_full_form(t[positions.long()], interleaved) for t in (cos, sin))
-        outs = [
-            norm_rotary_reference(row.x, row.weight, c, s, eps=eps, weight_offset=weight_offset, norm_over=norm_over,
-                                  interleaved=interleaved, weight_after=weight_after,
-                                  norm="layer" if centered else "rms", bias=row.bias)
-            for row in rows
-        ]
-        grads = torch.autograd.grad(outs, list(wanted.values()), [row.grad for row in rows], create_graph=True,
+            c, s = (_full_form(t[positions.long()], interleaved) for t in (c, s))
+        outs = []
+        for row in rows:
+            x, w, b = (alias(i, t) for i, t in zip(row.at, (row.x, row.weight, row.bias), strict=True))
+            outs.append(norm_rotary_reference(x, w, c, s, eps=eps, weight_offset=weight_offset, norm_over=norm_over,
+                                              interleaved=interleaved, weight_after=weight_after,
+                                              norm="layer" if centered else "rms", bias=b))
+        wanted = [i for i in slots if need[i]]
+        grads = torch.autograd.grad(outs, [slots[i] for i in wanted], [row.grad for row in rows], create_graph=True,
                                     allow_unused=True)
     out = [None] * len(need)
     for i, grad in zip(wanted, grads, strict=True):

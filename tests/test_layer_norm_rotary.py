@@ -475,3 +475,22 @@ def test_fuzz_against_the_truth(data):
         theirs = torch.autograd.grad(norm_rotary_reference(xs, ws, cos, sin, norm="layer", bias=bs, **kw), leaves, g)
         for a, c in zip(ours, theirs, strict=True):
             torch.testing.assert_close(a, c, atol=1e-11, rtol=1e-11)
+
+
+@pytest.mark.parametrize("shared", ["bias", "weight", "x"])
+def test_double_backward_keeps_a_tensor_passed_twice_apart(shared, gen):
+    """One tensor in two argument slots (one norm's bias or weight for q and k, x as both q and k):
+    the gradients of a create_graph backward (the composite's) equal the kernels' (each slot's
+    gradient once, summed by autograd), and a second derivative agrees with gradgradcheck's."""
+    inputs, kw = _grad_case(torch.float64, "head", False, gen, D=8, r=6, tables_grad=False)
+    q, k, wq, wk, cos, sin, bq, bk = inputs
+    k = layer_input(*q.shape, dtype=torch.float64, gen=gen).requires_grad_()
+    args = {"bias": (q, k, wq, wk, cos, sin, bq, bq), "weight": (q, k, wq, wq, cos, sin, bq, bk),
+            "x": (q, q, wq, wk, cos, sin, bq, bk)}[shared]
+    leaves = list(dict.fromkeys(t for t in args if t is not None and t.requires_grad))
+    g = [randn(*q.shape, dtype=torch.float64, gen=gen) for _ in range(2)]
+    plain = torch.autograd.grad(_ours(*args, **kw), leaves, g)
+    graphed = torch.autograd.grad(_ours(*args, **kw), leaves, g, create_graph=True)
+    for a, b in zip(plain, graphed, strict=True):
+        torch.testing.assert_close(a, b.detach(), atol=1e-12, rtol=1e-12)
+    assert torch.autograd.gradgradcheck(lambda *t: _ours(*t, **kw), args)

@@ -578,3 +578,22 @@ def test_layer_norm_sector_efficiency(gen):
             for kind in ("ld", "st"):
                 eff = t[f"{kind}_needed"] / t[f"{kind}_sectors"]
                 assert eff >= 0.90, f"{norm_over} H={H} D={D} r={r} {name} {kind}: sector efficiency {eff:.3f}"
+
+
+def test_layer_norm_backward_reads_statistics_at_any_alignment(gen):
+    """The backward reads each (mean, rstd) pair as one vector where the statistics are aligned to
+    it, one value at a time where a caller's contiguous tensor is not (4 bytes past it): the same
+    bits either way, and no misaligned access (the emulator refuses one as a GPU would)."""
+    from test_layer_norm_rotary import layer_input, make_params
+
+    x = layer_input(2, 3, 4, 16, gen=gen)
+    w, b = make_params(16, torch.float32, gen)
+    cos, sin = random_tables((1, 3, 1, 16), gen=gen)
+    _, stats = emulated_layer(x, w, b, cos, sin)
+    shifted = torch.empty(stats.numel() + 1)[1:].view(stats.shape)
+    shifted.copy_(stats)
+    assert shifted.data_ptr() % 8 == 4
+    dy = randn(*x.shape, gen=gen)
+    for got, want in zip(emulated_layer_backward(dy, x, w, shifted, cos, sin),
+                         emulated_layer_backward(dy, x, w, stats, cos, sin), strict=True):
+        assert torch.equal(got, want)

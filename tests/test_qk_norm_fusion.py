@@ -1222,3 +1222,17 @@ def test_a_second_stream_of_another_shape_is_not_deferred(edit):
     assert source != _TWO_STREAM
     calls = _two_stream_run(source, _qk_norm_rewrite.Site("self", "q_norm", "k_norm", "rope", True, "head"))
     assert calls[True, True] == [("head", False), (None, True)]
+
+
+@pytest.mark.skipif("nemotron3_5_transcribe" not in _cases(), reason="this release has no Nemotron-3.5 Transcribe")
+def test_a_layer_norm_under_autocast_runs_torchs():
+    """Under autocast torch may run its layer_norm in float32 (CUDA's autocast lists it) and return
+    float32 where the fused op returns x's dtype: a torch LayerNorm fusion runs the model's norms
+    there (on the CPU too, where the check is the same), then its RoPE (rope_ext's rotation, as
+    patch() switches it); outside autocast the same model fuses."""
+    family, model, run, _ = _model("nemotron3_5_transcribe")
+    model = model.to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = _run(model, family, run, True)
+    assert not {"qk_norm_rotary", "norm_rotary"} & set(under[2]) and {"rotary", "rotary_qk"} & set(under[2]), under[2]
+    assert "qk_norm_rotary" in _run(model, family, run, True)[2]

@@ -247,10 +247,20 @@ void store_scaled_rotation(const at::opmath_type<scalar_t>* a, at::opmath_type<s
   if (i == half && r == d) return;  // (every column stored: no tail, no pass-through columns)
   // the columns of pairs [i, half) and the pass-through ones, scaled into z (the rotated columns by g
   // and b before the rotation, or after it into y)
+  // z[j] = a[j] * s * g[j] + b[j] (g and b where affine and given): whole vectors, then one at a time
+  // (the same products in the same order either way; -ffp-contract=off keeps them unfused)
   const auto scale = [&](int64_t j0, int64_t j1, bool affine) {
     const T* const gs = affine ? g : nullptr;
     const T* const bs = affine ? b : nullptr;
-    for (int64_t j = j0; j < j1; ++j) {
+    const Vec vs(s);
+    int64_t j = j0;
+    for (; j + Vec::size() <= j1; j += Vec::size()) {
+      Vec v = Vec::loadu(a + j) * vs;
+      if (gs != nullptr) v = v * Vec::loadu(gs + j);
+      if (bs != nullptr) v = v + Vec::loadu(bs + j);
+      v.store(z + j);
+    }
+    for (; j < j1; ++j) {
       z[j] = gs != nullptr ? a[j] * s * gs[j] : a[j] * s;
       if (bs != nullptr) z[j] = z[j] + bs[j];
     }
@@ -274,7 +284,7 @@ void store_scaled_rotation(const at::opmath_type<scalar_t>* a, at::opmath_type<s
     scale_after(i, half);
     scale_after(half + i, r);
   }
-  for (int64_t j = r; j < d; ++j) y[j] = z[j];
+  std::copy(z + r, z + d, y + r);
   using Row = NormRowIO<scalar_t>;
   if (col != 1) {  // (no vector step ran: y holds the whole row)
     Row::store(out, col, d, y);

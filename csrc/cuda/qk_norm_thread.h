@@ -187,6 +187,7 @@ struct NormThread {
   bool weight_float, bias_float, table_vec, weight_vec, bias_vec;
   bool weight_after;  // g and b applied after the rotation (NormCall::weight_after): a uniform branch
   bool centered;      // LayerNorm (NormCall::centered): a uniform branch
+  bool stats_vec;     // centered: each (mean, rstd) pair read and written as one vector (aligned to it)
 
   static NormThread make(const NormCall& c, const NormPlan& plan, const NormLaunch& L, void* partial,
                          void* bias_partial) {
@@ -219,6 +220,8 @@ struct NormThread {
     t.bias_vec = L.bias_vec;
     t.weight_after = c.weight_after;
     t.centered = c.centered;
+    // (the forward's statistics are a new tensor; the backward's, its caller's: any contiguous one)
+    t.stats_vec = reinterpret_cast<uintptr_t>(t.rstd) % (2 * sizeof(opmath_t)) == 0;
     return t;
   }
 
@@ -287,9 +290,9 @@ struct NormThread {
       st.inv = opmath_t(1) / std::sqrt(var + eps);  // (a group of no values: NaN)
       if (rstd != nullptr && g.tx == 0) {
         Mem::at_item(it, g.tx);
-        if (centered) {  // (one vector store of the pair: its 8 or 16 bytes are aligned)
+        if (centered) {  // (one vector store of the pair where its 8 or 16 bytes are aligned)
           const opmath_t pair[2] = {st.mean, st.inv};
-          store_run<2, kSiteRstdStore, Mem>(rstd + 2 * n, 1, true, pair);
+          store_run<2, kSiteRstdStore, Mem>(rstd + 2 * n, 1, stats_vec, pair);
         } else {
           Mem::template store<kSiteRstdStore>(rstd + n, st.inv);
         }
@@ -343,7 +346,7 @@ struct NormThread {
       Mem::at_item(it, g.tx);
       if (centered) {
         opmath_t pair[2];
-        load_run<2, kSiteRstdLoad, Mem>(rstd + 2 * n, 1, true, pair);
+        load_run<2, kSiteRstdLoad, Mem>(rstd + 2 * n, 1, stats_vec, pair);
         st.mean = pair[0], st.inv = pair[1];
       } else {
         st.inv = Mem::template load<kSiteRstdLoad>(rstd + n);

@@ -256,6 +256,10 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
         bq, bk = _norm_bias(qn, norm_form), _norm_bias(kn, norm_form)
         if mode == "after" and not _unit_tables(module):  # (the statistic of x is then not that of its rotation)
             return None
+        if norm_form.centered and mode == "after":  # (a rotation keeps a row's sum of squares, not its mean)
+            return None
+        if norm_form.centered and torch.is_autocast_enabled(q.device.type):
+            return None  # (autocast runs torch's layer_norm in float32 on CUDA: the norm's dtype is not x's)
         across = mode not in ("head", "after")
         if across and (wq is None or wk is None):  # the weights' size is what shows the norm's row
             return None
