@@ -79,7 +79,11 @@ class Case:
         self.q = (torch.randn(1, S, self.hq, D, generator=g) + mean).to(dtype)
         self.k = (torch.randn(1, S, self.hk, D, generator=g) + mean).to(dtype)
         wide = self.norm_over == "heads"
-        make = (lambda n: torch.nn.LayerNorm(n, eps=EPS)) if self.norm == "layer" else (lambda n: Qwen3RMSNorm(n, eps=EPS))
+        norm_class = torch.nn.LayerNorm if self.norm == "layer" else Qwen3RMSNorm
+
+        def make(n):
+            return norm_class(n, eps=EPS)
+
         self.nq = make(D * (self.hq if wide else 1)).to(dtype)
         self.nk = make(D * (self.hk if wide else 1)).to(dtype)
         with torch.no_grad():

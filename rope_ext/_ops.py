@@ -756,7 +756,8 @@ def _check_qk_norm_args(op, x, params, cos, sin, eps, weight_offset, across_head
         )
         torch._check(
             weight.dtype in (x.dtype, torch.float32),
-            lambda nw=nw, weight=weight: f"{op}: {nw} must have {nx}'s dtype ({x.dtype}) or float32, got {weight.dtype}",
+            lambda nw=nw, weight=weight: f"{op}: {nw} must have {nx}'s dtype ({x.dtype}) or float32, "
+            f"got {weight.dtype}",
         )
         torch._check(
             weight.device == x.device,

@@ -454,7 +454,8 @@ def test_backward_op_refuses_an_rstd_that_is_not_the_forwards():
     cos, sin = torch.ones(3, 8), torch.zeros(3, 8)
     op = torch.ops.rope_ext.qk_norm_rotary_backward
     for rstd in (torch.ones(2, 3, dtype=torch.float64), torch.ones(3, 2).t(), torch.ones(2, 4)):
-        with pytest.raises(RuntimeError, match=r"rstd must be the forward's statistics: contiguous, of shape \[2, 3\], Float"):
+        with pytest.raises(RuntimeError,
+                           match=r"rstd must be the forward's statistics: contiguous, of shape \[2, 3\], Float"):
             op(x, x, w, rstd, cos, sin, None, 0.0, False, False, True)
     with pytest.raises(RuntimeError, match="grad must have x's shape"):
         op(x[:1], x, w, torch.ones(2, 3), cos, sin, None, 0.0, False, False, True)

@@ -438,7 +438,8 @@ def test_layer_norm_forward_and_backward_match_float64(dtype, convention, norm_o
     """The LayerNorm kernels, forward (out and the saved (mean, rstd)) and backward (dx, dweight, dbias),
     against the float64 truth: every dtype, pairing, norm form, with and without a bias, the affine
     part before and after the rotation, partial rotary, full and gathered tables."""
-    from test_layer_norm_rotary import check_against_truth as check_layer, layer_input, make_params
+    from test_layer_norm_rotary import check_against_truth as check_layer
+    from test_layer_norm_rotary import layer_input, make_params
 
     interleaved = CONVENTIONS[convention]
     B, S, H, D, r, P = 2, 3, 4, 32, 24, 16
@@ -473,7 +474,8 @@ def test_layer_norm_forward_and_backward_match_float64(dtype, convention, norm_o
 def test_layer_norm_takes_the_vector_or_the_scalar_path(layout, norm_over, gen):
     """Both sides of the vector gate, and of the bias's own (a strided bias reads element by element),
     with LayerNorm and a bias, forward and backward, against the truth."""
-    from test_layer_norm_rotary import check_against_truth as check_layer, layer_input, make_params
+    from test_layer_norm_rotary import check_against_truth as check_layer
+    from test_layer_norm_rotary import layer_input, make_params
 
     make, vector = LAYOUTS[layout]
     B, S, H, D = 2, 3, 4, 64

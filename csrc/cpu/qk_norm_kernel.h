@@ -80,7 +80,10 @@ struct NormMath {
   static T sum(const T* a, int64_t n) {
     Vec acc0(T(0)), acc1(T(0));
     int64_t j = 0;
-    for (; j + 2 * kLanes <= n; j += 2 * kLanes) acc0 = acc0 + Vec::loadu(a + j), acc1 = acc1 + Vec::loadu(a + j + kLanes);
+    for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
+      acc0 = acc0 + Vec::loadu(a + j);
+      acc1 = acc1 + Vec::loadu(a + j + kLanes);
+    }
     T total = sum_lanes(acc0 + acc1);
     for (; j < n; ++j) total += a[j];
     return total;

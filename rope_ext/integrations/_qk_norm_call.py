@@ -266,7 +266,9 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
         rows = (lambda x: x.shape[-2] * x.shape[-1]) if across else (lambda x: x.shape[-1])
         for norm, x, w, b in ((qn, q, wq, bq), (kn, k, wk, bk)):
             n = rows(x)
-            if not (_shape_ok(norm, norm_form, n) and _weight_ok(w, norm_form, x, n) and _weight_ok(b, norm_form, x, n)):
+            if not _shape_ok(norm, norm_form, n):
+                return None
+            if not (_weight_ok(w, norm_form, x, n) and _weight_ok(b, norm_form, x, n)):
                 return None
         options = dict(eps=float(eps), weight_offset=norm_form.offset, norm_over="heads" if across else "head",
                        interleaved=form.interleaved, weight_after=mode == "after")
