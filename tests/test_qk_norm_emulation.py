@@ -108,6 +108,17 @@ def test_gathered_form_matches_float64_truth(dtype, convention, norm_over, index
     assert torch.equal(q_out, q_tab) and torch.equal(k_out, k_tab)
 
 
+def _tables_for(gathered, B, S, r, P, interleaved, gen, dtype=torch.float32):
+    """(cos, sin, the op's table arguments): random full-form tables (B, S, 1, r), or with gathered
+    random half-width caches of P rows and per-token positions (cos and sin their gathered rows)."""
+    if gathered:
+        cc, sc = random_tables((P, r // 2), dtype=dtype, gen=gen)
+        positions = torch.randint(0, P, (B, S, 1), generator=gen)
+        return (*_gathered_tables(cc, sc, positions, interleaved), (cc, sc, positions))
+    cos, sin = random_tables((B, S, 1, r), dtype=dtype, gen=gen)
+    return cos, sin, (cos, sin, None)
+
+
 def _reference_grads(x, w, cos, sin, dy, **kw):
     """(dx, dweight) of the float64 reference."""
     xd = x.detach().double().requires_grad_()
@@ -149,14 +160,7 @@ def test_backward_matches_float64_autograd(dtype, convention, norm_over, weight,
     x = randn(B, S, H, D, dtype=dtype, gen=gen)
     w, offset = make_weight(weight, D * (H if norm_over == "heads" else 1), dtype, gen)
     kw = dict(weight_offset=offset, norm_over=norm_over, interleaved=interleaved, weight_after=after)
-    if gathered:
-        cc, sc = random_tables((P, r // 2), dtype=torch.float32, gen=gen)
-        positions = torch.randint(0, P, (B, S, 1), generator=gen)
-        cos, sin = _gathered_tables(cc, sc, positions, interleaved)
-        tables = (cc, sc, positions)
-    else:
-        cos, sin = random_tables((B, S, 1, r), dtype=torch.float32, gen=gen)
-        tables = (cos, sin, None)
+    cos, sin, tables = _tables_for(gathered, B, S, r, P, interleaved, gen)
     _, _, rstd, _ = emulated(x, x, w, w, *tables, **kw)
     dy = randn(*x.shape, dtype=dtype, gen=gen)
     dx, dweight = emulated_backward(dy, x, w, rstd, *tables, **kw)
@@ -171,14 +175,7 @@ def test_backward_without_the_weights_gradient(after, gathered, gen):
     B, S, H, D, r, P = 2, 3, 4, 32, 24, 16
     x = randn(B, S, H, D, gen=gen)
     w = torch.rand(D, generator=gen) + 0.5
-    if gathered:
-        cc, sc = random_tables((P, r // 2), dtype=torch.float32, gen=gen)
-        positions = torch.randint(0, P, (B, S, 1), generator=gen)
-        cos, sin = _gathered_tables(cc, sc, positions, False)
-        tables = (cc, sc, positions)
-    else:
-        cos, sin = random_tables((B, S, 1, r), dtype=torch.float32, gen=gen)
-        tables = (cos, sin, None)
+    cos, sin, tables = _tables_for(gathered, B, S, r, P, False, gen)
     for rows in (x, _misaligned(x)):  # (the vector path and the scalar one)
         _, _, rstd, _ = emulated(rows, rows, w, w, *tables, weight_after=after)
         dy = randn(*x.shape, gen=gen)
@@ -446,14 +443,7 @@ def test_layer_norm_forward_and_backward_match_float64(dtype, convention, norm_o
     x = layer_input(B, S, H, D, dtype=dtype, gen=gen)
     w, b = make_params(D * (H if norm_over == "heads" else 1), dtype, gen, bias)
     table_dtype = torch.float32 if dtype != torch.float64 else dtype
-    if gathered:
-        cc, sc = random_tables((P, r // 2), dtype=table_dtype, gen=gen)
-        positions = torch.randint(0, P, (B, S, 1), generator=gen)
-        cos, sin = _gathered_tables(cc, sc, positions, interleaved)
-        tables = (cc, sc, positions)
-    else:
-        cos, sin = random_tables((B, S, 1, r), dtype=table_dtype, gen=gen)
-        tables = (cos, sin, None)
+    cos, sin, tables = _tables_for(gathered, B, S, r, P, interleaved, gen, table_dtype)
     kw = dict(norm_over=norm_over, interleaved=interleaved, weight_after=after)
     out, stats = emulated_layer(x, w, b, *tables, **kw)
     check_layer(out, x, w, b, cos, sin, eps=1e-5, **kw)
