@@ -452,10 +452,15 @@ void norm_forward(const NormPlan& p, const NormOperands& o, const Thresholds& th
         }
         T* const group = xf + b * G * D;
         T squares = NormMath<T>::sum_lanes(acc0 + acc1) + tail;
-        if (o.centered) {  // two passes over the buffered group: its mean, then the centered squares
+        if (o.centered) {
+          // The mean, then the centered values' own mean (what the first sum's rounding left: a row
+          // whose mean is far from its spread loses its low digits there) taken off too, and the
+          // squares of what remains: the two-pass variance, with its correction.
           const T mean = NormMath<T>::sum(group, N) / count;
-          squares = NormMath<T>::center(group, mean, N);
-          if (rstd != nullptr) rstd[2 * (n0 + b)] = mean;
+          NormMath<T>::center(group, mean, N);
+          const T residual = NormMath<T>::sum(group, N) / count;
+          squares = NormMath<T>::center(group, residual, N);
+          if (rstd != nullptr) rstd[2 * (n0 + b)] = mean + residual;
         }
         inv[b] = T(1) / std::sqrt(squares / count + eps);
         if (rstd != nullptr) rstd[o.centered ? 2 * (n0 + b) + 1 : n0 + b] = inv[b];
