@@ -488,13 +488,14 @@ def test_strided_inputs_are_read_in_place(gen):
 @pytest.mark.skipif(rope_ext.cpu_kernel_isa() == "DEFAULT", reason="this process runs the DEFAULT variant already")
 @pytest.mark.parametrize("isa", ["avx2", "default"])
 def test_under_the_other_variants(isa):
-    """This file again in a fresh process on the AVX2 and DEFAULT variants (ATEN_CPU_CAPABILITY): their
-    vector steps, tails and element paths, as an AVX2-only machine and a generic build run them."""
+    """This file and test_layer_norm_rotary.py (the LayerNorm form of the same kernel) again in a
+    fresh process on the AVX2 and DEFAULT variants (ATEN_CPU_CAPABILITY): their vector steps, tails
+    and element paths, as an AVX2-only machine and a generic build run them."""
     if isa == "avx2" and rope_ext.cpu_kernel_isa() == "AVX2":
         pytest.skip("the AVX2 variant is this process's own")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": isa}
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "test_layer_norm_rotary.py", "-k",
          "not other_variants and not gradcheck and not compile and not export and not opcheck"],
         env=env, capture_output=True, text=True, cwd=Path(__file__).parent,
     )
