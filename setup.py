@@ -16,8 +16,8 @@ CUDA: the library also gets the CUDA kernels (csrc/cuda/*.cu) when torch is a CU
 complete CUDA toolkit is found (find_cuda_toolkit: CUDA_HOME, else the nvcc on PATH, else
 /usr/local/cuda); otherwise it is CPU-only, and the build says why in one line. lib/build.json
 records what was built and why (`python -m rope_ext.info` prints it). The architectures default
-to sm_80, sm_86, sm_89 and sm_90 plus every newer one the installed nvcc supports (PTX for the
-newest); TORCH_CUDA_ARCH_LIST overrides them.
+to sm_80 and sm_90 plus the first arch of each newer major the installed nvcc supports (a cubin runs
+on every later minor of its major; PTX for the newest); TORCH_CUDA_ARCH_LIST overrides them.
 
 Platforms: Linux on x86-64, the one that is built and tested; others are refused before anything
 compiles (ROPE_EXT_UNTESTED_PLATFORM=1 tries anyway, for someone porting rope_ext).
@@ -204,16 +204,23 @@ def want_cuda() -> CudaChoice:
     return choice if choice.toolkit is None else choice._replace(hint="")
 
 
-BASE_ARCHS = ["8.0", "8.6", "8.9", "9.0"]
+BASE_ARCHS = ["8.0", "9.0"]
 
 
 def default_arch_list(toolkit: Path) -> str:
-    """sm_80/86/89/90 and the newer archs this nvcc can target, PTX for the newest."""
+    """sm_80, sm_90 and the first arch of each newer major this nvcc can target, PTX for the last.
+
+    One SASS per major suffices: a cubin for X.y runs on every X.z with z >= y (sm_80's on sm_86,
+    87 and 89; sm_100's on sm_103; sm_120's on sm_121), and the kernels read no minor-specific
+    feature. Each further arch would cost the build as much again for no new GPU."""
     out = subprocess.run([str(toolkit / "bin" / "nvcc"), "--list-gpu-arch"], capture_output=True,
                          text=True, check=True).stdout
     supported = sorted({int(m) for m in re.findall(r"compute_(\d+)", out)})
-    newer = [f"{a // 10}.{a % 10}" for a in supported if a > 90]
-    archs = [a for a in BASE_ARCHS if int(a.replace(".", "")) in supported] + newer
+    newer = {}
+    for a in supported:
+        if a > 90:
+            newer.setdefault(a // 10, f"{a // 10}.{a % 10}")
+    archs = [a for a in BASE_ARCHS if int(a.replace(".", "")) in supported] + list(newer.values())
     return ";".join(archs[:-1] + [archs[-1] + "+PTX"])
 
 
