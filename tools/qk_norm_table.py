@@ -72,6 +72,8 @@ def _site(site) -> str:
         args.append(f"mode={site.mode!r}")
     if (site.q_norm, site.k_norm) != ("q_norm", "k_norm"):
         args += [f"q={site.q_norm!r}", f"k={site.k_norm!r}"]
+    if site.rotated is not None:
+        args.append(f"rotated={site.rotated!r}")
     if site.owner != "self" or site.pair != (site.mode == "single"):
         return repr(site)
     return f"_self({', '.join(args)})"

@@ -194,7 +194,10 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
     (q, with k None and ``rope(q, *args, **kwargs)`` its RoPE call; the result is one tensor), mode
     ``("two_stream", dim, first)`` means two streams joined along dim before RoPE (q_attr, k_attr,
     q and k pairs: the method's own stream, then the second one, which comes first in the model's
-    cat where ``first``; see :func:`_stream_tables`), and rope None means the norms alone.
+    cat where ``first``; see :func:`_stream_tables`), mode ``("partial", r)`` means partial rotary
+    written out (per head: the first r columns of q and k rotated by ``rope(q[..., :r], k[..., :r],
+    ...)``, then joined to the rest again, as the rewrite's five statements do), and rope None means
+    the norms alone.
 
     Args:
         norms: norm class -> (its :class:`NormForm`, its ``forward`` as patched): the classes whose
@@ -212,8 +215,10 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
             return rope(q, *args, **kwargs), rope(k, *args, **kwargs)
         return rope(q, k, *args, **kwargs)
 
-    def plan(module, q_attr, k_attr, mode, rope, q, k, args, kwargs):
-        """The op's arguments, or None where the model's own code must run."""
+    def plan(module, q_attr, k_attr, mode, rope, q, k, args, kwargs, rotated=None):
+        """The op's arguments, or None where the model's own code must run. rotated: the columns
+        the model rotates, for partial rotary written out (its RoPE call sees only them, so its
+        tables must be that wide), or None (the RoPE call sees whole heads)."""
         if ropes is not None and rope not in ropes:
             return None
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)) or q.dtype != k.dtype:
@@ -246,7 +251,8 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
             return None
         cos, sin = full_tables(form, cos, sin)
         width, head_dim = cos.shape[-1], q.shape[-1]
-        if width > head_dim or (form.span == "whole" and width != head_dim) or width % 2 or cos.device != q.device:
+        seen = head_dim if rotated is None else rotated  # (the columns the model's RoPE call sees)
+        if width > seen or (form.span == "whole" and width != seen) or width % 2 or cos.device != q.device:
             return None
         if mode == "heads_bhsd":  # the op normalizes across dims -2 and -1: the (B, S, H, D) view
             if q.dim() != 4 or cos.dim() != 4:
@@ -287,6 +293,17 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
             del options["q_bias"], options["k_bias"]
         return rope_ext.norm_rotary(x, weight, cos, sin, **options)
 
+    def partial(module, q_attr, k_attr, r, rope, q, k, args, kwargs):
+        """mode ("partial", r): per head, the first r columns rotated, the rest passed through."""
+        usable = isinstance(r, int) and 0 < r <= q.shape[-1]
+        op_args = plan(module, q_attr, k_attr, "head", rope, q, k, args, kwargs, rotated=r) if usable else None
+        if op_args is None:  # the model's own code
+            q, k = norms_alone(module, q_attr, k_attr, "head", q, k)
+            q_rot, k_rot = rotated(rope, q[..., :r], k[..., :r], args, kwargs)
+            return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+        *tensors, options = op_args
+        return rope_ext.qk_norm_rotary(*tensors, **options)
+
     def two_streams(module, q_attrs, k_attrs, spec, rope, qs, ks, args, kwargs):
         """mode ("two_stream", dim, first): qs = (q, q2), ks = (k, k2), each stream normalized by
         its own norms (q_attrs, k_attrs), joined along dim (q2 first where first) and rotated by
@@ -313,6 +330,8 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
     def call(module, q_attr, k_attr, mode, rope, q, k, *args, **kwargs):
         if isinstance(mode, tuple) and mode[0] == "two_stream":
             return two_streams(module, q_attr, k_attr, mode, rope, q, k, args, kwargs)
+        if isinstance(mode, tuple) and mode[0] == "partial":
+            return partial(module, q_attr, k_attr, mode[1], rope, q, k, args, kwargs)
         if mode == "single":
             return single(module, q_attr, rope, q, args, kwargs)
         if rope is None:  # the norms alone

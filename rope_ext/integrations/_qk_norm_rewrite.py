@@ -12,6 +12,15 @@ What is recognised, from the method's source as the RoPE forms are (``O`` is the
     ...
     Q, K = <rope>(Q, K, ...)                      # or: Q = <rope>(Q, ...) then K = <rope>(K, ...)
 
+or, for partial rotary written out (Phi, Persimmon: the first R columns of each head rotated), the
+RoPE call inside the five statements that slice, rotate and join (:class:`_RopeSite`'s ``rotated``)::
+
+    Qr, Qp = (Q[..., :R], Q[..., R:])
+    Kr, Kp = (K[..., :R], K[..., R:])
+    Qr, Kr = <rope>(Qr, Kr, ...)
+    Q = torch.cat((Qr, Qp), dim=-1)
+    K = torch.cat((Kr, Kp), dim=-1)
+
 The norms are *deferred*: the rewrite drops the two norm calls (``Q = E_q[...]``) and sets a flag;
 the RoPE statement, wherever it sits in the method, becomes one call of the fused replacement (norms
 and rotation together while the flag is set, the rotation alone once it is not); and before any other
@@ -101,6 +110,8 @@ class Site:
             tensor normalized and rotated by its own two statements: see :func:`_fuse_single`).
         stream: the second stream joined to q and k before RoPE and fused with them (mode
             ``"head"`` only), or None.
+        rotated: for partial rotary written out (the module docstring's five statements), the
+            source of R, the columns rotated (``self.rotary_ndims``); else None.
     """
 
     owner: str
@@ -110,6 +121,7 @@ class Site:
     pair: bool
     mode: str
     stream: Stream | None = None
+    rotated: str | None = None
 
 
 class FusionRefusal:
@@ -274,10 +286,73 @@ def _alias_root(expr, owner: str) -> str | None:
             return None
 
 
-def _rope_sites(fn, rope_names):
-    """Every RoPE statement of fn: ``(block, index, kind, q, k, call)``; kind ``"qk"`` for ``Q, K =
-    rope(Q, K, ...)``, ``"pair"`` for ``Q = rope(Q, *rest)`` directly followed by ``K = rope(K,
-    *rest)`` with the same rest (its index is the first's)."""
+@dataclasses.dataclass(frozen=True)
+class _RopeSite:
+    """A RoPE statement of a method: ``block[index:index + span]``.
+
+    Attributes:
+        kind: ``"qk"`` for ``Q, K = rope(Q, K, ...)``; ``"pair"`` for ``Q = rope(Q, *rest)``
+            directly followed by ``K = rope(K, *rest)`` with the same rest (span 2).
+        q, k: the tensors rotated: for ``rotated``, Q and K, the names the slices are taken of.
+        call: the RoPE call (q's, for a pair).
+        rotated: the source of R where the call is the middle of partial rotary written out (the
+            module docstring's five statements, span 5; kind ``"qk"``); else None.
+    """
+
+    block: list
+    index: int
+    kind: str
+    q: str
+    k: str
+    call: ast.Call
+    rotated: str | None = None
+
+    @property
+    def span(self) -> int:
+        return 5 if self.rotated is not None else 2 if self.kind == "pair" else 1
+
+    @property
+    def tables(self) -> list:
+        """The call's other arguments: its tables (and options)."""
+        return self.call.args[2 if self.kind == "qk" else 1:] + [w.value for w in self.call.keywords]
+
+
+def _partial_rotary(block, i: int, qr: str, kr: str):
+    """(Q, K, R's source) where block[i] (``Qr, Kr = rope(Qr, Kr, ...)``) is the middle of partial
+    rotary written out, the module docstring's five statements exactly; else None."""
+    if i < 2 or i + 2 >= len(block):
+        return None
+    names, cut = [], None
+    for stmt, rot in zip(block[i - 2:i], (qr, kr), strict=True):
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Tuple)
+                and isinstance(stmt.value, ast.Tuple) and len(stmt.targets[0].elts) == 2 == len(stmt.value.elts)):
+            return None
+        (a, b), (lo, hi) = stmt.targets[0].elts, stmt.value.elts
+        if not (isinstance(a, ast.Name) and isinstance(b, ast.Name) and a.id == rot and isinstance(lo, ast.Subscript)
+                and isinstance(lo.value, ast.Name) and isinstance(lo.slice, ast.Tuple) and len(lo.slice.elts) == 2):
+            return None
+        name, index = lo.value.id, lo.slice.elts[1]
+        if not (isinstance(index, ast.Slice) and index.lower is None and index.upper is not None and not index.step):
+            return None
+        r = _text(index.upper)
+        if (_text(lo) != f"{name}[..., :{r}]" or _text(hi) != f"{name}[..., {r}:]" or name in (a.id, b.id)
+                or (cut is not None and r != cut)):
+            return None
+        cut = r
+        names.append((name, b.id))
+    (q, qp), (k, kp) = names
+    cats = [_assign(s) for s in block[i + 1:i + 3]]
+    if not all(cats) or [c[0] for c in cats] != [q, k] or len({q, k, qr, kr, qp, kp}) != 6:
+        return None
+    if [_text(c[1]) for c in cats] != [f"torch.cat(({qr}, {qp}), dim=-1)", f"torch.cat(({kr}, {kp}), dim=-1)"]:
+        return None
+    if ({q, k, qp, kp} | _names(ast.parse(cut))) & _names(block[i].value):  # (the tables read none of them)
+        return None
+    return q, k, cut
+
+
+def _rope_sites(fn, rope_names) -> list[_RopeSite]:
+    """Every RoPE statement of fn (:class:`_RopeSite`)."""
     def rope_call(value):
         if (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in rope_names
                 and len(value.args) >= 1 and isinstance(value.args[0], ast.Name)):
@@ -291,14 +366,19 @@ def _rope_sites(fn, rope_names):
                     and rope_call(stmt.value) and len(stmt.value.args) >= 2 and isinstance(stmt.value.args[1], ast.Name)
                     and [_text(t) for t in stmt.targets[0].elts] == [_text(a) for a in stmt.value.args[:2]]
                     and stmt.value.args[0].id != stmt.value.args[1].id):
-                found.append((block, i, "qk", stmt.value.args[0].id, stmt.value.args[1].id, stmt.value))
+                q, k = stmt.value.args[0].id, stmt.value.args[1].id
+                partial = _partial_rotary(block, i, q, k)
+                if partial is not None:
+                    found.append(_RopeSite(block, i - 2, "qk", partial[0], partial[1], stmt.value, partial[2]))
+                else:
+                    found.append(_RopeSite(block, i, "qk", q, k, stmt.value))
             first, second = _assign(stmt), _assign(block[i + 1]) if i + 1 < len(block) else None
             if first and second and rope_call(first[1]) and rope_call(second[1]):
                 a, b = first[1], second[1]
                 rest_a, rest_b = (_text(ast.Call(c.func, c.args[1:], c.keywords)) for c in (a, b))
                 if (first[0] == a.args[0].id and second[0] == b.args[0].id and first[0] != second[0]
                         and rest_a == rest_b):
-                    found.append((block, i, "pair", first[0], second[0], a))
+                    found.append(_RopeSite(block, i, "pair", first[0], second[0], a))
     return found
 
 
@@ -346,13 +426,15 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
     # the tensors the norms normalize (QwenImage rotates its text tokens too, normalized by other norms)
     normalized = {name for stmt in fn.body for name in _names(stmt)
                   if _norm_statement(stmt, name, owner, norm_attrs) is not None}
-    keys = {(kind, q, k, call.func.id) for _, _, kind, q, k, call in sites}
-    keys = {key for key in keys if {key[1], key[2]} <= normalized} or keys
+    def key(site):
+        return site.kind, site.q, site.k, site.call.func.id, site.rotated
+    keys = {key(site) for site in sites}
+    keys = {each for each in keys if {each[1], each[2]} <= normalized} or keys
     if len(keys) != 1:
         return Unfusable("its RoPE calls rotate different tensors or call different functions")
-    (kind, q, k, rope), = keys
-    sites = [site for site in sites if (site[2], site[3], site[4], site[5].func.id) == (kind, q, k, rope)]
-    first_top = min(_top_index(fn, block, i) for block, i, *_ in sites)
+    (kind, q, k, rope, rotated), = keys
+    sites = [site for site in sites if key(site) == (kind, q, k, rope, rotated)]
+    first_top = min(_top_index(fn, site.block, site.index) for site in sites)
     norms = {}
     for name in (q, k):
         for j in range(first_top - 1, -1, -1):
@@ -386,8 +468,8 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
                 and n is not fn and watch & _names(n)]
     if closures:
         return Unfusable(f"a function the method defines reads {', '.join(sorted(watch & _names(closures[0])))}")
-    for _, _, _, _, _, call in sites:
-        if watch & _names(call.args[2 if kind == "qk" else 1:] + [w.value for w in call.keywords]):
+    for rope_site in sites:
+        if watch & _names(rope_site.tables):
             return Unfusable(f"its RoPE call's tables read {q}, {k} or what their norms read")
     # the layout statements right after the norms
     hidden_shape = any(_text(s) == HIDDEN_SHAPE for s in fn.body[:lo])
@@ -418,7 +500,9 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
         if id(stmt) not in skip | joined and watch & _names(stmt) and (header is None or any(
                 watch & _names(n) for n in header)):
             return Unfusable(f"`{_text(stmt)[:80]}` uses {q}, {k} or what their norms read between the norms and RoPE")
-    site = Site(owner, nq.attr, nk.attr, rope, kind == "pair", mode, stream and stream[0])
+    if rotated is not None and (mode != "head" or stream):
+        return Unfusable("partial rotary written out after norms across heads, or with a second stream")
+    site = Site(owner, nq.attr, nk.attr, rope, kind == "pair", mode, stream and stream[0], rotated)
     reshaped = min((i for name in (q, k) for i, _ in layouts[name]), default=hi)  # the first layout statement
     if not _apply(fn, site, q, k, nq, nk, sites, skip, watch, holder, reshaped, stream and stream[1]):
         return Unfusable(f"every path to its RoPE call reads {q} or {k} after their norms")
@@ -491,10 +575,10 @@ def _fuse_after(fn, owner: str, sites, q: str, k: str, norm_attrs, holder) -> Si
     The fused call replaces exactly one RoPE statement (or pair) whose next two statements, in the
     same block, are the two norms of the rotated names themselves."""
     refused = Unfusable("q and k are normalized after RoPE, not directly after its one call")
-    if len(sites) != 1:
+    if len(sites) != 1 or sites[0].rotated is not None:
         return refused
-    block, i, kind, _, _, call = sites[0]
-    first = i + (2 if kind == "pair" else 1)
+    block, i, kind, call = sites[0].block, sites[0].index, sites[0].kind, sites[0].call
+    first = i + sites[0].span
     norms = {}
     for stmt in block[first:first + 2]:
         for name in (q, k):
@@ -575,7 +659,7 @@ def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watch, holde
     # the RoPE statements themselves, and the statements before the first layout one, before step 1
     # moves the top level's indices
     unreshaped = {id(stmt) for stmt in fn.body[:reshaped]}
-    targets = [(block[i], block[i + 1] if kind == "pair" else None, kind, call) for block, i, kind, _, _, call in sites]
+    targets = [(each.block[each.index], each.block[each.index + 1:each.index + each.span], each) for each in sites]
     stream = site.stream
     # the stream's statements as the model writes them: what runs where they cannot be deferred
     stream_text = "".join(f"\n{_text(stmt)}" for stmt in stream_stmts or ())
@@ -609,21 +693,25 @@ def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watch, holde
         skip = skip | {id(f) for f in flags}
     # 2. the RoPE statements
     replaced = {}
-    for stmt, second, kind, call in targets:
-        rest = ", ".join([_text(a) for a in call.args[2 if kind == "qk" else 1:]] + [_text(w) for w in call.keywords])
+    for stmt, others, rope_site in targets:
+        call = rope_site.call
+        rest = ", ".join([_text(a) for a in call.args[2 if rope_site.kind == "qk" else 1:]]
+                         + [_text(w) for w in call.keywords])
         fused_call = (f"{q}, {k} = {holder}({site.owner}, {site.q_norm!r}, {site.k_norm!r}, "
                       f"{site.mode!r} if {PENDING} else None, {site.rope}, {q}, {k}" + (f", {rest})" if rest else ")"))
+        if site.rotated is not None:  # the five statements as written, where the norms already ran
+            written = "".join(f"\n{_text(each)}" for each in [stmt, *others])
+            fused_call = (f"if {PENDING}:\n    {q}, {k} = {holder}({site.owner}, {site.q_norm!r}, {site.k_norm!r}, "
+                          f"('partial', {site.rotated}), {site.rope}, {q}, {k}" + (f", {rest})" if rest else ")")
+                          + "\nelse:" + indent(written))
         if stream is not None:  # the two streams deferred: each fused with its own norms, then the cat
             attrs = ((site.q_norm, stream.q_norm), (site.k_norm, stream.k_norm))
             two = (f"{q}, {k} = {holder}({site.owner}, {attrs[0]!r}, {attrs[1]!r}, "
                    f"('two_stream', {stream.dim}, {stream.first}), {site.rope}, ({q}, {stream.q}), ({k}, {stream.k})"
                    + (f", {rest})" if rest else ")"))
             fused_call = f"if {STREAMS}:\n    {two}\n    {STREAMS} = False\nelse:\n    {fused_call}"
-        replaced[id(stmt)] = parse(fused_call, stmt)
-        if second is None:
-            replaced[id(stmt)] += parse(f"{PENDING} = False", stmt)
-        else:
-            replaced[id(second)] = parse(f"{PENDING} = False", second)
+        replaced[id(stmt)] = parse(fused_call, stmt) + parse(f"{PENDING} = False", stmt)
+        replaced.update({id(each): [] for each in others})
     if stream is not None:  # the stream's four statements: deferred while the norms are
         replaced[id(stream_stmts[0])] = parse(f"if {PENDING}:\n    {STREAMS} = True\nelse:" + indent(stream_text),
                                               stream_stmts[0])

@@ -268,5 +268,7 @@ def site_text(site: FusionSite) -> str:
         joined = "" if stream is None else (
             f"; with the {stream.q}/{stream.k} stream it joins {'in front of' if stream.first else 'after'} q and k "
             f"({site.site.owner}.{stream.q_norm}/{stream.k_norm}), each with its rows of the tables")
-        return f"qk-norm {site.method}: fused, {what}over {across[site.site.mode]}{joined}"
+        rotated = site.site.rotated
+        partial = "" if rotated is None else f", its first {rotated} columns rotated (sliced and joined)"
+        return f"qk-norm {site.method}: fused, {what}over {across[site.site.mode]}{partial}{joined}"
     return f"qk-norm {site.method}: not fused: {site.reason}"

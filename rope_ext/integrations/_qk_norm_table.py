@@ -25,15 +25,17 @@ class Table:
     unfusable: dict[str, str]
 
 
-def _self(rope: str = "apply_rotary_pos_emb", mode: str = "head", q: str = "q_norm", k: str = "k_norm") -> Site:
-    return Site("self", q, k, rope, mode == "single", mode)  # (q and k in calls of their own: mode "single")
+def _self(rope: str = "apply_rotary_pos_emb", mode: str = "head", q: str = "q_norm", k: str = "k_norm",
+          rotated: str | None = None) -> Site:
+    # (q and k in calls of their own: mode "single")
+    return Site("self", q, k, rope, mode == "single", mode, rotated=rotated)
 
 
 # transformers, by release: the fingerprints of the attention methods each release fuses (a release
 # that keeps a method's code keeps its fingerprint, and the entry is listed under each), with the
 # families that have it (the first one, or the one named in tests/test_qk_norm_fusion.py's CASES,
 # is the one the test runs).
-# transformers 4.57.6: 12 fusions
+# transformers 4.57.6: 14 fusions
 _TESTED_4_57_6 = {
     "f8bb98c7dc479833": _self(),  # apertus
     "466ef967e569269f": _self(),  # doge
@@ -45,6 +47,8 @@ _TESTED_4_57_6 = {
     "5cbc7d39a9fb2404": _self(mode='after', q='query_layernorm', k='key_layernorm'),  # hunyuan_v1_dense, hunyuan_v1_moe
     "8a3fc0fcf2b48db0": _self(q='q_layernorm', k='k_layernorm'),  # lfm2
     "377b3b287f6f66c5": _self(mode='heads_bhsd'),  # olmo3
+    "71fc001ae52ca00a": _self(q='q_layernorm', k='k_layernorm', rotated='self.rotary_ndims'),  # persimmon
+    "45afaea47331119e": _self(q='q_layernorm', k='k_layernorm', rotated='self.rotary_ndims'),  # phi
     "180dd1ee02ec7469": _self(),  # qwen3_next
     "568d35f4f67aa49a": _self(),  # qwen3_vl, qwen3_vl_moe
 }
@@ -55,12 +59,10 @@ _UNFUSABLE_4_57_6 = {
     "e550c0d97b3105f1": "self.k_norm's class Gemma3nRMSNorm (fingerprint bf9746660b7d7006) matches no tested RMS norm form",  # gemma3n
     "a8d22eeb98df352d": "apply_rotary_pos_emb's signature (qk, tables by position_ids) has no fused call yet",  # idefics
     "54f346c30ac6bc3d": '`query_states = query_states.view(bsz, q_len, self.num_heads, self.head_dim).tran` uses query_states, key_states or what their norms read between the norms and RoPE',  # olmoe
-    "71fc001ae52ca00a": 'query_rot is not normalized by self.<k_layernorm|q_layernorm> before its RoPE call',  # persimmon
-    "45afaea47331119e": 'query_rot is not normalized by self.<k_layernorm|q_layernorm> before its RoPE call',  # phi
     "c0fa07245d827bcc": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
 }
 
-# transformers 5.23.0: 40 fusions
+# transformers 5.23.0: 42 fusions
 _TESTED_5_23_0 = {
     "91e1bf1cafd7aa2a": _self(),  # afmoe
     "fef913fe49b2cd0b": _self(),  # apertus, hy_v3
@@ -96,6 +98,8 @@ _TESTED_5_23_0 = {
     "762d4c07a2ca71f6": _self(mode='heads_bhsd'),  # olmo_hybrid
     "d2e464e35f0c7d5c": _self(mode='heads_bhsd'),  # olmoe
     "a9326ced2f28758d": _self(),  # pe_audio, pe_audio_video, pe_video
+    "c9d5bd83ec44a079": _self(q='q_layernorm', k='k_layernorm', rotated='self.rotary_ndims'),  # persimmon
+    "ea63844489bbd024": _self(q='q_layernorm', k='k_layernorm', rotated='self.rotary_ndims'),  # phi
     "8abec6633e3eb670": _self(),  # qwen3_5, qwen3_5_moe, qwen3_next
     "d6782bb92034c344": _self(),  # qwen3_vl, qwen3_vl_moe
     "330b1172813d42c6": _self(),  # qwen4_exp
@@ -114,14 +118,12 @@ _UNFUSABLE_5_23_0 = {
     "3a878b44e2256eda": 'q and k are normalized after RoPE, not directly after its one call',  # idefics
     "b0a6eb9720a86307": "apply_rotary_pos_emb_interleave's signature (qk, k optional) has no fused call yet",  # mistral_large4
     "f4188a857579ffda": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
-    "c9d5bd83ec44a079": 'query_rot is not normalized by self.<k_layernorm|q_layernorm> before its RoPE call',  # persimmon
-    "ea63844489bbd024": 'query_rot is not normalized by self.<k_layernorm|q_layernorm> before its RoPE call',  # phi
     "1d9ae95bbcdd25b2": 'q and k are normalized and rotated one at a time, but not as one norm-then-RoPE pair each that holds every RoPE call',  # qwen4_exp
     "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not a norm class its file defines or a tested torch one',  # sapiens2
     "13e2d0e7e6486a44": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
 }
 
-# transformers 5.24.0: 40 fusions
+# transformers 5.24.0: 42 fusions
 _TESTED_5_24_0 = {
     "2610de19b1b92456": _self(),  # afmoe
     "35e5e0b49a1f818b": _self(),  # apertus, apertus1p5, hy_v3
@@ -157,6 +159,8 @@ _TESTED_5_24_0 = {
     "66bba8f758642e0b": _self(mode='heads_bhsd'),  # olmo_hybrid
     "33393082e0b5027c": _self(mode='heads_bhsd'),  # olmoe
     "6f4f689ce5f24ded": _self(),  # pe_audio, pe_audio_video, pe_video
+    "e86a120a4ba32161": _self(q='q_layernorm', k='k_layernorm', rotated='self.rotary_ndims'),  # persimmon
+    "eda69a0e500223e4": _self(q='q_layernorm', k='k_layernorm', rotated='self.rotary_ndims'),  # phi
     "938af49af01d518d": _self(),  # qwen3_5, qwen3_5_moe, qwen3_next
     "54abb277e234eeda": _self(),  # qwen3_vl, qwen3_vl_moe
     "396ac5e56f2aa100": _self(),  # qwen4_exp
@@ -178,8 +182,6 @@ _UNFUSABLE_5_24_0 = {
     "7fc49f59ea016c4b": "self.k_norm's class LaraMiniRMSNorm (fingerprint 59c26a99fc9b9886) matches no tested RMS norm form",  # lara_mini
     "9024619d2e59486d": "apply_rotary_pos_emb_interleave's signature (qk, k optional) has no fused call yet",  # mistral_large4
     "6675f35171d50baf": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
-    "e86a120a4ba32161": 'query_rot is not normalized by self.<k_layernorm|q_layernorm> before its RoPE call',  # persimmon
-    "eda69a0e500223e4": 'query_rot is not normalized by self.<k_layernorm|q_layernorm> before its RoPE call',  # phi
     "1d8908e09df86a96": 'q and k are normalized and rotated one at a time, but not as one norm-then-RoPE pair each that holds every RoPE call',  # qwen4_exp
     "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not a norm class its file defines or a tested torch one',  # sapiens2
     "4b5178c93db4c65c": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
