@@ -53,10 +53,10 @@ def _norm_classes() -> dict:
 
 
 # transformers 4.57.6 has every norm form of the table but Gemma 3n's (its Gemma3nRMSNorm differs from
-# 5.x's) and Qwen4-Exp's (a 5.x family); so the 5.x runs test every form against its class, and
+# 5.x's), Qwen4-Exp's and ESM-C's (5.x families); so the 5.x runs test every form against its class, and
 # 4.57.6's run the forms it has.
 _NOT_IN_4X = {key for key, form in _hf_forms.KNOWN_NORMS.items()
-              if form.name == "gemma3n" or "group_size" in form.unset}
+              if form.name in ("gemma3n", "esmc") or "group_size" in form.unset}
 
 
 def test_every_norm_fingerprint_is_in_the_installed_transformers():
@@ -96,7 +96,9 @@ def test_norm_form_matches_its_class(key, options, x_dtype, w_dtype):
     Bound: the op rounds once from float32; the class rounds
     its normalized value and then its product with the weight to x's dtype (Qwen3's form), or
     computes in float32 and rounds once (the others): two roundings of x's dtype between them,
-    2 * 2^-8 relative for bfloat16, 2 * 2^-11 for float16, and float32 reassociation (4 * 2^-24)."""
+    2 * 2^-8 relative for bfloat16, 2 * 2^-11 for float16, and float32 reassociation (4 * 2^-24).
+    A LayerNorm form (ESM-C's) takes its bias too, and its float32 bound is
+    test_torch_layer_norm_form_matches_its_class's: the mean's and the variance's sums reassociated."""
     form = _hf_forms.KNOWN_NORMS[key]
     gen = torch.Generator().manual_seed(0)
     dim = 32
@@ -110,9 +112,13 @@ def test_norm_form_matches_its_class(key, options, x_dtype, w_dtype):
     if expected.dtype != x_dtype:
         return
     ones, zeros = torch.ones(5, dim, dtype=x_dtype), torch.zeros(5, dim, dtype=x_dtype)
+    bias = _qk_norm_call._norm_bias(norm, form)
+    assert (bias is not None) == form.centered  # (ESM-C's class, as built here, has its bias)
+    layer = dict(norm="layer", q_bias=bias, k_bias=bias) if form.centered else {}
     ours, _ = qk_norm_rotary(x, x, weight, weight, ones.unsqueeze(1), zeros.unsqueeze(1),
-                             eps=getattr(norm, form.eps), weight_offset=form.offset)
-    ulp = {torch.float32: 4 * 2**-24, torch.bfloat16: 2 * 2**-8, torch.float16: 2 * 2**-11}[x_dtype]
+                             eps=getattr(norm, form.eps), weight_offset=form.offset, **layer)
+    ulp = {torch.float32: (8 * 32 if form.centered else 4) * 2**-24, torch.bfloat16: 2 * 2**-8,
+           torch.float16: 2 * 2**-11}[x_dtype]
     scale = expected.double().abs().amax(-1, keepdim=True)
     assert ((ours.double() - expected.double()).abs() <= ulp * scale).all()
 
@@ -235,6 +241,7 @@ CASES = {
     # torch's nn.LayerNorm per head with its bias, and partial rotary written out (slice, rotate, cat):
     # Phi's norms before the transpose-free RoPE, Persimmon's before a transpose to (B, S, H, D)
     "phi": Case("phi", {"qk_layernorm": True}, releases=_ALL),
+    "esmc": Case("esmc"),  # (LayerNorm across heads, no bias, its result cast to the hidden states' dtype)
     "persimmon": Case("persimmon", {"qk_layernorm": True}, releases=_ALL),
     "step3p7": Case("step3p7", {"sliding_window": 8},
                      classes=("Step3p7TextConfig", "Step3p7TextModel")),  # (its text config says step3p5)
@@ -782,7 +789,7 @@ def test_an_altered_norm_is_untested_and_named():
     assert isinstance(site.refusal, _qk_norm_sites.Untested) and site.refusal.warns
     site = _sites(source, offline=True)["Qwen3Attention.forward"]  # and the tool says why it stays so
     assert isinstance(site.refusal, _qk_norm_sites.Unsupported)
-    assert re.search(r"self\.[qk]_norm's class Qwen3RMSNorm \(fingerprint \w+\) matches no tested RMS norm form",
+    assert re.search(r"self\.[qk]_norm's class Qwen3RMSNorm \(fingerprint \w+\) matches no tested norm form",
                      site.reason)
 
 
@@ -854,9 +861,9 @@ def _fused_families() -> list[str]:
     return [f for f, r in rope_hf.survey().items() if any(s.fused for s in r.qk_norms)]
 
 
-# The fewest families fused, by transformers' major release (measured: 20 on 4.57.6, 59 on 5.23.0
-# and 60 on 5.24.0, in some attention at least): a fusion lost to a table or classifier change shows here.
-FUSED_AT_LEAST = {"4": 20, "5": 59}
+# The fewest families fused, by transformers' major release (measured: 20 on 4.57.6, 60 on 5.23.0
+# and 61 on 5.24.0, in some attention at least): a fusion lost to a table or classifier change shows here.
+FUSED_AT_LEAST = {"4": 20, "5": 60}
 
 
 def test_family_counts():
@@ -1046,6 +1053,57 @@ def test_partial_rotary_written_out_becomes_one_call():
         assert torch.equal(q, torch.cat((qn[..., :2] * 0.5 + 1.0, qn[..., 2:]), -1))
         assert torch.equal(k, torch.cat((kn[..., :2] * 0.5 - 1.0, kn[..., 2:]), -1))
         assert calls == ([("q_norm", "k_norm", ("partial", 2), (0.5, 1.0))] if on else [])
+
+
+_CAST = """
+def forward(self, x, cos, sin):
+    input_shape = x.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q = self.q_norm(self.q_proj(x)).to(x.dtype)
+    k = self.k_norm(self.k_proj(x)).to(x.dtype)
+    q = q.view(hidden_shape).transpose(1, 2)
+    k = k.view(hidden_shape).transpose(1, 2)
+    q, k = rope(q, k, cos, sin)
+    return q, k
+"""
+
+
+def test_norms_cast_to_a_dtype_are_deferred_where_the_cast_is_none():
+    """ESM-C's form: each norm's result cast (``.to(x.dtype)``). Where the projections return that
+    dtype already the cast changes nothing, and the norms are deferred to the fused call; where they
+    do not (autocast's bfloat16 projections of float32 states) the norms and casts run where the
+    model runs them, and RoPE alone after. Casts that differ are refused."""
+    import types
+
+    fn = ast.parse(_CAST).body[0]
+    site = _qk_norm_rewrite.fusion_rewrite(fn, "self", {"rope"}, _ATTRS, "holder")
+    assert site == _qk_norm_rewrite.Site("self", "q_norm", "k_norm", "rope", False, "heads_bhsd")
+    calls = []
+
+    def holder(module, qa, ka, mode, rope, q, k, *args):
+        calls.append(mode)
+        if mode is not None:
+            q = module.q_norm(q.transpose(1, 2).flatten(-2)).unflatten(-1, (2, 2)).transpose(1, 2)
+            k = module.k_norm(k.transpose(1, 2).flatten(-2)).unflatten(-1, (2, 2)).transpose(1, 2)
+        return rope(q, k, *args)
+
+    namespace = {"holder": holder, "rope": lambda q, k, c, s: (q * c + s, k * c - s)}
+    exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), "<test>", "exec"), namespace)
+    x = torch.arange(12.0).view(1, 3, 4)
+    for proj_dtype in (torch.float32, torch.float64):
+        calls.clear()
+        module = types.SimpleNamespace(q_proj=lambda t, d=proj_dtype: t.to(d) * 2,
+                                       k_proj=lambda t, d=proj_dtype: t.to(d) * 3,
+                                       q_norm=lambda t: t + 1, k_norm=lambda t: t - 1, head_dim=2)
+        q, k = namespace["forward"](module, x, 0.5, 1.0)
+        expected_q = (x * 2 + 1).view(1, 3, 2, 2).transpose(1, 2) * 0.5 + 1.0
+        expected_k = (x * 3 - 1).view(1, 3, 2, 2).transpose(1, 2) * 0.5 - 1.0
+        assert q.dtype == k.dtype == torch.float32
+        assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+        assert calls == (["heads_bhsd"] if proj_dtype == torch.float32 else [None])
+    found = _qk_norm_rewrite.probe(ast.parse(_CAST.replace("k_proj(x)).to(x.dtype)", "k_proj(x)).to(y)")).body[0],
+                                   "self", {"rope"}, _ATTRS)
+    assert isinstance(found, _qk_norm_rewrite.Unfusable) and "cast alike" in found.why, found
 
 
 @pytest.mark.parametrize("old,new", [

@@ -321,6 +321,7 @@ _OVERRIDES = {
     "hunyuan_vl_text": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                              "mrope_section": [2, 2, 2, 2]}),
     "mistral_large4_text": dict(num_key_value_heads=4),
+    "esmc": dict(num_key_value_heads=4),  # (its config refuses grouped-query attention)
 }
 
 

@@ -376,7 +376,7 @@ TORCH_NORMS: dict[str, tuple[type, NormForm]] = {
     "torch.nn.LayerNorm": (torch.nn.LayerNorm, TORCH_LAYER_NORM),
 }
 
-# The RMS norm classes read in transformers 5.23's model files, by ``_qk_norm_sites.norm_fingerprint``
+# The norm classes read in transformers 5.23's model files, by ``_qk_norm_sites.norm_fingerprint``
 # (the class block, its name left out); the comment names one family with it. Every one is tested
 # against the class itself (tests/test_qk_norm_fusion.py).
 KNOWN_NORMS: dict[str, NormForm] = {
@@ -397,4 +397,6 @@ KNOWN_NORMS: dict[str, NormForm] = {
     "8b52c2c6cf81a572": NormForm("gemma3n", "eps", weight_if="with_scale"),
     # nanochat (NanoChatRMSNorm): no weight
     "64421151a7603109": NormForm("no weight", "eps", weight=None),
+    # esmc (EsmcLayerNorm): torch's nn.LayerNorm, its result cast to x's dtype (which the op returns)
+    "d431cf3f77e54d0b": NormForm("esmc", "eps", centered=True, bias="bias", shape="normalized_shape"),
 }

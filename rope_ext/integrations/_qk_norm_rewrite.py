@@ -5,7 +5,7 @@ What is recognised, from the method's source as the RoPE forms are (``O`` is the
 ``self`` in transformers' attention, the ``attn`` argument of a diffusers processor):
 
     Q = O.<q_norm>(E_q)[.transpose(1, 2)]         # or: if O.<q_norm> is not None: Q = O.<q_norm>(Q)
-    K = O.<k_norm>(E_k)[.transpose(1, 2)]         # (or both under one `if cond:`)
+    K = O.<k_norm>(E_k)[.transpose(1, 2)]         # (or both under one `if cond:`; or both `.to(X)`)
     [Q = Q.transpose(1, 2)]                       # layout statements: per head the norm commutes
     [Q = Q.view(hidden_shape).transpose(1, 2)]    #   with them; a view or unflatten to heads makes
     [Q = Q.unflatten(2, (O.heads, -1))]           #   it a norm across all heads of a token
@@ -191,6 +191,7 @@ class _Norm:
     arg: ast.expr | None  # E of Q = O.attr(E); None for the guarded forms (the argument is Q itself)
     transposed: bool = False  # Q = O.attr(E).transpose(1, 2)
     guard: ast.expr | None = None  # `if cond:` around both norms
+    cast: ast.expr | None = None  # X of Q = O.attr(E).to(X) (ESM-C's cast to the hidden states' dtype)
 
 
 def _norm_statement(stmt, name: str, owner: str, attrs) -> _Norm | None:
@@ -199,11 +200,14 @@ def _norm_statement(stmt, name: str, owner: str, attrs) -> _Norm | None:
     other tensor's norm of the same shape (index left 0: the caller sets it)."""
     found = _assign(stmt)
     if found and found[0] == name:
-        value, transposed = found[1], False
+        value, transposed, cast = found[1], False, None
         if _is_transpose12(value):
             value, transposed = value.func.value, True
+        elif (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "to"
+              and len(value.args) == 1 and not value.keywords and not isinstance(value.args[0], ast.Starred)):
+            value, cast = value.func.value, value.args[0]
         call = _attr_call(value, owner, attrs)
-        return _Norm(0, call.func.attr, call.args[0], transposed) if call else None
+        return _Norm(0, call.func.attr, call.args[0], transposed, cast=cast) if call else None
     if not (isinstance(stmt, ast.If) and not stmt.orelse):
         return None
     inner = [_assign(s) for s in stmt.body]
@@ -452,6 +456,9 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
     if (nq.guard is None) != (nk.guard is None) or (nq.guard is not None and nq.index != nk.index):
         return Unfusable("q's and k's norms are not under one condition")
     lo, hi = sorted((nq.index, nk.index))
+    if (nq.cast is None) != (nk.cast is None) or (nq.cast is not None and (
+            hi != lo + 1 or _text(nq.cast) != _text(nk.cast) or {q, k} & _names(nq.cast))):
+        return Unfusable("q's and k's norms are not cast alike, in two statements in a row")
     # what the deferred norms read: q and k, and a tensor they may share memory with (q = O.q_norm(x)
     # makes q hold x's tensor until the norm runs: x read or changed, in place or through another
     # name bound to it before or after, means the norms run first)
@@ -688,7 +695,15 @@ def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watch, holde
                 fn.body[n.index] = parse(f"{name} = {_text(n.arg)}" + (".transpose(1, 2)" if n.transposed else ""),
                                          old)[0]
         last = max(nq.index, nk.index)
-        flags = parse(f"{PENDING} = True" + (f"\n{STREAMS} = False" if stream is not None else ""), fn.body[last])
+        pending = "True"
+        if nq.cast is not None:  # deferred where the cast changes nothing (the op returns x's dtype); else run here
+            cast = _text(nq.cast)
+            pending = (f"{q}.dtype == {cast} and {k}.dtype == {cast}\nif not {PENDING}:"
+                       + "".join(f"\n    {name} = {site.owner}.{attr}({name}).to({cast})"
+                                 for name, attr in sorted(((q, nq.attr), (k, nk.attr)),
+                                                          key=lambda p: (nq if p[0] == q else nk).index)))
+        flags = parse(f"{PENDING} = {pending}" + (f"\n{STREAMS} = False" if stream is not None else ""),
+                      fn.body[last])
         fn.body[last:last + 1] = [fn.body[last], *flags]
         skip = skip | {id(f) for f in flags}
     # 2. the RoPE statements

@@ -225,7 +225,7 @@ def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dic
                 reason = f"self.{attr} is {bound}: not a norm class its file defines or a tested torch one"
                 break
             if norm_keys[attr] not in known_norms:
-                reason = (f"self.{attr}'s class {bound} (fingerprint {norm_keys[attr]}) matches no tested RMS "
+                reason = (f"self.{attr}'s class {bound} (fingerprint {norm_keys[attr]}) matches no tested "
                           "norm form")
                 break
             forms.add(known_norms[norm_keys[attr]])

@@ -54,15 +54,15 @@ _TESTED_4_57_6 = {
 }
 
 _UNFUSABLE_4_57_6 = {
-    "7d34dbfe2ef8c949": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested RMS norm form",  # chameleon
-    "3edbd5d3c736dcc7": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested RMS norm form",  # cohere
-    "e550c0d97b3105f1": "self.k_norm's class Gemma3nRMSNorm (fingerprint bf9746660b7d7006) matches no tested RMS norm form",  # gemma3n
+    "7d34dbfe2ef8c949": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested norm form",  # chameleon
+    "3edbd5d3c736dcc7": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested norm form",  # cohere
+    "e550c0d97b3105f1": "self.k_norm's class Gemma3nRMSNorm (fingerprint bf9746660b7d7006) matches no tested norm form",  # gemma3n
     "a8d22eeb98df352d": "apply_rotary_pos_emb's signature (qk, tables by position_ids) has no fused call yet",  # idefics
     "54f346c30ac6bc3d": '`query_states = query_states.view(bsz, q_len, self.num_heads, self.head_dim).tran` uses query_states, key_states or what their norms read between the norms and RoPE',  # olmoe
-    "c0fa07245d827bcc": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
+    "c0fa07245d827bcc": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested norm form",  # stablelm
 }
 
-# transformers 5.23.0: 42 fusions
+# transformers 5.23.0: 43 fusions
 _TESTED_5_23_0 = {
     "91e1bf1cafd7aa2a": _self(),  # afmoe
     "fef913fe49b2cd0b": _self(),  # apertus, hy_v3
@@ -73,6 +73,7 @@ _TESTED_5_23_0 = {
     "a86973a5d1e54fb8": _self(),  # dots1, mellum, qwen3, qwen3_moe, qwen3_omni_moe
     "6fefda21aa25ebc5": _self('apply_rotary_pos_emb_vision'),  # dots3_note, glm5_next, glm_ocr
     "a5d6ed5bf39c4642": _self(),  # embedding_gemma2
+    "42b6a0ea04cf0a35": _self(mode='heads_bhsd'),  # esmc
     "73890f696863d802": _self(),  # esmfold2
     "7bd9ec760404c3ef": _self(),  # exaone4, exaone4_5, exaone_moe, kolibri1
     "29271ecfd23c7880": _self(mode='heads_bhsd'),  # flex_olmo, olmo2
@@ -110,20 +111,19 @@ _TESTED_5_23_0 = {
 
 _UNFUSABLE_5_23_0 = {
     "5fb6db5b2575af1e": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # axk2, deepseek_v32
-    "abfd41862cd0f2cc": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested RMS norm form",  # chameleon
-    "6e184945cf0dcc49": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested RMS norm form",  # cohere
+    "abfd41862cd0f2cc": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested norm form",  # chameleon
+    "6e184945cf0dcc49": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested norm form",  # cohere
     "1335617521965374": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # dots3_note, glm_moe_dsa
-    "42b6a0ea04cf0a35": "self.k_norm's class EsmcLayerNorm (fingerprint d431cf3f77e54d0b) matches no tested RMS norm form",  # esmc
     "be7e5a4fd2310a04": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # hy_v4
     "3a878b44e2256eda": 'q and k are normalized after RoPE, not directly after its one call',  # idefics
     "b0a6eb9720a86307": "apply_rotary_pos_emb_interleave's signature (qk, k optional) has no fused call yet",  # mistral_large4
     "f4188a857579ffda": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
     "1d9ae95bbcdd25b2": 'q and k are normalized and rotated one at a time, but not as one norm-then-RoPE pair each that holds every RoPE call',  # qwen4_exp
     "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not a norm class its file defines or a tested torch one',  # sapiens2
-    "13e2d0e7e6486a44": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
+    "13e2d0e7e6486a44": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested norm form",  # stablelm
 }
 
-# transformers 5.24.0: 42 fusions
+# transformers 5.24.0: 43 fusions
 _TESTED_5_24_0 = {
     "2610de19b1b92456": _self(),  # afmoe
     "35e5e0b49a1f818b": _self(),  # apertus, apertus1p5, hy_v3
@@ -134,6 +134,7 @@ _TESTED_5_24_0 = {
     "fddcbad3c1c5b7d1": _self(),  # dots1, mellum, qwen3, qwen3_moe, qwen3_omni_moe
     "6fefda21aa25ebc5": _self('apply_rotary_pos_emb_vision'),  # dots3_note, glm5_next, glm_ocr
     "a5d6ed5bf39c4642": _self(),  # embedding_gemma2
+    "f64b2d6cea5f845b": _self(mode='heads_bhsd'),  # esmc
     "73890f696863d802": _self(),  # esmfold2
     "39ef92dc5a9366db": _self(),  # exaone4, exaone4_5, exaone_moe, kolibri1
     "8ccd7e0dd5590617": _self(mode='heads_bhsd'),  # flex_olmo, olmo2
@@ -171,20 +172,19 @@ _TESTED_5_24_0 = {
 
 _UNFUSABLE_5_24_0 = {
     "4793e9178caadbca": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # axk2, deepseek_v32
-    "5de7e3fa11dc0507": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested RMS norm form",  # chameleon
-    "4db6803a585fa099": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested RMS norm form",  # cohere
-    "e29392e9a934db7e": "self.k_norm's class DoryL2Norm (fingerprint aa1ef494b4fd2dfc) matches no tested RMS norm form",  # dory
+    "5de7e3fa11dc0507": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested norm form",  # chameleon
+    "4db6803a585fa099": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested norm form",  # cohere
+    "e29392e9a934db7e": "self.k_norm's class DoryL2Norm (fingerprint aa1ef494b4fd2dfc) matches no tested norm form",  # dory
     "683afcb13938924b": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # dots3_note, glm_moe_dsa
-    "f64b2d6cea5f845b": "self.k_norm's class EsmcLayerNorm (fingerprint d431cf3f77e54d0b) matches no tested RMS norm form",  # esmc
     "b2320298c1fd4875": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # hy_v4
     "a6987fb124adcb92": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # hy_v4_vl
     "29a39ac3d730fb65": 'q and k are normalized after RoPE, not directly after its one call',  # idefics
-    "7fc49f59ea016c4b": "self.k_norm's class LaraMiniRMSNorm (fingerprint 59c26a99fc9b9886) matches no tested RMS norm form",  # lara_mini
+    "7fc49f59ea016c4b": "self.k_norm's class LaraMiniRMSNorm (fingerprint 59c26a99fc9b9886) matches no tested norm form",  # lara_mini
     "9024619d2e59486d": "apply_rotary_pos_emb_interleave's signature (qk, k optional) has no fused call yet",  # mistral_large4
     "6675f35171d50baf": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
     "1d8908e09df86a96": 'q and k are normalized and rotated one at a time, but not as one norm-then-RoPE pair each that holds every RoPE call',  # qwen4_exp
     "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not a norm class its file defines or a tested torch one',  # sapiens2
-    "4b5178c93db4c65c": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested RMS norm form",  # stablelm
+    "4b5178c93db4c65c": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested norm form",  # stablelm
 }
 
 TRANSFORMERS_RELEASES: dict[str, set[str]] = {
