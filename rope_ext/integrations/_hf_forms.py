@@ -353,8 +353,27 @@ def _unsqueezed(form):
     return lambda x, cos, sin, unsqueeze_dim=1: (form, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
 
 
+def _prefix_tables(form):
+    """The tables for the fused op where the prefix tokens pass (:func:`_prefix_tokens`): a row of
+    no rotation (cos 1, sin 0) in front for each prefix token, so that every token is normalized and
+    the patches alone rotated (``x * 1 - rotate(x) * 0`` is x exactly: the prefix tokens pass as the
+    model passes them). Tables of P + patches rows, made per call: small beside q and k."""
+
+    def tables(x, cos, sin, **kwargs):
+        prefix = x.shape[-2] - sin.shape[-2]
+        if kwargs or prefix < 0 or cos.shape != sin.shape or cos.dim() < 2:
+            return None
+        if prefix == 0:
+            return form, cos, sin
+        rows = (*cos.shape[:-2], prefix, cos.shape[-1])
+        return form, torch.cat((cos.new_ones(rows), cos), dim=-2), torch.cat((sin.new_zeros(rows), sin), dim=-2)
+
+    return tables
+
+
 FUSED_TABLES = {
     "qk": _unsqueezed,
+    "qk, prefix tokens pass": _prefix_tables,  # (Sapiens2's class and register tokens)
     "qk+position_ids": lambda form: (lambda x, cos, sin, position_ids=None, unsqueeze_dim=1:
                                      (form, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))),
     "q, k=None": _unsqueezed,  # (Qwen4-Exp's: the fused sites pass both q and k, as "qk" does)

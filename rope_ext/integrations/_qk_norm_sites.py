@@ -152,7 +152,7 @@ def _method(cls: ast.ClassDef, name: str):
 
 def _norm_bindings(init: ast.FunctionDef, attribute) -> dict[str, set[str]]:
     """attribute name -> what ``__init__`` binds ``self.<attribute>`` to: a class name, or the text
-    of another expression."""
+    of another expression (each branch of ``A(...) if cond else B(...)`` on its own)."""
     out: dict[str, set[str]] = {}
     for stmt in ast.walk(init):
         if not isinstance(stmt, ast.Assign):
@@ -160,9 +160,10 @@ def _norm_bindings(init: ast.FunctionDef, attribute) -> dict[str, set[str]]:
         for target in stmt.targets:
             if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
                     and attribute.match(target.attr)):
-                value = stmt.value
-                name = value.func.id if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) else None
-                out.setdefault(target.attr, set()).add(name or ast.unparse(value))
+                choice = isinstance(stmt.value, ast.IfExp)
+                for value in (stmt.value.body, stmt.value.orelse) if choice else (stmt.value,):
+                    name = value.func.id if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) else None
+                    out.setdefault(target.attr, set()).add(name or ast.unparse(value))
     return out
 
 
@@ -209,7 +210,10 @@ def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dic
                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in rope_forms}
         if not called or not ropes or all(bindings[attr] <= _IDENTITY for attr in called):
             continue
-        norms = tuple(sorted((attr, "|".join(sorted(bindings[attr]))) for attr in called))
+        # (a norm that may be bound to nn.Identity() as well, where the model turns QK-norm off, is
+        # judged by its class: an Identity instance fails the fused call's check of the norm's class,
+        # and the model's code runs)
+        norms = tuple(sorted((attr, "|".join(sorted(bindings[attr] - _IDENTITY or bindings[attr]))) for attr in called))
         norm_keys = {attr: norm_fingerprint(definitions, classes[bound]) if bound in classes else bound
                      for attr, bound in norms}
         key = site_key(fingerprint(definitions, forward), list(norm_keys.items()))

@@ -62,7 +62,7 @@ _UNFUSABLE_4_57_6 = {
     "c0fa07245d827bcc": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested norm form",  # stablelm
 }
 
-# transformers 5.23.0: 43 fusions
+# transformers 5.23.0: 44 fusions
 _TESTED_5_23_0 = {
     "91e1bf1cafd7aa2a": _self(),  # afmoe
     "fef913fe49b2cd0b": _self(),  # apertus, hy_v3
@@ -104,6 +104,7 @@ _TESTED_5_23_0 = {
     "8abec6633e3eb670": _self(),  # qwen3_5, qwen3_5_moe, qwen3_next
     "d6782bb92034c344": _self(),  # qwen3_vl, qwen3_vl_moe
     "330b1172813d42c6": _self(),  # qwen4_exp
+    "affbf731f406b07a": _self(),  # sapiens2
     "91ef87389aa8bc84": _self(),  # step3p7
     "790f7c80b55a5e38": _self(),  # t5gemma2
     "22925477930e9fe8": _self(mode='after'),  # timesfm2_5
@@ -119,11 +120,10 @@ _UNFUSABLE_5_23_0 = {
     "b0a6eb9720a86307": "apply_rotary_pos_emb_interleave's signature (qk, k optional) has no fused call yet",  # mistral_large4
     "f4188a857579ffda": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
     "1d9ae95bbcdd25b2": 'q and k are normalized and rotated one at a time, but not as one norm-then-RoPE pair each that holds every RoPE call',  # qwen4_exp
-    "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not a norm class its file defines or a tested torch one',  # sapiens2
     "13e2d0e7e6486a44": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested norm form",  # stablelm
 }
 
-# transformers 5.24.0: 43 fusions
+# transformers 5.24.0: 44 fusions
 _TESTED_5_24_0 = {
     "2610de19b1b92456": _self(),  # afmoe
     "35e5e0b49a1f818b": _self(),  # apertus, apertus1p5, hy_v3
@@ -165,6 +165,7 @@ _TESTED_5_24_0 = {
     "938af49af01d518d": _self(),  # qwen3_5, qwen3_5_moe, qwen3_next
     "54abb277e234eeda": _self(),  # qwen3_vl, qwen3_vl_moe
     "396ac5e56f2aa100": _self(),  # qwen4_exp
+    "affbf731f406b07a": _self(),  # sapiens2
     "a8e098472f625c67": _self(),  # step3p7
     "6dfc7f74f925a53e": _self(),  # t5gemma2
     "493015b25dcc0fcb": _self(mode='after'),  # timesfm2_5
@@ -183,7 +184,6 @@ _UNFUSABLE_5_24_0 = {
     "9024619d2e59486d": "apply_rotary_pos_emb_interleave's signature (qk, k optional) has no fused call yet",  # mistral_large4
     "6675f35171d50baf": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
     "1d8908e09df86a96": 'q and k are normalized and rotated one at a time, but not as one norm-then-RoPE pair each that holds every RoPE call',  # qwen4_exp
-    "a7eb898be722f57e": 'self.k_norm is Sapiens2RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity(): not a norm class its file defines or a tested torch one',  # sapiens2
     "4b5178c93db4c65c": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested norm form",  # stablelm
 }
 
