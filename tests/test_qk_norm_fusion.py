@@ -1138,6 +1138,7 @@ def test_norms_cast_to_a_dtype_are_deferred_where_the_cast_is_none():
     ("torch.cat((q_rot, q_pass), dim=-1)", "torch.cat((q_pass, q_rot), dim=-1)"),  # joined the other way
     ("torch.cat((k_rot, k_pass), dim=-1)", "torch.cat((k_rot, q_pass), dim=-1)"),  # joined to q's columns
     ("rope(q_rot, k_rot, cos, sin)", "rope(q_rot, k_rot, cos, q_pass)"),  # the tables read a slice
+    ("    return q, k\n", "    return q, k, k_pass\n"),  # a slice read after (the fused call binds none)
 ])
 def test_partial_rotary_near_misses_are_refused(old, new):
     """Any other statement in the five, and the RoPE call is of slices no norm made: refused."""

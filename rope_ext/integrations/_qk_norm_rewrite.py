@@ -322,8 +322,9 @@ class _RopeSite:
 
 
 def _partial_rotary(block, i: int, qr: str, kr: str):
-    """(Q, K, R's source) where block[i] (``Qr, Kr = rope(Qr, Kr, ...)``) is the middle of partial
-    rotary written out, the module docstring's five statements exactly; else None."""
+    """(Q, K, R's source, the slices' four names) where block[i] (``Qr, Kr = rope(Qr, Kr, ...)``) is
+    the middle of partial rotary written out, the module docstring's five statements exactly; else
+    None."""
     if i < 2 or i + 2 >= len(block):
         return None
     names, cut = [], None
@@ -352,7 +353,13 @@ def _partial_rotary(block, i: int, qr: str, kr: str):
         return None
     if ({q, k, qp, kp} | _names(ast.parse(cut))) & _names(block[i].value):  # (the tables read none of them)
         return None
-    return q, k, cut
+    return q, k, cut, {qr, kr, qp, kp}
+
+
+def _read_elsewhere(fn, stmts, names: set) -> bool:
+    """Whether a statement of fn other than stmts (nor one holding them) reads or binds one of names."""
+    inside = {id(n) for stmt in stmts for n in ast.walk(stmt)}
+    return any(isinstance(n, ast.Name) and n.id in names and id(n) not in inside for n in ast.walk(fn))
 
 
 def _rope_sites(fn, rope_names) -> list[_RopeSite]:
@@ -372,6 +379,8 @@ def _rope_sites(fn, rope_names) -> list[_RopeSite]:
                     and stmt.value.args[0].id != stmt.value.args[1].id):
                 q, k = stmt.value.args[0].id, stmt.value.args[1].id
                 partial = _partial_rotary(block, i, q, k)
+                if partial is not None and _read_elsewhere(fn, block[i - 2:i + 3], partial[3]):
+                    partial = None  # (the fused call binds none of the slices' names)
                 if partial is not None:
                     found.append(_RopeSite(block, i - 2, "qk", partial[0], partial[1], stmt.value, partial[2]))
                 else:
