@@ -989,6 +989,9 @@ return q, k""")
      "normalized after RoPE, not directly after its one call"),
     ("q, k = x, y\nq, k = apply_rotary_pos_emb(q, k, cos, sin)\nq = self.q_norm(k)\nk = self.k_norm(q)",
      "normalized after RoPE, not directly after its one call"),
+    # norms after RoPE whose results are cast: the fused call would drop the cast
+    ("q, k = x, y\nq, k = apply_rotary_pos_emb(q, k, cos, sin)\nq = self.q_norm(q).to(torch.bfloat16)\n"
+     "k = self.k_norm(k).to(torch.bfloat16)", "normalized after RoPE, not directly after its one call"),
     ("q, k = x, y\nif x.any():\n    q, k = apply_rotary_pos_emb(q, k, cos, sin)\nelse:\n"
      "    q, k = apply_rotary_pos_emb(q, k, sin, cos)\nq = self.q_norm(q)\nk = self.k_norm(k)",
      "normalized after RoPE, not directly after its one call"),
@@ -1103,7 +1106,7 @@ def test_norms_cast_to_a_dtype_are_deferred_where_the_cast_is_none():
 
     fn = ast.parse(_CAST).body[0]
     site = _qk_norm_rewrite.fusion_rewrite(fn, "self", {"rope"}, _ATTRS, "holder")
-    assert site == _qk_norm_rewrite.Site("self", "q_norm", "k_norm", "rope", False, "heads_bhsd")
+    assert site == _qk_norm_rewrite.Site("self", "q_norm", "k_norm", "rope", False, "heads_bhsd", cast=True)
     calls = []
 
     def holder(module, qa, ka, mode, rope, q, k, *args):
@@ -1132,6 +1135,33 @@ def test_norms_cast_to_a_dtype_are_deferred_where_the_cast_is_none():
     assert isinstance(found, _qk_norm_rewrite.Unfusable) and "cast alike" in found.why, found
 
 
+@pytest.mark.skipif("esmc" not in _cases(), reason="this release has no ESM-C")
+def test_a_cast_site_needs_a_norm_that_returns_x_dtype(monkeypatch):
+    """ESM-C's site casts its norms' results: fused only because EsmcLayerNorm casts to x's dtype
+    itself on every path. The same site with a norm form that does not (the fused call's fallbacks
+    would return the norm's own dtype, uncast) is refused, and says why."""
+    import importlib
+    import inspect
+
+    module = "transformers.models.esmc.modeling_esmc"
+    path = inspect.getsourcefile(importlib.import_module(module))
+    stamp = rope_hf._stamp(path)
+    functions, _ = rope_hf._classify_file(path, module, stamp)
+    tree = rope_hf._tree(path, stamp)
+
+    def site():
+        found = [s for s in rope_hf._fusion_sites(tree, module, functions, rope_hf._table_judge)
+                 if s.method == "EsmcAttention.forward"]
+        assert len(found) == 1
+        return found[0]
+
+    assert site().fused and site().site.cast
+    key = next(k for k, form in _hf_forms.KNOWN_NORMS.items() if form.name == "esmc")
+    monkeypatch.setitem(_hf_forms.KNOWN_NORMS, key, dataclasses.replace(_hf_forms.KNOWN_NORMS[key], casts_to_x=False))
+    refused = site()
+    assert not refused.fused and "results are cast" in refused.reason, refused.reason
+
+
 @pytest.mark.parametrize("old,new", [
     ("(k[..., :self.r], k[..., self.r:])", "(k[..., :self.s], k[..., self.s:])"),  # k cut elsewhere
     ("(q[..., :self.r], q[..., self.r:])", "(q[..., :self.r], q[..., self.r + 1:])"),  # a column dropped
@@ -1139,6 +1169,7 @@ def test_norms_cast_to_a_dtype_are_deferred_where_the_cast_is_none():
     ("torch.cat((k_rot, k_pass), dim=-1)", "torch.cat((k_rot, q_pass), dim=-1)"),  # joined to q's columns
     ("rope(q_rot, k_rot, cos, sin)", "rope(q_rot, k_rot, cos, q_pass)"),  # the tables read a slice
     ("    return q, k\n", "    return q, k, k_pass\n"),  # a slice read after (the fused call binds none)
+    ("rope(q_rot, k_rot, cos, sin)", "rope(q_rot, k_rot, cos, q_rot)"),  # the tables read the rotated slice
 ])
 def test_partial_rotary_near_misses_are_refused(old, new):
     """Any other statement in the five, and the RoPE call is of slices no norm made: refused."""

@@ -74,6 +74,8 @@ def _site(site) -> str:
         args += [f"q={site.q_norm!r}", f"k={site.k_norm!r}"]
     if site.rotated is not None:
         args.append(f"rotated={site.rotated!r}")
+    if site.cast:
+        args.append("cast=True")
     if site.owner != "self" or site.pair != (site.mode == "single"):
         return repr(site)
     return f"_self({', '.join(args)})"

@@ -356,8 +356,9 @@ def _unsqueezed(form):
 def _prefix_tables(form):
     """The tables for the fused op where the prefix tokens pass (:func:`_prefix_tokens`): a row of
     no rotation (cos 1, sin 0) in front for each prefix token, so that every token is normalized and
-    the patches alone rotated (``x * 1 - rotate(x) * 0`` is x exactly: the prefix tokens pass as the
-    model passes them). Tables of P + patches rows, made per call: small beside q and k."""
+    the patches alone rotated (``x * 1 - rotate(x) * 0`` is x exactly for finite values, which the
+    normalized tokens are: the prefix tokens pass as the model passes them). Tables of P + patches
+    rows, made per call: small beside q and k."""
 
     def tables(x, cos, sin, **kwargs):
         prefix = x.shape[-2] - sin.shape[-2]
@@ -417,5 +418,6 @@ KNOWN_NORMS: dict[str, NormForm] = {
     # nanochat (NanoChatRMSNorm): no weight
     "64421151a7603109": NormForm("no weight", "eps", weight=None),
     # esmc (EsmcLayerNorm): torch's nn.LayerNorm, its result cast to x's dtype (which the op returns)
-    "d431cf3f77e54d0b": NormForm("esmc", "eps", centered=True, bias="bias", shape="normalized_shape"),
+    "d431cf3f77e54d0b": NormForm("esmc", "eps", centered=True, bias="bias", shape="normalized_shape",
+                                 casts_to_x=True),
 }

@@ -43,6 +43,9 @@ class NormForm:
         bias: the bias's attribute, or None (no bias; an attribute holding None is none too).
         shape: the attribute holding the normalized shape (``torch.nn.LayerNorm``'s
             ``normalized_shape``), which must be the op's row, or None where the weight shows it.
+        casts_to_x: the class casts its result to x's dtype itself, on every path (autocast's
+            too, a 16-bit weight's too): what a site whose norms' results are cast again needs
+            (``Site.cast``), since the fused call's fallbacks run the norms without that cast.
     """
 
     name: str
@@ -57,6 +60,7 @@ class NormForm:
     centered: bool = False
     bias: str | None = None
     shape: str | None = None
+    casts_to_x: bool = False
 
     def describe(self) -> str:
         parts = (["LayerNorm"] if self.centered else []) + [f"eps from .{self.eps}"]
@@ -215,8 +219,8 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
             return rope(q, *args, **kwargs), rope(k, *args, **kwargs)
         return rope(q, k, *args, **kwargs)
 
-    def plan(module, q_attr, k_attr, mode, rope, q, k, args, kwargs, rotated=None):
-        """The op's arguments, or None where the model's own code must run. rotated: the columns
+    def plan(module, q_attr, k_attr, mode, rope, q, k, args, kwargs, columns=None):
+        """The op's arguments, or None where the model's own code must run. columns: the columns
         the model rotates, for partial rotary written out (its RoPE call sees only them, so its
         tables must be that wide), or None (the RoPE call sees whole heads)."""
         if ropes is not None and rope not in ropes:
@@ -251,7 +255,7 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
             return None
         cos, sin = full_tables(form, cos, sin)
         width, head_dim = cos.shape[-1], q.shape[-1]
-        seen = head_dim if rotated is None else rotated  # (the columns the model's RoPE call sees)
+        seen = head_dim if columns is None else columns  # (the columns the model's RoPE call sees)
         if width > seen or (form.span == "whole" and width != seen) or width % 2 or cos.device != q.device:
             return None
         if mode == "heads_bhsd":  # the op normalizes across dims -2 and -1: the (B, S, H, D) view
@@ -296,7 +300,7 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
     def partial(module, q_attr, k_attr, r, rope, q, k, args, kwargs):
         """mode ("partial", r): per head, the first r columns rotated, the rest passed through."""
         usable = isinstance(r, int) and 0 < r <= q.shape[-1]
-        op_args = plan(module, q_attr, k_attr, "head", rope, q, k, args, kwargs, rotated=r) if usable else None
+        op_args = plan(module, q_attr, k_attr, "head", rope, q, k, args, kwargs, columns=r) if usable else None
         if op_args is None:  # the model's own code
             q, k = norms_alone(module, q_attr, k_attr, "head", q, k)
             q_rot, k_rot = rotated(rope, q[..., :r], k[..., :r], args, kwargs)

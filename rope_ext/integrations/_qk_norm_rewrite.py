@@ -112,6 +112,9 @@ class Site:
             ``"head"`` only), or None.
         rotated: for partial rotary written out (the module docstring's five statements), the
             source of R, the columns rotated (``self.rotary_ndims``); else None.
+        cast: the norms' results are cast (``Q = O.q_norm(E).to(X)``, ESM-C): the fused call's
+            fallbacks run the norms without that cast, so such a site is fused only with norms
+            that return x's dtype on every path (``NormForm.casts_to_x``, checked by the caller).
     """
 
     owner: str
@@ -122,6 +125,7 @@ class Site:
     mode: str
     stream: Stream | None = None
     rotated: str | None = None
+    cast: bool = False
 
 
 class FusionRefusal:
@@ -351,7 +355,8 @@ def _partial_rotary(block, i: int, qr: str, kr: str):
         return None
     if [_text(c[1]) for c in cats] != [f"torch.cat(({qr}, {qp}), dim=-1)", f"torch.cat(({kr}, {kp}), dim=-1)"]:
         return None
-    if ({q, k, qp, kp} | _names(ast.parse(cut))) & _names(block[i].value):  # (the tables read none of them)
+    if ({q, k, qr, kr, qp, kp} | _names(ast.parse(cut))) & _names(block[i].value.args[2:] + [
+            w.value for w in block[i].value.keywords]):  # (the tables read none of them)
         return None
     return q, k, cut, {qr, kr, qp, kp}
 
@@ -518,7 +523,7 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
             return Unfusable(f"`{_text(stmt)[:80]}` uses {q}, {k} or what their norms read between the norms and RoPE")
     if rotated is not None and (mode != "head" or stream):
         return Unfusable("partial rotary written out after norms across heads, or with a second stream")
-    site = Site(owner, nq.attr, nk.attr, rope, kind == "pair", mode, stream and stream[0], rotated)
+    site = Site(owner, nq.attr, nk.attr, rope, kind == "pair", mode, stream and stream[0], rotated, nq.cast is not None)
     reshaped = min((i for name in (q, k) for i, _ in layouts[name]), default=hi)  # the first layout statement
     if not _apply(fn, site, q, k, nq, nk, sites, skip, watch, holder, reshaped, stream and stream[1]):
         return Unfusable(f"every path to its RoPE call reads {q} or {k} after their norms")
@@ -599,8 +604,8 @@ def _fuse_after(fn, owner: str, sites, q: str, k: str, norm_attrs, holder) -> Si
     for stmt in block[first:first + 2]:
         for name in (q, k):
             norm = _norm_statement(stmt, name, owner, norm_attrs)
-            if norm is not None and norm.guard is None and not norm.transposed and norm.arg is not None and (
-                    _text(norm.arg) == name):
+            if (norm is not None and norm.guard is None and not norm.transposed and norm.cast is None
+                    and norm.arg is not None and _text(norm.arg) == name):
                 norms[name] = norm
     if set(norms) != {q, k}:
         return refused

@@ -241,6 +241,9 @@ def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dic
                 reason = (f"{rope} is refused" if form is None else
                           f"{rope}'s signature ({form.signature}) has no fused call yet")
         found = judge(key, None if reason is None else Unsupported(reason), forward, "self", ropes, set(called))
+        if isinstance(found, Site) and found.cast and not next(iter(forms)).casts_to_x:
+            found = Unsupported("its norms' results are cast, and its norm class does not return x's dtype on every "
+                                "path (the fused call's fallbacks run the norms without the cast)")
         sites.append(site.refused(found) if isinstance(found, FusionRefusal) else
                      dataclasses.replace(site, norm_form=forms.pop(), site=found))
     return sites

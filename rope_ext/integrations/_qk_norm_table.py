@@ -26,9 +26,9 @@ class Table:
 
 
 def _self(rope: str = "apply_rotary_pos_emb", mode: str = "head", q: str = "q_norm", k: str = "k_norm",
-          rotated: str | None = None) -> Site:
+          rotated: str | None = None, cast: bool = False) -> Site:
     # (q and k in calls of their own: mode "single")
-    return Site("self", q, k, rope, mode == "single", mode, rotated=rotated)
+    return Site("self", q, k, rope, mode == "single", mode, rotated=rotated, cast=cast)
 
 
 # transformers, by release: the fingerprints of the attention methods each release fuses (a release
@@ -73,7 +73,7 @@ _TESTED_5_23_0 = {
     "a86973a5d1e54fb8": _self(),  # dots1, mellum, qwen3, qwen3_moe, qwen3_omni_moe
     "6fefda21aa25ebc5": _self('apply_rotary_pos_emb_vision'),  # dots3_note, glm5_next, glm_ocr
     "a5d6ed5bf39c4642": _self(),  # embedding_gemma2
-    "42b6a0ea04cf0a35": _self(mode='heads_bhsd'),  # esmc
+    "42b6a0ea04cf0a35": _self(mode='heads_bhsd', cast=True),  # esmc
     "73890f696863d802": _self(),  # esmfold2
     "7bd9ec760404c3ef": _self(),  # exaone4, exaone4_5, exaone_moe, kolibri1
     "29271ecfd23c7880": _self(mode='heads_bhsd'),  # flex_olmo, olmo2
@@ -134,7 +134,7 @@ _TESTED_5_24_0 = {
     "fddcbad3c1c5b7d1": _self(),  # dots1, mellum, qwen3, qwen3_moe, qwen3_omni_moe
     "6fefda21aa25ebc5": _self('apply_rotary_pos_emb_vision'),  # dots3_note, glm5_next, glm_ocr
     "a5d6ed5bf39c4642": _self(),  # embedding_gemma2
-    "f64b2d6cea5f845b": _self(mode='heads_bhsd'),  # esmc
+    "f64b2d6cea5f845b": _self(mode='heads_bhsd', cast=True),  # esmc
     "73890f696863d802": _self(),  # esmfold2
     "39ef92dc5a9366db": _self(),  # exaone4, exaone4_5, exaone_moe, kolibri1
     "8ccd7e0dd5590617": _self(mode='heads_bhsd'),  # flex_olmo, olmo2
