@@ -240,7 +240,7 @@ def main():
     p.add_argument("--cases", default=",".join(CASES), help=f"a comma-separated subset of {', '.join(CASES)}")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu, or cuda (a GPU)")
     p.add_argument("--reuse-memory", action="store_true",
                    help="rerun under GLIBC_TUNABLES that keep freed outputs for reuse (no page faults per call)")
     args = p.parse_args()
@@ -250,6 +250,10 @@ def main():
     torch.set_num_threads(args.threads)
     global DEVICE
     DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        # (as bench_cuda.py: the lease's bench part runs both, and its rehearsal has no GPU)
+        print("bench_qk_norm: no CUDA device here; nothing to measure")
+        return 0
     where = (torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else
              f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     print(f"{where}, torch {torch.__version__}, rope_ext {rope_ext.__version__} "
@@ -301,4 +305,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

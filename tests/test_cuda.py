@@ -124,6 +124,26 @@ def test_gpu_check_with_a_gpu_but_a_cpu_torch_says_so(tmp_path):
     assert "torch is not a CUDA build that sees it" in run.stdout and not (tmp_path / "out").exists()
 
 
+def test_the_lease_benchmarks_say_when_there_is_no_gpu():
+    """The lease's bench part runs bench_cuda.py, then bench_qk_norm.py --device cuda. Where torch sees
+    no GPU (the rehearsal's fake one, a CPU torch) each says so and exits 0, which the rehearsal
+    requires of the part; a device it does not know is refused by name."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the benchmarks would measure it")
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    for script, args in (("bench_cuda.py", ["--short"]), ("bench_qk_norm.py", ["--device", "cuda", "--quick"])):
+        run = subprocess.run([sys.executable, str(bench / script), *args], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, f"{script}: {run.stdout}{run.stderr}"
+        assert "no CUDA device here; nothing to measure" in run.stdout, run.stdout
+    run = subprocess.run([sys.executable, str(bench / "bench_qk_norm.py"), "--device", "tpu"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "argument --device: invalid choice: 'tpu'" in run.stderr, run.stderr
+
+
 def test_the_lease_command_fits_the_device_call():
     """tools/GPU_LEASE.md's command is what `make gpu-rehearse` runs and a lent machine is given: under
     the call's 2,000 characters, STEP=lease, its output into the $OUT that comes back."""
