@@ -14,7 +14,7 @@
 #               the copied tree on the device has no .git, and `gpu_check.sh STEP=lease` builds there
 #               instead if the carried wheel does not match the checkout it arrives with), the wheel's
 #               library's sha256, the torch it was built against.
-# Then, as far as a machine without a GPU allows: the wheel installed into build/gpu-venv (the
+# Then, as far as a machine without a GPU allows: the wheel installed into GPU_VENV (build/gpu-venv: the
 # device's torch, 2.11.0 with CUDA 13) as a user's is, its CUDA kernels found registered, and
 # tools/smoke_test.py run on its CPU ops; the carry's size checked against what a device call may
 # send (64 MiB with the working tree).
@@ -23,7 +23,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 DEVICE_TORCH=2.11.0  # the lent machines' torch: 2.11.0+cu130 (the device tool's KINDS.md)
-VENV=$ROOT/build/gpu-venv
+VENV=$(realpath -m "${GPU_VENV:-build/gpu-venv}")  # (CI gives wheel-check's venv of the same torch)
 WORK=$ROOT/build/gpu-build
 CARRY=$ROOT/build/gpu-carry
 BUILT=$ROOT/build/cuda-check  # cuda-check's wheel (dist/) and the tree it was built from (src/)
@@ -75,19 +75,21 @@ cp "$WHEEL" "$CARRY/dist/"
 cp "$HOOKS" "$CARRY/lib/"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform any -d "$CARRY/wheels" "${WHEELS[@]}"
-library=$(python3 - "$WHEEL" <<'PYEOF'
-import hashlib, re, sys, zipfile
+# the library's sha256, and the torch the wheel's build record says it was built against
+read -r library built_against < <(python3 - "$WHEEL" <<'PYEOF'
+import hashlib, json, re, sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as z:
     name = next(n for n in z.namelist() if re.fullmatch(r"rope_ext/lib/librope_ext\.so\.[0-9.]+", n))
-    print(hashlib.sha256(z.read(name)).hexdigest())
+    print(hashlib.sha256(z.read(name)).hexdigest(), json.loads(z.read("rope_ext/lib/build.json"))["built_against_torch"])
 PYEOF
 )
+[ -n "${built_against:-}" ] || fail "could not read the library's sha256 and build record from $WHEEL"
 {
   echo "commit=$(git rev-parse HEAD 2> /dev/null || echo unknown)$(git diff --quiet HEAD -- 2> /dev/null || echo -dirty)"
   echo "sources=$here"
   echo "wheel=$(basename "$WHEEL")"
   echo "library_sha256=$library"
-  echo "built_against=torch $("$ROOT/build/venv-cuda/bin/python" -c 'import torch; print(torch.__version__)' 2> /dev/null || echo '?') (make cuda-check)"
+  echo "built_against=torch $built_against (make cuda-check)"
   echo "built=$(date -u -r "$WHEEL" +%Y-%m-%dT%H:%M:%SZ)"
 } > "$CARRY/BUILD_INFO"
 t3=$(date +%s)

@@ -6,7 +6,7 @@
 #  2. the tree as the device call sends it (tracked and untracked files git does not ignore, and the
 #     carried folder; no .git), in build/gpu-rehearse/tree, under the call's 64 MiB;
 #  3. a fake GPU: nvidia-smi names an H100; compute-sanitizer answers as on a gVisor machine ("Device
-#     not supported"); python3 is build/gpu-venv's, which holds the device's torch (2.11.0, CUDA 13)
+#     not supported"); python3 is GPU_VENV's (build/gpu-venv), which holds the device's torch (2.11.0, CUDA 13)
 #     and the packages the device has that the tests import; pip cannot reach an index;
 #  4. the command itself, with $OUT = build/gpu-rehearse/out. The install part runs for real: the
 #     carried wheels installed, the rope_ext wheel among them, its library checked to be the
@@ -23,7 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-PY=$ROOT/build/gpu-venv/bin/python
+PY=$(realpath -m "${GPU_VENV:-build/gpu-venv}")/bin/python  # (gpu_build.sh's venv)
 WORK=$ROOT/build/gpu-rehearse
 fail() { echo "gpu-rehearse: FAILED: $*"; exit 1; }
 
