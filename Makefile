@@ -80,15 +80,12 @@ dist-check:
 # The core tests (CPU): `make test` runs them under torch 2.13.0, and
 # `make wheel-check`: one wheel (WHEEL; default dist-check's, CI gives cuda-check's) installed into
 # venvs with torch 2.10, 2.11 and 2.15 (build/wheel-check/<version>, reused; TORCHES="..." for
-# others), the core tests in each: CORE_TESTS, the op surface that meets torch (dispatch, autograd,
-# compile, export, DTensor), under every torch; KERNEL_TESTS, the arithmetic of the wheel's kernels
-# and of the hooks' emulation, which call nothing of torch's (cmake/check_kernel_symbols.cmake),
-# under the last torch alone. See tools/wheel_check.sh.
+# others), the core tests in each. See tools/wheel_check.sh.
 CORE_TESTS := tests/test_rotary.py tests/test_autograd.py tests/test_qk_and_inplace.py tests/test_errors.py \
-  tests/test_rotary_pos.py tests/test_compile.py tests/test_export.py tests/test_dtensor.py tests/test_qk_norm.py
-KERNEL_TESTS := tests/test_cpu_kernel.py tests/test_cuda_emulation.py tests/test_qk_norm_emulation.py
+  tests/test_cpu_kernel.py tests/test_cuda_emulation.py tests/test_rotary_pos.py tests/test_compile.py tests/test_export.py \
+  tests/test_dtensor.py tests/test_qk_norm.py tests/test_qk_norm_emulation.py
 wheel-check: setup
-	PYTHON=$(PYTHON) CORE_TESTS="$(CORE_TESTS)" KERNEL_TESTS="$(KERNEL_TESTS)" bash tools/wheel_check.sh
+	PYTHON=$(PYTHON) CORE_TESTS="$(CORE_TESTS)" bash tools/wheel_check.sh
 
 # The README's from-source install as a new user runs it, with a CUDA build of torch (cuda-check's venv)
 # and the CUDA toolkit where torch does not guess it: see tools/newcomer_check.sh. About 2 minutes.

@@ -15,12 +15,10 @@
 #     and beside its library the test hooks' library built by `make setup` (also stable-ABI code:
 #     csrc/testing/), which the wheel leaves out;
 #  3. the core tests, run from outside the checkout against the venv's rope_ext, whose library is
-#     checked to be the wheel's very file: CORE_TESTS under every torch; KERNEL_TESTS (the arithmetic
-#     of the wheel's CPU kernels, which call nothing of torch's, and of the hooks' CUDA emulation)
-#     under the last of TORCHES alone, as what they compute depends on the CPU and the build, not on
-#     the torch they load into; and, for the same reason, under none of them the tests that run the
-#     CPU kernels' other ISA variants in subprocesses of their own (VARIANT_TESTS), which `make test`
-#     and `make sanitize` run (three torches' runs of them took 27 CPU-seconds each).
+#     checked to be the wheel's very file; but for the tests that run the CPU kernels' other ISA
+#     variants in subprocesses of their own (VARIANT_TESTS): which variant runs, and what it
+#     computes, depend on the CPU and the build, not on the torch it loads into, and `make test`
+#     and `make sanitize` run them (three torches' runs of them took 27 CPU-seconds each).
 # WHEEL_VENV_ONLY=1 only makes the venvs (CI makes them in the background while other steps run).
 set -euo pipefail
 [ -z "${WHEEL:-}" ] || WHEEL=$(realpath -m "$WHEEL")  # (relative to the caller's directory)
@@ -29,8 +27,6 @@ ROOT=$(pwd)
 PYTHON=${PYTHON:-python3}  # the checkout's Python, whose `make setup` built the test hooks
 TORCHES=${TORCHES:-2.10.0 2.11.0 2.15.0}
 CORE_TESTS=${CORE_TESTS:?"the core test files: run this through make wheel-check"}
-KERNEL_TESTS=${KERNEL_TESTS-}
-LAST_TORCH=${TORCHES##* }
 # (step 3's deselection, a pytest -k expression over test names)
 VARIANT_TESTS="under_the_other_variants or compiled_for_their_isa or under_the_avx2_variant"
 OUT=$ROOT/build/wheel-check
@@ -100,13 +96,11 @@ print(f"wheel-check: torch {torch.__version__}: rope_ext {rope_ext.__version__} 
 PYEOF
   ) || { echo "wheel-check: FAILED: the wheel's rope_ext under torch $version"; return 1; }
   rc=0
-  local tests=$CORE_TESTS what="core tests"
-  [ "$version" != "$LAST_TORCH" ] || [ -z "$KERNEL_TESTS" ] || { tests+=" $KERNEL_TESTS"; what="core and kernel tests"; }
   (cd "$OUT" && OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONSAFEPATH=1 "$py" -m pytest -q -p no:cacheprovider --rootdir="$ROOT" -c "$ROOT/pyproject.toml" \
-    -k "not ($VARIANT_TESTS)" $(for t in $tests; do echo "$ROOT/$t"; done)) > "$here/tests.log" 2>&1 || rc=$?
+    -k "not ($VARIANT_TESTS)" $(for t in $CORE_TESTS; do echo "$ROOT/$t"; done)) > "$here/tests.log" 2>&1 || rc=$?
   counts=$(tail -1 "$here/tests.log" | sed 's/^=* *//; s/ *=*$//')
   [ "$rc" = 0 ] || tail -40 "$here/tests.log"
-  echo "torch $("$py" -c 'import torch; print(torch.__version__)'), $what: $counts ($(($(date +%s) - t1)) s)" > "$here/summary"
+  echo "torch $("$py" -c 'import torch; print(torch.__version__)'): $counts ($(($(date +%s) - t1)) s)" > "$here/summary"
   return "$rc"
 }
 
