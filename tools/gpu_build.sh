@@ -49,6 +49,8 @@ t1=$(date +%s)
 
 if ! "$PY" -c "import torch
 assert torch.__version__.split('+')[0] == '$DEVICE_TORCH' and (torch.version.cuda or '').startswith('13.')" 2> /dev/null; then
+  # (a venv the caller named is another step's: not replaced)
+  [ -z "${GPU_VENV:-}" ] || fail "GPU_VENV=$GPU_VENV holds no torch $DEVICE_TORCH built for CUDA 13"
   rm -rf "$VENV"
   python3 -m venv "$VENV"
   "$PY" -m pip install -q "torch==$DEVICE_TORCH" "setuptools>=77" wheel
@@ -69,6 +71,8 @@ PYEOF
 )
 (cd "$WORK" && PYTHONSAFEPATH=1 "$PY" "$ROOT/tools/smoke_test.py") | sed 's/^/gpu-build: smoke: /'
 "$PY" -m pip uninstall -q -y rope_ext  # (the venv stands for the device, which has no rope_ext: gpu-rehearse)
+# (and no hooks library that wheel-check put beside the wheel's, which pip does not know of)
+rm -rf "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rope_ext"
 
 rm -rf "$CARRY" && mkdir -p "$CARRY/dist" "$CARRY/lib" "$CARRY/wheels"
 cp "$WHEEL" "$CARRY/dist/"
@@ -76,14 +80,14 @@ cp "$HOOKS" "$CARRY/lib/"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform any -d "$CARRY/wheels" "${WHEELS[@]}"
 # the library's sha256, and the torch the wheel's build record says it was built against
-read -r library built_against < <(python3 - "$WHEEL" <<'PYEOF'
+info=$(python3 - "$WHEEL" <<'PYEOF'
 import hashlib, json, re, sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as z:
     name = next(n for n in z.namelist() if re.fullmatch(r"rope_ext/lib/librope_ext\.so\.[0-9.]+", n))
     print(hashlib.sha256(z.read(name)).hexdigest(), json.loads(z.read("rope_ext/lib/build.json"))["built_against_torch"])
 PYEOF
-)
-[ -n "${built_against:-}" ] || fail "could not read the library's sha256 and build record from $WHEEL"
+) || fail "could not read the library's sha256 and build record (rope_ext/lib/build.json) from $WHEEL"
+read -r library built_against <<< "$info"
 {
   echo "commit=$(git rev-parse HEAD 2> /dev/null || echo unknown)$(git diff --quiet HEAD -- 2> /dev/null || echo -dirty)"
   echo "sources=$here"
