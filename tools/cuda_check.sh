@@ -23,9 +23,9 @@
 #  5. the timm integration's tests against the build of step 2, which run here only: timm needs
 #     torchvision, whose builds here load beside torch 2.14.1 alone (about 25 s in all: the two
 #     installs 7 s, the tests 10 to 20 s), and those tests again under timm's previous release
-#     (about 15 s). The core tests run on this very wheel in wheel-check, under torch 2.10, 2.11,
-#     2.13 and 2.15 (they ran here under 2.14.1 too until that cost 225 s of a CI run over its
-#     budget).
+#     (about 15 s). The core tests run on this very wheel in wheel-check, under torch 2.10, 2.11
+#     and 2.15, and dist-check's smoke test beside 2.13.0's CPU build (the core tests ran here
+#     under 2.14.1 too until that cost 225 s of a CI run over its budget).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(realpath -m "${CUDA_VENV:-build/venv-cuda}")
