@@ -1,9 +1,11 @@
 """Autograd for the rope_ext ops, registered with ``torch.library.register_autograd``.
 
 The library that holds the kernels is built on torch's stable ABI, which has no C++
-autograd: the formulas live here, in Python, and apply to every call that records a graph, whether
-it comes through the public functions, ``torch.ops.rope_ext.*``, ``torch.compile`` or
-``torch.export``. (C++ programs get the same formulas from ``rope_ext/autograd.h``.)
+autograd: the formulas live here, in Python, and apply to every call that records a graph. Calls
+through ``torch.ops.rope_ext.*``, ``torch.compile`` and ``torch.export`` reach them through the
+registered autograd kernel; the public functions' eager calls through eager_function's Function,
+which costs the host less and runs the same two functions. (C++ programs get the same formulas
+from ``rope_ext/autograd.h``.)
 
 The formulas. out = x*c + R(x)*s on the rotary columns (conjugate: out = x*c - R(x*s)), so
 
@@ -33,11 +35,27 @@ import torch
 from rope_ext import _torch_private as _private
 
 _C = torch._C
+_norm_backward_kernel = torch.ops.rope_ext.qk_norm_rotary_backward.default
+_ROTARY = torch.ops.rope_ext.rotary.default
+_ROTARY_QK = torch.ops.rope_ext.rotary_qk.default
+_ROTARY_POS = torch.ops.rope_ext.rotary_pos.default
+_ROTARY_POS_QK = torch.ops.rope_ext.rotary_pos_qk.default
 _TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
 #: Context manager: op calls inside it go straight to the device kernel (no autograd kernel).
 below_autograd = _private.below_autograd
+
+
+def _transpose(op, *args):
+    """A backward's call of a rotation op (the forward's transpose). Under create_graph it records
+    through the op's autograd; otherwise it runs below autograd, where the op's autograd kernel would
+    record nothing at the cost of a Python call. (Only the op itself: the table formulas' aten ops stay
+    above autograd, where tensor subclasses decompose the composite ones.)"""
+    if torch.is_grad_enabled():
+        return op(*args)
+    with below_autograd():
+        return op(*args)
 
 
 def _rotate(v: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -121,7 +139,7 @@ def _rotary_backward(ctx, g):
     cos, sin, x = ctx.saved_tensors
     interleaved, conjugate = ctx.flags
     need = _needs(ctx, 3)
-    dx = torch.ops.rope_ext.rotary(g, cos, sin, interleaved, not conjugate) if need[0] else None
+    dx = _transpose(_ROTARY, g, cos, sin, interleaved, not conjugate) if need[0] else None
     dcos = dsin = None
     if need[1] or need[2]:
         dcos, dsin = _table_grads(g, x, cos, interleaved, conjugate, need[1], need[2])
@@ -146,7 +164,8 @@ def _rotary_qk_backward(ctx, gq, gk):
     separate = cos_k is not None
     dq = dk = dcos = dsin = dcos_k = dsin_k = None
     if need_q or need_k:
-        dq, dk = torch.ops.rope_ext.rotary_qk(gq, gk, cos, sin, interleaved, cos_k, sin_k, not conjugate)
+        dq, dk = _transpose(_ROTARY_QK, gq, gk, cos, sin, interleaved, cos_k, sin_k,
+                            not conjugate)
     if need_cos or need_sin:
         dcos, dsin = _table_grads(gq, q, cos, interleaved, conjugate, need_cos, need_sin)
         if not separate:  # k shares q's tables: its part adds up
@@ -170,7 +189,7 @@ def _rotary_pos_backward(ctx, g):
     cos, sin, positions, x = ctx.saved_tensors
     interleaved, conjugate = ctx.flags
     need = _needs(ctx, 3)
-    dx = torch.ops.rope_ext.rotary_pos(g, cos, sin, positions, interleaved, not conjugate) if need[0] else None
+    dx = _transpose(_ROTARY_POS, g, cos, sin, positions, interleaved, not conjugate) if need[0] else None
     dcos = dsin = None
     if need[1] or need[2]:
         dcos, dsin = _cache_grads(g, x, cos, positions, interleaved, conjugate, need[1], need[2])
@@ -190,7 +209,8 @@ def _rotary_pos_qk_backward(ctx, gq, gk):
     need_q, need_k, need_cos, need_sin = _needs(ctx, 7)[:4]
     dq = dk = dcos = dsin = None
     if need_q or need_k:
-        dq, dk = torch.ops.rope_ext.rotary_pos_qk(gq, gk, cos, sin, positions, interleaved, not conjugate)
+        dq, dk = _transpose(_ROTARY_POS_QK, gq, gk, cos, sin, positions, interleaved,
+                            not conjugate)
     if need_cos or need_sin:
         dcos, dsin = _cache_grads(gq, q, cos, positions, interleaved, conjugate, need_cos, need_sin)
         kc, ks = _cache_grads(gk, k, cos, positions, interleaved, conjugate, need_cos, need_sin)
@@ -258,19 +278,22 @@ class _NormRow:
         self.at = at  # (x's, the weight's, the bias's argument index)
 
 
+def _in(t, dtype):
+    """t in ``dtype``: the kernel's float32 sums in the weight's or bias's dtype (no call where equal)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _norm_grads(row, cos, sin, positions, flags, need_x, need_w, need_b, need_cos, need_sin):
-    """One row's share of the norm ops' backward: {argument index: gradient}, and (dcos, dsin)."""
+    """One row's share of the norm ops' backward: (dx, dweight, dbias, dcos, dsin), None where not needed."""
     _, weight_offset, across_heads, interleaved, weight_after, centered = flags
     x, w, b, stats, g = row.x, row.weight, row.bias, row.stats, row.grad
-    grads = {}
+    dx = dw = db = dcos = dsin = None
     if need_x or need_w or need_b:
-        dx, dw, db = torch.ops.rope_ext.qk_norm_rotary_backward(
-            g, x, w, stats, cos, sin, positions, weight_offset, across_heads, interleaved, need_w, weight_after,
-            centered, need_b
-        )
-        grads = {row.at[0]: dx if need_x else None, row.at[1]: dw.to(w.dtype) if need_w else None,
-                 row.at[2]: db.to(b.dtype) if need_b else None}
-    dcos = dsin = None
+        dx, dw, db = _norm_backward_kernel(g, x, w, stats, cos, sin, positions, weight_offset, across_heads,
+                                           interleaved, need_w, weight_after, centered, need_b)
+        dx = dx if need_x else None
+        dw = _in(dw, w.dtype) if need_w else None
+        db = _in(db, b.dtype) if need_b else None
     if need_cos or need_sin:
         if weight_after:  # the rotation rotates x_hat, and its output's gradient is g * dy
             a = _normalized(x, None, None, stats, flags)
@@ -282,7 +305,7 @@ def _norm_grads(row, cos, sin, positions, flags, need_x, need_w, need_b, need_co
             dcos, dsin = _table_grads(g, a, cos, interleaved, False, need_cos, need_sin)
         else:
             dcos, dsin = _cache_grads(g, a, cos, positions, interleaved, False, need_cos, need_sin)
-    return grads, dcos, dsin
+    return dx, dw, db, dcos, dsin
 
 
 def _norm_backward(ctx, rows, cos, sin, positions, n_args, tables_at):
@@ -294,11 +317,11 @@ def _norm_backward(ctx, rows, cos, sin, positions, n_args, tables_at):
     out = [None] * n_args
     c, s = tables_at
     for row in rows:
-        grads, dcos, dsin = _norm_grads(row, cos, sin, positions, ctx.flags, *(need[i] for i in row.at), need[c],
-                                        need[s])
-        for i, grad in grads.items():
-            out[i] = grad
-        out[c], out[s] = _add(out[c], dcos), _add(out[s], dsin)
+        x_at, w_at, b_at = row.at
+        out[x_at], out[w_at], out[b_at], dcos, dsin = _norm_grads(row, cos, sin, positions, ctx.flags, need[x_at],
+                                                                  need[w_at], need[b_at], need[c], need[s])
+        if dcos is not None or dsin is not None:
+            out[c], out[s] = _add(out[c], dcos), _add(out[s], dsin)
     return tuple(out)
 
 
@@ -322,7 +345,7 @@ def _qk_norm_rotary_pos_setup(ctx, inputs, output):
     _qk_norm_setup(ctx, inputs, output, True)
 
 
-def _qk_norm_backward(ctx, gq, gk, _gq_stats, _gk_stats):
+def _qk_norm_backward(ctx, gq, gk, _gq_stats=None, _gk_stats=None):
     """Both ops' backward: gradients to q, k, the weights, the tables and the biases."""
     q, k, q_weight, k_weight, q_bias, k_bias, cos, sin, positions, q_stats, k_stats = ctx.saved_tensors
     bias_at = ctx.n_args - 3  # (q_bias, k_bias, centered last)
@@ -339,7 +362,7 @@ def _norm_rotary_setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight, bias, cos, sin, output[1])
 
 
-def _norm_rotary_backward(ctx, g, _g_stats):
+def _norm_rotary_backward(ctx, g, _g_stats=None):
     """norm_rotary's: gradients to x, the weight, the tables and the bias."""
     x, weight, bias, cos, sin, stats = ctx.saved_tensors
     rows = (_NormRow(x, weight, bias, stats, g, (0, 1, 9)),)  # (bias: argument 9)
@@ -457,20 +480,62 @@ def run_qk_norm_rotary_pos_(q, k, q_weight, k_weight, cos_cache, sin_cache, posi
                  interleaved, weight_after, q_bias, k_bias, centered), (q, k), keyset)
 
 
+# --- the registrations ---------------------------------------------------------------------------
+
+#: Each out-of-place op's (backward, setup_context): registered with torch.library for calls through
+#: the dispatcher, and the same two functions behind eager_function's Function for the public wrappers.
+#: (The norm ops' backward takes their statistics' gradients, never defined, as optional arguments:
+#: eager_function's Function does not return the statistics.)
+FORMULAS = {
+    "rotary": (_rotary_backward, _rotary_setup),
+    "rotary_qk": (_rotary_qk_backward, _rotary_qk_setup),
+    "rotary_pos": (_rotary_pos_backward, _rotary_pos_setup),
+    "rotary_pos_qk": (_rotary_pos_qk_backward, _rotary_pos_qk_setup),
+    "qk_norm_rotary": (_qk_norm_backward, _qk_norm_rotary_setup),
+    "qk_norm_rotary_pos": (_qk_norm_backward, _qk_norm_rotary_pos_setup),
+    "norm_rotary": (_norm_rotary_backward, _norm_rotary_setup),
+}
+
+
+#: The outputs eager_function's Function returns of the norm ops': their outputs, not the statistics
+#: the backward saves. Each output autograd tracks costs the backward (a zero gradient made for it).
+_RETURNED = {"qk_norm_rotary": 2, "qk_norm_rotary_pos": 2, "norm_rotary": 1}
+
+
+def eager_function(name: str):
+    """The op's autograd as a ``torch.autograd.Function`` whose ``apply`` takes the op's arguments,
+    all of them, positionally: what a public wrapper calls in eager mode where the call records a
+    graph. Its backward and context setup are FORMULAS[name], the registered autograd's own. It
+    returns the op's outputs, the norm ops' without their statistics (q_out and k_out, or out).
+
+    Why not the registered autograd kernel: a call through it costs about 2x a minimal Function's
+    host time (benchmarks/bench_host_cost.py). torch.library's kernel wraps a Function that defines
+    ``setup_context``, and ``Function.apply`` of such a Function binds every call's arguments to
+    forward's signature with ``inspect``. This forward takes ctx and calls the setup itself, so
+    apply skips the binding. The price: torch.func transforms refuse it (they need setup_context),
+    as they refuse the registered kernel's Function (it lacks a vmap rule). torch.compile and
+    torch.export never see it: the wrappers call the op itself while compiling.
+    """
+    backward, setup = FORMULAS[name]
+    kernel = _private.kernel(getattr(torch.ops.rope_ext, name).default)
+    returned = _RETURNED.get(name)
+
+    def forward(ctx, *args):
+        with below_autograd():  # straight to the kernel: grad mode is off in here anyway
+            output = kernel(*args)
+        setup(ctx, args, output)
+        return output if returned is None else output[:returned]
+
+    return type(f"{name}_autograd", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
 _LIB = torch.library.Library("rope_ext", "IMPL")  # noqa: TOR901 (kept alive: the registrations below)
 
 
 def register() -> None:
     """Register the formulas above (once, when rope_ext is imported)."""
-    for name, backward, setup in (
-        ("rotary", _rotary_backward, _rotary_setup),
-        ("rotary_qk", _rotary_qk_backward, _rotary_qk_setup),
-        ("rotary_pos", _rotary_pos_backward, _rotary_pos_setup),
-        ("rotary_pos_qk", _rotary_pos_qk_backward, _rotary_pos_qk_setup),
-        ("qk_norm_rotary", _qk_norm_backward, _qk_norm_rotary_setup),
-        ("qk_norm_rotary_pos", _qk_norm_backward, _qk_norm_rotary_pos_setup),
-        ("norm_rotary", _norm_rotary_backward, _norm_rotary_setup),
-    ):
+    for name, (backward, setup) in FORMULAS.items():
         torch.library.register_autograd(f"rope_ext::{name}", backward, setup_context=setup)
     for name, inplace in (("rotary_", run_rotary_), ("rotary_pos_", run_rotary_pos_),
                           ("qk_norm_rotary_", run_qk_norm_rotary_), ("qk_norm_rotary_pos_", run_qk_norm_rotary_pos_)):

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from rope_ext._autograd import eager_function as _eager_function
 from rope_ext._autograd import run_qk_norm_rotary_, run_qk_norm_rotary_pos_, run_rotary_, run_rotary_pos_
 from rope_ext._errors import raise_typed as _raise_typed
 from rope_ext._torch_private import any_requires_grad as _any_requires_grad
@@ -46,6 +47,15 @@ _rotary_pos_qk_kernel = _kernel(_rotary_pos_qk)
 _qk_norm_rotary_kernel = _kernel(_qk_norm_rotary)
 _qk_norm_rotary_pos_kernel = _kernel(_qk_norm_rotary_pos)
 _norm_rotary_kernel = _kernel(_norm_rotary)
+# Where an eager call records a graph, the wrappers call each op's autograd Function, which has
+# the registered autograd's formulas at about half its host cost (rope_ext/_autograd.py).
+_rotary_graph = _eager_function("rotary").apply
+_rotary_qk_graph = _eager_function("rotary_qk").apply
+_rotary_pos_graph = _eager_function("rotary_pos").apply
+_rotary_pos_qk_graph = _eager_function("rotary_pos_qk").apply
+_qk_norm_rotary_graph = _eager_function("qk_norm_rotary").apply
+_qk_norm_rotary_pos_graph = _eager_function("qk_norm_rotary_pos").apply
+_norm_rotary_graph = _eager_function("norm_rotary").apply
 
 
 def rotary(
@@ -91,8 +101,10 @@ def rotary(
     Autograd: the gradient for x is ``rotary(grad, cos, sin, conjugate=not conjugate)``;
     cos and sin get gradients too when they require them, summed over broadcast dims.
     """
-    if _compiling() or (_grad_enabled() and _any_requires_grad(x, cos, sin)):
+    if _compiling():
         return _rotary(x, cos, sin, interleaved, conjugate)
+    if _grad_enabled() and _any_requires_grad(x, cos, sin):
+        return _rotary_graph(x, cos, sin, interleaved, conjugate)
     with _below_autograd():
         return _rotary_kernel(x, cos, sin, interleaved, conjugate)
 
@@ -123,8 +135,10 @@ def rotary_qk(
         ``(q_out, k_out)``, new tensors with q's and k's shapes, dtypes and layouts. One autograd
         node covers both; its backward is one ``rotary_qk`` call with conjugate flipped.
     """
-    if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, cos, sin, cos_k, sin_k)):
+    if _compiling():
         return _rotary_qk(q, k, cos, sin, interleaved, cos_k, sin_k, conjugate)
+    if _grad_enabled() and _any_requires_grad(q, k, cos, sin, cos_k, sin_k):
+        return _rotary_qk_graph(q, k, cos, sin, interleaved, cos_k, sin_k, conjugate)
     with _below_autograd():
         return _rotary_qk_kernel(q, k, cos, sin, interleaved, cos_k, sin_k, conjugate)
 
@@ -214,8 +228,10 @@ def rotary_pos(
     if not isinstance(positions, torch.Tensor):
         positions = _resolve_positions(positions, x, seq_dim)
     try:
-        if _compiling() or (_grad_enabled() and _any_requires_grad(x, cos_cache, sin_cache)):
+        if _compiling():
             return _rotary_pos(x, cos_cache, sin_cache, positions, interleaved, conjugate)
+        if _grad_enabled() and _any_requires_grad(x, cos_cache, sin_cache):
+            return _rotary_pos_graph(x, cos_cache, sin_cache, positions, interleaved, conjugate)
         with _below_autograd():
             return _rotary_pos_kernel(x, cos_cache, sin_cache, positions, interleaved, conjugate)
     except RuntimeError as error:
@@ -247,8 +263,10 @@ def rotary_pos_qk(
     if not isinstance(positions, torch.Tensor):
         positions = _resolve_positions(positions, q, seq_dim)
     try:
-        if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, cos_cache, sin_cache)):
+        if _compiling():
             return _rotary_pos_qk(q, k, cos_cache, sin_cache, positions, interleaved, conjugate)
+        if _grad_enabled() and _any_requires_grad(q, k, cos_cache, sin_cache):
+            return _rotary_pos_qk_graph(q, k, cos_cache, sin_cache, positions, interleaved, conjugate)
         with _below_autograd():
             return _rotary_pos_qk_kernel(q, k, cos_cache, sin_cache, positions, interleaved, conjugate)
     except RuntimeError as error:
@@ -359,8 +377,10 @@ def qk_norm_rotary(
     """
     args = _norm_args("rope_ext.qk_norm_rotary", (q, k, q_weight, k_weight, cos, sin), eps, weight_offset,
                       norm_over, interleaved, weight_after, norm, (q_bias, k_bias))
-    if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos, sin, q_bias, k_bias)):
+    if _compiling():
         return _qk_norm_rotary(*args)[:2]
+    if _grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos, sin, q_bias, k_bias):
+        return _qk_norm_rotary_graph(*args)
     with _below_autograd():
         return _qk_norm_rotary_kernel(*args)[:2]
 
@@ -403,8 +423,10 @@ def norm_rotary(
     """
     args = _norm_args("rope_ext.norm_rotary", (x, weight, cos, sin), eps, weight_offset, norm_over, interleaved,
                       weight_after, norm, (bias,))
-    if _compiling() or (_grad_enabled() and _any_requires_grad(x, weight, cos, sin, bias)):
+    if _compiling():
         return _norm_rotary(*args)[0]
+    if _grad_enabled() and _any_requires_grad(x, weight, cos, sin, bias):
+        return _norm_rotary_graph(*args)[0]
     with _below_autograd():
         return _norm_rotary_kernel(*args)[0]
 
@@ -445,9 +467,10 @@ def qk_norm_rotary_pos(
     args = _norm_args("rope_ext.qk_norm_rotary_pos", (q, k, q_weight, k_weight, cos_cache, sin_cache,
                       positions), eps, weight_offset, norm_over, interleaved, weight_after, norm, (q_bias, k_bias))
     try:
-        if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos_cache, sin_cache,
-                                                                   q_bias, k_bias)):
+        if _compiling():
             return _qk_norm_rotary_pos(*args)[:2]
+        if _grad_enabled() and _any_requires_grad(q, k, q_weight, k_weight, cos_cache, sin_cache, q_bias, k_bias):
+            return _qk_norm_rotary_pos_graph(*args)
         with _below_autograd():
             return _qk_norm_rotary_pos_kernel(*args)[:2]
     except RuntimeError as error:

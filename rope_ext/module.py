@@ -16,6 +16,7 @@ from rope_ext._ops import (
     _compiling,
     _grad_enabled,
     _rotary_pos_qk,
+    _rotary_pos_qk_graph,
     _rotary_pos_qk_kernel,
     qk_norm_rotary,
     qk_norm_rotary_pos,
@@ -680,8 +681,10 @@ class RotaryEmbedding(nn.Module):
             return qk_norm_rotary(q, k, q_weight, k_weight, cos, sin, **kw)
         if rows is not None:  # (rope_ext.rotary_pos_qk's lines, inline: a Python frame less per decode step)
             try:
-                if _compiling() or (_grad_enabled() and _any_requires_grad(q, k, cos, sin)):
+                if _compiling():
                     return _rotary_pos_qk(q, k, cos, sin, rows, self.interleaved, False)
+                if _grad_enabled() and _any_requires_grad(q, k, cos, sin):
+                    return _rotary_pos_qk_graph(q, k, cos, sin, rows, self.interleaved, False)
                 with below_autograd():
                     return _rotary_pos_qk_kernel(q, k, cos, sin, rows, self.interleaved, False)
             except RuntimeError as error:
