@@ -49,10 +49,11 @@ below_autograd = _private.below_autograd
 
 def _transpose(op, *args):
     """A backward's call of a rotation op (the forward's transpose). Under create_graph it records
-    through the op's autograd; otherwise it runs below autograd, where the op's autograd kernel would
-    record nothing at the cost of a Python call. (Only the op itself: the table formulas' aten ops stay
-    above autograd, where tensor subclasses decompose the composite ones.)"""
-    if torch.is_grad_enabled():
+    through the op's autograd, and compiled autograd traces the op (Dynamo cannot trace the guard
+    below); otherwise it runs below autograd, where the op's autograd kernel would record nothing at
+    the cost of a Python call. (Only the op itself: the table formulas' aten ops stay above
+    autograd, where tensor subclasses decompose the composite ones.)"""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return op(*args)
     with below_autograd():
         return op(*args)
@@ -503,21 +504,26 @@ _RETURNED = {"qk_norm_rotary": 2, "qk_norm_rotary_pos": 2, "norm_rotary": 1}
 
 
 def eager_function(name: str):
-    """The op's autograd as a ``torch.autograd.Function`` whose ``apply`` takes the op's arguments,
-    all of them, positionally: what a public wrapper calls in eager mode where the call records a
-    graph. Its backward and context setup are FORMULAS[name], the registered autograd's own. It
-    returns the op's outputs, the norm ops' without their statistics (q_out and k_out, or out).
+    """The op's eager autograd: a function that takes the op's arguments, all of them, positionally,
+    and records the call's graph, for the public wrappers to call in eager mode where a call records
+    one. It calls a ``torch.autograd.Function`` whose backward and context setup are FORMULAS[name],
+    the registered autograd's own, and returns the op's outputs, the norm ops' without their
+    statistics (q_out and k_out, or out).
 
-    Why not the registered autograd kernel: a call through it costs about 2x a minimal Function's
-    host time (benchmarks/bench_host_cost.py). torch.library's kernel wraps a Function that defines
-    ``setup_context``, and ``Function.apply`` of such a Function binds every call's arguments to
-    forward's signature with ``inspect``. This forward takes ctx and calls the setup itself, so
-    apply skips the binding. The price: torch.func transforms refuse it (they need setup_context),
-    as they refuse the registered kernel's Function (it lacks a vmap rule). torch.compile and
-    torch.export never see it: the wrappers call the op itself while compiling.
+    Why not the registered autograd kernel: a call through it costs 1.3x to 1.8x a minimal
+    Function's host time (benchmarks/bench_host_cost.py). The dispatcher calls into Python for it,
+    torch.library's generated Function fills the op's schema defaults into every call's arguments
+    (``torch._library.utils.fill_defaults``, the largest part) and redispatches below autograd, and
+    the norm ops' statistics are tracked outputs whose zero gradients the backward makes. This
+    Function calls the kernel below autograd and the setup itself, with the arguments as given.
+
+    Under a torch.func transform the call goes through the op instead: a Function without
+    ``setup_context`` is refused there, and vmap's fallback runs the op's kernels. torch.compile and
+    torch.export never reach this: the wrappers call the op itself while compiling.
     """
+    op = getattr(torch.ops.rope_ext, name).default
     backward, setup = FORMULAS[name]
-    kernel = _private.kernel(getattr(torch.ops.rope_ext, name).default)
+    kernel = _private.kernel(op)
     returned = _RETURNED.get(name)
 
     def forward(ctx, *args):
@@ -526,8 +532,17 @@ def eager_function(name: str):
         setup(ctx, args, output)
         return output if returned is None else output[:returned]
 
-    return type(f"{name}_autograd", (torch.autograd.Function,),
-                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    apply = type(f"{name}_autograd", (torch.autograd.Function,),
+                 {"forward": staticmethod(forward), "backward": staticmethod(backward)}).apply
+    transforms_active = torch._C._are_functorch_transforms_active
+
+    def call(*args):
+        if transforms_active():
+            output = op(*args)
+            return output if returned is None else output[:returned]
+        return apply(*args)
+
+    return call
 
 
 _LIB = torch.library.Library("rope_ext", "IMPL")  # noqa: TOR901 (kept alive: the registrations below)

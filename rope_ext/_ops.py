@@ -47,15 +47,15 @@ _rotary_pos_qk_kernel = _kernel(_rotary_pos_qk)
 _qk_norm_rotary_kernel = _kernel(_qk_norm_rotary)
 _qk_norm_rotary_pos_kernel = _kernel(_qk_norm_rotary_pos)
 _norm_rotary_kernel = _kernel(_norm_rotary)
-# Where an eager call records a graph, the wrappers call each op's autograd Function, which has
-# the registered autograd's formulas at about half its host cost (rope_ext/_autograd.py).
-_rotary_graph = _eager_function("rotary").apply
-_rotary_qk_graph = _eager_function("rotary_qk").apply
-_rotary_pos_graph = _eager_function("rotary_pos").apply
-_rotary_pos_qk_graph = _eager_function("rotary_pos_qk").apply
-_qk_norm_rotary_graph = _eager_function("qk_norm_rotary").apply
-_qk_norm_rotary_pos_graph = _eager_function("qk_norm_rotary_pos").apply
-_norm_rotary_graph = _eager_function("norm_rotary").apply
+# Where an eager call records a graph, the wrappers call each op's eager autograd, which has the
+# registered autograd's formulas at less host cost (rope_ext/_autograd.py's eager_function).
+_rotary_graph = _eager_function("rotary")
+_rotary_qk_graph = _eager_function("rotary_qk")
+_rotary_pos_graph = _eager_function("rotary_pos")
+_rotary_pos_qk_graph = _eager_function("rotary_pos_qk")
+_qk_norm_rotary_graph = _eager_function("qk_norm_rotary")
+_qk_norm_rotary_pos_graph = _eager_function("qk_norm_rotary_pos")
+_norm_rotary_graph = _eager_function("norm_rotary")
 
 
 def rotary(

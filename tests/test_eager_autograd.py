@@ -107,5 +107,46 @@ def test_an_unused_output_gets_a_zero_gradient():
     assert not dk.any()
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["rotary_qk", "qk_norm_rotary"])
+def test_under_vmap_a_call_that_records_a_graph_goes_through_the_op(norm):
+    """torch.func refuses a Function without setup_context: under vmap the public call takes the
+    op's registered kernels (vmap's per-sample fallback), as the torch.ops call does, and the
+    batched outputs' gradients reach the tables and weights as the torch.ops call's do."""
+    gen = torch.Generator().manual_seed(4)
+    q, k = torch.randn(3, 2, 4, 8, generator=gen, dtype=torch.float64), torch.randn(3, 1, 4, 8, generator=gen,
+                                                                                      dtype=torch.float64)
+    cos, sin = _tables(gen, (4, 8), True)
+    w = torch.randn(8, generator=gen, dtype=torch.float64, requires_grad=True)
+    leaves = (cos, sin, w) if norm else (cos, sin)
+    if norm:
+        public = lambda q, k: rope_ext.qk_norm_rotary(q, k, w, w, cos, sin, eps=1e-6)  # noqa: E731
+        dispatched = lambda q, k: OPS.qk_norm_rotary(q, k, w, w, cos, sin, 1e-6)[:2]  # noqa: E731
+    else:
+        public = lambda q, k: rope_ext.rotary_qk(q, k, cos, sin)  # noqa: E731
+        dispatched = lambda q, k: OPS.rotary_qk(q, k, cos, sin, False, None, None, False)  # noqa: E731
+    got, want = torch.func.vmap(public)(q, k), torch.func.vmap(dispatched)(q, k)
+    for g, w_ in zip(got, want, strict=True):
+        assert torch.equal(g, w_)
+    for g, w_ in zip(torch.autograd.grad(sum(o.sum() for o in got), leaves),
+                     torch.autograd.grad(sum(o.sum() for o in want), leaves), strict=True):
+        assert torch.equal(g, w_)
+
+
+@pytest.mark.parametrize("name", ["rotary_qk", "qk_norm_rotary"])
+def test_compiled_autograd_traces_the_eager_backward_whole(name):
+    """An eager forward's backward under compiled autograd with fullgraph: Dynamo traces the
+    backward's own op calls (never the guard that runs them below autograd in eager backward)."""
+    from torch._dynamo import compiled_autograd
+
+    public, _, leaves = _calls(torch.Generator().manual_seed(6), False)[name]
+    want = torch.autograd.grad(sum(o.sum() for o in public()), leaves)
+    loss = sum(o.sum() for o in public())
+    torch._dynamo.reset()
+    with compiled_autograd._enable(torch.compile(backend="eager", fullgraph=True)):
+        loss.backward()
+    for leaf, w in zip(leaves, want, strict=True):
+        torch.testing.assert_close(leaf.grad, w, rtol=1e-12, atol=1e-12)
+
+
 def test_host_cost_benchmark_checks_and_reports():
     bench_host_cost.main(["--rounds", "1", "--calls", "2", "--lengths", "2"])
