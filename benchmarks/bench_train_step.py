@@ -19,6 +19,8 @@ step takes about a second, and --full gives the real widths with 2 layers):
          mean squared error to a fixed random target. Fused by patch(): norms + RoPE.
 Variants: stock (the libraries' code as installed) and patched (rope_ext.integrations.<library>
 .patch(), its default: RoPE on rope_ext's ops and the q/k norms fused where the listing says so).
+With --control both processes run stock: the "patched" column is then a second stock process, and
+its ratio what two processes of one variant differ by (their memory layout, their threads' cores).
 
 How it measures. Each variant of a (model, dtype, mode) runs in a process of its own, built from the
 same seed, patched (or not) and compiled (or not) once; the processes take turns, one step each per
@@ -265,7 +267,8 @@ def run_config(model_name, dtype_name, mode, args):
     procs, conns = {}, {}
     for variant in VARIANTS:
         parent, child = ctx.Pipe()
-        procs[variant] = ctx.Process(target=worker, args=(child, model_name, dtype_name, mode, variant, args.full,
+        built = "stock" if args.control else variant  # (--control: stock in both processes)
+        procs[variant] = ctx.Process(target=worker, args=(child, model_name, dtype_name, mode, built, args.full,
                                                           args.device, args.threads, args.tiny), daemon=True)
         procs[variant].start()
         conns[variant] = parent
@@ -289,7 +292,7 @@ def run_config(model_name, dtype_name, mode, args):
             raise SystemExit(f"{name}: patched loss {loss} against stock's {stock_loss}")
         if not _close(norms, stock_norms, tolerance):
             raise SystemExit(f"{name}: the patched gradients' norms are off stock's by more than {tolerance}")
-        if stock_ops or not ops:
+        if stock_ops or bool(ops) == args.control:
             raise SystemExit(f"{name}: rope_ext ops in a stock step {stock_ops}, in a patched one {ops}")
         times = {v: [] for v in VARIANTS}
         peaks = {v: [] for v in VARIANTS}
@@ -329,6 +332,8 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--full", action="store_true", help="the checkpoints' widths (for a GPU)")
     parser.add_argument("--tiny", action="store_true", help="toy widths: the test's smoke run")
+    parser.add_argument("--control", action="store_true",
+                        help="stock in both processes: what two processes of one variant differ by")
     args = parser.parse_args(argv)
     import diffusers
     import torch
@@ -350,14 +355,16 @@ def main(argv=None):
                 tokens = r["stock"][0]
                 ratios = [p / s for p, s in zip(r["patched"][1], r["stock"][1], strict=True)]
                 q1, median, q3 = _quartiles(ratios)
-                stock_mem, patched_mem = (statistics.median(r[v][2]) for v in VARIANTS)
                 ops = " ".join(o.removeprefix("rope_ext::") for o in r["patched"][3])
+                if args.memory_rounds:
+                    stock_mem, patched_mem = (statistics.median(r[v][2]) for v in VARIANTS)
+                    memory = f"{stock_mem / 2**20:9.1f} {patched_mem / 2**20:11.1f} {patched_mem / stock_mem:9.3f}"
+                else:
+                    memory = f"{'-':>9} {'-':>11} {'-':>9}"
                 print(f"{model_name:<6} {dtype_name:<9} {mode:<8} {tokens:>6} "
                       f"{tokens / statistics.median(r['stock'][1]):11.0f} "
                       f"{tokens / statistics.median(r['patched'][1]):13.0f} "
-                      f"{median:>10.3f} ({q1:.3f}-{q3:.3f}) {stock_mem / 2**20:9.1f} {patched_mem / 2**20:11.1f} "
-                      f"{patched_mem / stock_mem:9.3f}  {ops}",
-                      flush=True)
+                      f"{median:>10.3f} ({q1:.3f}-{q3:.3f}) {memory}  {ops}", flush=True)
     print("time ratio: patched/stock step time per round (below 1: patched is faster); memory: the step's peak")
     return results
 

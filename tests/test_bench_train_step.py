@@ -36,6 +36,14 @@ def test_a_few_steps_of_each_variant(mode, capsys):
     assert all(f"\n{m:<6} float32   {mode:<8}" in out for m in models.split(","))
 
 
+def test_control_runs_stock_in_both_processes():
+    results = bench_train_step.main(["--tiny", "--models", "llama", "--dtypes", "float32", "--modes", "eager",
+                                     "--rounds", "1", "--warmup", "0", "--memory-rounds", "0", "--threads", "1",
+                                     "--control"])
+    variants = results["llama", "float32", "eager"]
+    assert variants["stock"][3] == variants["patched"][3] == []  # (no rope_ext op in either)
+
+
 def test_peak_memory_is_the_most_held_at_once():
     import torch
 
@@ -50,6 +58,7 @@ def test_peak_memory_is_the_most_held_at_once():
 
 
 def test_a_worker_that_fails_is_reported_by_name():
-    args = argparse.Namespace(full=False, device="cpu", threads=1, tiny=True, rounds=1, warmup=0)
+    args = argparse.Namespace(full=False, device="cpu", threads=1, tiny=True, rounds=1, warmup=0, memory_rounds=0,
+                              control=False)
     with pytest.raises(SystemExit, match="no_such_model float32 eager stock: KeyError"):
         bench_train_step.run_config("no_such_model", "float32", "eager", args)
