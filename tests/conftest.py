@@ -351,6 +351,7 @@ PATH_COUNT_NAMES = (
     "general_rows",
     "native_bf16_calls",
     "wide_fast_rows",
+    "norm_rows",
 )
 
 

@@ -26,7 +26,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import _UNIT_ROUNDOFF, CONVENTIONS, DTYPES, cpu_thresholds, hook_setting, randn, random_tables
+from conftest import (
+    _UNIT_ROUNDOFF,
+    CONVENTIONS,
+    DTYPES,
+    cpu_thresholds,
+    expected_streamed_rows,
+    hook_setting,
+    path_counts,
+    path_counts_since,
+    randn,
+    random_tables,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing._internal.optests import opcheck
@@ -900,3 +911,106 @@ def test_weight_gradient_past_512_blocks(gen):
     (theirs,) = torch.autograd.grad(ref, wide[1], go.double())
     # each value sums 520 rows' products in float32
     torch.testing.assert_close(one.double(), theirs, atol=600 * 2.0**-24 * float(theirs.abs().max()), rtol=1e-6)
+
+
+# --- the forward's row path (qk_norm_kernel.h's norm_forward_rows) -----------------------------------
+#
+# The forward has two strategies: the row path (per head, RMS, no bias, the weight before the rotation,
+# every column rotated, contiguous columns, rows of whole vector steps up to a width) and the blocked
+# path for everything else. They must give the same bits. A zero bias sends a call to the blocked path
+# and changes no value (v + 0 is v; only a -0 becomes +0, which torch.equal counts as equal).
+
+
+def _row_path_call(q, k, w, cos, sin, gathered, interleaved, **kw):
+    if gathered:
+        positions = torch.arange(q.shape[1]).flip(0).expand(q.shape[0], -1)[..., None]
+        return rope_ext.qk_norm_rotary_pos(q, k, w, w, cos, sin, positions, eps=1e-6, interleaved=interleaved, **kw)
+    return rope_ext.qk_norm_rotary(q, k, w, w, cos, sin, eps=1e-6, interleaved=interleaved, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("convention", CONVENTIONS)
+@pytest.mark.parametrize("gathered", [False, True], ids=["tables", "gathered"])
+@pytest.mark.parametrize("weight", WEIGHTS)
+def test_row_path_equals_the_blocked_path(dtype, convention, gathered, weight, gen):
+    """Heads of 64, 128 and 256 (one to eight vector steps of float32 and 16-bit values on every
+    variant; float64's steps are half as wide, so 256 is past the row path on AVX2): the row path's
+    outputs equal the blocked path's, and each call took the path it was meant to (the counts)."""
+    interleaved = CONVENTIONS[convention]
+    for D in (64, 128) if dtype == torch.float64 else (64, 128, 256):
+        q, k = randn(2, 9, 4, D, dtype=dtype, gen=gen) * 3, randn(2, 9, 2, D, dtype=dtype, gen=gen)
+        w, offset = make_weight(weight, D, dtype, gen)
+        shape = (9 + 3, D // 2) if gathered else (2, 9, 1, D)
+        cos, sin = random_tables(shape, dtype=dtype, gen=gen)
+        zero = torch.zeros(D, dtype=dtype)
+        before = path_counts()
+        rows = _row_path_call(q, k, w, cos, sin, gathered, interleaved, weight_offset=offset)
+        assert path_counts_since(before)["norm_rows"] == 2 * 9 * (4 + 2)
+        before = path_counts()
+        blocked = _row_path_call(q, k, w, cos, sin, gathered, interleaved, weight_offset=offset,
+                                 q_bias=zero, k_bias=zero)
+        assert path_counts_since(before)["norm_rows"] == 0
+        for a, b in zip(rows, blocked, strict=True):
+            assert torch.equal(a, b), (D, (a - b).abs().max())
+        check_against_truth(rows[0], q, w if w is None else w.double() + offset, _full(cos, gathered, interleaved, q),
+                            _full(sin, gathered, interleaved, q), eps=1e-6, interleaved=interleaved)
+
+
+def _full(t, gathered, interleaved, q):
+    """The full-form table _row_path_call's gathered call reads (its positions, reversed)."""
+    if not gathered:
+        return t
+    positions = torch.arange(q.shape[1]).flip(0)
+    h = t[positions][None, :, None]
+    return h.repeat_interleave(2, -1) if interleaved else torch.cat((h, h), -1)
+
+
+def test_row_path_is_taken_only_where_it_applies(gen):
+    """Every condition of the row path, one case each side: the rows it ran."""
+    q = randn(1, 4, 3, 128, gen=gen)
+    w = torch.rand(128, generator=gen) + 0.5
+    cos, sin = random_tables((1, 4, 1, 128), gen=gen)
+
+    def ran(x, weight=w, c=cos, s=sin, **kw):
+        before = path_counts()
+        rope_ext.qk_norm_rotary(x, x, weight, weight, c, s, eps=1e-6, **kw)
+        return path_counts_since(before)["norm_rows"]
+
+    assert ran(q) == 2 * 12 and ran(q, weight=None) == 2 * 12
+    assert ran(q, weight=None, weight_after=True) == 2 * 12  # (no weight: the same op)
+    assert ran(q, weight_after=True) == 0
+    assert ran(q, norm="layer") == 0
+    assert ran(q, q_bias=torch.zeros(128), k_bias=torch.zeros(128)) == 0
+    assert ran(q, weight=torch.rand(3 * 128, generator=gen), norm_over="heads") == 0
+    assert ran(q, c=cos[..., :64], s=sin[..., :64]) == 0  # partial rotary
+    assert ran(randn(1, 4, 3, 256, gen=gen)[..., ::2]) == 0  # strided columns
+    x80, t80 = randn(1, 4, 3, 80, gen=gen), random_tables((1, 4, 1, 80), gen=gen)
+    assert ran(x80, weight=None, c=t80[0], s=t80[1]) == 0  # half of 40: no whole vector steps
+    x1k, t1k = randn(1, 2, 1, 1024, gen=gen), random_tables((1, 2, 1, 1024), gen=gen)
+    assert ran(x1k, weight=None, c=t1k[0], s=t1k[1]) == 0  # wider than the row path's steps
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("convention", CONVENTIONS)
+def test_row_path_streams_large_outputs_out_of_place(dtype, convention, gen):
+    """With the streaming threshold at 0, every out-of-place row whose stores are aligned is written
+    with streaming stores (none in place, none for float64), with the same values."""
+    interleaved = CONVENTIONS[convention]
+    q, k = randn(2, 7, 4, 128, dtype=dtype, gen=gen), randn(2, 7, 2, 128, dtype=dtype, gen=gen)
+    w = (torch.rand(128, generator=gen) + 0.5).to(dtype)
+    cos, sin = random_tables((2, 7, 1, 128), dtype=dtype, gen=gen)
+    want = rope_ext.qk_norm_rotary(q, k, w, w, cos, sin, eps=1e-6, interleaved=interleaved)
+    with cpu_thresholds(streaming_bytes=0):
+        before = path_counts()
+        got = rope_ext.qk_norm_rotary(q, k, w, w, cos, sin, eps=1e-6, interleaved=interleaved)
+        ran = path_counts_since(before)
+        expected = sum(expected_streamed_rows(o, interleaved, 128, 0) for o in got)
+        assert ran["norm_rows"] == 2 * 7 * 6 and ran["streamed_rows"] == expected
+        if dtype != torch.float64 and rope_ext.cpu_kernel_isa() != "DEFAULT":
+            assert expected > 0
+        qi, ki = q.clone(), k.clone()
+        before = path_counts()
+        rope_ext.qk_norm_rotary_(qi, ki, w, w, cos, sin, eps=1e-6, interleaved=interleaved)
+        assert path_counts_since(before)["streamed_rows"] == 0
+    for a, b in zip((*got, qi, ki), (*want, *want), strict=True):
+        assert torch.equal(a, b)

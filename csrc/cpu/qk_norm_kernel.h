@@ -416,11 +416,179 @@ struct RowCursor {
 // float32 values are 8 KiB, in L1.
 constexpr int64_t kNormBlockRows = 16;
 
+// The forward's row path: per head (a group of one row), RMS (not centered), no bias, the weight (if
+// any) before the rotation, every column rotated, x's and out's columns contiguous, and rows of whole
+// vector steps, at most kNormRowSteps of them (head_dim 256 on AVX2, 512 on AVX-512, for float32 and
+// 16-bit x). Each row is read once into registers, summing its squares as it comes, then scaled,
+// rotated and stored from there: one pass, with no buffer and no second read, where the blocked path
+// writes the row into a buffer and reads it back. (A row of 128 float32 values is AVX2's 16
+// registers; what does not fit the compiler spills to the stack, in L1.) The same operations in the
+// same order as the blocked path: the same bits (tests/test_qk_norm.py compares the two).
+constexpr int64_t kNormRowSteps = 8;
+
+template <typename scalar_t>
+bool norm_row_path(const NormPlan& p, const NormOperands& o) {
+  const int64_t half = p.rotary_dim / 2, step = VecIO<scalar_t>::kStep;
+  return !o.centered && o.bias == nullptr && (o.weight == nullptr || !o.weight_after) && p.group == 1 &&
+         p.rotary_dim == p.head_dim && p.x_col == 1 && p.out_col == 1 && half % step == 0 && half >= step &&
+         half <= kNormRowSteps * step;
+}
+
+// The row path's two halves for one row. norm_read_row reads the row's 2 * steps chunks of kStep
+// columns into `a` (float32, or float64 for float64 x) in column order, each chunk's two vectors'
+// squares into two accumulators (NormRowIO::load's order), and returns rstd = 1 / sqrt(mean(x^2) + eps)
+// (the blocked path adds its scalar tail, + 0 here: the same value). (`a` is raw storage, not an
+// array of Vec: Vectorized's constructor zeroes its lanes, 1 KiB a row.)
+template <typename scalar_t>
+C10_ALWAYS_INLINE at::opmath_type<scalar_t> norm_read_row(const scalar_t* x, at::opmath_type<scalar_t>* a,
+                                                         int64_t steps, at::opmath_type<scalar_t> eps,
+                                                         at::opmath_type<scalar_t> count) {
+  using T = at::opmath_type<scalar_t>;
+  using IO = VecIO<scalar_t>;
+  using Vec = typename IO::Vec;
+  constexpr int64_t V = Vec::size();
+  constexpr int64_t kStep = IO::kStep;
+  Vec acc0(T(0)), acc1(T(0));
+  for (int64_t c = 0; c < 2 * steps; ++c) {
+    Vec u, v;
+    IO::load(x + c * kStep, u, v);
+    u.store(a + c * kStep);
+    v.store(a + c * kStep + V);
+    acc0 = acc0 + u * u;
+    acc1 = acc1 + v * v;
+  }
+  return T(1) / std::sqrt(NormMath<T>::sum_lanes(acc0 + acc1) / count + eps);
+}
+
+// out = rotary(a * inv * g) for a row norm_read_row read: each step of pairs scaled, rotated and
+// stored. g1 and g2 are the weight's values of each pair's first and second member (null: g = 1); t
+// the row's tables; with `stream`, the stores are non-temporal (the caller checked the alignment).
+template <typename scalar_t, bool kInterleaved>
+C10_ALWAYS_INLINE void norm_write_row(const at::opmath_type<scalar_t>* a, at::opmath_type<scalar_t> inv,
+                                      scalar_t* out, int64_t steps, const at::opmath_type<scalar_t>* g1,
+                                      const at::opmath_type<scalar_t>* g2,
+                                      const PairTables<at::opmath_type<scalar_t>>& t, bool stream) {
+  using IO = VecIO<scalar_t>;
+  using Vec = typename IO::Vec;
+  constexpr int64_t V = Vec::size();
+  constexpr int64_t kStep = IO::kStep;
+  const int64_t half = steps * kStep;
+  const auto part = [&](int64_t k) { return Vec::loadu(a + k * V); };  // the row's k-th vector
+  const Vec vs(inv);
+  for (int64_t i = 0; i < steps; ++i) {
+    Vec x1[2], x2[2], o1[2], o2[2];
+    if constexpr (kInterleaved) {  // step i is chunks 2i and 2i + 1, pairs alternating
+      std::tie(x1[0], x2[0]) = at::vec::deinterleave2(part(4 * i), part(4 * i + 1));
+      std::tie(x1[1], x2[1]) = at::vec::deinterleave2(part(4 * i + 2), part(4 * i + 3));
+    } else {  // step i's first members are chunk i, its second ones chunk steps + i
+      x1[0] = part(2 * i), x1[1] = part(2 * i + 1);
+      x2[0] = part(2 * (steps + i)), x2[1] = part(2 * (steps + i) + 1);
+    }
+    for (int k = 0; k < 2; ++k) {
+      const int64_t j = i * kStep + k * V;  // the pair of x1[k]'s first lane
+      if (g1 != nullptr) {
+        x1[k] = x1[k] * vs * Vec::loadu(g1 + j), x2[k] = x2[k] * vs * Vec::loadu(g2 + j);
+      } else {
+        x1[k] = x1[k] * vs, x2[k] = x2[k] * vs;
+      }
+      rotate_pair<false>(x1[k], x2[k], Vec::loadu(t.c1 + j), Vec::loadu(t.s1 + j), Vec::loadu(t.c2 + j),
+                         Vec::loadu(t.s2 + j), o1[k], o2[k]);
+    }
+    if (stream) {
+      IO::template store_pairs<kInterleaved, true>(out, i * kStep, half, o1, o2);
+    } else {
+      IO::template store_pairs<kInterleaved, false>(out, i * kStep, half, o1, o2);
+    }
+  }
+}
+
+template <typename scalar_t, bool kInterleaved>
+void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Thresholds& th, const ThreadPool& pool) {
+  using T = at::opmath_type<scalar_t>;
+  using IO = VecIO<scalar_t>;
+  const NormContext<scalar_t> ctx(p, o);
+  const int64_t D = p.head_dim, half = D / 2, steps = half / IO::kStep;
+  // The weight by pair member: half-split, its two halves; interleaved, its even and odd columns.
+  std::vector<T> pair_weight;
+  const T* g1 = nullptr;
+  const T* g2 = nullptr;
+  if (!ctx.g.empty()) {
+    if (kInterleaved) {
+      pair_weight.resize(D);
+      for (int64_t i = 0; i < half; ++i) pair_weight[i] = ctx.g[2 * i], pair_weight[half + i] = ctx.g[2 * i + 1];
+      g1 = pair_weight.data(), g2 = g1 + half;
+    } else {
+      g1 = ctx.g.data(), g2 = g1 + half;
+    }
+  }
+  const auto* x = static_cast<const scalar_t*>(o.x);
+  auto* out = static_cast<scalar_t*>(o.out);
+  T* rstd = static_cast<T*>(o.rstd);
+  const T eps = static_cast<T>(o.eps), count = static_cast<T>(D);
+  const int64_t rows = p.num_rows();
+  // (as rotary_kernel.h's: out of place and too large to stay in cache)
+  const bool stream = IO::kStreams && o.x != o.out &&
+                      rows * D * static_cast<int64_t>(sizeof(scalar_t)) >= th.streaming_bytes;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  // A row's tables, from its kNormCos/kNormSin offsets (gathered: the position there selects the
+  // caches' row), in the type they are stored in.
+  const auto tables_at = [&](const int64_t* off, T* buf) {
+    const auto build = [&](auto table_tag) {
+      using table_t = decltype(table_tag);
+      const auto* cos = static_cast<const table_t*>(o.cos);
+      const auto* sin = static_cast<const table_t*>(o.sin);
+      if (!p.gathered) {
+        return token_tables<kInterleaved, false>(cos + off[kNormCos], p.cos_col, sin + off[kNormSin], p.sin_col,
+                                                 half, buf);
+      }
+      const auto position = [&](int64_t at) {
+        return p.positions_int32 ? int64_t{static_cast<const int32_t*>(o.positions)[at]}
+                                 : static_cast<const int64_t*>(o.positions)[at];
+      };
+      return token_tables<kInterleaved, true>(cos + position(off[kNormCos]) * p.cos_row, p.cos_col,
+                                              sin + position(off[kNormSin]) * p.sin_row, p.sin_col, half, buf);
+    };
+    if (o.float_tables && !std::is_same_v<scalar_t, float>) return build(float{});
+    return build(scalar_t{});
+  };
+  // (Reading the next row before writing this one, so that the next rstd's chain overlaps this row's
+  // writes, measured no faster: docs/devlog.md.)
+  const int64_t grain = std::max<int64_t>(1, th.grain_elements / D);
+  parallel_for(pool, 0, rows, grain, [&](int64_t begin, int64_t end) {
+    Scratch<T, 512> table_buf(4 * half);  // a row's tables, converted (token_tables)
+    alignas(64) T values[2 * kNormRowSteps * VecIO<scalar_t>::kStep];
+    PairTables<T> t{};
+    bool loaded = false;
+    int64_t cos_at = 0, sin_at = 0, streamed = 0;
+    RowCursor<5> row(p.rows, begin);
+    for (int64_t n = begin; n < end; ++n, row.next()) {
+      const int64_t* off = row.off;
+      if (!loaded || off[kNormCos] != cos_at || off[kNormSin] != sin_at) {  // (a token's heads share them)
+        t = tables_at(off, table_buf.data());
+        loaded = true, cos_at = off[kNormCos], sin_at = off[kNormSin];
+      }
+      const scalar_t* xr = x + off[kNormX];
+      scalar_t* outr = out + off[kNormOut];
+      const char* ahead = reinterpret_cast<const char*>(xr) + kPrefetchBytes;
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+      const T inv = norm_read_row<scalar_t>(xr, values, steps, eps, count);
+      if (rstd != nullptr) rstd[n] = inv;
+      const bool stream_row = stream && streaming_row_aligned(reinterpret_cast<std::uintptr_t>(outr), half,
+                                                              sizeof(scalar_t), kInterleaved, kStreamStoreBytes);
+      streamed += stream_row;
+      norm_write_row<scalar_t, kInterleaved>(values, inv, outr, steps, g1, g2, t, stream_row);
+    }
+    if (stream) finish_streaming(streamed);
+    path_counts().norm_rows.fetch_add(end - begin, std::memory_order_relaxed);
+  });
+}
+
 template <typename scalar_t, bool kInterleaved>
 void norm_forward(const NormPlan& p, const NormOperands& o, const Thresholds& th, const ThreadPool& pool) {
   using T = at::opmath_type<scalar_t>;
   using Row = NormRowIO<scalar_t>;
   using Vec = Vectorized<T>;
+  if (norm_row_path<scalar_t>(p, o)) return norm_forward_rows<scalar_t, kInterleaved>(p, o, th, pool);
   const NormContext<scalar_t> ctx(p, o);
   const int64_t D = p.head_dim, G = p.group, R = p.rotary_dim, N = G * D;
   // Per head, a block of groups between the passes; across heads a group is already G rows.

@@ -42,6 +42,7 @@ struct PathCounts {
   // Of the fast path's rows, those too wide for its unrolled blocks, rotated by the row loop
   std::atomic<int64_t> wide_fast_rows{0};
   std::atomic<int64_t> native_bf16_calls{0};    // calls run by the AVX512_BF16 variant
+  std::atomic<int64_t> norm_rows{0};            // QK-norm forward rows run by the row path (norm_forward_rows)
 };
 enum RowPath { kFastRows = 0, kGeneralRows = 1 };
 ROPE_EXT_INTERNAL PathCounts& path_counts();

@@ -128,7 +128,7 @@ struct VecIO {
                 "a 16-bit vector holds the elements of two float vectors");
   // float, float16 and bfloat16 outputs may be streamed (store_streaming); double never is.
   static constexpr bool kStreams = kStreamStoreBytes > 0 && !std::is_same_v<scalar_t, double>;
-  static_assert(!kStreams || (kStep * sizeof(scalar_t)) % kStreamStoreBytes == 0,
+  static_assert(!kStreams || (kStep * sizeof(scalar_t)) % std::max<int64_t>(kStreamStoreBytes, 1) == 0,
                 "a step of the vector body stores whole registers (streaming_row_aligned relies on it)");
 
 #if defined(CPU_CAPABILITY_AVX512)

@@ -67,7 +67,7 @@ std::vector<int64_t> cpu_path_counts() {
   const cpu::PathCounts& c = cpu::path_counts();
   return {c.streamed_rows.load(), c.huge_page_outputs.load(), c.head_split_walks.load(),
           c.token_split_walks.load(), c.rows[cpu::kFastRows].load(), c.rows[cpu::kGeneralRows].load(),
-          c.native_bf16_calls.load(), c.wide_fast_rows.load()};
+          c.native_bf16_calls.load(), c.wide_fast_rows.load(), c.norm_rows.load()};
 }
 
 int64_t cpu_unrolled_steps() { return cpu::kUnrolledSteps; }
