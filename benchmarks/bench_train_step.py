@@ -1,7 +1,8 @@
 """A training step end to end, stock against rope_ext's patch(): tokens per second and peak memory of
 forward + backward + AdamW step, eager and under torch.compile.
 
-    python benchmarks/bench_train_step.py                       # every model, both dtypes, eager and compiled
+    python benchmarks/bench_train_step.py                       # every model, float32, eager and compiled
+    python benchmarks/bench_train_step.py --dtypes float32,bfloat16  # bfloat16 too (hours without AVX512-BF16)
     python benchmarks/bench_train_step.py --models qwen3 --dtypes float32 --modes compile --rounds 20
     python benchmarks/bench_train_step.py --device cuda --full  # the real widths, on a GPU
 
@@ -26,7 +27,8 @@ How it measures. Each variant of a (model, dtype, mode) runs in a process of its
 same seed, patched (or not) and compiled (or not) once; the processes take turns, one step each per
 round, so that the machine's drift falls on both alike and a compiled model never recompiles (patch()
 and unpatch() drop torch.compile's caches). Before timing, the first step is checked against stock's
-(its loss and each parameter's gradient norm), and a profiled step shows which rope_ext ops each
+(its loss, and each parameter's gradient norm and its gradient's projection on a seeded random
+direction), and a profiled step shows which rope_ext ops each
 variant runs (none for stock). Then the timed rounds, then --memory-rounds more steps for the peak
 tensor memory over a step beyond what it starts with (torch.cuda.max_memory_allocated on a GPU, the
 profiler's record of the CPU allocator's blocks on the CPU; the optimizer's state is held before
@@ -177,8 +179,11 @@ class _PeakMemory:
             return torch.cuda.max_memory_allocated() - base
         with _quiet_profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             step()
-        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+        # in time order; events at one timestamp keep the record's order (sorted is stable), so an
+        # allocation recorded before a free stays before it
+        events = sorted(((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
+                        key=lambda event: event[0])
         held = peak = 0
         for _, nbytes in events:  # (a free's nbytes is negative)
             held += nbytes
@@ -213,8 +218,9 @@ def worker(conn, model_name, dtype_name, mode, variant, full, device_name, threa
                 loss = compute()
                 loss.backward()
                 if check is not None:
-                    check.extend([loss.item()] + [p.grad.double().norm().item() if p.grad is not None else 0.0
-                                                  for p in model.parameters()])
+                    check.append(loss.item())
+                    check.extend((name, _gradient_summary(i, p.grad)) for i, (name, p) in
+                                 enumerate(model.named_parameters()))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 if device.type == "cuda":
@@ -236,6 +242,17 @@ def worker(conn, model_name, dtype_name, mode, variant, full, device_name, threa
         conn.close()
 
 
+def _gradient_summary(index, grad):
+    """(norm, projection) of a parameter's gradient, in float64: the projection on a random unit
+    direction seeded by the parameter's index, the same in both processes. None for no gradient."""
+    torch = _torch()
+    if grad is None:
+        return None
+    g = grad.detach().double().flatten().cpu()
+    direction = torch.randn(g.numel(), generator=torch_generator(index), dtype=torch.float64)
+    return g.norm().item(), (g @ direction).item() / max(direction.norm().item(), 1e-300)
+
+
 def _ops_seen(step):
     """The rope_ext ops one step runs (profiled): none for stock, and proof for patched."""
     with _quiet_profile() as prof:
@@ -254,9 +271,19 @@ def _tolerance(dtype_name):
     return 1e-4 if dtype_name == "float32" else 3e-2
 
 
-def _close(got, want, tolerance):
-    return sum((g - w) ** 2 for g, w in zip(got, want, strict=True)) ** 0.5 <= tolerance * sum(
-        w * w for w in want) ** 0.5
+def _gradients_differ(got, want, tolerance):
+    """The first parameter whose gradient differs, as a message, or None: a gradient on one side
+    only, or a norm or a projection off stock's by more than tolerance times stock's norm (each
+    parameter on its own, so that a small one's error cannot hide behind a large one's)."""
+    for (name, g), (_, w) in zip(got, want, strict=True):
+        if (g is None) != (w is None):
+            return f"{name} has a gradient only in {'stock' if g is None else 'patched'}"
+        if g is None:
+            continue
+        scale = tolerance * max(w[0], 1e-12)
+        if abs(g[0] - w[0]) > scale or abs(g[1] - w[1]) > scale:
+            return f"{name}: gradient norm {g[0]:.6g} and projection {g[1]:.6g}, stock's {w[0]:.6g} and {w[1]:.6g}"
+    return None
 
 
 def run_config(model_name, dtype_name, mode, args):
@@ -288,10 +315,10 @@ def run_config(model_name, dtype_name, mode, args):
                 raise SystemExit(f"{name} {variant}: {ready[variant][1]}")
         (_, tokens, stock_loss, stock_norms, stock_ops), (_, _, loss, norms, ops) = ready["stock"], ready["patched"]
         tolerance = _tolerance(dtype_name)
-        if not _close([loss], [stock_loss], tolerance):
+        if not abs(loss - stock_loss) <= tolerance * abs(stock_loss):
             raise SystemExit(f"{name}: patched loss {loss} against stock's {stock_loss}")
-        if not _close(norms, stock_norms, tolerance):
-            raise SystemExit(f"{name}: the patched gradients' norms are off stock's by more than {tolerance}")
+        if (differ := _gradients_differ(norms, stock_norms, tolerance)) is not None:
+            raise SystemExit(f"{name}: {differ} (tolerance {tolerance})")
         if stock_ops or bool(ops) == args.control:
             raise SystemExit(f"{name}: rope_ext ops in a stock step {stock_ops}, in a patched one {ops}")
         times = {v: [] for v in VARIANTS}
@@ -315,6 +342,28 @@ def run_config(model_name, dtype_name, mode, args):
                 procs[variant].kill()
 
 
+def _commit():
+    """The checkout's commit, or "an unknown commit" outside a git checkout."""
+    import subprocess
+
+    try:
+        run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.TimeoutExpired):
+        return "an unknown commit"
+    return run.stdout.strip() if run.returncode == 0 and run.stdout.strip() else "an unknown commit"
+
+
+def _cpu_model():
+    """The CPU's model name from /proc/cpuinfo (Linux), else platform's processor or machine."""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def _quartiles(values):
     q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
     return q[0], q[1], q[2]
@@ -323,7 +372,8 @@ def _quartiles(values):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default="float32",
+                        help="comma-separated; bfloat16 steps about 20x slower on a CPU without AVX512-BF16")
     parser.add_argument("--modes", default="eager,compile")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
@@ -335,15 +385,18 @@ def main(argv=None):
     parser.add_argument("--control", action="store_true",
                         help="stock in both processes: what two processes of one variant differ by")
     args = parser.parse_args(argv)
+    if args.rounds < 1 or args.warmup < 0 or args.memory_rounds < 0:
+        parser.error("--rounds must be at least 1, --warmup and --memory-rounds at least 0")
     import diffusers
     import torch
     import transformers
 
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, diffusers {diffusers.__version__}, "
-          f"{args.device}: " + (torch.cuda.get_device_name() if args.device == "cuda" else
-                                f"{platform.processor() or platform.machine()} "
-                                f"({torch.backends.cpu.get_cpu_capability()}), {args.threads} threads")
-          + f"; {args.rounds} interleaved rounds after {args.warmup}", flush=True)
+    print(f"rope_ext at {_commit()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"diffusers {diffusers.__version__}, {args.device}: " +
+          (torch.cuda.get_device_name() if args.device == "cuda" else
+           f"{_cpu_model()} ({torch.backends.cpu.get_cpu_capability()}), {args.threads} threads")
+          + f"; {args.rounds} interleaved rounds after {args.warmup}"
+          + ("; CONTROL: stock in both processes" if args.control else ""), flush=True)
     print(f"{'model':<6} {'dtype':<9} {'mode':<8} {'tokens':>6} {'stock tok/s':>11} {'patched tok/s':>13} "
           f"{'time ratio (q1-q3)':>22} {'stock MiB':>9} {'patched MiB':>11} {'mem ratio':>9}  rope_ext ops")
     results = {}
@@ -358,7 +411,8 @@ def main(argv=None):
                 ops = " ".join(o.removeprefix("rope_ext::") for o in r["patched"][3])
                 if args.memory_rounds:
                     stock_mem, patched_mem = (statistics.median(r[v][2]) for v in VARIANTS)
-                    memory = f"{stock_mem / 2**20:9.1f} {patched_mem / 2**20:11.1f} {patched_mem / stock_mem:9.3f}"
+                    ratio = f"{patched_mem / stock_mem:9.3f}" if stock_mem > 0 else f"{'-':>9}"
+                    memory = f"{stock_mem / 2**20:9.1f} {patched_mem / 2**20:11.1f} {ratio}"
                 else:
                     memory = f"{'-':>9} {'-':>11} {'-':>9}"
                 print(f"{model_name:<6} {dtype_name:<9} {mode:<8} {tokens:>6} "

@@ -25,7 +25,7 @@ def test_a_few_steps_of_each_variant(mode, capsys):
     for (model, _, _), variants in results.items():
         for variant, (tokens, seconds, peaks, _) in variants.items():
             assert tokens > 0 and len(seconds) == 2 and len(peaks) == 1, (model, variant)
-            assert all(s > 0 for s in seconds) and all(p >= 0 for p in peaks), (model, variant)
+            assert all(s > 0 for s in seconds) and all(p > 0 for p in peaks), (model, variant)
         ops = set(variants["patched"][3])
         # (a fusion where the model normalizes q and k, the rotation alone where it does not)
         want = {"rope_ext::rotary_qk"} if model == "llama" else {"rope_ext::qk_norm_rotary",
@@ -36,12 +36,34 @@ def test_a_few_steps_of_each_variant(mode, capsys):
     assert all(f"\n{m:<6} float32   {mode:<8}" in out for m in models.split(","))
 
 
-def test_control_runs_stock_in_both_processes():
+def test_control_runs_stock_in_both_processes(capsys):
     results = bench_train_step.main(["--tiny", "--models", "llama", "--dtypes", "float32", "--modes", "eager",
                                      "--rounds", "1", "--warmup", "0", "--memory-rounds", "0", "--threads", "1",
                                      "--control"])
     variants = results["llama", "float32", "eager"]
     assert variants["stock"][3] == variants["patched"][3] == []  # (no rope_ext op in either)
+    out = capsys.readouterr().out
+    assert "CONTROL: stock in both processes" in out.splitlines()[0]
+    row = next(line for line in out.splitlines() if line.startswith("llama "))
+    assert row.split()[-3:] == ["-", "-", "-"], row  # (no memory rounds: no memory columns)
+
+
+def test_gradient_check_is_per_parameter():
+    """One small parameter's gradient off by 1% fails the check though the large one hides it in a
+    norm over all; a gradient on one side only fails by name."""
+    stock = [("embed", (1000.0, 30.0)), ("norm", (0.01, 0.002)), ("unused", None)]
+    assert bench_train_step._gradients_differ(stock, stock, 1e-4) is None
+    off = [stock[0], ("norm", (0.0101, 0.002)), stock[2]]
+    assert "norm" in bench_train_step._gradients_differ(off, stock, 1e-4)
+    projected = [stock[0], ("norm", (0.01, 0.0021)), stock[2]]
+    assert "norm" in bench_train_step._gradients_differ(projected, stock, 1e-4)
+    one_sided = [stock[0], stock[1], ("unused", (0.0, 0.0))]
+    assert "unused has a gradient only in patched" in bench_train_step._gradients_differ(one_sided, stock, 1e-4)
+
+
+def test_rounds_below_one_are_refused():
+    with pytest.raises(SystemExit):
+        bench_train_step.main(["--tiny", "--rounds", "0"])
 
 
 def test_peak_memory_is_the_most_held_at_once():

@@ -918,42 +918,78 @@ def test_weight_gradient_past_512_blocks(gen):
 # The forward has two strategies: the row path (per head, RMS, no bias, the weight before the rotation,
 # every column rotated, contiguous columns, rows of whole vector steps up to a width) and the blocked
 # path for everything else. They must give the same bits. A zero bias sends a call to the blocked path
-# and changes no value (v + 0 is v; only a -0 becomes +0, which torch.equal counts as equal).
+# and changes no value (v + 0 is v; only a -0 becomes +0, which torch.equal counts as equal: the one
+# difference these comparisons cannot see).
 
 
-def _row_path_call(q, k, w, cos, sin, gathered, interleaved, **kw):
+def _row_path_call(q, k, w, cos, sin, gathered, interleaved, index_dtype=torch.int64, **kw):
     if gathered:
-        positions = torch.arange(q.shape[1]).flip(0).expand(q.shape[0], -1)[..., None]
+        positions = torch.arange(q.shape[1], dtype=index_dtype).flip(0).expand(q.shape[0], -1)[..., None]
         return rope_ext.qk_norm_rotary_pos(q, k, w, w, cos, sin, positions, eps=1e-6, interleaved=interleaved, **kw)
     return rope_ext.qk_norm_rotary(q, k, w, w, cos, sin, eps=1e-6, interleaved=interleaved, **kw)
+
+
+def _row_steps(dtype, D):
+    """The vector steps of a row of D columns in this process's kernel variant, or None where the row
+    path does not take it: a step is two vectors of pairs (32-byte vectors on AVX2 and DEFAULT, 64 on
+    AVX-512) of the compute type (float64 for float64, else float32), 1 to 8 whole steps."""
+    vector_bytes = 64 if rope_ext.cpu_kernel_isa().startswith("AVX512") else 32
+    step = 2 * vector_bytes // (8 if dtype == torch.float64 else 4)
+    half = D // 2
+    return half // step if half % step == 0 and 1 <= half // step <= 8 else None
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("convention", CONVENTIONS)
 @pytest.mark.parametrize("gathered", [False, True], ids=["tables", "gathered"])
 @pytest.mark.parametrize("weight", WEIGHTS)
-def test_row_path_equals_the_blocked_path(dtype, convention, gathered, weight, gen):
-    """Heads of 64, 128 and 256 (one to eight vector steps of float32 and 16-bit values on every
-    variant; float64's steps are half as wide, so 256 is past the row path on AVX2): the row path's
-    outputs equal the blocked path's, and each call took the path it was meant to (the counts)."""
+@pytest.mark.parametrize("table_dtype", ["own", "float32"])
+def test_row_path_equals_the_blocked_path(dtype, convention, gathered, weight, table_dtype, gen):
+    """Heads of 16 to 512 columns: on each variant, some of 1 to 8 vector steps (powers of two and
+    not), and some past the row path. Where the row path takes a row, its outputs equal the blocked
+    path's; each call took the path it was meant to (the counts). Tables in x's dtype or float32,
+    int64 positions with tables in x's dtype and int32 with float32 ones."""
     interleaved = CONVENTIONS[convention]
-    for D in (64, 128) if dtype == torch.float64 else (64, 128, 256):
+    tdtype = dtype if table_dtype == "own" else torch.float32
+    index_dtype = torch.int64 if table_dtype == "own" else torch.int32
+    steps_seen = set()
+    for D in (16, 32, 64, 96, 128, 192, 256, 512):
+        steps = _row_steps(dtype, D)
+        steps_seen.add(steps)
         q, k = randn(2, 9, 4, D, dtype=dtype, gen=gen) * 3, randn(2, 9, 2, D, dtype=dtype, gen=gen)
         w, offset = make_weight(weight, D, dtype, gen)
         shape = (9 + 3, D // 2) if gathered else (2, 9, 1, D)
-        cos, sin = random_tables(shape, dtype=dtype, gen=gen)
+        cos, sin = random_tables(shape, dtype=tdtype, gen=gen)
         zero = torch.zeros(D, dtype=dtype)
         before = path_counts()
-        rows = _row_path_call(q, k, w, cos, sin, gathered, interleaved, weight_offset=offset)
-        assert path_counts_since(before)["norm_rows"] == 2 * 9 * (4 + 2)
+        rows = _row_path_call(q, k, w, cos, sin, gathered, interleaved, index_dtype, weight_offset=offset)
+        assert path_counts_since(before)["norm_rows"] == (0 if steps is None else 2 * 9 * (4 + 2)), D
         before = path_counts()
-        blocked = _row_path_call(q, k, w, cos, sin, gathered, interleaved, weight_offset=offset,
+        blocked = _row_path_call(q, k, w, cos, sin, gathered, interleaved, index_dtype, weight_offset=offset,
                                  q_bias=zero, k_bias=zero)
         assert path_counts_since(before)["norm_rows"] == 0
         for a, b in zip(rows, blocked, strict=True):
             assert torch.equal(a, b), (D, (a - b).abs().max())
         check_against_truth(rows[0], q, w if w is None else w.double() + offset, _full(cos, gathered, interleaved, q),
                             _full(sin, gathered, interleaved, q), eps=1e-6, interleaved=interleaved)
+    assert {1, 2, 4} <= steps_seen and None in steps_seen  # (and 3, 6 and 8 on some variants)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_row_path_with_tables_per_head(dtype, gen):
+    """Tables that differ by head ((B, S, H, D)): the row path builds each row's own, and equals the
+    blocked path."""
+    q, k = randn(2, 5, 4, 128, dtype=dtype, gen=gen), randn(2, 5, 4, 128, dtype=dtype, gen=gen)
+    w = (torch.rand(128, generator=gen) + 0.5).to(dtype)
+    cos, sin = random_tables((2, 5, 4, 128), dtype=dtype, gen=gen)
+    zero = torch.zeros(128, dtype=dtype)
+    before = path_counts()
+    rows = rope_ext.qk_norm_rotary(q, k, w, w, cos, sin, eps=1e-6)
+    assert path_counts_since(before)["norm_rows"] == 2 * 2 * 5 * 4
+    blocked = rope_ext.qk_norm_rotary(q, k, w, w, cos, sin, eps=1e-6, q_bias=zero, k_bias=zero)
+    for a, b in zip(rows, blocked, strict=True):
+        assert torch.equal(a, b)
+    check_against_truth(rows[0], q, w, cos, sin, eps=1e-6)
 
 
 def _full(t, gathered, interleaved, q):

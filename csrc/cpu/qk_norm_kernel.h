@@ -419,11 +419,11 @@ constexpr int64_t kNormBlockRows = 16;
 // The forward's row path: per head (a group of one row), RMS (not centered), no bias, the weight (if
 // any) before the rotation, every column rotated, x's and out's columns contiguous, and rows of whole
 // vector steps, at most kNormRowSteps of them (head_dim 256 on AVX2, 512 on AVX-512, for float32 and
-// 16-bit x). Each row is read once into registers, summing its squares as it comes, then scaled,
-// rotated and stored from there: one pass, with no buffer and no second read, where the blocked path
-// writes the row into a buffer and reads it back. (A row of 128 float32 values is AVX2's 16
-// registers; what does not fit the compiler spills to the stack, in L1.) The same operations in the
-// same order as the blocked path: the same bits (tests/test_qk_norm.py compares the two).
+// 16-bit x). Each row is read from x once, its squares summed as it comes, into a row-sized stack
+// buffer (in L1), then scaled, rotated and stored from there: one call per row, with the token's
+// tables held across its heads, where the blocked path reads a block of rows into its buffer, finds
+// their statistics, then takes each row through store_scaled_rotation's general loops. The same
+// operations in the same order: the same bits (tests/test_qk_norm.py compares the two paths).
 constexpr int64_t kNormRowSteps = 8;
 
 template <typename scalar_t>
