@@ -365,11 +365,7 @@ struct TableRows {
       }
     };
     const auto table = [&](const void* base, int64_t at, int64_t row, int64_t col, T* dst) {
-      if (p.gathered) {
-        const int64_t pos = p.positions_int32 ? static_cast<const int32_t*>(o.positions)[at]
-                                              : static_cast<const int64_t*>(o.positions)[at];
-        at = pos * row;
-      }
+      if (p.gathered) at = position_at(o.positions, p.positions_int32, at) * row;
       if (o.float_tables && !std::is_same_v<scalar_t, float>) {
         read(static_cast<const float*>(base) + at, col, dst);
       } else {
@@ -541,12 +537,10 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
         return token_tables<kInterleaved, false>(cos + off[kNormCos], p.cos_col, sin + off[kNormSin], p.sin_col,
                                                  half, buf);
       }
-      const auto position = [&](int64_t at) {
-        return p.positions_int32 ? int64_t{static_cast<const int32_t*>(o.positions)[at]}
-                                 : static_cast<const int64_t*>(o.positions)[at];
-      };
-      return token_tables<kInterleaved, true>(cos + position(off[kNormCos]) * p.cos_row, p.cos_col,
-                                              sin + position(off[kNormSin]) * p.sin_row, p.sin_col, half, buf);
+      const int64_t cos_pos = position_at(o.positions, p.positions_int32, off[kNormCos]);
+      const int64_t sin_pos = position_at(o.positions, p.positions_int32, off[kNormSin]);
+      return token_tables<kInterleaved, true>(cos + cos_pos * p.cos_row, p.cos_col, sin + sin_pos * p.sin_row,
+                                              p.sin_col, half, buf);
     };
     if (o.float_tables && !std::is_same_v<scalar_t, float>) return build(float{});
     return build(scalar_t{});
@@ -569,8 +563,7 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
       }
       const scalar_t* xr = x + off[kNormX];
       scalar_t* outr = out + off[kNormOut];
-      const char* ahead = reinterpret_cast<const char*>(xr) + kPrefetchBytes;
-      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+      prefetch_ahead(xr, row_bytes);
       const T inv = norm_read_row<scalar_t>(xr, values, steps, eps, count);
       if (rstd != nullptr) rstd[n] = inv;
       const bool stream_row = stream && streaming_row_aligned(reinterpret_cast<std::uintptr_t>(outr), half,

@@ -98,6 +98,18 @@ class Scratch {
 // row computes; a prefetch past x's end or into another tensor is harmless.
 constexpr int64_t kPrefetchBytes = 2048;
 
+// Requests the lines of the row of `bytes` bytes that starts kPrefetchBytes past `row` (a hint: it
+// reads and checks nothing, and a line past x's end or into another tensor is harmless).
+inline void prefetch_ahead(const void* row, int64_t bytes) {
+  const char* ahead = static_cast<const char*>(row) + kPrefetchBytes;
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+}
+
+// The position at offset `at` of a gathered call's positions, int32 or int64 (widened).
+inline int64_t position_at(const void* positions, bool int32, int64_t at) {
+  return int32 ? int64_t{static_cast<const int32_t*>(positions)[at]} : static_cast<const int64_t*>(positions)[at];
+}
+
 // Bytes one streaming store of this variant writes (streaming.h): 0 for DEFAULT, which has none.
 constexpr int64_t kStreamStoreBytes = streaming_store_bytes(Isa::CPU_CAPABILITY);
 static_assert(kStreamStoreBytes == (ROPE_EXT_STREAMING_STORES ? sizeof(Vectorized<float>) : 0),
@@ -580,13 +592,10 @@ void rotary_typed(const RotaryPlan& p, const KernelOperands& o, const Thresholds
   // A token's PairTables, from the tables' offsets `tok` (kCos, kSin) or, gathered, from the row
   // of the caches its position (at offset tok[kCos] of positions) selects. The caller has checked
   // every position against the cache.
-  const auto position_at = [&](int64_t offset) {
-    return p.positions_int32 ? int64_t{static_cast<const int32_t*>(positions)[offset]}
-                             : static_cast<const int64_t*>(positions)[offset];
-  };
+  const auto position = [&](int64_t offset) { return position_at(positions, p.positions_int32, offset); };
   const auto tables_at = [&](const int64_t (&tok)[4], opmath_t* buf) {
     if constexpr (kGathered) {
-      const int64_t pos = position_at(tok[kCos]);
+      const int64_t pos = position(tok[kCos]);
       return token_tables<kInterleaved, true>(cos_base + pos * p.cos_row, p.cos_col, sin_base + pos * p.sin_row,
                                               p.sin_col, p.rotary_dim / 2, buf);
     } else {
@@ -608,7 +617,7 @@ void rotary_typed(const RotaryPlan& p, const KernelOperands& o, const Thresholds
   // it reads and checks nothing. Rows with strided columns are left to the hardware.
   const auto prefetch_tables = [&](int64_t next, const int64_t (&next_tok)[4], int64_t pos) {
     if (next >= ntokens || p.cos_col != 1 || p.sin_col != 1) return;
-    const int64_t next_pos = position_at(next_tok[kCos]);
+    const int64_t next_pos = position(next_tok[kCos]);
     if (next_pos == pos || next_pos == pos + 1) return;
     const char* c = reinterpret_cast<const char*>(cos_base + next_pos * p.cos_row);
     const char* s = reinterpret_cast<const char*>(sin_base + next_pos * p.sin_row);
@@ -632,8 +641,7 @@ void rotary_typed(const RotaryPlan& p, const KernelOperands& o, const Thresholds
   const auto rotate_row = [&](const scalar_t* xr, scalar_t* outr, const PairTables<opmath_t>& t,
                               int64_t& streamed) {
     if (contiguous_rows) {
-      const char* ahead = reinterpret_cast<const char*>(xr) + kPrefetchBytes;
-      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+      prefetch_ahead(xr, row_bytes);
       if (stream && streaming_row_aligned(reinterpret_cast<std::uintptr_t>(outr), half, sizeof(scalar_t),
                                           kInterleaved, kStreamStoreBytes)) {
         rotate_row_contiguous<kConj, kInterleaved, true, kGathered>(xr, outr, t, half);
@@ -677,7 +685,7 @@ void rotary_typed(const RotaryPlan& p, const KernelOperands& o, const Thresholds
         std::copy(next.off, next.off + 4, tok);
         next.next();
         const auto t = tables_at(tok, buf.data());
-        if constexpr (kGathered) prefetch_tables(token + 1, next.off, position_at(tok[kCos]));
+        if constexpr (kGathered) prefetch_tables(token + 1, next.off, position(tok[kCos]));
         if (fast) {
           fast_rows.rotate(x_base + tok[kX] + h_begin * hx, hx, out_base + tok[kOut] + h_begin * ho, ho,
                            h_end - h_begin, t, half, p.head_dim);
