@@ -311,6 +311,30 @@ struct PairTables {
   const opmath_t* s2;
 };
 
+// The rotation or its transpose (the backward's; rotate_pair<true> in rotary_math.h), chosen at run
+// time rather than instantiated twice. The transpose is the rotation with each pair's two sines
+// swapped and negated (x1 c1 + x2 s2 = x1 c1 - x2 (-s2), and x2 c2 - x1 s1 = x2 c2 + x1 (-s1)), and
+// negation is exact: rotary_typed swaps s1 and s2 (transposed_tables), and every sine the rotation
+// reads passes through a SineSign, which flips its sign bit or keeps it, so the kernels below compute
+// rotate_pair<false> only, with rotate_pair<true>'s bits. (Instantiating both doubled the rotation's
+// share of each CPU build: 36 of the AVX2 file's 99 compile seconds, docs/devlog.md.)
+template <typename opmath_t>
+struct SineSign {
+  using Vec = Vectorized<opmath_t>;
+  Vec mask;     // the sign bit alone in every lane (-0.0) for the transpose, nothing (+0.0) for the rotation
+  bool negate;  // the same, for the scalar tails
+  explicit SineSign(bool transpose) : mask(transpose ? opmath_t(-0.0) : opmath_t(0.0)), negate(transpose) {}
+  Vec operator()(const Vec& s) const { return s ^ mask; }
+  opmath_t operator()(opmath_t s) const { return negate ? -s : s; }
+};
+
+// The tables of the transpose, from the rotation's: the pair's sines swapped (SineSign negates them).
+// Gathered tables hold one sine per pair (s2 = s1), which the swap keeps.
+template <typename opmath_t>
+PairTables<opmath_t> transposed_tables(const PairTables<opmath_t>& t, bool transpose) {
+  return transpose ? PairTables<opmath_t>{t.c1, t.s2, t.c2, t.s1} : t;
+}
+
 // Builds a token's PairTables. When the tables already are contiguous opmath values in
 // half-split order they are used in place; otherwise they are converted and de-interleaved
 // once into `buf` (4 * half values), then reused for every head of the token.
@@ -364,15 +388,16 @@ PairTables<opmath_t> token_tables(const table_t* cos, int64_t cos_col, const tab
 }
 
 // Rotates pairs [begin, half) of one row with scalar math, for any column strides.
-template <bool kConj, bool kInterleaved, typename scalar_t, typename opmath_t>
+template <bool kInterleaved, typename scalar_t, typename opmath_t>
 void rotate_pairs_scalar(const scalar_t* x, int64_t x_col, scalar_t* out, int64_t out_col,
-                         const PairTables<opmath_t>& t, int64_t begin, int64_t half) {
+                         const PairTables<opmath_t>& t, const SineSign<opmath_t>& sign, int64_t begin,
+                         int64_t half) {
   for (int64_t i = begin; i < half; ++i) {
     const int64_t a = pair_first(i, half, kInterleaved);
     const int64_t b = pair_second(i, half, kInterleaved);
     opmath_t o1, o2;
-    rotate_pair<kConj>(static_cast<opmath_t>(x[a * x_col]), static_cast<opmath_t>(x[b * x_col]),
-                       t.c1[i], t.s1[i], t.c2[i], t.s2[i], o1, o2);
+    rotate_pair<false>(static_cast<opmath_t>(x[a * x_col]), static_cast<opmath_t>(x[b * x_col]), t.c1[i],
+                       sign(t.s1[i]), t.c2[i], sign(t.s2[i]), o1, o2);
     out[a * out_col] = static_cast<scalar_t>(o1);
     out[b * out_col] = static_cast<scalar_t>(o2);
   }
@@ -385,9 +410,9 @@ void rotate_pairs_scalar(const scalar_t* x, int64_t x_col, scalar_t* out, int64_
 // Inlined into its loops, and `t` taken by value: the compiler then knows the row's stores cannot
 // change the table pointers, which it otherwise reloads at every step (the call and those reloads
 // were a fifth of the AVX2 float32 row's instructions).
-template <bool kConj, bool kInterleaved, bool kStream, bool kGathered, typename scalar_t, typename opmath_t>
+template <bool kInterleaved, bool kStream, bool kGathered, typename scalar_t, typename opmath_t>
 C10_ALWAYS_INLINE void rotate_row_contiguous(const scalar_t* x, scalar_t* out, const PairTables<opmath_t> t,
-                                             int64_t half) {
+                                             const SineSign<opmath_t>& sign, int64_t half) {
   using IO = VecIO<scalar_t>;
   using Vec = typename IO::Vec;
   constexpr int64_t V = Vec::size();
@@ -399,16 +424,16 @@ C10_ALWAYS_INLINE void rotate_row_contiguous(const scalar_t* x, scalar_t* out, c
     for (int k = 0; k < 2; ++k) {
       const int64_t j = i + k * V;
       if constexpr (kGathered) {
-        const Vec c = Vec::loadu(t.c1 + j), s = Vec::loadu(t.s1 + j);
-        rotate_pair<kConj>(x1[k], x2[k], c, s, c, s, o1[k], o2[k]);
+        const Vec c = Vec::loadu(t.c1 + j), s = sign(Vec::loadu(t.s1 + j));
+        rotate_pair<false>(x1[k], x2[k], c, s, c, s, o1[k], o2[k]);
       } else {
-        rotate_pair<kConj>(x1[k], x2[k], Vec::loadu(t.c1 + j), Vec::loadu(t.s1 + j),
-                           Vec::loadu(t.c2 + j), Vec::loadu(t.s2 + j), o1[k], o2[k]);
+        rotate_pair<false>(x1[k], x2[k], Vec::loadu(t.c1 + j), sign(Vec::loadu(t.s1 + j)),
+                           Vec::loadu(t.c2 + j), sign(Vec::loadu(t.s2 + j)), o1[k], o2[k]);
       }
     }
     IO::template store_pairs<kInterleaved, kStream>(out, i, half, o1, o2);
   }
-  rotate_pairs_scalar<kConj, kInterleaved>(x, 1, out, 1, t, i, half);
+  rotate_pairs_scalar<kInterleaved>(x, 1, out, 1, t, sign, i, half);
 }
 
 // How many vector steps (IO::kStep pairs each) of one token's tables rotate_block_rows holds in
@@ -434,10 +459,12 @@ constexpr int kRegisterSteps =
 // And unrolled: rows wider than the held tables went through rotate_row_contiguous's loop (4
 // iterations a row on AVX2 at head_dim 128), and the probe's AVX2 float32 in cache rose from 0.74
 // to 0.82 of the plain loop when they were unrolled instead (docs/devlog.md, issue 30's third pass).
-template <int kSteps, int kHeld, bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
+template <int kSteps, int kHeld, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
 inline void rotate_block_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
-                              const PairTables<opmath_t>& tables, int64_t half) {
-  const PairTables<opmath_t> t = tables;  // a local copy: the rows' stores cannot change it
+                              const PairTables<opmath_t>& tables, const SineSign<opmath_t>& sine_sign,
+                              int64_t half) {
+  const PairTables<opmath_t> t = tables;  // local copies: the rows' stores cannot change them
+  const SineSign<opmath_t> sign = sine_sign;
   static_assert(1 <= kHeld && kHeld <= kSteps, "rotate_block_rows holds 1 to kSteps steps of tables");
   using IO = VecIO<scalar_t>;
   using Vec = typename IO::Vec;
@@ -450,10 +477,10 @@ inline void rotate_block_rows(const scalar_t* x, int64_t x_head, scalar_t* out, 
   for (int k = 0; k < kN; ++k) {
     const int64_t j = k * V;
     tab[0][k] = Vec::loadu(t.c1 + j);
-    tab[1][k] = Vec::loadu(t.s1 + j);
+    tab[1][k] = sign(Vec::loadu(t.s1 + j));
     if constexpr (!kGathered) {
       tab[2][k] = Vec::loadu(t.c2 + j);
-      tab[3][k] = Vec::loadu(t.s2 + j);
+      tab[3][k] = sign(Vec::loadu(t.s2 + j));
     }
   }
   const Vec(&c2)[kN] = tab[kGathered ? 0 : 2];
@@ -468,13 +495,13 @@ inline void rotate_block_rows(const scalar_t* x, int64_t x_head, scalar_t* out, 
     for (int k = 0; k < 2; ++k) {  // unrolled, so that tab[.][m] is a register
       const int m = 2 * q + k;
       if constexpr (q < kHeld) {
-        rotate_pair<kConj>(x1[k], x2[k], tab[0][m], tab[1][m], c2[m], s2[m], o1[k], o2[k]);
+        rotate_pair<false>(x1[k], x2[k], tab[0][m], tab[1][m], c2[m], s2[m], o1[k], o2[k]);
       } else if constexpr (kGathered) {
-        const Vec cm = Vec::loadu(t.c1 + m * V), sm = Vec::loadu(t.s1 + m * V);
-        rotate_pair<kConj>(x1[k], x2[k], cm, sm, cm, sm, o1[k], o2[k]);
+        const Vec cm = Vec::loadu(t.c1 + m * V), sm = sign(Vec::loadu(t.s1 + m * V));
+        rotate_pair<false>(x1[k], x2[k], cm, sm, cm, sm, o1[k], o2[k]);
       } else {
-        rotate_pair<kConj>(x1[k], x2[k], Vec::loadu(t.c1 + m * V), Vec::loadu(t.s1 + m * V),
-                           Vec::loadu(t.c2 + m * V), Vec::loadu(t.s2 + m * V), o1[k], o2[k]);
+        rotate_pair<false>(x1[k], x2[k], Vec::loadu(t.c1 + m * V), sign(Vec::loadu(t.s1 + m * V)),
+                           Vec::loadu(t.c2 + m * V), sign(Vec::loadu(t.s2 + m * V)), o1[k], o2[k]);
       }
     }
     IO::template store_pairs<kInterleaved>(outr, c, half, o1, o2);
@@ -490,12 +517,13 @@ inline void rotate_block_rows(const scalar_t* x, int64_t x_head, scalar_t* out, 
 
 // rotate_row_contiguous on `nh` rows of one token (row h at x + h * x_head), for rows too wide for
 // rotate_block_rows to unroll.
-template <bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
+template <bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
 void rotate_wide_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
-                      const PairTables<opmath_t>& tables, int64_t half) {
+                      const PairTables<opmath_t>& tables, const SineSign<opmath_t>& sine_sign, int64_t half) {
   const PairTables<opmath_t> t = tables;
+  const SineSign<opmath_t> sign = sine_sign;
   for (int64_t h = 0; h < nh; ++h) {
-    rotate_row_contiguous<kConj, kInterleaved, false, kGathered>(x + h * x_head, out + h * out_head, t, half);
+    rotate_row_contiguous<kInterleaved, false, kGathered>(x + h * x_head, out + h * out_head, t, sign, half);
   }
 }
 
@@ -506,12 +534,13 @@ void rotate_wide_rows(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t 
 // - wider rows (half / kStep > kUnrolledSteps: at 8, for float and 16-bit x, rotary_dim 288 and up
 //   on AVX2 and DEFAULT, 576 and up on AVX-512; double x from half those): rotate_row_contiguous's
 //   loop, a row at a time, tail included (PathCounts::wide_fast_rows).
-template <bool kConj, bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
+template <bool kInterleaved, bool kGathered, typename scalar_t, typename opmath_t>
 struct FastRows {
   // The tables by reference: by value, the caller built the 32-byte argument with two 16-byte
   // stores over its own 8-byte ones, and the loads that followed waited for them to reach the cache
   // (no store forwarding across stores of different widths), once per token.
-  using Fn = void (*)(const scalar_t*, int64_t, scalar_t*, int64_t, int64_t, const PairTables<opmath_t>&, int64_t);
+  using Fn = void (*)(const scalar_t*, int64_t, scalar_t*, int64_t, int64_t, const PairTables<opmath_t>&,
+                      const SineSign<opmath_t>&, int64_t);
   Fn vector_part = nullptr;  // nullptr when the rows are all tail
   int64_t tail = 0;          // first pair left to rotate_pairs_scalar
   bool wide = false;
@@ -520,7 +549,7 @@ struct FastRows {
     constexpr int64_t kStep = VecIO<scalar_t>::kStep;
     const int64_t steps = half / kStep;
     if (steps > kUnrolledSteps) {
-      vector_part = &rotate_wide_rows<kConj, kInterleaved, kGathered, scalar_t, opmath_t>;
+      vector_part = &rotate_wide_rows<kInterleaved, kGathered, scalar_t, opmath_t>;
       tail = half;
       wide = true;
       return;
@@ -532,15 +561,16 @@ struct FastRows {
   // Rotates `nh` rows of one token, row h at x + h * x_head (and out + h * out_head), and copies
   // their pass-through columns (head_dim > 2 * half) when out is not x.
   void rotate(const scalar_t* x, int64_t x_head, scalar_t* out, int64_t out_head, int64_t nh,
-              const PairTables<opmath_t>& t, int64_t half, int64_t head_dim) const {
-    if (vector_part != nullptr) vector_part(x, x_head, out, out_head, nh, t, half);
+              const PairTables<opmath_t>& t, const SineSign<opmath_t>& sign, int64_t half,
+              int64_t head_dim) const {
+    if (vector_part != nullptr) vector_part(x, x_head, out, out_head, nh, t, sign, half);
     const int64_t rotary_dim = 2 * half;
     const bool copy_pass = rotary_dim < head_dim && out != x;  // in place, they are already there
     if (tail == half && !copy_pass) return;
     for (int64_t h = 0; h < nh; ++h) {
       const scalar_t* xr = x + h * x_head;
       scalar_t* outr = out + h * out_head;
-      rotate_pairs_scalar<kConj, kInterleaved>(xr, 1, outr, 1, t, tail, half);
+      rotate_pairs_scalar<kInterleaved>(xr, 1, outr, 1, t, sign, tail, half);
       if (copy_pass) std::memcpy(outr + rotary_dim, xr + rotary_dim, (head_dim - rotary_dim) * sizeof(scalar_t));
     }
   }
@@ -549,8 +579,8 @@ struct FastRows {
   // kBlocks[s - 1]: rotate_block_rows for s steps, holding what the registers allow.
   static constexpr auto kBlocks = []<int... s>(std::integer_sequence<int, s...>) {
     return std::array<Fn, sizeof...(s)>{
-        &rotate_block_rows<s + 1, std::min(s + 1, kRegisterSteps<scalar_t, kGathered>), kConj, kInterleaved,
-                           kGathered, scalar_t, opmath_t>...};
+        &rotate_block_rows<s + 1, std::min(s + 1, kRegisterSteps<scalar_t, kGathered>), kInterleaved, kGathered,
+                           scalar_t, opmath_t>...};
   }(std::make_integer_sequence<int, kUnrolledSteps>{});
 };
 
@@ -580,8 +610,9 @@ struct StridedCursor {
   }
 };
 
-template <typename scalar_t, typename table_t, bool kConj, bool kInterleaved, bool kGathered>
-void rotary_typed(const RotaryPlan& p, const KernelOperands& o, const Thresholds& th, const ThreadPool& pool) {
+template <typename scalar_t, typename table_t, bool kInterleaved, bool kGathered>
+void rotary_typed(const RotaryPlan& p, const KernelOperands& o, bool transpose, const Thresholds& th,
+                  const ThreadPool& pool) {
   using opmath_t = at::opmath_type<scalar_t>;
   const scalar_t* x_base = static_cast<const scalar_t*>(o.x);
   scalar_t* out_base = static_cast<scalar_t*>(o.out);
@@ -590,17 +621,21 @@ void rotary_typed(const RotaryPlan& p, const KernelOperands& o, const Thresholds
   const void* positions = o.positions;
 
   // A token's PairTables, from the tables' offsets `tok` (kCos, kSin) or, gathered, from the row
-  // of the caches its position (at offset tok[kCos] of positions) selects. The caller has checked
-  // every position against the cache.
+  // of the caches its position (at offset tok[kCos] of positions) selects, with the sines swapped
+  // for the transpose (`sign` negates them as they load: SineSign). The caller has checked every
+  // position against the cache.
+  const SineSign<opmath_t> sign(transpose);
   const auto position = [&](int64_t offset) { return position_at(positions, p.positions_int32, offset); };
   const auto tables_at = [&](const int64_t (&tok)[4], opmath_t* buf) {
     if constexpr (kGathered) {
       const int64_t pos = position(tok[kCos]);
       return token_tables<kInterleaved, true>(cos_base + pos * p.cos_row, p.cos_col, sin_base + pos * p.sin_row,
-                                              p.sin_col, p.rotary_dim / 2, buf);
+                                              p.sin_col, p.rotary_dim / 2, buf);  // (s2 = s1: no swap)
     } else {
-      return token_tables<kInterleaved, false>(cos_base + tok[kCos], p.cos_col, sin_base + tok[kSin], p.sin_col,
-                                               p.rotary_dim / 2, buf);
+      return transposed_tables(token_tables<kInterleaved, false>(cos_base + tok[kCos], p.cos_col,
+                                                                 sin_base + tok[kSin], p.sin_col,
+                                                                 p.rotary_dim / 2, buf),
+                               transpose);
     }
   };
 
@@ -644,16 +679,16 @@ void rotary_typed(const RotaryPlan& p, const KernelOperands& o, const Thresholds
       prefetch_ahead(xr, row_bytes);
       if (stream && streaming_row_aligned(reinterpret_cast<std::uintptr_t>(outr), half, sizeof(scalar_t),
                                           kInterleaved, kStreamStoreBytes)) {
-        rotate_row_contiguous<kConj, kInterleaved, true, kGathered>(xr, outr, t, half);
+        rotate_row_contiguous<kInterleaved, true, kGathered>(xr, outr, t, sign, half);
         ++streamed;
       } else {
-        rotate_row_contiguous<kConj, kInterleaved, false, kGathered>(xr, outr, t, half);
+        rotate_row_contiguous<kInterleaved, false, kGathered>(xr, outr, t, sign, half);
       }
       if (pass > 0 && outr != xr) {  // in place, the pass-through columns are already there
         std::memcpy(outr + p.rotary_dim, xr + p.rotary_dim, pass * sizeof(scalar_t));
       }
     } else {
-      rotate_pairs_scalar<kConj, kInterleaved>(xr, p.x_col, outr, p.out_col, t, 0, half);
+      rotate_pairs_scalar<kInterleaved>(xr, p.x_col, outr, p.out_col, t, sign, 0, half);
       if (outr != xr || p.out_col != p.x_col) {
         for (int64_t c = p.rotary_dim; c < p.head_dim; ++c) outr[c * p.out_col] = xr[c * p.x_col];
       }
@@ -667,7 +702,7 @@ void rotary_typed(const RotaryPlan& p, const KernelOperands& o, const Thresholds
     // Token-major storage (e.g. (B,S,H,D), or HF's (B,H,S,D) view of it): rows in storage
     // order, each token's tables built once for its adjacent heads. Threads split rows, so
     // a few tokens with many heads (decode) still divide.
-    const FastRows<kConj, kInterleaved, kGathered, scalar_t, opmath_t> fast_rows(half);  // used when `fast`
+    const FastRows<kInterleaved, kGathered, scalar_t, opmath_t> fast_rows(half);  // used when `fast`
     parallel_for(pool, 0, rows, grain, [&](int64_t begin, int64_t end) {
       Scratch<opmath_t, 512> buf(4 * half);  // a token's converted tables (token_tables)
       int64_t streamed = 0;
@@ -688,7 +723,7 @@ void rotary_typed(const RotaryPlan& p, const KernelOperands& o, const Thresholds
         if constexpr (kGathered) prefetch_tables(token + 1, next.off, position(tok[kCos]));
         if (fast) {
           fast_rows.rotate(x_base + tok[kX] + h_begin * hx, hx, out_base + tok[kOut] + h_begin * ho, ho,
-                           h_end - h_begin, t, half, p.head_dim);
+                           h_end - h_begin, t, sign, half, p.head_dim);
           row += h_end - h_begin;
           continue;
         }
@@ -761,17 +796,14 @@ void rotary_kernel(const RotaryPlan& p, const KernelOperands& o, bool interleave
     using scalar_t = decltype(scalar_tag);
     const auto run = [&](auto table_tag) {
       using table_t = decltype(table_tag);
-      const auto typed = [&](auto conj, auto inter, auto gathered) {
-        rotary_typed<scalar_t, table_t, decltype(conj)::value, decltype(inter)::value, decltype(gathered)::value>(
-            p, o, th, pool);
+      const auto typed = [&](auto inter, auto gathered) {
+        rotary_typed<scalar_t, table_t, decltype(inter)::value, decltype(gathered)::value>(p, o, conjugate, th,
+                                                                                            pool);
       };
-      const auto by_gathered = [&](auto conj, auto inter) {
-        p.gathered ? typed(conj, inter, std::true_type{}) : typed(conj, inter, std::false_type{});
+      const auto by_gathered = [&](auto inter) {
+        p.gathered ? typed(inter, std::true_type{}) : typed(inter, std::false_type{});
       };
-      const auto by_inter = [&](auto conj) {
-        interleaved ? by_gathered(conj, std::true_type{}) : by_gathered(conj, std::false_type{});
-      };
-      conjugate ? by_inter(std::true_type{}) : by_inter(std::false_type{});
+      interleaved ? by_gathered(std::true_type{}) : by_gathered(std::false_type{});
     };
     // check_rotary_args allows tables in x's dtype or in float32.
     if (o.float_tables && !std::is_same_v<scalar_t, float>) {
