@@ -18,7 +18,11 @@ Cases: Llama-3-8B heads (32 q, 8 kv, head dim 128), bfloat16, HF's (B, H, S, D) 
 - ``decode_dispatcher``: the same through ``torch.ops.rope_ext.rotary_pos_qk``, with the op's
   autograd kernel (C++ before issue 37, Python after);
 - ``decode_module``: ``RotaryEmbedding``'s forward for the same, with ``position_ids``;
-- ``prefill_fwd_t1`` / ``_t2``: ``rotary_pos_qk`` over 2,048 tokens, 1 and 2 threads.
+- ``prefill_fwd_t1`` / ``_t2``: ``rotary_pos_qk`` over 2,048 tokens, 1 and 2 threads;
+- ``prefill_bwd_t1``: the same with ``conjugate=True`` (the transpose: the backward's op), 1 thread;
+- ``tables_fwd_<dtype>`` / ``tables_bwd_<dtype>``: ``rotary_`` in place with full-form (S, D) tables,
+  and its transpose, over 64 tokens of 32 heads (1 MiB of float32: in cache), float32 and bfloat16,
+  1 thread: the kernel's own arithmetic, with the tables read at each row beyond those it holds.
 """
 
 from __future__ import annotations
@@ -77,6 +81,17 @@ def worker() -> dict:
         for t in (1, 2):
             torch.set_num_threads(t)
             out[f"prefill_fwd_t{t}"] = _median_us(lambda: op(q, k, cc, sc, pos, False, False), 20, 9)
+        torch.set_num_threads(1)
+        out["prefill_bwd_t1"] = _median_us(lambda: op(q, k, cc, sc, pos, False, True), 20, 9)
+        S = 64
+        full = torch.cat([angles[:S], angles[:S]], -1)[:, None, :]  # (S, 1, D)
+        for dtype in (torch.float32, torch.bfloat16):
+            name = str(dtype).removeprefix("torch.")
+            x = torch.randn(S, HQ, D, generator=gen).to(dtype)
+            cos, sin = full.cos().to(dtype), full.sin().to(dtype)
+            for tag, conj in (("fwd", False), ("bwd", True)):
+                out[f"tables_{tag}_{name}"] = _median_us(
+                    lambda: torch.ops.rope_ext.rotary_(x, cos, sin, False, conj), 200)
     return out
 
 
