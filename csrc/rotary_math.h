@@ -33,7 +33,8 @@ constexpr int kMaxDims = 25;
 // (c1, s1) are the table entries at the pair's first member, (c2, s2) at its second;
 // for real angles c1 == c2 and s1 == s2 and the transpose is the rotation by -theta.
 // The transpose is the exact adjoint whatever the tables hold, so backward(forward)
-// is this same function with kConj flipped.
+// is this same function with kConj flipped. (The CPU and CUDA rotation kernels compute it
+// as the forward form with (s1, s2) replaced by (-s2, -s1): the same roundings.)
 //
 // T is float, double, or a SIMD vector type with the usual arithmetic operators.
 template <bool kConj, typename T>

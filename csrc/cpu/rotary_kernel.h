@@ -316,8 +316,8 @@ struct PairTables {
 // swapped and negated (x1 c1 + x2 s2 = x1 c1 - x2 (-s2), and x2 c2 - x1 s1 = x2 c2 + x1 (-s1)), and
 // negation is exact: rotary_typed swaps s1 and s2 (transposed_tables), and every sine the rotation
 // reads passes through a SineSign, which flips its sign bit or keeps it, so the kernels below compute
-// rotate_pair<false> only, with rotate_pair<true>'s bits. (Instantiating both doubled the rotation's
-// share of each CPU build: 36 of the AVX2 file's 99 compile seconds, docs/devlog.md.)
+// rotate_pair<false> only, with rotate_pair<true>'s bits. (Instantiated for both, the rotation's code
+// was twice as much to compile in every build: docs/devlog.md, issue 53 part 5, has the times.)
 template <typename opmath_t>
 struct SineSign {
   using Vec = Vectorized<opmath_t>;
