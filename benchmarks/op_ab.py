@@ -91,7 +91,7 @@ def worker() -> dict:
             cos, sin = full.cos().to(dtype), full.sin().to(dtype)
             for tag, conj in (("fwd", False), ("bwd", True)):
                 out[f"tables_{tag}_{name}"] = _median_us(
-                    lambda: torch.ops.rope_ext.rotary_(x, cos, sin, False, conj), 200)
+                    lambda x=x, cos=cos, sin=sin, conj=conj: torch.ops.rope_ext.rotary_(x, cos, sin, False, conj), 200)
     return out
 
 
