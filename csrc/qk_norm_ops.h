@@ -176,7 +176,8 @@ struct QkNormOps {
 
   // (dx, dweight, dbias): dweight (dbias) in the compute dtype, of the weight's shape, when
   // weight_grad (bias_grad); else empty. The bias itself is not an input: it moves no gradient but
-  // its own, whose length is the weight's (x.size(-1), or x.size(-2) * x.size(-1) across heads).
+  // its own, whose length is the weight's (check_qk_norm_args), or without a weight x.size(-1), or
+  // x.size(-2) * x.size(-1) across heads.
   static Three qk_norm_rotary_backward(const T& grad_, const T& x_, const OptT& weight_, const T& rstd_,
                                        const T& cos_, const T& sin_, const OptT& positions_, double weight_offset,
                                        bool across_heads, bool interleaved, bool weight_grad, bool weight_after,
@@ -200,7 +201,7 @@ struct QkNormOps {
                    " on ", x.device());
     ROPE_EXT_CHECK(!weight_grad || w.defined(), op, ": weight_grad=True needs a weight");
     Output dx = new_like(x_.handle, x);
-    const int64_t width = across_heads ? x.size(-2) * x.size(-1) : x.size(-1);
+    const int64_t width = w.defined() ? w.size(0) : across_heads ? x.size(-2) * x.size(-1) : x.size(-1);
     const int64_t nw = weight_grad ? width : 0, nb = bias_grad ? width : 0;
     Output dweight = new_contiguous(Dims{&nw, 1}, stat_dtype(x), x.device());
     Output dbias = new_contiguous(Dims{&nb, 1}, stat_dtype(x), x.device());

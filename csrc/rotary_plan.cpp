@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <utility>
 
 namespace rope_ext {
@@ -315,14 +316,29 @@ void check_qk_norm_args(const char* op, const TensorArg& x, const NormParams& pa
     ROPE_EXT_CHECK(x.dim() >= 2, op, ": ", nx, " must have at least two dims (..., heads, head_dim) to be ",
                    "normalized across heads, got shape ", x.sizes());
   }
+  const bool weighted = params.weight != nullptr && params.weight->defined();
+  const int64_t rows_of_weight = x.dim() >= 2 ? x.size(-2) * x.size(-1) : -1;
   for (const auto& [t, nw] : {std::pair{params.weight, params.weight_name}, std::pair{params.bias, params.bias_name}}) {
     if (t == nullptr || !t->defined()) continue;
     const TensorArg& w = *t;
-    const int64_t n = across_heads ? x.size(-2) * x.size(-1) : x.size(-1);
-    ROPE_EXT_CHECK(w.dim() == 1 && w.size(0) == n, op, ": ", nw, " must have shape (", n, ",) (",
-                   across_heads ? str(nx, ".size(-2) * ", nx, ".size(-1), normalized across heads")
-                                : str(nx, ".size(-1)"),
-                   "), got ", w.sizes());
+    // The shapes it may have: one, or per head a weight's two (one row for every head, or a row each).
+    int64_t sizes[2] = {x.size(-1), -1};
+    std::string what;
+    if (across_heads) {
+      sizes[0] = x.size(-2) * x.size(-1), what = str(nx, ".size(-2) * ", nx, ".size(-1), normalized across heads");
+    } else if (t == params.bias && weighted) {  // (the backward sizes the bias's gradient by the weight)
+      sizes[0] = params.weight->size(0), what = str("the shape of ", params.weight_name);
+    } else if (t == params.bias) {
+      what = str(nx, ".size(-1) without a weight");
+    } else if (rows_of_weight < 0) {
+      what = str(nx, ".size(-1)");
+    } else {
+      sizes[1] = rows_of_weight;
+      what = str(nx, ".size(-1): one row for every head, or ", nx, ".size(-2) * ", nx, ".size(-1): a row per head");
+    }
+    ROPE_EXT_CHECK(w.dim() == 1 && (w.size(0) == sizes[0] || w.size(0) == sizes[1]), op, ": ", nw,
+                   " must have shape (", sizes[0], ",)", sizes[1] < 0 ? std::string() : str(" or (", sizes[1], ",)"),
+                   " (", what, "), got ", w.sizes());
     const auto xt = x.scalar_type();
     ROPE_EXT_CHECK(w.scalar_type() == xt || w.scalar_type() == ScalarType::Float, op, ": ", nw, " must have ", nx,
                    "'s dtype (", xt, ") or float32, got ", w.scalar_type());
@@ -341,6 +357,7 @@ NormPlan make_norm_plan(const TensorArg& x, const TensorArg& out, const NormPara
                         const TensorArg& sin, const TensorArg* positions, const TensorArg* grad, bool across_heads) {
   NormPlan p;
   p.group = across_heads ? x.size(-2) : 1;
+  p.heads = x.dim() >= 2 ? x.size(-2) : 1;
   const TableStrides t = read_tables(p, x, cos, sin, positions);
   auto& r = p.rows;
   for (int64_t d = 0; d + 1 < x.dim(); ++d) {

@@ -132,9 +132,15 @@ struct NormPlan : TableLayout {
   int64_t x_col = 1, out_col = 1, grad_col = 1;
   int64_t weight_len = 0, weight_stride = 1;  // 0: no weight (g = 1)
   int64_t bias_len = 0, bias_stride = 1;      // 0: no bias (b = 0)
+  // x.size(-2) (1 for a 1-D x). A weight or bias of heads * head_dim values gives row r (row-major
+  // over x.shape[:-1], which merging dims keeps) the slice r % heads: across heads a group's h-th row,
+  // per head (group 1) each head its own row of parameters with its own statistic.
+  int64_t heads = 1;
 
   int64_t num_rows() const { return rows.numel(); }
   int64_t num_groups() const { return group == 0 ? 0 : num_rows() / group; }
+  // A weight (and so a bias: check_qk_norm_args) of a row per head, each head with its own statistic.
+  ROPE_HD bool rows_per_head() const { return group == 1 && weight_len > head_dim; }
 };
 
 // A norm's affine parameters and the names error messages give them; a null or undefined tensor is
@@ -147,10 +153,11 @@ struct NormParams {
 };
 
 // Checks one of q and k (named `x_name`) against qk_norm_rotary's contract: the tables as rotary's
-// (check_rotary_args), or with `positions` as rotary_pos's caches (check_rotary_pos_args); the weight
-// and the bias each 1-D of x.size(-1) elements, or x.size(-2) * x.size(-1) across heads, in x's dtype
-// or float32, on x's device; eps and weight_offset finite, eps >= 0. Returns nothing; throws with a
-// message naming the argument.
+// (check_rotary_args), or with `positions` as rotary_pos's caches (check_rotary_pos_args); the weight and
+// the bias each 1-D of x.size(-2) * x.size(-1) elements across heads; per head, the weight of x.size(-1)
+// (one row for every head) or x.size(-2) * x.size(-1) (a row per head), and the bias of the weight's length
+// (x.size(-1) without a weight); in x's dtype or float32, on x's device; eps and weight_offset finite, eps
+// >= 0. Returns nothing; throws with a message naming the argument.
 ROPE_EXT_INTERNAL void check_qk_norm_args(const char* op, const TensorArg& x, const NormParams& params,
                                           const TensorArg& cos, const TensorArg& sin, const TensorArg* positions,
                                           double eps, double weight_offset, bool across_heads, const char* x_name);

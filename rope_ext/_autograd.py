@@ -242,15 +242,16 @@ _QK_NORM_DEFAULTS = (0.0, False, False, False, None, None, False)
 _NORM_DEFAULTS = (0.0, False, False, False, None, False)
 
 
-def _gain(weight, weight_offset, across_heads, like, dtype):
-    """g = weight + weight_offset in ``dtype``, shaped to multiply a tensor of ``like``'s shape."""
+def _gain(weight, weight_offset, like, dtype):
+    """g = weight + weight_offset in ``dtype``, shaped to multiply a tensor of ``like``'s shape: a
+    row for every head, or (across heads, or per head with a row each) ``(heads, head_dim)``."""
     g = weight.to(dtype) + weight_offset
-    return g.unflatten(-1, like.shape[-2:]) if across_heads else g
+    return g.unflatten(-1, like.shape[-2:]) if g.shape[-1] != like.shape[-1] else g
 
 
-def _shaped(t, across_heads, like, dtype):
+def _shaped(t, like, dtype):
     """A bias (or a weight, with no offset) in ``dtype``, shaped to add to a tensor of ``like``'s shape."""
-    return _gain(t, 0.0, across_heads, like, dtype)
+    return _gain(t, 0.0, like, dtype)
 
 
 def _normalized(x, weight, bias, stats, flags):
@@ -266,8 +267,8 @@ def _normalized(x, weight, bias, stats, flags):
     if across_heads:
         v = v.unflatten(-1, x.shape[-2:])
     if weight is not None:
-        v = v * _gain(weight, weight_offset, across_heads, x, stats.dtype)
-    return v if bias is None else v + _shaped(bias, across_heads, x, stats.dtype)
+        v = v * _gain(weight, weight_offset, x, stats.dtype)
+    return v if bias is None else v + _shaped(bias, x, stats.dtype)
 
 
 class _NormRow:
@@ -299,7 +300,7 @@ def _norm_grads(row, cos, sin, positions, flags, need_x, need_w, need_b, need_co
         if weight_after:  # the rotation rotates x_hat, and its output's gradient is g * dy
             a = _normalized(x, None, None, stats, flags)
             if w is not None:
-                g = g.to(stats.dtype) * _gain(w, weight_offset, across_heads, x, stats.dtype)
+                g = g.to(stats.dtype) * _gain(w, weight_offset, x, stats.dtype)
         else:
             a = _normalized(x, w, b, stats, flags)
         if positions is None:

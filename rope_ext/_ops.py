@@ -348,8 +348,11 @@ def qk_norm_rotary(
             ``(B, H, S, D)`` view, packed ``(T, H, D)``, slices of a fused qkv buffer). float32,
             float64, float16 or bfloat16.
         k: same rank and dtype as q; it may have another head count (GQA) and other strides.
-        q_weight, k_weight: the norms' weights, or None: ``(head_dim,)`` for ``norm_over="head"``,
-            ``(heads * head_dim,)`` for ``"heads"``, in x's dtype or float32.
+        q_weight, k_weight: the norms' weights, or None, in x's dtype or float32. For
+            ``norm_over="head"``: ``(head_dim,)``, one row for every head, or ``(heads, head_dim)``
+            (or flattened, ``(heads * head_dim,)``), a row for each head (Cohere, StableLM,
+            Chameleon: each head normalized by its own statistic and scaled by its own row). For
+            ``"heads"``: ``(heads * head_dim,)`` or ``(heads, head_dim)``.
         cos, sin: tables as :func:`rotary` takes them, ``(..., r)``, broadcasting against q's and
             k's ``shape[:-1] + (r,)`` (per-head tables too); shared by q and k.
         eps: added to the mean square (the model's ``variance_epsilon`` / ``eps``).
@@ -364,7 +367,8 @@ def qk_norm_rotary(
             mean).
         norm: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm: the mean subtracted first, the variance
             the biased one, as ``torch.nn.LayerNorm``'s).
-        q_bias, k_bias: the norms' biases, or None: shaped and typed as the weights.
+        q_bias, k_bias: the norms' biases, or None, typed as the weights and shaped as them (without
+            a weight, per head: ``(head_dim,)``).
 
     Returns:
         ``(q_out, k_out)``: new tensors with q's and k's shapes, dtypes and layouts. The math runs in
@@ -550,7 +554,20 @@ def _norm_args(op, tensors, eps, weight_offset, norm_over, interleaved, weight_a
         raise ValueError(f"{op}: norm_over must be 'head' or 'heads', got {norm_over!r}")
     if norm not in _NORMS:
         raise ValueError(f"{op}: norm must be 'rms' or 'layer', got {norm!r}")
+    # A weight or bias of x's (heads, head_dim) (a row per head, or across heads) as the op takes it,
+    # flattened; q's and k's are tensors 2 and 3 (and biases 0 and 1), one tensor's tensor 1.
+    xs = tensors[:2] if len(biases) == 2 else tensors[:1]
+    n = len(xs)
+    tensors = (*xs, *(_flat_rows(w, x) for w, x in zip(tensors[n : 2 * n], xs, strict=True)), *tensors[2 * n :])
+    biases = tuple(_flat_rows(b, x) for b, x in zip(biases, xs, strict=True))
     return (*tensors, eps, weight_offset, _NORM_OVER[norm_over], interleaved, weight_after, *biases, _NORMS[norm])
+
+
+def _flat_rows(t, x):
+    """t flattened where it is a (heads, head_dim) parameter of x's last two dims; else t itself."""
+    if isinstance(t, torch.Tensor) and t.dim() == 2 and x.dim() >= 2 and t.shape == x.shape[-2:]:
+        return t.flatten()
+    return t
 
 
 def cpu_kernel_isa() -> str:
@@ -767,15 +784,26 @@ def _check_qk_norm_args(op, x, params, cos, sin, eps, weight_offset, across_head
             lambda: f"{op}: {nx} must have at least two dims (..., heads, head_dim) to be normalized across heads, "
             f"got shape {list(x.shape)}",
         )
+    (w_name, w), *rest = params
+    rows = x.shape[-2] * x.shape[-1] if x.dim() >= 2 else None
     for nw, weight in params:
         if weight is None:
             continue
-        n = x.shape[-2] * x.shape[-1] if across_heads else x.shape[-1]
-        what = f"{nx}.size(-2) * {nx}.size(-1), normalized across heads" if across_heads else f"{nx}.size(-1)"
+        if across_heads:
+            sizes, what = (rows,), f"{nx}.size(-2) * {nx}.size(-1), normalized across heads"
+        elif weight is not w and w is not None:  # (the backward sizes the bias's gradient by the weight)
+            sizes, what = (w.shape[0],), f"the shape of {w_name}"
+        elif weight is not w:
+            sizes, what = (x.shape[-1],), f"{nx}.size(-1) without a weight"
+        elif rows is None:
+            sizes, what = (x.shape[-1],), f"{nx}.size(-1)"
+        else:
+            sizes = (x.shape[-1], rows)
+            what = f"{nx}.size(-1): one row for every head, or {nx}.size(-2) * {nx}.size(-1): a row per head"
         torch._check(
-            weight.dim() == 1 and weight.shape[0] == n,
-            lambda nw=nw, weight=weight, n=n, what=what: f"{op}: {nw} must have shape ({n},) ({what}), "
-            f"got {list(weight.shape)}",
+            weight.dim() == 1 and weight.shape[0] in sizes,
+            lambda nw=nw, weight=weight, sizes=sizes, what=what: f"{op}: {nw} must have shape "
+            + " or ".join(f"({n},)" for n in sizes) + f" ({what}), got {list(weight.shape)}",
         )
         torch._check(
             weight.dtype in (x.dtype, torch.float32),
@@ -851,7 +879,7 @@ def _qk_norm_rotary_backward_fake(grad, x, weight, rstd, cos, sin, positions, we
         f"{stat.dtype} on {x.device}",
     )
     torch._check(not weight_grad or weight is not None, lambda: f"{op}: weight_grad=True needs a weight")
-    width = x.shape[-2] * x.shape[-1] if across_heads else x.shape[-1]
+    width = weight.shape[0] if weight is not None else x.shape[-2] * x.shape[-1] if across_heads else x.shape[-1]
     return (torch.empty_like(x), x.new_empty((width if weight_grad else 0,), dtype=stat.dtype),
             x.new_empty((width if bias_grad else 0,), dtype=stat.dtype))
 

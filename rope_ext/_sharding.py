@@ -49,8 +49,8 @@ _OPS = {
     "rotary_pos_": dict(rotated=("q", "k"), caches=("cos_cache", "sin_cache"), inplace=True),
     # QK-norm + RoPE: the norms' weights and biases are replicated (a row needs all of them), and
     # each rotated argument's statistics (its last dim, or its last two across heads, reduced; with a
-    # last dim of 2 when centered) are split as it is. A norm across heads needs all of a token's
-    # heads: q or k sharded over dim -2 is refused.
+    # last dim of 2 when centered) are split as it is. A norm across heads, or a weight with a row
+    # per head, needs all of a token's heads: that q or k sharded over dim -2 is refused.
     "qk_norm_rotary": dict(rotated=("q", "k"), tables=("cos", "sin"), weights=_QK_PARAMS, stats=True, inplace=False),
     "qk_norm_rotary_pos": dict(rotated=("q", "k"), caches=("cos_cache", "sin_cache"), weights=_QK_PARAMS, stats=True,
                                inplace=False),
@@ -114,9 +114,20 @@ class _Rule:
         rotated = [n for n in spec["rotated"] if bound.get(n) is not None]
         followers = _followers(self.op, bound)
 
+        def whole_heads(name):
+            """Why rotated argument `name` needs all of a token's heads in one place, or None."""
+            if bound.get("across_heads"):
+                return "a norm across heads"
+            prefix = "" if name == "x" else f"{name}_"
+            for param in (f"{prefix}weight", f"{prefix}bias"):
+                t = bound.get(param)
+                if t is not None and t.ndim == 1 and t.shape[0] != bound[name].shape[-1]:
+                    return f"{param}, a row of weights per head,"
+            return None
+
         def usable(name, p):  # a placement a rotated argument can keep through the op
             keep = type(p) is Shard and p.dim % bound[name].ndim != bound[name].ndim - 1
-            return keep and not (bound.get("across_heads") and p.dim % bound[name].ndim == bound[name].ndim - 2)
+            return keep and not (whole_heads(name) and p.dim % bound[name].ndim == bound[name].ndim - 2)
 
         def follower_placement(name, served, table, placements):
             """The placement `name` needs for the rotated ones to have `placements`, or None if they
@@ -158,15 +169,15 @@ class _Rule:
                 return differ.pop() if len(differ) == 1 else None
             return differ.pop() if len(differ) == 1 else -1
 
-        if bound.get("across_heads"):
-            for name in rotated:
-                for i, p in enumerate(bound[name].placements):
-                    if isinstance(p, Shard) and p.dim % bound[name].ndim == bound[name].ndim - 2:
-                        raise _refusal(
-                            f"rope_ext.{self.op}: {name} is sharded over its heads (dim -2, on mesh dim {i}), and "
-                            "a norm across heads needs all of a token's heads in one place. Shard another dim "
-                            "(batch, sequence), or normalize per head."
-                        )
+        for name in rotated:
+            why = whole_heads(name)
+            for i, p in enumerate(bound[name].placements):
+                if why and isinstance(p, Shard) and p.dim % bound[name].ndim == bound[name].ndim - 2:
+                    raise _refusal(
+                        f"rope_ext.{self.op}: {name} is sharded over its heads (dim -2, on mesh dim {i}), and "
+                        f"{why} needs all of a token's heads in one place. Shard another dim (batch, sequence)"
+                        + (", or normalize per head." if bound.get("across_heads") else ".")
+                    )
         coupled = len(rotated) == 2 and any(len(served) == 2 for _, served, _ in followers)
         allowed = head_dim() if coupled else -1
 

@@ -151,7 +151,8 @@ def norm_rotary_reference(
     variance, as ``torch.nn.LayerNorm``'s).
 
     The mean runs over each head's row (``norm_over="head"``, ``weight`` and ``bias`` of shape
-    ``(D,)``) or over all of a token's heads, dim -2 of ``x`` (``"heads"``, shape ``(H * D,)``).
+    ``(D,)``, or ``(H, D)`` or ``(H * D,)`` for a row per head) or over all of a token's heads, dim
+    -2 of ``x`` (``"heads"``, shape ``(H * D,)``).
     ``g = weight + weight_offset``, or 1 when ``weight`` is None; ``b = bias``, or 0. Computed in
     float32, or float64 when x, the weight, the bias or the tables are float64, then cast to x's
     dtype: one rounding, as :func:`rope_ext.qk_norm_rotary` rounds. Differentiable and decomposable.
@@ -164,12 +165,17 @@ def norm_rotary_reference(
                        dtype=dtype, norm=norm, bias=None if weight_after else bias)
     v = rotary_reference(v, cos.to(dtype), sin.to(dtype), interleaved)
     if weight_after:
-        shape = (lambda t: t.unflatten(-1, x.shape[-2:])) if norm_over == "heads" else (lambda t: t)
         if weight is not None:
-            v = v * shape(weight.to(dtype) + weight_offset)
+            v = v * _rows_of(weight.to(dtype) + weight_offset, x)
         if bias is not None:
-            v = v + shape(bias.to(dtype))
+            v = v + _rows_of(bias.to(dtype), x)
     return v.to(x.dtype)
+
+
+def _rows_of(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A norm's weight or bias shaped to multiply x's ``(..., heads, head_dim)`` rows: ``(D,)`` as it
+    is, ``(heads * D,)`` (across heads, or a row per head, flattened) as ``(heads, D)``."""
+    return t.unflatten(-1, x.shape[-2:]) if t.dim() == 1 and t.shape[-1] != x.shape[-1] else t
 
 
 def rms_norm_rotary_reference(x, weight, cos, sin, **kwargs) -> torch.Tensor:
@@ -204,11 +210,13 @@ def norm_reference(
     elif norm != "rms":
         raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")
     v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    if norm_over == "heads":
+        v = v.unflatten(-1, x.shape[-2:])
     if weight is not None:
-        v = v * (weight.to(dtype) + weight_offset)
+        v = v * _rows_of(weight.to(dtype) + weight_offset, x)
     if bias is not None:
-        v = v + bias.to(dtype)
-    return v.unflatten(-1, x.shape[-2:]) if norm_over == "heads" else v
+        v = v + _rows_of(bias.to(dtype), x)
+    return v
 
 
 def rms_norm_reference(x, weight, **kwargs) -> torch.Tensor:

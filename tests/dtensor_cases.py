@@ -188,15 +188,20 @@ def rotary_pos_qk(place, q="S2", k="S2", positions="R"):
 
 def qk_norm(place, q="S2", k="S2", tables="R", norm_over="head", positions=None, weight_after=False, norm="rms"):
     """qk_norm_rotary (qk_norm_rotary_pos with `positions`' placement) with both weights learned, and
-    with norm="layer" both biases."""
-    wide = norm_over == "heads"
+    with norm="layer" both biases; norm_over="rows": per head, a row of each per head, (heads, D)."""
+    wide, rows = norm_over == "heads", norm_over == "rows"
+
+    def shape(n):
+        return (n, D) if rows else (D * (n if wide else 1),)
+
     qs, ks = place.put(_x(H, S, "bshd", 2), q, grad=True), place.put(_x(HK, S, "bshd", 3), k, grad=True)
-    wq = place.put(_randn(D * (H if wide else 1), seed=6).abs() + 0.5, "R", grad=True)
-    wk = place.put(_randn(D * (HK if wide else 1), seed=7).abs() + 0.5, "R", grad=True)
-    kw = dict(eps=1e-6, weight_offset=0.25, norm_over=norm_over, weight_after=weight_after, norm=norm)
+    wq = place.put(_randn(*shape(H), seed=6).abs() + 0.5, "R", grad=True)
+    wk = place.put(_randn(*shape(HK), seed=7).abs() + 0.5, "R", grad=True)
+    kw = dict(eps=1e-6, weight_offset=0.25, norm_over="head" if rows else norm_over, weight_after=weight_after,
+              norm=norm)
     biases = []
     if norm == "layer":
-        biases = [place.put(_randn(D * (n if wide else 1), seed=seed), "R", grad=True) for n, seed in ((H, 8), (HK, 9))]
+        biases = [place.put(_randn(*shape(n), seed=seed), "R", grad=True) for n, seed in ((H, 8), (HK, 9))]
         kw.update(q_bias=biases[0], k_bias=biases[1])
     if positions is None:
         cos, sin = _tables(_randn(1, S, R // 2, seed=1), "bshd")
@@ -381,6 +386,8 @@ CASES = {
     "qk_norm_rotary/across heads, batch": (P(qk_norm, q="S0", k="S0", norm_over="heads"), ["S0", "S0"]),
     "qk_norm_rotary/seq, weight after": (P(qk_norm, q="S1", k="S1", tables="S1", weight_after=True), ["S1", "S1"]),
     "qk_norm_rotary/seq, layer norm": (P(qk_norm, q="S1", k="S1", tables="S1", norm="layer"), ["S1", "S1"]),
+    "qk_norm_rotary/seq, layer norm, rows per head": (
+        P(qk_norm, q="S1", k="S1", tables="S1", norm="layer", norm_over="rows"), ["S1", "S1"]),
     "qk_norm_rotary_pos/heads, layer norm, weight after": (
         P(qk_norm, q="S2", k="S2", positions="R", norm="layer", weight_after=True), ["S2", "S2"]),
     "norm_rotary/heads": (P(norm_one, x="S2"), ["S2"]),
@@ -421,6 +428,9 @@ EXTRA = {"llama tensor parallel": (llama_tp, None)}
 REFUSED = {
     "qk_norm_rotary/across heads, heads sharded": (
         P(qk_norm, q="S2", k="S2", norm_over="heads"), ["rope_ext.qk_norm_rotary", "q", "sharded over its heads"]),
+    "qk_norm_rotary/rows per head, heads sharded": (
+        P(qk_norm, q="S2", k="S2", norm_over="rows"),
+        ["rope_ext.qk_norm_rotary", "q", "sharded over its heads", "q_weight, a row of weights per head"]),
     "rotary_/x split on the rotated dim": (P(rotary_inplace, x="S3"), ["rope_ext.rotary_", "x", "in-place"]),
     "rotary_pos_/k split on the rotated dim": (P(rotary_pos_inplace, q="S1", k="S3"), ["rope_ext.rotary_pos_", "k"]),
     "rotary_pos_/q seq, k heads": (P(rotary_pos_inplace, q="S1", k="S2"), ["rope_ext.rotary_pos_", "head count"]),

@@ -68,7 +68,12 @@ def eager(x, w, b, cos, sin, *, eps, norm_over="head", interleaved=False, weight
     """What eager transformers computes (nn.LayerNorm in x's dtype, then apply_rotary_pos_emb), with
     weight_after the norm's affine part applied to the rotation's output."""
     v = x.flatten(-2) if norm_over == "heads" else x
-    h = torch.nn.functional.layer_norm(v, v.shape[-1:], None if weight_after else w, None if weight_after else b, eps)
+    if w is not None and w.dim() == 2 and not weight_after:  # a row per head (Cohere's): torch's norm, then the rows
+        h = torch.nn.functional.layer_norm(v, v.shape[-1:], None, None, eps) * w
+        h = h + b if b is not None else h
+    else:
+        h = torch.nn.functional.layer_norm(v, v.shape[-1:], None if weight_after else w, None if weight_after else b,
+                                           eps)
     h = h.unflatten(-1, x.shape[-2:]) if norm_over == "heads" else h
     r = cos.shape[-1]
     c, s = cos.to(x.dtype), sin.to(x.dtype)
@@ -345,7 +350,7 @@ def test_export(gen):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(q_bias=torch.ones(4)), r"q_bias must have shape \(8,\) \(q.size\(-1\)\), got \[4\]"),
+        (dict(q_bias=torch.ones(4)), r"q_bias must have shape \(8,\) \(the shape of q_weight\), got \[4\]"),
         (dict(k_bias=torch.ones(8, dtype=torch.float64)), r"k_bias must have k's dtype \(Float\) or float32"),
         (dict(k_bias=torch.ones(8, device="meta")), r"k and k_bias must be on the same device"),
         (dict(norm="group"), r"norm must be 'rms' or 'layer', got 'group'"),
@@ -445,9 +450,11 @@ def test_in_place_refuses_a_bias_that_needs_grad_or_shares_memory(gen):
 @given(st.data())
 def test_fuzz_against_the_truth(data):
     """Random shapes, head dims and rotary dims (odd vector tails), strides (a transposed view, a slice
-    of a wider buffer), dtypes, norm forms and affine parts, forward and, in float64, backward."""
+    of a wider buffer), dtypes, norm forms (per head with a row of parameters per head too) and affine
+    parts, forward and, in float64, backward."""
     dtype = data.draw(st.sampled_from(DTYPES))
-    norm_over = data.draw(st.sampled_from(["head", "heads"]))
+    form = data.draw(st.sampled_from(["head", "heads", "rows"]))
+    norm_over = "heads" if form == "heads" else "head"
     interleaved, after, bias, weighted = (data.draw(st.booleans()) for _ in range(4))
     D = 2 * data.draw(st.integers(1, 40))
     r = 2 * data.draw(st.integers(1, D // 2))
@@ -458,9 +465,11 @@ def test_fuzz_against_the_truth(data):
         x = x.transpose(1, 2).contiguous().transpose(1, 2)
     if data.draw(st.booleans()):  # a slice of a wider buffer: strided heads
         x = torch.cat((x, torch.zeros_like(x)), 2)[:, :, :H]
-    n = D * (H if norm_over == "heads" else 1)
+    n = D * (H if form != "head" and (weighted or form == "heads") else 1)  # (a bias of rows needs rows of weights)
     w, b = make_params(n, dtype, gen, bias)
     w = w if weighted else None
+    if form == "rows":  # (H, D)
+        w, b = (t.unflatten(0, (H, D)) if t is not None and t.numel() == H * D else t for t in (w, b))
     cos, sin = random_tables((B, S, 1, r), dtype=torch.float32 if dtype != torch.float64 else dtype, gen=gen)
     kw = dict(eps=1e-5, norm_over=norm_over, interleaved=interleaved, weight_after=after)
     out = rope_ext.norm_rotary(x, w, cos, sin, bias=b, **op_kw(kw))

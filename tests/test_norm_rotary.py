@@ -135,7 +135,8 @@ def test_opcheck_compile_and_export(after, gen):
     (lambda x, w, c, s: rope_ext.norm_rotary(x.int(), w, c, s, eps=1e-6),
      "rope_ext.norm_rotary: x must be float32, float64, float16 or bfloat16, got"),
     (lambda x, w, c, s: rope_ext.norm_rotary(x, w[:4], c, s, eps=1e-6),
-     r"rope_ext.norm_rotary: weight must have shape \(8,\) \(x.size\(-1\)\), got \[4\]"),
+     r"rope_ext.norm_rotary: weight must have shape \(8,\) or \(32,\) \(x.size\(-1\): one row for every head, "
+     r"or x.size\(-2\) \* x.size\(-1\): a row per head\), got \[4\]"),
     (lambda x, w, c, s: rope_ext.norm_rotary(x, w, c, s, eps=1e-6, norm_over="heads"),
      r"rope_ext.norm_rotary: weight must have shape \(32,\) \(x.size\(-2\) \* x.size\(-1\), normalized across heads"),
     (lambda x, w, c, s: rope_ext.norm_rotary(x, w, c[..., :6], s, eps=1e-6),

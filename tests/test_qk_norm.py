@@ -427,7 +427,9 @@ def _bad(**changes):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(q_weight=torch.ones(7)), r"q_weight must have shape \(8,\) \(q.size\(-1\)\), got \[7\]"),
+        (dict(q_weight=torch.ones(7)),
+         r"q_weight must have shape \(8,\) or \(32,\) \(q.size\(-1\): one row for every head, or "
+         r"q.size\(-2\) \* q.size\(-1\): a row per head\), got \[7\]"),
         (dict(q_weight=torch.ones(32), k_weight=torch.ones(8), norm_over="heads"),
          r"k_weight must have shape \(16,\) \(k.size\(-2\) \* k.size\(-1\), normalized across heads\), got \[8\]"),
         (dict(q_weight=torch.ones(8, dtype=torch.float64)),

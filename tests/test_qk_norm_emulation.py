@@ -589,3 +589,124 @@ def test_layer_norm_backward_reads_statistics_at_any_alignment(gen):
     for got, want in zip(emulated_layer_backward(dy, x, w, shifted, cos, sin),
                          emulated_layer_backward(dy, x, w, stats, cos, sin), strict=True):
         assert torch.equal(got, want)
+
+
+# --- a row of norm parameters per head --------------------------------------------------------------
+# Weights and biases (H * D,) with norm_over="head": each head its own statistic and its own row
+# (Cohere's, StableLM's and Chameleon's per-head LayerNorms). A thread row's partial sums then serve
+# one head: the launch spaces each thread row's groups a multiple of H apart, and the weights'
+# gradient sums each head's rows unfolded.
+
+
+def _rows_case(norm, B, S, H, D, dtype, gen, bias=True):
+    from test_layer_norm_rotary import layer_input
+
+    x = layer_input(B, S, H, D, dtype=dtype, gen=gen) if norm == "layer" else randn(B, S, H, D, dtype=dtype, gen=gen)
+    w = (torch.rand(H * D, generator=gen, dtype=torch.float64) * 2).to(dtype)
+    b = (torch.rand(H * D, generator=gen, dtype=torch.float64) - 0.5).to(dtype) if bias else None
+    return x, w, b
+
+
+def _emulated_rows(x, w, b, cos, sin, positions=None, *, norm, after=False, grad=None):
+    """(out, stats) of the emulated forward, or with grad (dx, dweight, dbias) of its backward too."""
+    centered = norm == "layer"
+    args = (1e-5, 0.0, False, False, after, b, b, centered)
+    if positions is None:
+        fwd = TESTING.cuda_emulate_qk_norm_rotary(x, x, w, w, cos, sin, *args)
+    else:
+        fwd = TESTING.cuda_emulate_qk_norm_rotary_pos(x, x, w, w, cos, sin, positions, *args)
+    if grad is None:
+        return fwd[0], fwd[2]
+    return TESTING.cuda_emulate_qk_norm_rotary_backward(grad, x, w, fwd[2], cos, sin, positions, 0.0, False, False,
+                                                        True, after, centered, b is not None)
+
+
+def _check_rows(got, x, w, b, cos, sin, dy, *, norm, after):
+    """Forward output against float64 (test_qk_norm_rows.py's tolerances); dx after a head's float32
+    sums (2 (D + 8) roundings of the largest gradient, as check_grads), and each row's weight and bias
+    gradients, float32 sums over the tokens (2 (tokens + D + 8) roundings)."""
+    from test_qk_norm_rows import check_against_truth
+    from test_qk_norm_rows import truth as rows_truth
+
+    out, (dx, dw, db) = got
+    kw = dict(eps=1e-5, interleaved=False, weight_after=after, norm=norm)
+    check_against_truth(out, x, w, b, cos, sin, **kw)
+    wide = [t.detach().double().requires_grad_() for t in (x, w, b) if t is not None]
+    ref = rows_truth(wide[0], wide[1], wide[2] if b is not None else None, cos, sin, **kw)
+    want = torch.autograd.grad(ref, wide, dy.double())
+    D, u = x.shape[-1], 2.0**-24
+    tokens = x.numel() // (x.shape[-2] * D)
+    torch.testing.assert_close(dx.double(), want[0], rtol=_UNIT_ROUNDOFF[x.dtype],
+                               atol=4 * (D + 8) * u * float(want[0].abs().max()))
+    for g, t, wt in ((dw, w, want[1]), (db, b, want[2] if b is not None else None)):
+        if t is None:
+            continue
+        assert g.shape == t.shape
+        torch.testing.assert_close(g.double(), wt, rtol=0, atol=2 * (tokens + D + 8) * u * float(wt.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("norm,bias,after", [("layer", True, False), ("layer", True, True), ("rms", False, False)],
+                         ids=["layer-bias", "layer-bias-after", "rms"])
+@pytest.mark.parametrize("gathered", [False, True], ids=["tables", "positions"])
+def test_rows_per_head_forward_and_backward_match_float64(dtype, norm, bias, after, gathered, gen):
+    """Each head normalized and scaled by its own row, forward and backward (dx and both rows'
+    gradients), against the float64 truth; partial rotary, full and gathered tables."""
+    B, S, H, D, r, P = 2, 3, 4, 32, 16, 16
+    x, w, b = _rows_case(norm, B, S, H, D, dtype, gen, bias)
+    cos, sin, tables = _tables_for(gathered, B, S, r, P, False, gen)
+    dy = randn(*x.shape, dtype=dtype, gen=gen)
+    out, _ = _emulated_rows(x, w, b, *tables, norm=norm, after=after)
+    _check_rows((out, _emulated_rows(x, w, b, *tables, norm=norm, after=after, grad=dy)), x, w, b, cos, sin, dy,
+                norm=norm, after=after)
+
+
+@pytest.mark.parametrize("H", [3, 8])
+def test_rows_per_head_space_each_thread_rows_groups_by_the_heads(H, gen):
+    """More groups than 512 blocks take in one pass: the launch takes a multiple of H / gcd(block_y, H)
+    blocks (fewer than 512 where H does not divide the rows' spacing), so that every group a thread row
+    takes is of one head; against float64, and the same bits on a second run and as the CPU's sums
+    to their rounding."""
+    D, T = 256, 16500 // H  # (float32: 32 items a head, 8 rows a block)
+    x, w, b = _rows_case("layer", T, 1, H, D, torch.float32, gen)
+    x, cos, sin = x[:, 0], *random_tables((T, 1, D), gen=gen)
+    L = launch(x, w, cos, sin, backward=True)
+    m = H // __import__("math").gcd(L["block_y"], H)
+    assert L["grid_x"] % m == 0 and L["grid_x"] > 512 - m and L["groups"] > L["grid_x"] * L["block_y"], L
+    assert (L["grid_x"] == 512) == (m == 1 or 512 % m == 0), L
+    dy = randn(*x.shape, gen=gen)
+    got = _emulated_rows(x, w, b, cos, sin, norm="layer", grad=dy)
+    out, _ = _emulated_rows(x, w, b, cos, sin, norm="layer")
+    _check_rows((out, got), x, w, b, cos, sin, dy, norm="layer", after=False)
+    again = _emulated_rows(x, w, b, cos, sin, norm="layer", grad=dy)
+    assert all(torch.equal(a, c) for a, c in zip(got, again, strict=True))
+    stats = torch.ops.rope_ext.norm_rotary(x, w, cos, sin, 1e-5, 0.0, False, False, False, b, True)[1]
+    cpu = torch.ops.rope_ext.qk_norm_rotary_backward(dy, x, w, stats, cos, sin, None, 0.0, False, False, True, False,
+                                                     True, True)
+    for a, c in zip(got[1:], cpu[1:], strict=True):
+        torch.testing.assert_close(a, c, atol=1e-5 * float(c.abs().max()), rtol=0)
+
+
+def test_rows_per_head_sector_efficiency(gen):
+    """The traffic model with a row per head: Cohere's and Chameleon's heads of 128, and heads of 64
+    with half rotated, bfloat16, LayerNorm with and without a bias, forward and backward: at least
+    0.90 of each warp instruction's sector bytes needed, for loads and for stores. (StableLM's heads
+    of 64 rotate a quarter, 8 pairs: each member's 16 bytes are half a sector, and its forward loads
+    are at 0.78, with a row per head as with one row for every head.)"""
+    from test_cuda_emulation import recorded_traffic
+
+    bf = torch.bfloat16
+    for H, D, r, bias in ((8, 128, 128, False), (8, 64, 32, False), (8, 128, 128, True)):
+        x, w, b = _rows_case("layer", 1, 16, H, D, bf, gen, bias)
+        cc, sc = random_tables((64, r // 2), gen=gen)
+        positions = torch.randint(0, 64, (1, 16, 1), generator=gen)
+        args = (1e-5, 0.0, False, False, False, b, b, True)
+        (_, _, stats, _), fwd, _ = recorded_traffic(TESTING.cuda_emulate_qk_norm_rotary_pos, x, x, w, w, cc, sc,
+                                                     positions, *args)
+        dy = randn(*x.shape, dtype=bf, gen=gen)
+        _, bwd, _ = recorded_traffic(TESTING.cuda_emulate_qk_norm_rotary_backward, dy, x, w, stats, cc, sc, positions,
+                                     0.0, False, False, True, False, True, b is not None)
+        for name, t in (("forward", fwd), ("backward", bwd)):
+            for kind in ("ld", "st"):
+                eff = t[f"{kind}_needed"] / t[f"{kind}_sectors"]
+                assert eff >= 0.90, f"H={H} D={D} r={r} bias={bias} {name} {kind}: sector efficiency {eff:.3f}"

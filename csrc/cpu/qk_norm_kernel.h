@@ -326,14 +326,19 @@ struct NormContext {
       dst[j] = v + offset;
     }
   }
-  // g for head h of a group: a per-head weight serves every head, an across-heads one has a slice each.
-  const T* g_for(int64_t h) const { return slice(g, h); }
-  const T* b_for(int64_t h) const { return slice(b, h); }
-  Affine<T> affine(int64_t h) const { return {g_for(h), b_for(h), o.weight_after}; }
+  // g for row `row` (x's rows in row-major order): a weight of one row serves every head, one of
+  // p.heads rows has a row per head (NormPlan::heads).
+  const T* g_for(int64_t row) const { return ctx_slice(g, row); }
+  const T* b_for(int64_t row) const { return ctx_slice(b, row); }
+  Affine<T> affine(int64_t row) const { return {g_for(row), b_for(row), o.weight_after}; }
+  // The first column of row `row`'s slice of a parameter of `len` values.
+  static int64_t slice_at(const NormPlan& p, int64_t len, int64_t row) {
+    return len > p.head_dim ? row % p.heads * p.head_dim : 0;
+  }
 
  private:
-  const T* slice(const std::vector<T>& v, int64_t h) const {
-    return v.empty() ? nullptr : v.data() + (static_cast<int64_t>(v.size()) > p.head_dim ? h * p.head_dim : 0);
+  const T* ctx_slice(const std::vector<T>& v, int64_t row) const {
+    return v.empty() ? nullptr : v.data() + slice_at(p, static_cast<int64_t>(v.size()), row);
   }
 };
 
@@ -412,20 +417,20 @@ struct RowCursor {
 // float32 values are 8 KiB, in L1.
 constexpr int64_t kNormBlockRows = 16;
 
-// The forward's row path: per head (a group of one row), RMS (not centered), no bias, the weight (if
-// any) before the rotation, every column rotated, x's and out's columns contiguous, and rows of whole
-// vector steps, at most kNormRowSteps of them (head_dim 256 on AVX2, 512 on AVX-512, for float32 and
-// 16-bit x). Each row is read from x once, its squares summed as it comes, into a row-sized stack
-// buffer (in L1), then scaled, rotated and stored from there: one call per row, with the token's
-// tables held across its heads, where the blocked path reads a block of rows into its buffer, finds
-// their statistics, then takes each row through store_scaled_rotation's general loops. The same
-// operations in the same order: the same bits (tests/test_qk_norm.py compares the two paths).
+// The forward's row path: per head (a group of one row), RMS (not centered), no bias, the weight (if any) one row for
+// every head and before the rotation, every column rotated, x's and out's columns contiguous, and rows of whole vector
+// steps, at most kNormRowSteps of them (head_dim 256 on AVX2, 512 on AVX-512, for float32 and 16-bit x). Each row is
+// read from x once, its squares summed as it comes, into a row-sized stack buffer (in L1), then scaled, rotated and
+// stored from there: one call per row, with the token's tables held across its heads, where the blocked path reads a
+// block of rows into its buffer, finds their statistics, then takes each row through store_scaled_rotation's general
+// loops. The same operations in the same order: the same bits (tests/test_qk_norm.py compares the two paths).
 constexpr int64_t kNormRowSteps = 8;
 
 template <typename scalar_t>
 bool norm_row_path(const NormPlan& p, const NormOperands& o) {
   const int64_t half = p.rotary_dim / 2, step = VecIO<scalar_t>::kStep;
   return !o.centered && o.bias == nullptr && (o.weight == nullptr || !o.weight_after) && p.group == 1 &&
+         p.weight_len <= p.head_dim &&
          p.rotary_dim == p.head_dim && p.x_col == 1 && p.out_col == 1 && half % step == 0 && half >= step &&
          half <= kNormRowSteps * step;
 }
@@ -630,16 +635,16 @@ void norm_forward(const NormPlan& p, const NormOperands& o, const Thresholds& th
         for (int64_t h = 0; h < G; ++h, writing.next()) {
           const int64_t* off = writing.off;
           tables.load(p, o, off[kNormCos], off[kNormSin]);
-          store_scaled_rotation<scalar_t, kInterleaved>(xf + (b * G + h) * D, inv[b], ctx.affine(h), tables.c,
-                                                        tables.s, z, y, R, D, out + off[kNormOut], p.out_col);
+          store_scaled_rotation<scalar_t, kInterleaved>(xf + (b * G + h) * D, inv[b], ctx.affine((n0 + b) * G + h),
+                                                        tables.c, tables.s, z, y, R, D, out + off[kNormOut], p.out_col);
         }
       }
     }
   });
 }
 
-// Groups per block of the weights' gradient, from the shape alone: blocks of about 16K elements, and
-// at most 512 blocks (the blocks' partial sums, 512 * weight_len values at most, are the scratch).
+// Groups per block of the weights' gradient, from the shape alone: blocks of about 16K elements of x,
+// and at most 512 blocks (the blocks' partial sums, 512 * weight_len values at most, are the scratch).
 inline int64_t norm_block_groups(int64_t groups, int64_t group_elements) {
   const int64_t by_size = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(group_elements, 1));
   return std::max(by_size, (groups + 511) / 512);
@@ -655,12 +660,15 @@ void norm_backward(const NormPlan& p, const NormOperands& o, const Thresholds& t
   const auto* dy = static_cast<const scalar_t*>(o.grad);
   auto* dx = static_cast<scalar_t*>(o.out);
   const T* stats = static_cast<const T*>(o.rstd);
-  // The weight's and the bias's gradients have N columns (a head's, or across heads a token's).
+  // The weight's and the bias's gradients have the parameters' columns: a head's, or a row per head
+  // (across heads, or per head with a row each: NormPlan::heads), W of them: the weight's length, and
+  // the bias's, which is the weight's where there is one (check_qk_norm_args).
   T* const sums[2] = {static_cast<T*>(o.dweight), static_cast<T*>(o.dbias)};
+  const int64_t W = p.weight_len > 0 ? p.weight_len : N;
   const int64_t groups = p.num_groups(), block = norm_block_groups(groups, N);
   const int64_t blocks = (groups + block - 1) / block;
   std::vector<T> partial[2];
-  for (int k = 0; k < 2; ++k) partial[k].assign(sums[k] != nullptr ? blocks * N : 0, T(0));
+  for (int k = 0; k < 2; ++k) partial[k].assign(sums[k] != nullptr ? blocks * W : 0, T(0));
   const int64_t grain = std::max<int64_t>(1, th.grain_elements / (block * N));
   parallel_for(pool, 0, blocks, grain, [&](int64_t b0, int64_t b1) {
     std::vector<T> buf(2 * N + 3 * D + 2 * R);
@@ -672,13 +680,14 @@ void norm_backward(const NormPlan& p, const NormOperands& o, const Thresholds& t
     TableRows<scalar_t, kInterleaved> tables{gdy + D, gdy + D + R};
     int64_t off[5];
     for (int64_t b = b0; b < b1; ++b) {
-      T* const part = sums[0] != nullptr ? partial[0].data() + b * N : nullptr;
-      T* const part_b = sums[1] != nullptr ? partial[1].data() + b * N : nullptr;
+      T* const part = sums[0] != nullptr ? partial[0].data() + b * W : nullptr;
+      T* const part_b = sums[1] != nullptr ? partial[1].data() + b * W : nullptr;
       for (int64_t n = b * block; n < std::min(groups, (b + 1) * block); ++n) {
         const T mean = o.centered ? stats[2 * n] : T(0);
         const T inv = o.centered ? stats[2 * n + 1] : stats[n];
         for (int64_t h = 0; h < G; ++h) {
-          p.rows.offsets(n * G + h, off);
+          const int64_t row = n * G + h;
+          p.rows.offsets(row, off);
           T* const xr = xh + h * D;
           Row::load(x + off[kNormX], p.x_col, D, xr);
           if (o.centered) {
@@ -688,22 +697,22 @@ void norm_backward(const NormPlan& p, const NormOperands& o, const Thresholds& t
           }
           Row::load(dy + off[kNormGrad], p.grad_col, D, gy);
           tables.load(p, o, off[kNormCos], off[kNormSin]);
-          T* const part_h = part != nullptr ? part + h * D : nullptr;
-          T* const part_bh = part_b != nullptr ? part_b + h * D : nullptr;
+          T* const part_h = part != nullptr ? part + NormContext<scalar_t>::slice_at(p, W, row) : nullptr;
+          T* const part_bh = part_b != nullptr ? part_b + NormContext<scalar_t>::slice_at(p, W, row) : nullptr;
           if (o.weight_after) {  // d = rotary^T(g * dy); dg += dy * rotary(x_hat); db += dy
             if (part_h != nullptr) {
               rotate_buffer<T, kInterleaved, false>(xr, tables.c, tables.s, u, R, D);
               NormMath<T>::add_products(gy, u, part_h, D);
             }
             if (part_bh != nullptr) NormMath<T>::add(gy, part_bh, D);
-            const T* const g = ctx.g_for(h);
+            const T* const g = ctx.g_for(row);
             if (g != nullptr) NormMath<T>::scale(gy, T(1), g, gdy, D);
             rotate_buffer<T, kInterleaved, true>(g != nullptr ? gdy : gy, tables.c, tables.s, d + h * D, R, D);
           } else {  // u = rotary^T(dy); dg += u * x_hat; db += u; d = u * g
             rotate_buffer<T, kInterleaved, true>(gy, tables.c, tables.s, u, R, D);
             if (part_h != nullptr) NormMath<T>::add_products(u, xr, part_h, D);
             if (part_bh != nullptr) NormMath<T>::add(u, part_bh, D);
-            NormMath<T>::scale(u, T(1), ctx.g_for(h), d + h * D, D);
+            NormMath<T>::scale(u, T(1), ctx.g_for(row), d + h * D, D);
           }
         }
         const T m = NormMath<T>::dot(d, xh, N) / static_cast<T>(N);
@@ -721,10 +730,10 @@ void norm_backward(const NormPlan& p, const NormOperands& o, const Thresholds& t
     T* const sum = sums[k];
     if (sum == nullptr) continue;
     const std::vector<T>& parts = partial[k];
-    parallel_for(pool, 0, N, std::max<int64_t>(1, th.grain_elements / blocks), [&](int64_t j0, int64_t j1) {
+    parallel_for(pool, 0, W, std::max<int64_t>(1, th.grain_elements / blocks), [&](int64_t j0, int64_t j1) {
       std::fill(sum + j0, sum + j1, T(0));
       for (int64_t b = 0; b < blocks; ++b) {
-        const T* part = parts.data() + b * N;
+        const T* part = parts.data() + b * W;
         for (int64_t j = j0; j < j1; ++j) sum[j] += part[j];
       }
     });
@@ -737,7 +746,7 @@ void qk_norm_kernel(const NormPlan& p, const NormOperands& o, bool interleaved, 
     using scalar_t = decltype(scalar_tag);
     using T = at::opmath_type<scalar_t>;
     if (p.num_groups() == 0) {
-      const int64_t width = p.group * p.head_dim;
+      const int64_t width = p.weight_len > 0 ? p.weight_len : p.group * p.head_dim;
       if (backward && o.dweight != nullptr) std::fill_n(static_cast<T*>(o.dweight), width, T(0));
       if (backward && o.dbias != nullptr) std::fill_n(static_cast<T*>(o.dbias), width, T(0));
       return;

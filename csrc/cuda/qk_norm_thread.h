@@ -31,6 +31,7 @@
 #pragma once
 
 #include <cmath>
+#include <numeric>
 #include <optional>
 
 #include "cuda/rotary_thread.h"
@@ -142,6 +143,12 @@ inline NormLaunch choose_norm_launch(const NormPlan& p, int64_t groups, const vo
   L.block_y = std::clamp<int64_t>(std::min(groups, kMaxThreads / L.block_x), 1, kMaxThreads);
   const int64_t group_blocks = (groups + L.block_y - 1) / L.block_y;
   L.grid_x = std::clamp<int64_t>(group_blocks, 1, grad_sums ? kNormGradBlocks : kMaxGridX);
+  if (grad_sums && p.rows_per_head() && L.grid_x < group_blocks) {
+    // A row of parameters per head: a thread row's partial sums serve one head, so every group it
+    // takes must be of the same head. Its groups are grid_x * block_y apart: a multiple of the heads.
+    const int64_t m = p.heads / std::gcd(L.block_y, p.heads);
+    L.grid_x = std::max(m, L.grid_x / m * m);
+  }
   L.partial_rows = grad_sums ? L.grid_x * L.block_y : 0;
   const int64_t opmath_size = elem_size == 8 ? 8 : 4;
   L.partial = {L.group_items,        2 * L.vec,   std::min(2 * L.vec, kVectorBytes / opmath_size),
@@ -311,9 +318,11 @@ struct NormThread {
 
   // After the last iteration and a barrier (backward, weights' or biases' gradient): the block's
   // block_y rows of partial sums added in row order into its first row, which WeightGradSum reads.
+  // (Not with a row of parameters per head: a block's rows serve different heads, and WeightGradSum
+  // takes each head's rows from every block.)
   ROPE_HD void fold(const ThreadCoord& g) const {
     if constexpr (kBackward) {
-      if (g.block_y == 1) return;
+      if (g.block_y == 1 || p.rows_per_head()) return;
       fold_rows<kSitePartialLoad1, kSitePartialStore1>(g, partial);
       fold_rows<kSitePartialLoad2, kSitePartialStore2>(g, bias_partial);
     }
@@ -376,6 +385,7 @@ struct NormThread {
   // kind has its own code path below, so that only its own values are live.
   struct Item {
     int64_t h, j;
+    int64_t row;  // n * p.group + h: the row's index in x.shape[:-1]
     int64_t off[5];
   };
   ROPE_HD Item locate(int64_t n, int64_t item, bool offsets = true) const {
@@ -383,15 +393,20 @@ struct NormThread {
     const int32_t i = static_cast<int32_t>(item);  // (group_items < 2^31: plan_norm_call checks)
     a.h = i / head_items;
     a.j = i - a.h * head_items;
-    if (offsets) p.rows.offsets(n * p.group + a.h, a.off);
+    a.row = n * p.group + a.h;
+    if (offsets) p.rows.offsets(a.row, a.off);
     return a;
   }
   ROPE_HD int64_t half() const { return p.rotary_dim / 2; }
   ROPE_HD int64_t pair0(const Item& a) const { return a.j * kPairs; }
   ROPE_HD int64_t run_col(const Item& a) const { return p.rotary_dim + (a.j - rot_items) * kVec; }
-  // The weight's (bias's, and their gradients') first column for head h of a group.
-  ROPE_HD int64_t weight_base(int64_t h) const { return p.weight_len > p.head_dim ? h * p.head_dim : 0; }
-  ROPE_HD int64_t bias_base(int64_t h) const { return p.bias_len > p.head_dim ? h * p.head_dim : 0; }
+  // The weight's (bias's) first column for item a's row: a row for every head, or one per head
+  // (across heads, the row's place in its group; per head, row % heads: NormPlan::heads).
+  ROPE_HD int64_t param_base(int64_t len, const Item& a) const {
+    return len > p.head_dim ? (p.group > 1 ? a.h : a.row % p.heads) * p.head_dim : 0;
+  }
+  ROPE_HD int64_t weight_base(const Item& a) const { return param_base(p.weight_len, a); }
+  ROPE_HD int64_t bias_base(const Item& a) const { return param_base(p.bias_len, a); }
   // The thread's row of partial sums of the weights' (biases') gradient.
   ROPE_HD opmath_t* partial_row(const ThreadCoord& g, opmath_t* sums) const {
     return sums + (g.bx * g.block_y + g.ty) * layout.length();
@@ -456,10 +471,10 @@ struct NormThread {
       return;
     }
     if (weight_float) {
-      param_pairs<kSiteWeight1, kSiteWeight2>(static_cast<const float*>(weight), weight_base(a.h), p.weight_stride,
+      param_pairs<kSiteWeight1, kSiteWeight2>(static_cast<const float*>(weight), weight_base(a), p.weight_stride,
                                               weight_vec, a, g1, g2);
     } else {
-      param_pairs<kSiteWeight1, kSiteWeight2>(static_cast<const scalar_t*>(weight), weight_base(a.h),
+      param_pairs<kSiteWeight1, kSiteWeight2>(static_cast<const scalar_t*>(weight), weight_base(a),
                                               p.weight_stride, weight_vec, a, g1, g2);
     }
     for (int j = 0; j < kPairs; ++j) g1[j] += weight_offset, g2[j] += weight_offset;
@@ -467,10 +482,10 @@ struct NormThread {
   // b at the pairs (only read with a bias).
   ROPE_HD void bias_pairs(const Item& a, opmath_t (&b1)[kPairs], opmath_t (&b2)[kPairs]) const {
     if (bias_float) {
-      param_pairs<kSiteBias1, kSiteBias2>(static_cast<const float*>(bias), bias_base(a.h), p.bias_stride, bias_vec,
+      param_pairs<kSiteBias1, kSiteBias2>(static_cast<const float*>(bias), bias_base(a), p.bias_stride, bias_vec,
                                           a, b1, b2);
     } else {
-      param_pairs<kSiteBias1, kSiteBias2>(static_cast<const scalar_t*>(bias), bias_base(a.h), p.bias_stride,
+      param_pairs<kSiteBias1, kSiteBias2>(static_cast<const scalar_t*>(bias), bias_base(a), p.bias_stride,
                                           bias_vec, a, b1, b2);
     }
   }
@@ -548,7 +563,7 @@ struct NormThread {
       for (int j = 0; j < kVec; ++j) g[j] = opmath_t(1);
       return;
     }
-    const int64_t at = (weight_base(a.h) + run_col(a)) * p.weight_stride;
+    const int64_t at = (weight_base(a) + run_col(a)) * p.weight_stride;
     if (weight_float) {
       load_run<kVec, kSiteWeight1, Mem>(static_cast<const float*>(weight) + at, p.weight_stride, weight_vec, g);
     } else {
@@ -557,7 +572,7 @@ struct NormThread {
     for (int j = 0; j < kVec; ++j) g[j] += weight_offset;
   }
   ROPE_HD void bias_run(const Item& a, opmath_t (&b)[kVec]) const {
-    const int64_t at = (bias_base(a.h) + run_col(a)) * p.bias_stride;
+    const int64_t at = (bias_base(a) + run_col(a)) * p.bias_stride;
     if (bias_float) {
       load_run<kVec, kSiteBias1, Mem>(static_cast<const float*>(bias) + at, p.bias_stride, bias_vec, b);
     } else {
@@ -705,30 +720,37 @@ struct NormThread {
 
 // The weights' gradient: column j the sum, in block order, of the blocks' folded partial sums (rows
 // b * row_step, b < blocks, each of layout.length() values), at the column's place in the layout;
-// zeros where there are none. One thread per column.
+// zeros where there are none. With a row of parameters per head (heads > 0: NormPlan::rows_per_head),
+// column j of head h = j / head_dim is the sum of the unfolded rows h, h + heads, ... below `blocks`
+// (the launch's thread rows, each serving head row % heads), at column j - h * head_dim's place. One
+// thread per column.
 template <typename opmath_t, class Mem>
 struct WeightGradSum {
   const opmath_t* partial;
   opmath_t* dweight;
   int64_t columns, blocks, row_step;
   PartialLayout layout;
+  int64_t heads = 0;
 
   // The same sum with another memory policy (the host emulator's).
   template <class M>
   WeightGradSum<opmath_t, M> with_memory() const {
-    return {partial, dweight, columns, blocks, row_step, layout};
+    return {partial, dweight, columns, blocks, row_step, layout, heads};
   }
 
   ROPE_HD void operator()(const ThreadCoord& g) const {
     const int64_t col = g.bx * g.block_x + g.tx;
     if (col >= columns) return;
-    const int64_t at = blocks > 0 ? layout.of_column(col) : 0;
+    const int64_t h = heads > 0 ? col / layout.head_dim : 0;
+    const int64_t first = heads > 0 ? h : 0, step = heads > 0 ? heads : row_step;
+    const int64_t count = heads > 0 ? (blocks > h ? (blocks - h + heads - 1) / heads : 0) : blocks;
+    const int64_t at = count > 0 ? layout.of_column(col - h * layout.head_dim) : 0;
     opmath_t acc = 0;
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t b = 0; b < count; ++b) {
       Mem::at_item(b, g.tx);
-      acc += Mem::template load<kSitePartialLoad1>(partial + b * row_step * layout.length() + at);
+      acc += Mem::template load<kSitePartialLoad1>(partial + (first + b * step) * layout.length() + at);
     }
-    Mem::at_item(blocks, g.tx);
+    Mem::at_item(count, g.tx);
     Mem::template store<kSiteWeightGrad>(dweight + col, acc);
   }
 };
@@ -788,13 +810,15 @@ inline NormScratch norm_scratch(const NormCall& c, const NormLaunch& L) {
 template <typename F>
 void dispatch_weight_grad_sum(const NormCall& c, const NormCallLaunch& cl, const NormScratch& scratch, F&& f) {
   const NormLaunch& L = cl.launch;
-  const int64_t columns = cl.plan.group * cl.plan.head_dim;
+  const bool per_head = cl.plan.rows_per_head();
+  const int64_t columns = per_head ? cl.plan.weight_len : cl.plan.group * cl.plan.head_dim;
   const auto with = [&]<typename opmath_t>(std::type_identity<opmath_t>) {
     for (const auto& [partial, sum] : {std::pair{scratch.weight, c.dweight}, std::pair{scratch.bias, c.dbias}}) {
       if (sum == nullptr) continue;
+      const int64_t blocks = L.groups == 0 ? 0 : per_head ? L.partial_rows : L.grid_x;
       const WeightGradSum<opmath_t, DeviceMemory> t{static_cast<const opmath_t*>(partial),
                                                     static_cast<opmath_t*>(sum->mutable_data_ptr()), columns,
-                                                    L.groups > 0 ? L.grid_x : 0, L.block_y, L.partial};
+                                                    blocks, L.block_y, L.partial, per_head ? cl.plan.heads : 0};
       f(t, std::max<int64_t>((columns + kMaxThreads - 1) / kMaxThreads, 1));
     }
   };
