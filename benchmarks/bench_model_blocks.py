@@ -10,6 +10,10 @@ Blocks (random weights, the models' own classes from the installed transformers 
          1 x 512 tokens, tables from Qwen3RotaryEmbedding.
   hunyuan a HunYuan v1 dense decoder layer at the same sizes: its q and k normalized after RoPE by
          norms with a weight (the fused variant applies the weight after the rotation).
+  cohere a Cohere decoder layer at the same sizes, with its QK-norm: a LayerNorm per head with a row
+         of weights per head.
+  stablelm a StableLM decoder layer at the same sizes, with its QK-norm (one nn.LayerNorm per head),
+         a quarter of each head rotated.
   gemma4 a Gemma 4 text model of one layer at the same sizes (q and k each normalized and rotated in
          statements of their own: the fused variant makes a rope_ext.norm_rotary call for each).
   flux   bench_diffusers.py's Flux double-stream block (4 heads of 128, 1024 image and 128 text
@@ -102,6 +106,19 @@ def hunyuan_block(dtype):
     """HunYuan v1 dense: its q and k normalized after RoPE, by norms with a weight (the fused variant:
     one qk_norm_rotary call with weight_after)."""
     return _decoder_layer_block("hunyuan_v1_dense", "HunYuanDenseV1", ("query_layernorm", "key_layernorm"), dtype)
+
+
+def cohere_block(dtype):
+    """Cohere (Command R) with its QK-norm: a LayerNorm per head with a row of weights per head,
+    (heads, D), normalized in (B, S, H, D) before the transpose (the fused variant: one
+    qk_norm_rotary call with (heads, D) weights)."""
+    return _decoder_layer_block("cohere", "Cohere", ("q_norm", "k_norm"), dtype, use_qk_norm=True)
+
+
+def stablelm_block(dtype):
+    """StableLM 2 with its QK-norm: one nn.LayerNorm per head, a quarter of each head rotated (the
+    fused variant: one qk_norm_rotary call, the heads' weights stacked as rows)."""
+    return _decoder_layer_block("stablelm", "StableLm", ("q_layernorm", "k_layernorm"), dtype, qk_layernorm=True)
 
 
 def gemma4_block(dtype):
@@ -219,6 +236,8 @@ def flux_single_block(dtype):
 BLOCKS = {
     "qwen3": qwen3_block,
     "hunyuan": hunyuan_block,
+    "cohere": cohere_block,
+    "stablelm": stablelm_block,
     "gemma4": gemma4_block,
     "flux": _diffusers_block(bench_diffusers.flux_block, lambda m: m.attn),
     "flux-single": _diffusers_block(flux_single_block, lambda m: m.attn),

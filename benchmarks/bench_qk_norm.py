@@ -12,6 +12,9 @@ Cases:
          (5120,) weight), half-split RoPE.
   layer  Qwen3-8B's shapes with torch's nn.LayerNorm(128) and its bias in place of the RMS norm (the
          full-rotary LayerNorm of Chameleon's and Cohere's heads of 128).
+  cohere Qwen3-8B's shapes with Cohere's QK-norm: CohereLayerNorm((heads, 128)), a LayerNorm per head
+         with a row of weights per head, no bias (Command R's norm; its RoPE interleaved, here
+         half-split as the other cases).
   phi    Phi-2's attention with its QK LayerNorm at S=4096: q and k (1, 4096, 32, 80), nn.LayerNorm(80)
          with its weight and bias per head, half-split RoPE on the first 32 columns (partial rotary,
          sliced and joined as PhiAttention does).
@@ -53,7 +56,8 @@ from rope_ext.reference import norm_rotary_reference
 S, EPS = 4096, 1e-6
 # name: (q heads, k heads, norm_over, head dim, rotary dim, norm)
 CASES = {"qwen3": (32, 8, "head", 128, 128, "rms"), "wan": (40, 40, "heads", 128, 128, "rms"),
-         "layer": (32, 8, "head", 128, 128, "layer"), "phi": (32, 32, "head", 80, 32, "layer")}
+         "layer": (32, 8, "head", 128, 128, "layer"), "phi": (32, 32, "head", 80, 32, "layer"),
+         "cohere": (32, 8, "rows", 128, 128, "layer")}  # (rows: per head, a row of weights per head)
 # glibc.malloc thresholds for --reuse-memory: keep freed blocks of any size for reuse, as a caching
 # allocator (a GPU's, jemalloc) does; without it each call's output is a fresh mmap whose pages fault
 # in on first write (bench_rope.py's docstring).
@@ -72,7 +76,9 @@ def sync() -> None:
 class Case:
     def __init__(self, name: str, dtype: torch.dtype):
         self.name, self.dtype = name, dtype
-        self.hq, self.hk, self.norm_over, D, self.r, self.norm = CASES[name]
+        self.hq, self.hk, form, D, self.r, self.norm = CASES[name]
+        self.rows = form == "rows"
+        self.norm_over = "head" if self.rows else form
         self.D = D
         g = torch.Generator().manual_seed(0)
         mean = 0.5 if self.norm == "layer" else 0.0  # (rows away from a mean of 0: centering changes them)
@@ -80,12 +86,14 @@ class Case:
         self.k = (torch.randn(1, S, self.hk, D, generator=g) + mean).to(dtype)
         wide = self.norm_over == "heads"
         norm_class = torch.nn.LayerNorm if self.norm == "layer" else Qwen3RMSNorm
+        if self.rows:
+            from transformers.models.cohere.modeling_cohere import CohereLayerNorm as norm_class
 
-        def make(n):
-            return norm_class(n, eps=EPS)
+        def make(heads):
+            return norm_class((heads, D) if self.rows else D * (heads if wide else 1), eps=EPS)
 
-        self.nq = make(D * (self.hq if wide else 1)).to(dtype)
-        self.nk = make(D * (self.hk if wide else 1)).to(dtype)
+        self.nq = make(self.hq).to(dtype)
+        self.nk = make(self.hk).to(dtype)
         with torch.no_grad():
             for p in (*self.nq.parameters(), *self.nk.parameters()):
                 p.uniform_(0.5, 1.5, generator=g)
@@ -114,7 +122,8 @@ class Case:
         return torch.cat((q_rot, q[..., r:]), -1), torch.cat((k_rot, k[..., r:]), -1)
 
     def _params(self):
-        biases = dict(norm="layer", q_bias=self.nq.bias, k_bias=self.nk.bias) if self.norm == "layer" else {}
+        biases = dict(norm="layer", q_bias=getattr(self.nq, "bias", None), k_bias=getattr(self.nk, "bias", None)
+                      ) if self.norm == "layer" else {}
         return (self.nq.weight, self.nk.weight, self.cos[:, :, None], self.sin[:, :, None]), biases
 
     def unfused(self, q, k):
@@ -122,6 +131,8 @@ class Case:
 
         def norm(x, n):
             v = x.flatten(-2) if self.norm_over == "heads" else x
+            if self.rows:  # (torch's layer_norm has one row of weights: the rows after it)
+                return F.layer_norm(v, shape, None, None, EPS) * n.weight
             v = F.layer_norm(v, shape, n.weight, n.bias, EPS) if self.norm == "layer" else F.rms_norm(v, shape,
                                                                                                    n.weight, EPS)
             return v.unflatten(-1, x.shape[-2:]) if self.norm_over == "heads" else v
@@ -143,7 +154,7 @@ def check(case: Case, fns: dict) -> None:
     want = [norm_rotary_reference(x.double().cpu(), n.weight.detach().double().cpu(),
                                   case.cos[:, :, None].double().cpu(), case.sin[:, :, None].double().cpu(),
                                   eps=EPS, norm_over=case.norm_over, norm=case.norm,
-                                  bias=None if case.norm == "rms" else n.bias.detach().double().cpu())
+                                  bias=None if getattr(n, "bias", None) is None else n.bias.detach().double().cpu())
             for x, n in ((case.q, case.nq), (case.k, case.nk))]
     u = {torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}[case.dtype]
     with torch.no_grad():

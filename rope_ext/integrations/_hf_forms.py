@@ -350,7 +350,9 @@ KNOWN.update(KNOWN_4X)
 # How each signature's calls give their tables to the fused QK-norm + RoPE
 # (``_qk_norm_call.fused``'s ``tables_of``); other signatures keep the norms and the RoPE apart.
 def _unsqueezed(form):
-    return lambda x, cos, sin, unsqueeze_dim=1: (form, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
+    # (the dim unsqueezed is the one the tables broadcast along: x's heads, by apply_rotary_pos_emb's contract)
+    return lambda x, cos, sin, unsqueeze_dim=1: (form, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim),
+                                                unsqueeze_dim % (cos.dim() + 1))
 
 
 def _prefix_tables(form):
@@ -376,7 +378,8 @@ FUSED_TABLES = {
     "qk": _unsqueezed,
     "qk, prefix tokens pass": _prefix_tables,  # (Sapiens2's class and register tokens)
     "qk+position_ids": lambda form: (lambda x, cos, sin, position_ids=None, unsqueeze_dim=1:
-                                     (form, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))),
+                                     (form, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim),
+                                      unsqueeze_dim % (cos.dim() + 1))),
     "q, k=None": _unsqueezed,  # (Qwen4-Exp's: the fused sites pass both q and k, as "qk" does)
     "x": _unsqueezed,  # (one tensor: Gemma 3n's and 4's q and k, each in a call of its own)
     "vision": lambda form: (lambda x, cos, sin: (form, cos.unsqueeze(-2), sin.unsqueeze(-2))),
@@ -420,4 +423,13 @@ KNOWN_NORMS: dict[str, NormForm] = {
     # esmc (EsmcLayerNorm): torch's nn.LayerNorm, its result cast to x's dtype (which the op returns)
     "d431cf3f77e54d0b": NormForm("esmc", "eps", centered=True, bias="bias", shape="normalized_shape",
                                  casts_to_x=True),
+    # cohere (CohereLayerNorm): LayerNorm in float32 with a weight of (heads, D) for its QK-norm (one
+    # row per head), cast to x's dtype
+    "e374b6a3a47fa615": NormForm("cohere", "variance_epsilon", centered=True, rows=True, casts_to_x=True),
+    # chameleon (ChameleonLayerNorm): torch's layer_norm over a head (eps 1e-5 whatever .eps holds),
+    # then its (heads, D) weight and bias: weight * x_hat + bias, their dtypes' promotion
+    "6e5a668e6e7e9f6f": NormForm("chameleon", "eps", centered=True, bias="bias", shape="normalized_shape", rows=True,
+                                 fixed_eps=1e-5, output="promote"),
+    # stablelm (StableLmLayerNormPerHead): one torch nn.LayerNorm per head, in .norms
+    "8bf42ebf9184dece": NormForm("stablelm", "eps", centered=True, per_head="norms"),
 }

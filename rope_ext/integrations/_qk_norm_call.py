@@ -13,6 +13,7 @@ function. All of these are Python checks on types, attributes and dtypes: static
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -46,6 +47,16 @@ class NormForm:
         casts_to_x: the class casts its result to x's dtype itself, on every path (autocast's
             too, a 16-bit weight's too): what a site whose norms' results are cast again needs
             (``Site.cast``), since the fused call's fallbacks run the norms without that cast.
+        rows: the class's weight and bias may be ``(heads, D)``, broadcast over a head's rows: each
+            head normalized on its own and scaled by its own row (Cohere's and Chameleon's, built
+            with a ``(heads, D)`` size for their QK-norm). The op takes them so where the heads are
+            one dim of x that the tables broadcast along (:func:`_heads_dim`).
+        per_head: the attribute holding one ``torch.nn.LayerNorm`` per head (StableLM's
+            ``ModuleList``), whose weights and biases are the rows (stacked at each call); the heads
+            are found as for ``rows``. Each must be torch's class as torch ships it, unhooked, of one
+            eps (read from them) and of D values.
+        fixed_eps: the eps the class's forward uses whatever its attribute holds (Chameleon's
+            ``eps=1e-5``), or None.
     """
 
     name: str
@@ -61,9 +72,16 @@ class NormForm:
     bias: str | None = None
     shape: str | None = None
     casts_to_x: bool = False
+    rows: bool = False
+    per_head: str | None = None
+    fixed_eps: float | None = None
 
     def describe(self) -> str:
-        parts = (["LayerNorm"] if self.centered else []) + [f"eps from .{self.eps}"]
+        parts = (["LayerNorm"] if self.centered else [])
+        parts.append(f"eps {self.fixed_eps}" if self.fixed_eps is not None else
+                     f"eps of each of .{self.per_head}" if self.per_head else f"eps from .{self.eps}")
+        if self.rows or self.per_head:
+            parts.append("a row per head" + (f" from .{self.per_head}" if self.per_head else " or one for every head"))
         parts.append("no weight" if self.weight is None else
                      ("(1 + w)" if self.offset == 1.0 else "w") + (f" if .{self.weight_if}" if self.weight_if else ""))
         if self.bias is not None:
@@ -79,33 +97,104 @@ def _hooked(module) -> bool:
     return hooked(module) or "forward" in module.__dict__
 
 
+_TORCH_LAYER_NORM_FORWARD = torch.nn.LayerNorm.forward
+
+
+def _head_norms(norm, form: NormForm):
+    """A per-head form's norms (``NormForm.per_head``), or None where one is not torch's LayerNorm as
+    torch ships it, unhooked."""
+    heads = list(getattr(norm, form.per_head))
+    ok = all(type(m) is torch.nn.LayerNorm and type(m).forward is _TORCH_LAYER_NORM_FORWARD and not _hooked(m)
+             for m in heads)
+    return heads if ok and heads else None
+
+
+def _stacked(heads, attr):
+    """The heads' parameters `attr` as rows, (heads, D); None where none has one, or where some lack it."""
+    ts = [getattr(m, attr) for m in heads]
+    if all(t is None for t in ts):
+        return None
+    if any(t is None for t in ts):
+        return _MIXED
+    return torch.stack(ts)
+
+
+_MIXED = object()  # (some heads with the parameter and some without: the op cannot take it)
+
+
 def _norm_weight(norm, form: NormForm):
+    if form.per_head:
+        heads = _head_norms(norm, form)
+        return _MIXED if heads is None else _stacked(heads, "weight")
     if form.weight is None or (form.weight_if is not None and not getattr(norm, form.weight_if)):
         return None
     return getattr(norm, form.weight)
 
 
 def _norm_bias(norm, form: NormForm):
+    if form.per_head:
+        heads = _head_norms(norm, form)
+        return _MIXED if heads is None else _stacked(heads, "bias")
     return None if form.bias is None else getattr(norm, form.bias)
 
 
 def _shape_ok(norm, form: NormForm, n: int) -> bool:
     """Whether the norm normalizes rows of n values, where its form says by which attribute."""
+    if form.per_head:
+        heads = _head_norms(norm, form)
+        return heads is not None and all(tuple(m.normalized_shape) == (n,) for m in heads)
     return form.shape is None or tuple(getattr(norm, form.shape)) == (n,)
 
 
 def _eps(norm, form: NormForm, x: torch.Tensor):
+    if form.fixed_eps is not None:
+        return form.fixed_eps
+    if form.per_head:
+        heads = _head_norms(norm, form)
+        values = {m.eps for m in heads} if heads else set()
+        return values.pop() if len(values) == 1 else None
     eps = getattr(norm, form.eps)
     if eps is None and form.eps_none == "finfo":
         return torch.finfo(x.dtype).eps
     return eps
 
 
-def _weight_ok(weight, form: NormForm, x: torch.Tensor, n: int) -> bool:
-    """Whether the op takes this weight and returns what the norm returns (x's dtype)."""
+def _row_count(norm, form: NormForm) -> int | None:
+    """The heads of a norm of a ``rows`` form built with a row per head (its weight's or bias's
+    first size, where it is 2-D), or None (one row for every head, or another form)."""
+    if not form.rows:
+        return None
+    for t in (_norm_weight(norm, form), _norm_bias(norm, form)):
+        if isinstance(t, torch.Tensor) and t.dim() == 2:
+            return t.shape[0]
+    return None
+
+
+class RopeTables(NamedTuple):
+    """What a ``tables_of`` gives for a RoPE call: its form, cos and sin as ``_rotate.rotate`` takes
+    them for x, and the dim of x the call broadcasts its tables along, which holds x's heads, where
+    the call's contract says it (HF's ``unsqueeze_dim``), else None."""
+
+    form: object
+    cos: torch.Tensor
+    sin: torch.Tensor
+    heads: int | None = None
+
+
+def _heads_ok(x: torch.Tensor, cos: torch.Tensor, d: int | None, heads: int) -> bool:
+    """Whether dim d of x holds `heads` entries that the tables broadcast along (a norm with a row per
+    head takes its rows there)."""
+    return d is not None and 0 <= d < x.dim() - 1 and cos.dim() == x.dim() and x.shape[d] == heads and (
+        cos.shape[d] == 1)
+
+
+def _weight_ok(weight, form: NormForm, x: torch.Tensor, n: int, rows: int | None = None) -> bool:
+    """Whether the op takes this weight and returns what the norm returns (x's dtype): of n values,
+    or with ``rows`` a row of them per head, ``(rows, n)``."""
     if weight is None:
         return True
-    if not isinstance(weight, torch.Tensor) or weight.shape != (n,) or weight.device != x.device:
+    shape = (n,) if rows is None else (rows, n)
+    if not isinstance(weight, torch.Tensor) or weight.shape != shape or weight.device != x.device:
         return False
     if form.output == "promote" and torch.promote_types(weight.dtype, x.dtype) != x.dtype:
         return False
@@ -140,14 +229,18 @@ def _unit_tables(module) -> bool:
     return all(p.get("rope_type", p.get("type", "default")) in _UNIT_TABLE_ROPE_TYPES for p in nested or [params])
 
 
-def norms_alone(module, q_attr, k_attr, mode, q, k):
+def norms_alone(module, q_attr, k_attr, mode, q, k, heads_at=(None, None)):
     """The model's own norms of q and k, in the layout mode says (a norm that is None leaves its
-    tensor as it is, as ``if attn.norm_q is not None:`` does)."""
+    tensor as it is, as ``if attn.norm_q is not None:`` does). heads_at: per tensor, the dim holding
+    its heads where its norm has a row per head and its class takes the heads at dim -2
+    (``NormForm.rows``): moved there for the norm, and back; None: the tensor as it is."""
     out = []
-    for x, attr in ((q, q_attr), (k, k_attr)):
+    for x, attr, at in ((q, q_attr, heads_at[0]), (k, k_attr, heads_at[1])):
         norm = getattr(module, attr)
         if norm is None:
             out.append(x)
+        elif at is not None and at % x.dim() != x.dim() - 2:
+            out.append(norm(x.transpose(at, -2)).transpose(at, -2))
         elif mode == "heads_bhsd":  # (B, H, S, D), a view of the (B, S, H * D) rows normalized
             out.append(norm(x.transpose(1, 2).flatten(-2)).unflatten(-1, x.shape[-3::2]).transpose(1, 2))
         elif mode == "heads_bshd":
@@ -189,6 +282,21 @@ def _stream_tables(qs, ks, ops, dim: int, order):
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """A fused call's arguments: q, k, their weights and tables, in the op's layout; its options; and
+    heads_at, the dim of q's and k's heads that the call moved to -2 (a norm across heads, or with a
+    row per head, in a (B, H, S, D) layout), or None."""
+
+    tensors: tuple
+    options: dict
+    heads_at: int | None = None
+
+    def restore(self, outs: tuple) -> tuple:
+        """The op's outputs in the model's layout: the heads moved back."""
+        return outs if self.heads_at is None else tuple(o.transpose(self.heads_at, -2) for o in outs)
+
+
 def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
     """The replacement a fusion's rewritten method calls: ``call(module, q_attr, k_attr, mode, rope,
     q, k, *args, **kwargs)``, where ``rope(q, k, *args, **kwargs)`` (``pair``: ``rope(q, ...)`` and
@@ -208,7 +316,8 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
             instances the fused op may stand in for.
         ropes: the functions the RoPE name may hold for the fused op to stand in for it (the
             library's and rope_ext's), or None where the rewritten method defines it itself.
-        tables_of: ``tables_of(x, *args, **kwargs)`` -> ``(Form, cos, sin)`` for the RoPE call's
+        tables_of: ``tables_of(x, *args, **kwargs)`` -> ``(Form, cos, sin)`` or with the heads' dim
+            ``(Form, cos, sin, heads)`` (:class:`RopeTables`) for the RoPE call's
             arguments (cos and sin as ``_rotate.rotate`` takes them for x), or None where the call's
             tables are not ones the fused op takes.
     """
@@ -245,7 +354,7 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
         tables = tables_of(q, *args, **kwargs)
         if tables is None:
             return None
-        form, cos, sin = tables
+        form, cos, sin, tables_heads = RopeTables(*tables)
         if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.dtype != sin.dtype:
             return None
         compute, out = dtypes(form, q, cos, q.dtype)
@@ -258,12 +367,34 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
         seen = head_dim if columns is None else columns  # (the columns the model's RoPE call sees)
         if width > seen or (form.span == "whole" and width != seen) or width % 2 or cos.device != q.device:
             return None
+        heads_at = None  # (the dim of q's heads the op's call moves to -2, and its outputs' back)
         if mode == "heads_bhsd":  # the op normalizes across dims -2 and -1: the (B, S, H, D) view
             if q.dim() != 4 or cos.dim() != 4:
                 return None
-            q, k, cos, sin = q.transpose(1, 2), k.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2)
+            heads_at = 1
         wq, wk = _norm_weight(qn, norm_form), _norm_weight(kn, norm_form)
         bq, bk = _norm_bias(qn, norm_form), _norm_bias(kn, norm_form)
+        heads = [None, None]  # a row per head: each tensor's heads, the rows' count
+        if (norm_form.rows or norm_form.per_head) and mode in ("head", "after"):
+            for i, (w, b) in enumerate(((wq, bq), (wk, bk))):
+                if not all(t is None or isinstance(t, torch.Tensor) for t in (w, b)):
+                    return None
+                if b is not None and b.dim() == 2 and (w is None or w.shape != b.shape):
+                    return None  # (the op's bias of rows comes with a weight of rows)
+                if w is not None and w.dim() == 2:
+                    heads[i] = w.shape[0]
+            if heads[0] is not None or heads[1] is not None:
+                if heads[0] is None or heads[1] is None:
+                    return None
+                if not (_heads_ok(q, cos, tables_heads, heads[0]) and _heads_ok(k, cos, tables_heads, heads[1])):
+                    return None
+                heads_at = tables_heads
+                if norm_form.per_head and heads_at != 1:  # (the class splits its input's dim 1)
+                    return None
+        if heads_at is not None and heads_at != q.dim() - 2:
+            q, k, cos, sin = (t.transpose(heads_at, -2) for t in (q, k, cos, sin))
+        else:
+            heads_at = None
         if mode == "after" and not _unit_tables(module):  # (the statistic of x is then not that of its rotation)
             return None
         if norm_form.centered and mode == "after":  # (a rotation keeps a row's sum of squares, not its mean)
@@ -273,40 +404,67 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
         across = mode not in ("head", "after")
         if across and (wq is None or wk is None):  # the weights' size is what shows the norm's row
             return None
-        rows = (lambda x: x.shape[-2] * x.shape[-1]) if across else (lambda x: x.shape[-1])
-        for norm, x, w, b in ((qn, q, wq, bq), (kn, k, wk, bk)):
-            n = rows(x)
+        width = (lambda x: x.shape[-2] * x.shape[-1]) if across else (lambda x: x.shape[-1])
+        for norm, x, w, b, h in ((qn, q, wq, bq, heads[0]), (kn, k, wk, bk, heads[1])):
+            n = width(x)
             if not _shape_ok(norm, norm_form, n):
                 return None
-            if not (_weight_ok(w, norm_form, x, n) and _weight_ok(b, norm_form, x, n)):
+            if not (_weight_ok(w, norm_form, x, n, h) and _weight_ok(b, norm_form, x, n, h)):
                 return None
         options = dict(eps=float(eps), weight_offset=norm_form.offset, norm_over="heads" if across else "head",
                        interleaved=form.interleaved, weight_after=mode == "after")
         if norm_form.centered:
             options.update(norm="layer", q_bias=bq, k_bias=bk)
-        return q, k, wq, wk, cos, sin, options
+        return _Planned((q, k, wq, wk, cos, sin), options, heads_at)
+
+    def heads_at(module, attr, x, args, kwargs):
+        """Where x's heads are at the RoPE call, for its norm's class to take them at dim -2, where
+        the norm has a row per head (NormForm.rows); None otherwise. Where the RoPE call's contract
+        says (RopeTables.heads), else the one dim of x with the rows' count. Raises where neither
+        tells: a norm of rows applied along another dim would be silently wrong."""
+        norm = getattr(module, attr)
+        entry = norms.get(type(norm))
+        rows = None if entry is None else _row_count(norm, entry[0])
+        if rows is None:
+            return None
+        tables = tables_of(x, *args, **kwargs) if args or kwargs else None
+        if tables is not None:
+            found = RopeTables(*tables)
+            if isinstance(found.cos, torch.Tensor) and _heads_ok(x, found.cos, found.heads, rows):
+                return found.heads
+        dims = [d for d in range(x.dim() - 1) if x.shape[d] == rows]
+        if len(dims) != 1:
+            raise RuntimeError(
+                f"rope_ext: {type(norm).__name__} at {attr} has a row of weights for each of {rows} heads, and "
+                f"neither the RoPE call's tables nor x's shape {list(x.shape)} tell which dim holds them; "
+                "call rope_ext.integrations.transformers.unpatch() to run the model's code")
+        return dims[0]
+
+    def own_norms(module, q_attr, k_attr, mode, q, k, args, kwargs):
+        """norms_alone, a norm with a row per head given where the heads are (heads_at)."""
+        at = tuple(heads_at(module, attr, x, args, kwargs) for attr, x in ((q_attr, q), (k_attr, k)))
+        return norms_alone(module, q_attr, k_attr, mode, q, k, at)
 
     def single(module, attr, rope, x, args, kwargs):
         """mode "single": one tensor, normalized by module.<attr>, then rotated by rope(x, ...)."""
-        op_args = plan(module, attr, attr, "head", rope, x, x, args, kwargs)
-        if op_args is None:  # the model's own code
-            return rope(getattr(module, attr)(x), *args, **kwargs)
-        x, _, weight, _, cos, sin, options = op_args
+        planned = plan(module, attr, attr, "head", rope, x, x, args, kwargs)
+        if planned is None:  # the model's own code
+            return rope(own_norms(module, attr, attr, "head", x, x, args, kwargs)[0], *args, **kwargs)
+        (x, _, weight, _, cos, sin), options = planned.tensors, planned.options
         if "q_bias" in options:  # (the one tensor's bias, as norm_rotary names it)
             options = dict(options, bias=options["q_bias"])
             del options["q_bias"], options["k_bias"]
-        return rope_ext.norm_rotary(x, weight, cos, sin, **options)
+        return planned.restore((rope_ext.norm_rotary(x, weight, cos, sin, **options),))[0]
 
     def partial(module, q_attr, k_attr, r, rope, q, k, args, kwargs):
         """mode ("partial", r): per head, the first r columns rotated, the rest passed through."""
         usable = isinstance(r, int) and 0 < r <= q.shape[-1]
-        op_args = plan(module, q_attr, k_attr, "head", rope, q, k, args, kwargs, columns=r) if usable else None
-        if op_args is None:  # the model's own code
-            q, k = norms_alone(module, q_attr, k_attr, "head", q, k)
+        planned = plan(module, q_attr, k_attr, "head", rope, q, k, args, kwargs, columns=r) if usable else None
+        if planned is None:  # the model's own code
+            q, k = own_norms(module, q_attr, k_attr, "head", q, k, args, kwargs)
             q_rot, k_rot = rotated(rope, q[..., :r], k[..., :r], args, kwargs)
             return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
-        *tensors, options = op_args
-        return rope_ext.qk_norm_rotary(*tensors, **options)
+        return planned.restore(rope_ext.qk_norm_rotary(*planned.tensors, **planned.options))
 
     def two_streams(module, q_attrs, k_attrs, spec, rope, qs, ks, args, kwargs):
         """mode ("two_stream", dim, first): qs = (q, q2), ks = (k, k2), each stream normalized by
@@ -322,13 +480,15 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
 
         ops = [plan(module, qa, ka, "head", rope, x, y, args, kwargs)
                for qa, ka, x, y in zip(q_attrs, k_attrs, qs, ks, strict=True)]
-        tables = None if any(op is None for op in ops) else _stream_tables(qs, ks, ops, dim, order)
+        # (a stream whose call would move its heads: its tables' dims are not the streams' any more)
+        usable = all(op is not None and op.heads_at is None for op in ops)
+        tables = _stream_tables(qs, ks, [op.tensors for op in ops], dim, order) if usable else None
         if tables is None:  # the model's own code, in its order: q's and k's norms, the stream's, the cat, RoPE
             q, k = norms_alone(module, q_attrs[0], k_attrs[0], "head", qs[0], ks[0])
             q2, k2 = getattr(module, q_attrs[1])(qs[1]), getattr(module, k_attrs[1])(ks[1])
             return rotated(rope, joined((q, q2)), joined((k, k2)), args, kwargs)
-        outs = [rope_ext.qk_norm_rotary(x, y, wx, wy, cos, sin, **options)
-                for (x, y, wx, wy, _, _, options), (cos, sin) in zip(ops, tables, strict=True)]
+        outs = [rope_ext.qk_norm_rotary(*op.tensors[:4], cos, sin, **op.options)
+                for op, (cos, sin) in zip(ops, tables, strict=True)]
         return joined([o[0] for o in outs]), joined([o[1] for o in outs])
 
     def call(module, q_attr, k_attr, mode, rope, q, k, *args, **kwargs):
@@ -342,17 +502,13 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
             return norms_alone(module, q_attr, k_attr, mode, q, k)
         if mode is None:  # the norms already ran, or the model's condition turned them off
             return rotated(rope, q, k, args, kwargs)
-        op_args = plan(module, q_attr, k_attr, mode, rope, q, k, args, kwargs)
-        if op_args is None and mode == "after":  # the model's own code: RoPE, then the norms
-            q, k = rotated(rope, q, k, args, kwargs)
-            return norms_alone(module, q_attr, k_attr, "head", q, k)
-        if op_args is None:  # the model's own code
-            q, k = norms_alone(module, q_attr, k_attr, mode, q, k)
+        planned = plan(module, q_attr, k_attr, mode, rope, q, k, args, kwargs)
+        if planned is None and mode == "after":  # the model's own code: RoPE, then the norms
+            rq, rk = rotated(rope, q, k, args, kwargs)
+            return own_norms(module, q_attr, k_attr, "head", rq, rk, args, kwargs)
+        if planned is None:  # the model's own code
+            q, k = own_norms(module, q_attr, k_attr, mode, q, k, args, kwargs)
             return rotated(rope, q, k, args, kwargs)
-        *tensors, options = op_args
-        q_out, k_out = rope_ext.qk_norm_rotary(*tensors, **options)
-        if mode == "heads_bhsd":
-            q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)
-        return q_out, k_out
+        return planned.restore(rope_ext.qk_norm_rotary(*planned.tensors, **planned.options))
 
     return call

@@ -228,14 +228,23 @@ def _norm_statement(stmt, name: str, owner: str, attrs) -> _Norm | None:
 
 def _layout(stmt, name: str, owner: str, hidden_shape: bool) -> str | None:
     """A layout statement of name: ``"t"`` (``name = name.transpose(1, 2)``), ``"v"`` (``name =
-    name.view(hidden_shape).transpose(1, 2)``) or ``"u"`` (``name = name.unflatten(2, (O.heads,
-    -1))``); None for any other statement."""
+    name.view(hidden_shape).transpose(1, 2)``), ``"u"`` (``name = name.unflatten(2, (O.heads,
+    -1))``) or ``"r"`` (``name = name.reshape(B, S, O.<heads>, O.head_dim).transpose(1, 2)``: rows of
+    a head kept, Chameleon's after its norms of ``(B * S, H, D)`` rows); None for any other
+    statement."""
     found = _assign(stmt)
     if not found or found[0] != name:
         return None
     text = _text(found[1])
     if text == f"{name}.transpose(1, 2)":
         return "t"
+    value = found[1]
+    if _is_transpose12(value) and isinstance(value.func.value, ast.Call):
+        inner = value.func.value
+        if (isinstance(inner.func, ast.Attribute) and inner.func.attr == "reshape" and _text(inner.func.value) == name
+                and len(inner.args) == 4 and not inner.keywords and _text(inner.args[3]) == f"{owner}.head_dim"
+                and _text(inner.args[2]).startswith(f"{owner}.")):
+            return "r"
     views = (f"{name}.view({shape}).transpose(1, 2)" for shape in ("hidden_shape", "*hidden_shape"))
     if hidden_shape and text in views:
         return "v"
@@ -276,6 +285,27 @@ def _fresh_input(stmt, names, watch, owner: str) -> bool:
     return (_alias_root(value, owner) is None and not (watch & _names(value)) and not any(
         isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr.endswith("_")
         for n in ast.walk(value)))
+
+
+# The methods that make a view or reshaped copy of a tensor, and write nothing.
+_SHAPE_METHODS = frozenset({"view", "reshape", "transpose", "flatten", "unflatten", "permute", "contiguous"})
+
+
+def _reshaped_input(stmt, name: str, watch, owner: str) -> bool:
+    """Whether stmt, between the two norms, only reshapes the second norm's input under its own
+    name: ``N = N.reshape(...)`` (Chameleon's ``key_states = key_states.reshape(-1, H, D)``), a chain of
+    shape methods whose arguments read no ``watch`` name. It writes nothing and rebinds only N, which
+    the second norm reads after it in both orders, so deferring the first norm past it changes
+    nothing."""
+    found = _assign(stmt)
+    if found is None or found[0] != name:
+        return False
+    value = found[1]
+    while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _SHAPE_METHODS:
+        if any(watch & _names(a) for a in (*value.args, *(kw.value for kw in value.keywords))):
+            return False
+        value = value.func.value
+    return isinstance(value, ast.Name) and value.id == name and value is not found[1]
 
 
 def _alias_root(expr, owner: str) -> str | None:
@@ -480,7 +510,7 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
     watch = {q, k} | roots | _aliases(fn.body[:lo], roots, owner)
     (first, first_name), (later, later_name) = sorted(((nq, q), (nk, k)), key=lambda pair: pair[0].index)
     if any(watch & _names(s) and not _fresh_input(s, {later_name, _alias_root(later.arg, owner)}, watch, owner)
-           for s in fn.body[lo + 1:hi]):
+           and not _reshaped_input(s, later_name, watch, owner) for s in fn.body[lo + 1:hi]):
         return Unfusable(f"{q}, {k} or what their norms read is used between their two norms")
     if later.arg is not None and first.index != later.index and (
             {first_name, _alias_root(first.arg, owner) if first.arg is not None else None} & _names(later.arg)):

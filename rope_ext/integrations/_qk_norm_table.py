@@ -35,9 +35,11 @@ def _self(rope: str = "apply_rotary_pos_emb", mode: str = "head", q: str = "q_no
 # that keeps a method's code keeps its fingerprint, and the entry is listed under each), with the
 # families that have it (the first one, or the one named in tests/test_qk_norm_fusion.py's CASES,
 # is the one the test runs).
-# transformers 4.57.6: 14 fusions
+# transformers 4.57.6: 17 fusions
 _TESTED_4_57_6 = {
     "f8bb98c7dc479833": _self(),  # apertus
+    "7d34dbfe2ef8c949": _self(),  # chameleon
+    "3edbd5d3c736dcc7": _self(),  # cohere
     "466ef967e569269f": _self(),  # doge
     "03862be8e6b256d8": _self(),  # dots1, qwen3, qwen3_moe, qwen3_omni_moe
     "2c9ca879a34c4a04": _self(),  # exaone4
@@ -51,22 +53,22 @@ _TESTED_4_57_6 = {
     "45afaea47331119e": _self(q='q_layernorm', k='k_layernorm', rotated='self.rotary_ndims'),  # phi
     "180dd1ee02ec7469": _self(),  # qwen3_next
     "568d35f4f67aa49a": _self(),  # qwen3_vl, qwen3_vl_moe
+    "c0fa07245d827bcc": _self(q='q_layernorm', k='k_layernorm', rotated='self.rotary_ndims'),  # stablelm
 }
 
 _UNFUSABLE_4_57_6 = {
-    "7d34dbfe2ef8c949": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested norm form",  # chameleon
-    "3edbd5d3c736dcc7": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested norm form",  # cohere
     "e550c0d97b3105f1": "self.k_norm's class Gemma3nRMSNorm (fingerprint bf9746660b7d7006) matches no tested norm form",  # gemma3n
     "a8d22eeb98df352d": "apply_rotary_pos_emb's signature (qk, tables by position_ids) has no fused call yet",  # idefics
     "54f346c30ac6bc3d": '`query_states = query_states.view(bsz, q_len, self.num_heads, self.head_dim).tran` uses query_states, key_states or what their norms read between the norms and RoPE',  # olmoe
-    "c0fa07245d827bcc": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested norm form",  # stablelm
 }
 
-# transformers 5.23.0: 44 fusions
+# transformers 5.23.0: 47 fusions
 _TESTED_5_23_0 = {
     "91e1bf1cafd7aa2a": _self(),  # afmoe
     "fef913fe49b2cd0b": _self(),  # apertus, hy_v3
     "23d8c295bdbc1c7e": _self(),  # beam
+    "abfd41862cd0f2cc": _self(),  # chameleon
+    "6e184945cf0dcc49": _self(),  # cohere
     "09801e1befe74b43": _self(mode='single'),  # diffusion_gemma
     "1c82661758b0b0ad": _self(mode='single'),  # diffusion_gemma
     "f2c837dd790a3c07": _self(),  # doge
@@ -105,6 +107,7 @@ _TESTED_5_23_0 = {
     "d6782bb92034c344": _self(),  # qwen3_vl, qwen3_vl_moe
     "330b1172813d42c6": _self(),  # qwen4_exp
     "affbf731f406b07a": _self(),  # sapiens2
+    "13e2d0e7e6486a44": _self(q='q_layernorm', k='k_layernorm', rotated='self.rotary_ndims'),  # stablelm
     "91ef87389aa8bc84": _self(),  # step3p7
     "790f7c80b55a5e38": _self(),  # t5gemma2
     "22925477930e9fe8": _self(mode='after'),  # timesfm2_5
@@ -112,22 +115,21 @@ _TESTED_5_23_0 = {
 
 _UNFUSABLE_5_23_0 = {
     "5fb6db5b2575af1e": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # axk2, deepseek_v32
-    "abfd41862cd0f2cc": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested norm form",  # chameleon
-    "6e184945cf0dcc49": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested norm form",  # cohere
     "1335617521965374": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # dots3_note, glm_moe_dsa
     "be7e5a4fd2310a04": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # hy_v4
     "3a878b44e2256eda": 'q and k are normalized after RoPE, not directly after its one call',  # idefics
     "b0a6eb9720a86307": "apply_rotary_pos_emb_interleave's signature (qk, k optional) has no fused call yet",  # mistral_large4
     "f4188a857579ffda": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
     "1d9ae95bbcdd25b2": 'q and k are normalized and rotated one at a time, but not as one norm-then-RoPE pair each that holds every RoPE call',  # qwen4_exp
-    "13e2d0e7e6486a44": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested norm form",  # stablelm
 }
 
-# transformers 5.24.0: 44 fusions
+# transformers 5.24.0: 47 fusions
 _TESTED_5_24_0 = {
     "2610de19b1b92456": _self(),  # afmoe
     "35e5e0b49a1f818b": _self(),  # apertus, apertus1p5, hy_v3
     "86acf8a3140e010d": _self(),  # beam
+    "5de7e3fa11dc0507": _self(),  # chameleon
+    "4db6803a585fa099": _self(),  # cohere
     "dad81ed35a46e4c3": _self(mode='single'),  # diffusion_gemma
     "894fc4c5932226c0": _self(mode='single'),  # diffusion_gemma
     "19e0d80d3c51ee32": _self(),  # doge
@@ -166,6 +168,7 @@ _TESTED_5_24_0 = {
     "54abb277e234eeda": _self(),  # qwen3_vl, qwen3_vl_moe
     "396ac5e56f2aa100": _self(),  # qwen4_exp
     "affbf731f406b07a": _self(),  # sapiens2
+    "4b5178c93db4c65c": _self(q='q_layernorm', k='k_layernorm', rotated='self.rotary_ndims'),  # stablelm
     "a8e098472f625c67": _self(),  # step3p7
     "6dfc7f74f925a53e": _self(),  # t5gemma2
     "493015b25dcc0fcb": _self(mode='after'),  # timesfm2_5
@@ -173,8 +176,6 @@ _TESTED_5_24_0 = {
 
 _UNFUSABLE_5_24_0 = {
     "4793e9178caadbca": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # axk2, deepseek_v32
-    "5de7e3fa11dc0507": "self.k_norm's class ChameleonLayerNorm (fingerprint 6e5a668e6e7e9f6f) matches no tested norm form",  # chameleon
-    "4db6803a585fa099": "self.k_norm's class CohereLayerNorm (fingerprint e374b6a3a47fa615) matches no tested norm form",  # cohere
     "e29392e9a934db7e": "self.k_norm's class DoryL2Norm (fingerprint aa1ef494b4fd2dfc) matches no tested norm form",  # dory
     "683afcb13938924b": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # dots3_note, glm_moe_dsa
     "b2320298c1fd4875": 'q_rot is not normalized by self.<k_norm> before its RoPE call',  # hy_v4
@@ -184,7 +185,6 @@ _UNFUSABLE_5_24_0 = {
     "9024619d2e59486d": "apply_rotary_pos_emb_interleave's signature (qk, k optional) has no fused call yet",  # mistral_large4
     "6675f35171d50baf": "apply_rotary_pos_emb's signature (qk, q on the last rows) has no fused call yet",  # muse_glimmer_assistant
     "1d8908e09df86a96": 'q and k are normalized and rotated one at a time, but not as one norm-then-RoPE pair each that holds every RoPE call',  # qwen4_exp
-    "4b5178c93db4c65c": "self.k_layernorm's class StableLmLayerNormPerHead (fingerprint 8bf42ebf9184dece) matches no tested norm form",  # stablelm
 }
 
 TRANSFORMERS_RELEASES: dict[str, set[str]] = {
