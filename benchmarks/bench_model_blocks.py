@@ -12,8 +12,9 @@ Blocks (random weights, the models' own classes from the installed transformers 
          norms with a weight (the fused variant applies the weight after the rotation).
   cohere a Cohere decoder layer at the same sizes, with its QK-norm: a LayerNorm per head with a row
          of weights per head.
-  stablelm a StableLM decoder layer at the same sizes, with its QK-norm (one nn.LayerNorm per head),
-         a quarter of each head rotated.
+  stablelm a StableLM decoder layer with 16 query and 8 key/value heads of 128 (hidden 2048: its heads
+         are hidden / heads wide), MLP 3072, with its QK-norm (one nn.LayerNorm per head), a quarter
+         of each head rotated.
   gemma4 a Gemma 4 text model of one layer at the same sizes (q and k each normalized and rotated in
          statements of their own: the fused variant makes a rope_ext.norm_rotary call for each).
   flux   bench_diffusers.py's Flux double-stream block (4 heads of 128, 1024 image and 128 text
@@ -63,13 +64,13 @@ def _decoder_layer_block(family, prefix, norms, dtype, **sizes):
     from rope_ext.integrations import transformers as rope_hf
 
     m = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    config = getattr(transformers, f"{prefix}Config")(
-        hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-        num_hidden_layers=1, vocab_size=128, **sizes)
+    shape = dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 num_hidden_layers=1, vocab_size=128)
+    config = getattr(transformers, f"{prefix}Config")(**{**shape, **sizes})
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     layer = getattr(m, f"{prefix}DecoderLayer")(config, 0).to(dtype)
-    x = torch.randn(1, 512, 1024, dtype=dtype, requires_grad=True)
+    x = torch.randn(1, 512, config.hidden_size, dtype=dtype, requires_grad=True)
     positions = torch.arange(512).unsqueeze(0)
     embeddings = getattr(m, f"{prefix}RotaryEmbedding")(config)(x, positions)
 
@@ -118,7 +119,9 @@ def cohere_block(dtype):
 def stablelm_block(dtype):
     """StableLM 2 with its QK-norm: one nn.LayerNorm per head, a quarter of each head rotated (the
     fused variant: one qk_norm_rotary call, the heads' weights stacked as rows)."""
-    return _decoder_layer_block("stablelm", "StableLm", ("q_layernorm", "k_layernorm"), dtype, qk_layernorm=True)
+    # (its attention's heads are hidden_size / heads wide whatever head_dim says: 2048 for heads of 128)
+    return _decoder_layer_block("stablelm", "StableLm", ("q_layernorm", "k_layernorm"), dtype, qk_layernorm=True,
+                                hidden_size=2048)
 
 
 def gemma4_block(dtype):

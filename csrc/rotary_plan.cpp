@@ -317,7 +317,8 @@ void check_qk_norm_args(const char* op, const TensorArg& x, const NormParams& pa
                    "normalized across heads, got shape ", x.sizes());
   }
   const bool weighted = params.weight != nullptr && params.weight->defined();
-  const int64_t rows_of_weight = x.dim() >= 2 ? x.size(-2) * x.size(-1) : -1;
+  // (a row per head needs heads: with none, (0,) would read as no weight)
+  const int64_t rows_of_weight = x.dim() >= 2 && x.size(-2) > 0 ? x.size(-2) * x.size(-1) : -1;
   for (const auto& [t, nw] : {std::pair{params.weight, params.weight_name}, std::pair{params.bias, params.bias_name}}) {
     if (t == nullptr || !t->defined()) continue;
     const TensorArg& w = *t;

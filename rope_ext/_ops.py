@@ -784,8 +784,9 @@ def _check_qk_norm_args(op, x, params, cos, sin, eps, weight_offset, across_head
             lambda: f"{op}: {nx} must have at least two dims (..., heads, head_dim) to be normalized across heads, "
             f"got shape {list(x.shape)}",
         )
-    (w_name, w), *rest = params
-    rows = x.shape[-2] * x.shape[-1] if x.dim() >= 2 else None
+    w_name, w = params[0]
+    # (a row per head needs heads: with none, (0,) would read as no weight)
+    rows = x.shape[-2] * x.shape[-1] if x.dim() >= 2 and x.shape[-2] > 0 else None
     for nw, weight in params:
         if weight is None:
             continue

@@ -687,6 +687,24 @@ def test_rows_per_head_space_each_thread_rows_groups_by_the_heads(H, gen):
         torch.testing.assert_close(a, c, atol=1e-5 * float(c.abs().max()), rtol=0)
 
 
+def test_rows_per_head_with_more_heads_than_blocks(gen):
+    """A row per head where H / gcd(block_y, H) is more blocks than the groups fill: each block takes
+    one group at most (every thread row's partial sums written), against float64 and the same bits
+    on a second run."""
+    H, D, T = 1024, 96, 11  # (float32: 12 items a head, block_y 21: 537 blocks, and 1024 / gcd(21, 1024) = 1024)
+    x, w, b = _rows_case("layer", T, 1, H, D, torch.float32, gen)
+    x, cos, sin = x[:, 0], *random_tables((T, 1, D), gen=gen)
+    L = launch(x, w, cos, sin, backward=True)
+    group_blocks = -(-L["groups"] // L["block_y"])
+    assert H // __import__("math").gcd(L["block_y"], H) > group_blocks > 512 and L["grid_x"] == group_blocks, L
+    dy = randn(*x.shape, gen=gen)
+    got = _emulated_rows(x, w, b, cos, sin, norm="layer", grad=dy)
+    out, _ = _emulated_rows(x, w, b, cos, sin, norm="layer")
+    _check_rows((out, got), x, w, b, cos, sin, dy, norm="layer", after=False)
+    again = _emulated_rows(x, w, b, cos, sin, norm="layer", grad=dy)
+    assert all(torch.equal(a, c) for a, c in zip(got, again, strict=True))
+
+
 def test_rows_per_head_sector_efficiency(gen):
     """The traffic model with a row per head: Cohere's and Chameleon's heads of 128, and heads of 64
     with half rotated, bfloat16, LayerNorm with and without a bias, forward and backward: at least

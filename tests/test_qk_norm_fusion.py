@@ -742,13 +742,15 @@ def test_a_one_tensor_fallback_runs_the_models_norm_then_its_rope(family):
         with rope_hf.patch([family]), RopeOpSpy() as spy:
             model(input_ids=ids)
         fused_calls = spy.names.count("norm_rotary")
-        hook = attentions[0].q_norm.register_forward_hook(lambda *a: None)
+        ran = []
+        hook = attentions[0].q_norm.register_forward_hook(lambda *a: ran.append(1))
         try:
             with rope_hf.patch([family]), RopeOpSpy() as spy:
                 out = model(input_ids=ids).logits
         finally:
             hook.remove()
     assert fused_calls >= 2 and spy.names.count("norm_rotary") == fused_calls - 1 and spy.names.count("rotary") == 1
+    assert len(ran) == 1  # (the model's norm, once)
     torch.testing.assert_close(out, stock, atol=2e-5, rtol=2e-5)
 
 
@@ -1084,6 +1086,11 @@ return q, k""")
      "q = q.view(hidden_shape).transpose(1, 2)\nif y.any():\n    k = k.clamp(-0.5, 0.5)\n"
      "k = k.view(hidden_shape).transpose(1, 2)\nq, k = apply_rotary_pos_emb(q, k, cos, sin)",
      "q and k are reshaped differently after their norms"),
+    # a reshape to heads after norms of flat rows (each row then a token's heads, not a head's): per
+    # head only where the norms' inputs were reshaped to rows of a head first (Chameleon's)
+    ("q = self.q_norm(x)\nk = self.k_norm(y)\nq = q.reshape(b, s, self.num_heads, self.head_dim).transpose(1, 2)\n"
+     "k = k.reshape(b, s, self.num_heads, self.head_dim).transpose(1, 2)\nq, k = apply_rotary_pos_emb(q, k, cos, sin)",
+     "a reshape to heads after norms whose rows were not a head's"),
     # norms after RoPE
     ("q, k = apply_rotary_pos_emb(x, y, cos, sin)\nq = self.q_norm(q)\nk = self.k_norm(k)", "no RoPE call"),
     ("q, k = x, y\nq, k = apply_rotary_pos_emb(q, k, cos, sin)\nm = q.abs()\n"
@@ -1101,6 +1108,18 @@ return q, k""")
 def test_matcher_refuses(body, reason):
     found = _probe(body)
     assert isinstance(found, _qk_norm_rewrite.Unfusable) and reason in found.why, found
+
+
+def test_matcher_crosses_a_reshape_of_rows_of_a_head():
+    """Chameleon's form: q and k reshaped to rows of a head, normalized (k's reshape between the two
+    norms), then reshaped to (B, S, H, D) and transposed: per head, the norms deferred to the RoPE call."""
+    site = _probe("q, k = self.q_proj(x), self.k_proj(x)\n"
+                  "q = q.reshape(-1, self.num_heads, self.head_dim)\nq = self.q_norm(q)\n"
+                  "k = k.reshape(-1, self.num_heads, self.head_dim)\nk = self.k_norm(k)\n"
+                  "q = q.reshape(b, s, self.num_heads, self.head_dim).transpose(1, 2)\n"
+                  "k = k.reshape(b, s, self.num_heads, self.head_dim).transpose(1, 2)\n"
+                  "q, k = apply_rotary_pos_emb(q, k, cos, sin)")
+    assert isinstance(site, _qk_norm_rewrite.Site) and site.mode == "head", site
 
 
 def test_norms_right_after_rope_become_one_call():

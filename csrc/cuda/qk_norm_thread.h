@@ -146,8 +146,9 @@ inline NormLaunch choose_norm_launch(const NormPlan& p, int64_t groups, const vo
   if (grad_sums && p.rows_per_head() && L.grid_x < group_blocks) {
     // A row of parameters per head: a thread row's partial sums serve one head, so every group it
     // takes must be of the same head. Its groups are grid_x * block_y apart: a multiple of the heads.
+    // (Where that multiple is more blocks than there are, each block takes one group at most.)
     const int64_t m = p.heads / std::gcd(L.block_y, p.heads);
-    L.grid_x = std::max(m, L.grid_x / m * m);
+    L.grid_x = m >= group_blocks ? group_blocks : std::max(m, L.grid_x / m * m);
   }
   L.partial_rows = grad_sums ? L.grid_x * L.block_y : 0;
   const int64_t opmath_size = elem_size == 8 ? 8 : 4;

@@ -50,7 +50,7 @@ class NormForm:
         rows: the class's weight and bias may be ``(heads, D)``, broadcast over a head's rows: each
             head normalized on its own and scaled by its own row (Cohere's and Chameleon's, built
             with a ``(heads, D)`` size for their QK-norm). The op takes them so where the heads are
-            one dim of x that the tables broadcast along (:func:`_heads_dim`).
+            one dim of x that the RoPE call's tables broadcast along (:class:`RopeTables`).
         per_head: the attribute holding one ``torch.nn.LayerNorm`` per head (StableLM's
             ``ModuleList``), whose weights and biases are the rows (stacked at each call); the heads
             are found as for ``rows``. Each must be torch's class as torch ships it, unhooked, of one
@@ -234,20 +234,21 @@ def norms_alone(module, q_attr, k_attr, mode, q, k, heads_at=(None, None)):
     tensor as it is, as ``if attn.norm_q is not None:`` does). heads_at: per tensor, the dim holding
     its heads where its norm has a row per head and its class takes the heads at dim -2
     (``NormForm.rows``): moved there for the norm, and back; None: the tensor as it is."""
-    out = []
-    for x, attr, at in ((q, q_attr, heads_at[0]), (k, k_attr, heads_at[1])):
-        norm = getattr(module, attr)
-        if norm is None:
-            out.append(x)
-        elif at is not None and at % x.dim() != x.dim() - 2:
-            out.append(norm(x.transpose(at, -2)).transpose(at, -2))
-        elif mode == "heads_bhsd":  # (B, H, S, D), a view of the (B, S, H * D) rows normalized
-            out.append(norm(x.transpose(1, 2).flatten(-2)).unflatten(-1, x.shape[-3::2]).transpose(1, 2))
-        elif mode == "heads_bshd":
-            out.append(norm(x.flatten(-2)).unflatten(-1, x.shape[-2:]))
-        else:
-            out.append(norm(x))
-    return tuple(out)
+    return tuple(norm_alone(getattr(module, attr), mode, x, at)
+                 for x, attr, at in ((q, q_attr, heads_at[0]), (k, k_attr, heads_at[1])))
+
+
+def norm_alone(norm, mode, x, heads_at=None):
+    """One tensor's part of :func:`norms_alone`."""
+    if norm is None:
+        return x
+    if heads_at is not None and heads_at % x.dim() != x.dim() - 2:
+        return norm(x.transpose(heads_at, -2)).transpose(heads_at, -2)
+    if mode == "heads_bhsd":  # (B, H, S, D), a view of the (B, S, H * D) rows normalized
+        return norm(x.transpose(1, 2).flatten(-2)).unflatten(-1, x.shape[-3::2]).transpose(1, 2)
+    if mode == "heads_bshd":
+        return norm(x.flatten(-2)).unflatten(-1, x.shape[-2:])
+    return norm(x)
 
 
 def _stream_tables(qs, ks, ops, dim: int, order):
@@ -449,7 +450,8 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
         """mode "single": one tensor, normalized by module.<attr>, then rotated by rope(x, ...)."""
         planned = plan(module, attr, attr, "head", rope, x, x, args, kwargs)
         if planned is None:  # the model's own code
-            return rope(own_norms(module, attr, attr, "head", x, x, args, kwargs)[0], *args, **kwargs)
+            normed = norm_alone(getattr(module, attr), "head", x, heads_at(module, attr, x, args, kwargs))
+            return rope(normed, *args, **kwargs)
         (x, _, weight, _, cos, sin), options = planned.tensors, planned.options
         if "q_bias" in options:  # (the one tensor's bias, as norm_rotary names it)
             options = dict(options, bias=options["q_bias"])
@@ -484,8 +486,8 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
         usable = all(op is not None and op.heads_at is None for op in ops)
         tables = _stream_tables(qs, ks, [op.tensors for op in ops], dim, order) if usable else None
         if tables is None:  # the model's own code, in its order: q's and k's norms, the stream's, the cat, RoPE
-            q, k = norms_alone(module, q_attrs[0], k_attrs[0], "head", qs[0], ks[0])
-            q2, k2 = getattr(module, q_attrs[1])(qs[1]), getattr(module, k_attrs[1])(ks[1])
+            q, k = own_norms(module, q_attrs[0], k_attrs[0], "head", qs[0], ks[0], args, kwargs)
+            q2, k2 = own_norms(module, q_attrs[1], k_attrs[1], "head", qs[1], ks[1], args, kwargs)
             return rotated(rope, joined((q, q2)), joined((k, k2)), args, kwargs)
         outs = [rope_ext.qk_norm_rotary(*op.tensors[:4], cos, sin, **op.options)
                 for op, (cos, sin) in zip(ops, tables, strict=True)]
@@ -498,8 +500,8 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
             return partial(module, q_attr, k_attr, mode[1], rope, q, k, args, kwargs)
         if mode == "single":
             return single(module, q_attr, rope, q, args, kwargs)
-        if rope is None:  # the norms alone
-            return norms_alone(module, q_attr, k_attr, mode, q, k)
+        if rope is None:  # the norms alone (no RoPE call's tables: a norm with a row per head by x's shape)
+            return own_norms(module, q_attr, k_attr, mode, q, k, (), {})
         if mode is None:  # the norms already ran, or the model's condition turned them off
             return rotated(rope, q, k, args, kwargs)
         planned = plan(module, q_attr, k_attr, mode, rope, q, k, args, kwargs)

@@ -253,6 +253,22 @@ def _layout(stmt, name: str, owner: str, hidden_shape: bool) -> str | None:
     return None
 
 
+def _rows_of_heads(fn, norm: _Norm, owner: str) -> bool:
+    """Whether the norm's input was bound, last before the norm at the top level, by a reshape or
+    view to rows of a head (``E = E.reshape(-1, O.heads, O.head_dim)``, Chameleon's): what a layout
+    statement "r" after the norms needs (the reshape to (B, S, H, D) then keeps each row a head's)."""
+    name = norm.arg.id if isinstance(norm.arg, ast.Name) else None
+    for stmt in reversed(fn.body[:norm.index]):
+        found = _assign(stmt)
+        if found is None or found[0] != name:
+            continue
+        value = found[1]
+        return (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                and value.func.attr in ("reshape", "view") and not value.keywords and len(value.args) >= 2
+                and _text(value.args[-1]) == f"{owner}.head_dim")
+    return False
+
+
 def _aliases(stmts, roots: set, owner: str) -> set:
     """The names stmts (what runs before the norms) bind to a tensor that may share memory with one
     of roots (``z = x``, ``z = x.view(...)``, and names bound to those in turn): a change through one
@@ -541,6 +557,8 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
     mode = _mode(nq, nk, [w for _, w in layouts[q]], [w for _, w in layouts[k]])
     if isinstance(mode, Unfusable):
         return mode
+    if any(w == "r" for _, w in layouts[q]) and not all(_rows_of_heads(fn, n, owner) for n in (nq, nk)):
+        return Unfusable("a reshape to heads after norms whose rows were not a head's")
     skip = {id(fn.body[i]) for name in (q, k) for i, _ in layouts[name]}
     stream = None
     if mode == "head" and not (layouts[q] or layouts[k]) and nq.guard is None and not (nq.transposed or nk.transposed):
