@@ -661,6 +661,17 @@ def test_rows_per_head_forward_and_backward_match_float64(dtype, norm, bias, aft
                 norm=norm, after=after)
 
 
+def _layer_rows_checked_twice(x, w, b, cos, sin, dy):
+    """The emulated LayerNorm with rows, forward and backward, against float64 (_check_rows), and the
+    backward's same bits on a second run: its (dx, dweight, dbias)."""
+    got = _emulated_rows(x, w, b, cos, sin, norm="layer", grad=dy)
+    out, _ = _emulated_rows(x, w, b, cos, sin, norm="layer")
+    _check_rows((out, got), x, w, b, cos, sin, dy, norm="layer", after=False)
+    again = _emulated_rows(x, w, b, cos, sin, norm="layer", grad=dy)
+    assert all(torch.equal(a, c) for a, c in zip(got, again, strict=True))
+    return got
+
+
 @pytest.mark.parametrize("H", [3, 8])
 def test_rows_per_head_space_each_thread_rows_groups_by_the_heads(H, gen):
     """More groups than 512 blocks take in one pass: the launch takes a multiple of H / gcd(block_y, H)
@@ -675,11 +686,7 @@ def test_rows_per_head_space_each_thread_rows_groups_by_the_heads(H, gen):
     assert L["grid_x"] % m == 0 and L["grid_x"] > 512 - m and L["groups"] > L["grid_x"] * L["block_y"], L
     assert (L["grid_x"] == 512) == (m == 1 or 512 % m == 0), L
     dy = randn(*x.shape, gen=gen)
-    got = _emulated_rows(x, w, b, cos, sin, norm="layer", grad=dy)
-    out, _ = _emulated_rows(x, w, b, cos, sin, norm="layer")
-    _check_rows((out, got), x, w, b, cos, sin, dy, norm="layer", after=False)
-    again = _emulated_rows(x, w, b, cos, sin, norm="layer", grad=dy)
-    assert all(torch.equal(a, c) for a, c in zip(got, again, strict=True))
+    got = _layer_rows_checked_twice(x, w, b, cos, sin, dy)
     stats = torch.ops.rope_ext.norm_rotary(x, w, cos, sin, 1e-5, 0.0, False, False, False, b, True)[1]
     cpu = torch.ops.rope_ext.qk_norm_rotary_backward(dy, x, w, stats, cos, sin, None, 0.0, False, False, True, False,
                                                      True, True)
@@ -697,12 +704,7 @@ def test_rows_per_head_with_more_heads_than_blocks(gen):
     L = launch(x, w, cos, sin, backward=True)
     group_blocks = -(-L["groups"] // L["block_y"])
     assert H // __import__("math").gcd(L["block_y"], H) > group_blocks > 512 and L["grid_x"] == group_blocks, L
-    dy = randn(*x.shape, gen=gen)
-    got = _emulated_rows(x, w, b, cos, sin, norm="layer", grad=dy)
-    out, _ = _emulated_rows(x, w, b, cos, sin, norm="layer")
-    _check_rows((out, got), x, w, b, cos, sin, dy, norm="layer", after=False)
-    again = _emulated_rows(x, w, b, cos, sin, norm="layer", grad=dy)
-    assert all(torch.equal(a, c) for a, c in zip(got, again, strict=True))
+    _layer_rows_checked_twice(x, w, b, cos, sin, randn(*x.shape, gen=gen))
 
 
 def test_rows_per_head_sector_efficiency(gen):

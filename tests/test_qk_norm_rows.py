@@ -253,19 +253,6 @@ def test_gathered_and_in_place_forms(norm, gen):
     ],
     ids=["too_many_rows", "rows_too_short", "bias_rows_beside_one_weight_row", "bias_rows_without_a_weight"],
 )
-def test_no_heads_take_one_row_for_every_head_only(gen):
-    """x with no heads: a weight of (0,) would read as no weight, so only a row of D passes; its
-    backward's gradients are zeros of the weight's shape."""
-    x = torch.empty(2, 3, 0, 8)
-    cos, sin = random_tables((2, 3, 1, 8), gen=gen)
-    with pytest.raises(RuntimeError, match=r"weight must have shape \(8,\) \(x.size\(-1\)\), got \[0\]"):
-        rope_ext.norm_rotary(x, torch.ones(0), cos, sin, eps=1e-5, norm="layer")
-    w, b = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
-    out = rope_ext.norm_rotary(x.requires_grad_(), w, cos, sin, eps=1e-5, norm="layer", bias=b)
-    dw, db = torch.autograd.grad(out, (w, b), torch.empty_like(out))
-    assert torch.equal(dw, torch.zeros(8)) and torch.equal(db, torch.zeros(8))
-
-
 def test_bad_shapes_are_refused_by_name(weight_shape, bias_shape, message, gen):
     """A weight of rows must have x's heads by its head dim; a bias has the weight's shape (the
     backward sizes its gradient by the weight), and without a weight one row for every head."""
@@ -281,3 +268,16 @@ def test_bad_shapes_are_refused_by_name(weight_shape, bias_shape, message, gen):
             torch.ops.rope_ext.norm_rotary(fake[0], None if w is None else fake[1].flatten(), fake[2], fake[3], 1e-5,
                                            0.0, False, False, False, fake[4] if b is None else fake[4].flatten(),
                                            True)
+
+
+def test_no_heads_take_one_row_for_every_head_only(gen):
+    """x with no heads: a weight of (0,) would read as no weight, so only a row of D passes; its
+    backward's gradients are zeros of the weight's shape."""
+    x = torch.empty(2, 3, 0, 8)
+    cos, sin = random_tables((2, 3, 1, 8), gen=gen)
+    with pytest.raises(RuntimeError, match=r"weight must have shape \(8,\) \(x.size\(-1\)\), got \[0\]"):
+        rope_ext.norm_rotary(x, torch.ones(0), cos, sin, eps=1e-5, norm="layer")
+    w, b = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
+    out = rope_ext.norm_rotary(x.requires_grad_(), w, cos, sin, eps=1e-5, norm="layer", bias=b)
+    dw, db = torch.autograd.grad(out, (w, b), torch.empty_like(out))
+    assert torch.equal(dw, torch.zeros(8)) and torch.equal(db, torch.zeros(8))
