@@ -381,33 +381,36 @@ struct NormThread {
 
   ROPE_HD int64_t group_of(const ThreadCoord& g, int64_t it) const { return (g.bx + it * g.grid_x) * g.block_y + g.ty; }
 
-  // Where an item is: its head in the group, its index in the head, and (with offsets) the row's
-  // offsets. An item is a vector of pairs (j < rot_items) or a run of kVec pass-through columns; each
-  // kind has its own code path below, so that only its own values are live.
+  // Where an item is: its index in its head, the first column of its row's slice of a parameter of
+  // a row per head (the row's head in the group across heads, its head per head with a row each:
+  // NormPlan::heads; 0 with one row for every head), and (with offsets) the row's offsets. An item
+  // is a vector of pairs (j < rot_items) or a run of kVec pass-through columns; each kind has its
+  // own code path below, so that only its own values are live. (The slice's column, not the row:
+  // one 64-bit value more here spills the 16-bit backward on sm_120, whose launch bounds cap it at
+  // 128 registers.)
   struct Item {
-    int64_t h, j;
-    int64_t row;  // n * p.group + h: the row's index in x.shape[:-1]
+    int32_t param_col, j;  // (a parameter's length and a head's items are below 2^31: the plan checks)
     int64_t off[5];
   };
   ROPE_HD Item locate(int64_t n, int64_t item, bool offsets = true) const {
     Item a;
     const int32_t i = static_cast<int32_t>(item);  // (group_items < 2^31: plan_norm_call checks)
-    a.h = i / head_items;
-    a.j = i - a.h * head_items;
-    a.row = n * p.group + a.h;
-    if (offsets) p.rows.offsets(a.row, a.off);
+    const int32_t h = i / head_items;
+    a.j = i - h * head_items;
+    // (a 32-bit remainder: a 64-bit one's register sequence spills the 16-bit backward on sm_120)
+    const int32_t ph = p.group > 1 ? h
+                       : p.rows_per_head() ? static_cast<int32_t>(static_cast<uint32_t>(n) % static_cast<uint32_t>(p.heads))
+                                           : 0;
+    a.param_col = ph * static_cast<int32_t>(p.head_dim);
+    if (offsets) p.rows.offsets(n * p.group + h, a.off);
     return a;
   }
   ROPE_HD int64_t half() const { return p.rotary_dim / 2; }
   ROPE_HD int64_t pair0(const Item& a) const { return a.j * kPairs; }
   ROPE_HD int64_t run_col(const Item& a) const { return p.rotary_dim + (a.j - rot_items) * kVec; }
-  // The weight's (bias's) first column for item a's row: a row for every head, or one per head
-  // (across heads, the row's place in its group; per head, row % heads: NormPlan::heads).
-  ROPE_HD int64_t param_base(int64_t len, const Item& a) const {
-    return len > p.head_dim ? (p.group > 1 ? a.h : a.row % p.heads) * p.head_dim : 0;
-  }
-  ROPE_HD int64_t weight_base(const Item& a) const { return param_base(p.weight_len, a); }
-  ROPE_HD int64_t bias_base(const Item& a) const { return param_base(p.bias_len, a); }
+  // The weight's (bias's) first column for item a's row.
+  ROPE_HD int64_t weight_base(const Item& a) const { return p.weight_len > p.head_dim ? a.param_col : 0; }
+  ROPE_HD int64_t bias_base(const Item& a) const { return p.bias_len > p.head_dim ? a.param_col : 0; }
   // The thread's row of partial sums of the weights' (biases') gradient.
   ROPE_HD opmath_t* partial_row(const ThreadCoord& g, opmath_t* sums) const {
     return sums + (g.bx * g.block_y + g.ty) * layout.length();
@@ -780,6 +783,10 @@ inline NormCallLaunch plan_norm_call(const NormCall& c, bool ignore_alignment = 
                                 c.dweight != nullptr || c.dbias != nullptr, ignore_alignment);
   ROPE_EXT_CHECK(r.launch.group_items < (int64_t{1} << 31), c.op, ": a group of ", r.launch.group_items,
                  " vectors is more than the CUDA kernel indexes (2^31)");
+  ROPE_EXT_CHECK(std::max(r.plan.weight_len, r.plan.bias_len) < (int64_t{1} << 31), c.op, ": a weight or bias of ",
+                 std::max(r.plan.weight_len, r.plan.bias_len), " values is more than the CUDA kernel indexes (2^31)");
+  ROPE_EXT_CHECK(!r.plan.rows_per_head() || r.plan.num_rows() < (int64_t{1} << 32), c.op, ": ", r.plan.num_rows(),
+                 " rows with a row of weights per head is more than the CUDA kernel indexes (2^32)");
   return r;
 }
 
