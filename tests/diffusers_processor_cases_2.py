@@ -296,8 +296,31 @@ def _skyreels_v2():
     return attn, run
 
 
+def _ideogram4():
+    # Ideogram4Attention 2x16 (its RoPE written inline in the processor); Ideogram4MRoPE over 8 frequencies
+    # (h's and w's interleaved into the first 6), over (t, h, w) positions of 6 text tokens then a 3 x 4
+    # image, its tables cast to the model's dtype as the model casts them
+    m = _file("ideogram4")
+    torch.manual_seed(0)
+    attn = _randomize(m.Ideogram4Attention(hidden_size=32, num_heads=2, eps=1e-5)).eval()
+    txt, height, width = 6, 3, 4
+    text = torch.arange(txt).view(txt, 1).expand(-1, 3)
+    rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    image = torch.stack([torch.full_like(rows, txt), rows, cols], dim=-1).reshape(-1, 3)
+    ids = torch.cat([text, image]).unsqueeze(0).expand(B, -1, -1)
+    cos, sin = m.Ideogram4MRoPE(head_dim=16, base=10000, mrope_section=(4, 2, 2))(ids)
+    x = _randn(B, txt + height * width, 32, seed=1)
+
+    def run(module):
+        dtype = _dtype(module)
+        return module(x.to(dtype), None, (cos.to(dtype), sin.to(dtype)))
+
+    return attn, run
+
+
 CASES = {
     "flux2:Flux2KVParallelSelfAttnProcessor.__call__": Case(_flux2_kv_parallel, 1),
+    "ideogram4:Ideogram4AttnProcessor.__call__": Case(_ideogram4, 1),
     "flux3:Flux3AttnProcessor.__call__": Case(_flux3, 1),
     "helios:HeliosAttnProcessor.__call__": Case(_helios, 1),
     "hunyuan_video15:HunyuanVideo15AttnProcessor2_0.__call__": Case(_hunyuan_video15, 1),

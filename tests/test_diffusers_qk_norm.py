@@ -1,7 +1,7 @@
 """QK-norm + RoPE fused in diffusers' processors (rope_ext.integrations.diffusers.patch's ``qk_norm``):
-the norm classes against themselves, tiny Flux, Wan, HunyuanVideo, LTX and QwenImage models against
-stock in float32 and bfloat16 (outputs and every parameter's gradient), the fused op seen where it
-must run and nowhere after unpatch, and a compiled Flux block as one graph."""
+the norm classes against themselves, tiny Flux, Wan, HunyuanVideo, LTX, QwenImage, CogVideoX and
+CogView4 models against stock in float32 and bfloat16 (outputs and every parameter's gradient), the
+fused op seen where it must run and nowhere after unpatch, and a compiled Flux block as one graph."""
 from __future__ import annotations
 
 import contextlib
@@ -86,7 +86,10 @@ def test_norm_class_matches_its_form(kind, eps, affine, x_dtype, w_dtype):
 # of q and k before RoPE, are a call of their own, with their rows of the tables). HunyuanVideo's
 # double-stream block rotates the image tokens alone (fused) and joins the text tokens after RoPE;
 # its single-stream block rotates a slice of q: there the norms run alone, and RoPE after them.
-FUSED_LAYERS = {"flux": 3, "wan": 2, "hunyuan_video": 1, "ltx": 2, "qwenimage": 2}
+# CogVideoX and CogView4 write RoPE into the image rows of q and k (their LayerNorms normalize the
+# text rows in front too): one fused call over the whole of q and k in each layer.
+FUSED_LAYERS = {"flux": 3, "wan": 2, "hunyuan_video": 1, "ltx": 2, "qwenimage": 2, "cogvideox_transformer_3d": 2,
+                "cogview4": 2}
 
 
 def _run(model, run, name, mode):
@@ -127,9 +130,11 @@ def test_model_matches_stock(name, dtype):
 
 import diffusers_processor_cases_1  # noqa: E402
 import diffusers_processor_cases_2  # noqa: E402
+import diffusers_processor_cases_3  # noqa: E402
 
 # "<file>:<Processor.__call__>" -> Case(build, fused_calls), for the processors no whole model above runs.
-PROCESSOR_CASES = {**diffusers_processor_cases_1.CASES, **diffusers_processor_cases_2.CASES}
+PROCESSOR_CASES = {**diffusers_processor_cases_1.CASES, **diffusers_processor_cases_2.CASES,
+                   **diffusers_processor_cases_3.CASES}
 
 
 def _check_processor(key, dtype):
@@ -318,6 +323,47 @@ def test_a_double_stream_block_the_fusion_does_not_take_runs_diffusers_code(case
     assert len(out) == len(stock) == 2 and all(torch.equal(o, s) for o, s in zip(out, stock, strict=True))
 
 
+@pytest.mark.parametrize("case", ["hooked norm_k", "cross-attention", "autocast", "no norms"])
+def test_a_slice_in_place_processor_the_fusion_does_not_take_runs_diffusers_code(case):
+    """A processor that writes RoPE into the image rows of q and k, where the fused call must not
+    run: a norm hooked (CogVideoX), k left unrotated in cross-attention (CogVideoX's condition), a
+    bfloat16 CogView4 under autocast (its LayerNorms' results cast: CUDA's autocast runs them in
+    float32, so under autocast neither the deferral nor the fused op is taken), or no q/k norms.
+    diffusers' code bit for bit (its norms, RoPE written into the slices), and no fused op; the
+    module as built fuses."""
+    import diffusers_processor_cases_3 as cases
+
+    key = ("cogview4:CogView4AttnProcessor.__call__" if case == "autocast" else
+           "attention_processor:CogVideoXAttnProcessor2_0.__call__")
+    module, run = cases.CASES[key].build()
+    if case == "autocast":  # (q and k then of the cast's dtype, as the call's check needs to be reached)
+        module = module.to(torch.bfloat16)
+    name = key.split(":")[0]
+
+    def outputs(**kwargs):
+        with torch.no_grad(), rope_diffusers.patch([name], **kwargs), RopeOpSpy() as spy, (
+                torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else contextlib.nullcontext()):
+            return run(module), spy.names
+
+    if case != "autocast":
+        assert outputs()[1].count("qk_norm_rotary") == 1
+    handle = None
+    if case == "hooked norm_k":
+        handle = module.norm_k.register_forward_hook(lambda *a: None)
+    elif case == "cross-attention":
+        module.is_cross_attention = True
+    elif case == "no norms":
+        module.norm_q = module.norm_k = None
+    try:
+        stock, _ = outputs(qk_norm=False)
+        out, names = outputs()
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert "qk_norm_rotary" not in names and names, names
+    assert torch.equal(out, stock)
+
+
 def test_compiled_flux_single_block_is_one_graph():
     from diffusers.models.transformers.transformer_flux import FluxPosEmbed, FluxSingleTransformerBlock
 
@@ -345,14 +391,18 @@ def test_listing_says_which_are_fused(capsys):
     assert re.search(r"qk-norm WanAttnProcessor\.__call__: fused, over all heads of a token", out)
     assert re.search(r"qk-norm FluxAttnProcessor\.__call__: fused, over each head; with the "
                      r"encoder_query/encoder_key stream it joins in front of q and k", out)
-    assert re.search(r"qk-norm Cosmos3AttnProcessor\.__call__: not fused: its RoPE is written inline", out)
+    assert re.search(r"qk-norm CogView4AttnProcessor\.__call__: fused, over each head, RoPE written into the rows "
+                     r"of dim 2 from text_seq_length on", out)
+    assert re.search(r"qk-norm Ideogram4AttnProcessor\.__call__: fused, over each head", out)  # (RoPE inline)
+    assert re.search(r"qk-norm Cosmos3AttnProcessor\.__call__: not fused: `k_und_for_gen = ", out)
     counts = re.search(r"(\d+) have processors that normalize q and k and apply RoPE; (\d+) fuse them", out)
-    assert int(counts[2]) >= 30  # of 0.42.1's 43
+    assert int(counts[2]) >= 34  # of 0.42.1's 43
 
 
 def test_fused_tables_read_what_the_replacements_read():
     """Each signature's tables_of gives the tables its replacement rotates with: rotating by them
-    equals the replacement, for the shared function in both pairings and the complex form."""
+    equals the replacement, for the shared function in both pairings and the complex form, Wan's
+    strided tables and RoPE written inline."""
     from rope_ext.integrations._rotate import rotate
 
     gen = torch.Generator().manual_seed(5)
@@ -364,6 +414,7 @@ def test_fused_tables_read_what_the_replacements_read():
         "diffusers": [(bhsd, (full.cos(), full.sin())), (bshd, (full.cos(), full.sin()), True, -2, 1),
                       (bshd, torch.polar(torch.ones(2, 6, 8), angles.expand(2, 6, 8)), False)],
         "strided cos/sin": [(bshd, strided.cos(), strided.sin())],
+        "inline x * cos + rotate_half(x) * sin": [(bshd, full.cos()[None, :, None], full.sin()[None, :, None])],
     }
     for signature, calls in cases.items():
         form = next(f for f in _diffusers_forms.KNOWN.values() if f.signature == signature)

@@ -1205,6 +1205,55 @@ def test_partial_rotary_written_out_becomes_one_call():
         assert calls == ([("q_norm", "k_norm", ("partial", 2), (0.5, 1.0))] if on else [])
 
 
+_SLICED = """
+def forward(self, x, y, t, cos, sin):
+    q = self.q_norm(x)
+    k = self.k_norm(y)
+    q[:, :, t:] = rope(q[:, :, t:], cos, sin)
+    if self.rotate_k:
+        k[:, :, t:] = rope(k[:, :, t:], cos, sin)
+    return q, k
+"""
+
+
+def test_rope_written_into_a_slice_is_one_call_where_the_norms_are_pending():
+    """CogVideoX's form (q's and k's rows from t on rotated in place, k's under a condition): one
+    fused call where the condition holds, else the norms alone and the statements as written. An
+    index that differs between q and k, or a slice start that reads q, is no slice site."""
+    import types
+
+    fn = ast.parse(_SLICED).body[0]
+    site = _qk_norm_rewrite.fusion_rewrite(fn, "self", {"rope"}, _ATTRS, "holder")
+    assert site == _qk_norm_rewrite.Site("self", "q_norm", "k_norm", "rope", True, "head",
+                                         sliced=_qk_norm_rewrite.Slice(2, "t", "self.rotate_k"))
+    calls = []
+
+    def holder(module, qa, ka, mode, rope, q, k, *args):
+        calls.append(mode)
+        q, k = module.q_norm(q), module.k_norm(k)
+        if rope is not None:
+            q[:, :, mode[2]:], k[:, :, mode[2]:] = rope(q[:, :, mode[2]:], *args), rope(k[:, :, mode[2]:], *args)
+        return q, k
+
+    namespace = {"holder": holder, "rope": lambda x, c, s: x * c + s}
+    exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), "<test>", "exec"), namespace)
+    x, y = torch.arange(24.0).view(1, 2, 3, 4), torch.arange(24.0, 48.0).view(1, 2, 3, 4)
+    for rotate_k in (True, False):
+        calls.clear()
+        module = types.SimpleNamespace(rotate_k=rotate_k, q_norm=lambda t: t * 2, k_norm=lambda t: t * 3)
+        q, k = namespace["forward"](module, x.clone(), y.clone(), 1, 0.5, 1.0)
+        expected_q, expected_k = x * 2, y * 3
+        expected_q[:, :, 1:] = expected_q[:, :, 1:] * 0.5 + 1.0
+        if rotate_k:
+            expected_k[:, :, 1:] = expected_k[:, :, 1:] * 0.5 + 1.0
+        assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+        assert calls == ([("slice", 2, 1)] if rotate_k else ["head"])
+    edits = (("k[:, :, t:] = rope(k[:, :, t:]", "k[:, t:] = rope(k[:, t:]"), ("q[:, :, t:]", "q[:, :, q.shape[0]:]"))
+    for edit in edits:
+        found = _qk_norm_rewrite.probe(ast.parse(_SLICED.replace(*edit)).body[0], "self", {"rope"}, _ATTRS)
+        assert isinstance(found, _qk_norm_rewrite.Unfusable), (edit, found)
+
+
 _CAST = """
 def forward(self, x, cos, sin):
     input_shape = x.shape[:-1]
@@ -1221,8 +1270,9 @@ def forward(self, x, cos, sin):
 def test_norms_cast_to_a_dtype_are_deferred_where_the_cast_is_none():
     """ESM-C's form: each norm's result cast (``.to(x.dtype)``). Where the projections return that
     dtype already the cast changes nothing, and the norms are deferred to the fused call; where they
-    do not (autocast's bfloat16 projections of float32 states) the norms and casts run where the
-    model runs them, and RoPE alone after. Casts that differ are refused."""
+    do not (autocast's bfloat16 projections of float32 states), or where the call's defers_cast says
+    its norms would not return that dtype, the norms and casts run where the model runs them, and
+    RoPE alone after. Casts that differ are refused."""
     import types
 
     fn = ast.parse(_CAST).body[0]
@@ -1237,10 +1287,12 @@ def test_norms_cast_to_a_dtype_are_deferred_where_the_cast_is_none():
             k = module.k_norm(k.transpose(1, 2).flatten(-2)).unflatten(-1, (2, 2)).transpose(1, 2)
         return rope(q, k, *args)
 
+    defers = []
+    holder.defers_cast = lambda module, qa, ka, q, k, dtype: defers[0] and q.dtype == dtype == k.dtype
     namespace = {"holder": holder, "rope": lambda q, k, c, s: (q * c + s, k * c - s)}
     exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), "<test>", "exec"), namespace)
     x = torch.arange(12.0).view(1, 3, 4)
-    for proj_dtype in (torch.float32, torch.float64):
+    for proj_dtype, defers[:] in ((torch.float32, [True]), (torch.float64, [True]), (torch.float32, [False])):
         calls.clear()
         module = types.SimpleNamespace(q_proj=lambda t, d=proj_dtype: t.to(d) * 2,
                                        k_proj=lambda t, d=proj_dtype: t.to(d) * 3,
@@ -1250,7 +1302,7 @@ def test_norms_cast_to_a_dtype_are_deferred_where_the_cast_is_none():
         expected_k = (x * 3 - 1).view(1, 3, 2, 2).transpose(1, 2) * 0.5 - 1.0
         assert q.dtype == k.dtype == torch.float32
         assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
-        assert calls == (["heads_bhsd"] if proj_dtype == torch.float32 else [None])
+        assert calls == (["heads_bhsd"] if proj_dtype == torch.float32 and defers[0] else [None])
     found = _qk_norm_rewrite.probe(ast.parse(_CAST.replace("k_proj(x)).to(x.dtype)", "k_proj(x)).to(y)")).body[0],
                                    "self", {"rope"}, _ATTRS)
     assert isinstance(found, _qk_norm_rewrite.Unfusable) and "cast alike" in found.why, found

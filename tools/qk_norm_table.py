@@ -163,6 +163,10 @@ def _processor_site(site) -> str:
         ("pair", site.pair, True), ("owner", site.owner, "attn")) if value != default]
     if site.stream is not None:  # the table's name for Flux's text stream, else the Stream itself
         args.append("stream=_TEXT_FIRST" if site.stream == _qk_norm_table._TEXT_FIRST else f"stream={site.stream!r}")
+    if site.cast:
+        args.append("cast=True")
+    if site.sliced is not None:
+        args.append(f"sliced={site.sliced!r}")
     return f"_attn({', '.join(args)})"
 
 

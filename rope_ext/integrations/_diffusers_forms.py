@@ -458,6 +458,7 @@ FUSED_TABLES = {
     "complex unsqueeze(2)": lambda form: (lambda x, freqs_cis: (form, *(t.unsqueeze(2)
                                                                         for t in complex_parts(freqs_cis)))),
     "mochi": lambda form: (lambda x, freqs_cos, freqs_sin: (form, freqs_cos, freqs_sin)),
+    "inline x * cos + rotate_half(x) * sin": lambda form: (lambda x, cos, sin: (form, cos, sin)),
     "flattened heads": lambda form: (lambda x, freqs: (form, *freqs)),
     "(cos, sin) per row": lambda form: (lambda x, rope: (form, rope[0][None, :, None].to(x.device),
                                                            rope[1][None, :, None].to(x.device))),
@@ -471,9 +472,10 @@ FUSED_TABLES = {
 # (Every entry's tables depend on x only through its dtype and device, which q and k share: one
 # table serves both. Stable Audio 3's, which takes rows by x's length, is not here.)
 
-# The q/k norm classes a diffusers attention may hold, with what they compute. torch's RMSNorm is
-# taken as torch ships it; diffusers' own by the fingerprint of its class block (a diffusers release
-# that changes it is not fused). Each is tested against the class itself (tests/test_diffusers_qk_norm.py).
+# The q/k norm classes a diffusers attention may hold, with what they compute. torch's RMSNorm (and
+# LayerNorm, _qk_norm_call.TORCH_LAYER_NORM) are taken as torch ships them; diffusers' own by the
+# fingerprint of its class block (a diffusers release that changes it is not fused). Each is tested
+# against the class itself (tests/test_diffusers_qk_norm.py).
 TORCH_RMS_NORM = NormForm("torch.nn.RMSNorm", "eps", eps_none="finfo")
 KNOWN_NORMS: dict[str, NormForm] = {
     # diffusers.models.normalization.RMSNorm: a 16-bit weight's dtype, else float32; a bias is not this form

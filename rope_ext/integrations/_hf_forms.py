@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rope_ext.integrations._qk_norm_call import NormForm
+from rope_ext.integrations._qk_norm_call import TORCH_LAYER_NORM, NormForm
 from rope_ext.integrations._rotate import Form, rotate
 
 # The module-level function names transformers gives its RoPE application.
@@ -393,7 +393,6 @@ NORM_ATTRIBUTE = r"^(q|k|query|key)_?(layer_?)?norm$"
 # (``nn.LayerNorm(self.head_dim)``), with what they compute and the class each name is: taken as
 # torch ships them (the rewrite checks at install that the class's forward is still torch's). Each is
 # tested against the class itself (tests/test_qk_norm_fusion.py).
-TORCH_LAYER_NORM = NormForm("torch.nn.LayerNorm", "eps", centered=True, bias="bias", shape="normalized_shape")
 TORCH_NORMS: dict[str, tuple[type, NormForm]] = {
     "nn.LayerNorm": (torch.nn.LayerNorm, TORCH_LAYER_NORM),
     "torch.nn.LayerNorm": (torch.nn.LayerNorm, TORCH_LAYER_NORM),

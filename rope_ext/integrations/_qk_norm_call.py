@@ -99,6 +99,9 @@ def _hooked(module) -> bool:
 
 _TORCH_LAYER_NORM_FORWARD = torch.nn.LayerNorm.forward
 
+# torch's LayerNorm as torch ships it, in transformers' model files and diffusers' attention modules
+TORCH_LAYER_NORM = NormForm("torch.nn.LayerNorm", "eps", centered=True, bias="bias", shape="normalized_shape")
+
 
 def _head_norms(norm, form: NormForm):
     """A per-head form's norms (``NormForm.per_head``), or None where one is not torch's LayerNorm as
@@ -281,6 +284,28 @@ def _stream_tables(qs, ks, ops, dim: int, order):
             return None
         out.append((cos.narrow(d, starts[i], lengths[i]), sin.narrow(d, starts[i], lengths[i])))
     return out
+
+
+def _with_unrotated_rows(tables, x, d: int, start: int):
+    """(cos, sin) for all of x's rows along dim d, from the tables (as the op takes them) of its
+    rows from start on: identity rows (cos 1, sin 0, which the op's rotation passes through exactly)
+    in front; None where the tables are not rows of that slice along d (mode "slice")."""
+    cos, sin = tables
+    rank = x.dim()
+    if cos.dim() > rank or sin.shape != cos.shape:
+        return None
+    cos, sin = (t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) for t in (cos, sin))
+    rows = x.shape[d] - start
+    if cos.shape[d] not in (1, rows):
+        return None
+    if start == 0:
+        return cos, sin
+    shape = list(cos.shape)
+    shape[d] = rows
+    cos, sin = cos.expand(shape), sin.expand(shape)
+    shape[d] = start
+    ones, zeros = cos.new_ones(shape), sin.new_zeros(shape)
+    return torch.cat((ones, cos), dim=d), torch.cat((zeros, sin), dim=d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -493,7 +518,57 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
                 for op, (cos, sin) in zip(ops, tables, strict=True)]
         return joined([o[0] for o in outs]), joined([o[1] for o in outs])
 
+    def sliced(module, q_attr, k_attr, spec, rope, q, k, args, kwargs):
+        """mode ("slice", dim, start): q and k normalized whole and the rows from start on along dim
+        rotated, as the model writes ``rope(q[..., start:, ...], ...)`` into that slice of the
+        normalized q (and k): one op call over the whole tensors, the tables given identity rows
+        (cos 1, sin 0) in front for the rows the model leaves unrotated. Where the checks (plan's,
+        on the slices the model rotates) fail, the model's own code: the norms, then RoPE written
+        into the slices."""
+        _, dim, start = spec
+        rank = q.dim() if isinstance(q, torch.Tensor) else 0
+        d = dim % rank if isinstance(dim, int) and -rank <= dim < rank else None
+        index = None if d is None else (slice(None),) * d + (slice(start, None),)
+        usable = (d is not None and d < rank - 1 and isinstance(start, int) and isinstance(k, torch.Tensor)
+                  and k.dim() == rank and 0 <= start <= q.shape[d] and k.shape[d] == q.shape[d])
+        planned = plan(module, q_attr, k_attr, "head", rope, q[index], k[index], args, kwargs) if usable else None
+        tables = (_with_unrotated_rows(planned.tensors[4:], q, d, start)
+                  if planned is not None and planned.heads_at is None else None)
+        if tables is None:  # the model's own code
+            q, k = own_norms(module, q_attr, k_attr, "head", q, k, args, kwargs)
+            if index is None:  # (an index the model's code would fail on: let it say why)
+                index = (slice(None),) * dim + (slice(start, None),)
+            q_rot, k_rot = rotated(rope, q[index], k[index], args, kwargs)
+            q[index], k[index] = q_rot, k_rot
+            return q, k
+        return rope_ext.qk_norm_rotary(q, k, *planned.tensors[2:4], *tables, **planned.options)
+
+    def defers_cast(module, q_attr, k_attr, q, k, dtype) -> bool:
+        """Whether a site whose norms' results the model casts to dtype (the rewrite's ``Site.cast``)
+        may defer them to this call, whose norms (fused, or its fallbacks' own) do not cast: q and k
+        already of dtype, and each norm that is not None one the op stands in for that returns its
+        input's dtype here: a form that casts to it on every path (``NormForm.casts_to_x``), or one
+        that returns x's dtype (``output="input"``) with parameters of x's dtype, autocast off
+        (torch's LayerNorm, which autocast runs in float32)."""
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dtype == dtype == k.dtype):
+            return False
+        for norm in (getattr(module, q_attr), getattr(module, k_attr)):
+            entry = None if norm is None else norms.get(type(norm))
+            if norm is None or (entry is not None and entry[0].casts_to_x and type(norm).forward is entry[1]
+                                 and not _hooked(norm)):
+                continue
+            if entry is None or type(norm).forward is not entry[1] or _hooked(norm) or entry[0].output != "input":
+                return False
+            params = [t for t in (_norm_weight(norm, entry[0]), _norm_bias(norm, entry[0])) if t is not None]
+            if any(not isinstance(t, torch.Tensor) or t.dtype != dtype for t in params):
+                return False
+            if torch.is_autocast_enabled(q.device.type):
+                return False
+        return True
+
     def call(module, q_attr, k_attr, mode, rope, q, k, *args, **kwargs):
+        if isinstance(mode, tuple) and mode[0] == "slice":
+            return sliced(module, q_attr, k_attr, mode, rope, q, k, args, kwargs)
         if isinstance(mode, tuple) and mode[0] == "two_stream":
             return two_streams(module, q_attr, k_attr, mode, rope, q, k, args, kwargs)
         if isinstance(mode, tuple) and mode[0] == "partial":
@@ -513,4 +588,5 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
             return rotated(rope, q, k, args, kwargs)
         return planned.restore(rope_ext.qk_norm_rotary(*planned.tensors, **planned.options))
 
+    call.defers_cast = defers_cast
     return call

@@ -33,6 +33,15 @@ norms where q is next read. A site is refused only where that cannot hold (a fun
 defines reads q, the RoPE call's tables read it) or where the fused call could never run (q is used
 on every path between norm and RoPE).
 
+RoPE written into a slice of q and k in place (CogVideoX's and CogView4's processors: the text
+tokens in front, normalized with the image's and not rotated) is one fused call over the whole of q
+and k where the norms are still pending, and where the condition k's statement runs under holds;
+else the norms alone, if pending, then the two statements as written (:class:`Slice`)::
+
+    Q[:, :, T:] = <rope>(Q[:, :, T:], ...)
+    [if <guard>:]
+    K[:, :, T:] = <rope>(K[:, :, T:], ...)
+
 A second stream joined to q and k between their norms and RoPE (Flux's double-stream blocks: the
 text tokens, normalized by norms of their own, concatenated in front of q and k) is deferred too,
 where its four statements are exactly as :class:`Stream` says: with the norms still pending there,
@@ -112,9 +121,11 @@ class Site:
             ``"head"`` only), or None.
         rotated: for partial rotary written out (the module docstring's five statements), the
             source of R, the columns rotated (``self.rotary_ndims``); else None.
-        cast: the norms' results are cast (``Q = O.q_norm(E).to(X)``, ESM-C): the fused call's
-            fallbacks run the norms without that cast, so such a site is fused only with norms
-            that return x's dtype on every path (``NormForm.casts_to_x``, checked by the caller).
+        cast: the norms' results are cast (``Q = O.q_norm(E).to(X)``, ESM-C; ``if O.q_norm is not
+            None: Q = O.q_norm(Q).to(dtype=X)``, CogView4): the fused call's fallbacks run the norms
+            without that cast, so the rewritten code defers them only where the call's
+            ``defers_cast`` says those norms return X, and otherwise runs them, cast, as written.
+        sliced: RoPE written into a slice of q and k (:class:`Slice`, mode ``"head"``), or None.
     """
 
     owner: str
@@ -126,6 +137,7 @@ class Site:
     stream: Stream | None = None
     rotated: str | None = None
     cast: bool = False
+    sliced: Slice | None = None
 
 
 class FusionRefusal:
@@ -207,23 +219,36 @@ def _norm_statement(stmt, name: str, owner: str, attrs) -> _Norm | None:
         value, transposed, cast = found[1], False, None
         if _is_transpose12(value):
             value, transposed = value.func.value, True
-        elif (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "to"
-              and len(value.args) == 1 and not value.keywords and not isinstance(value.args[0], ast.Starred)):
-            value, cast = value.func.value, value.args[0]
+        else:
+            value, cast = _uncast(value)
         call = _attr_call(value, owner, attrs)
         return _Norm(0, call.func.attr, call.args[0], transposed, cast=cast) if call else None
     if not (isinstance(stmt, ast.If) and not stmt.orelse):
         return None
     inner = [_assign(s) for s in stmt.body]
+    if len(inner) == 1 and inner[0] and inner[0][0] == name:  # `if O.attr is not None: Q = O.attr(Q)[.to(X)]`
+        value, cast = _uncast(inner[0][1])
+        call = _attr_call(value, owner, attrs)
+        if (call is not None and _text(call.args[0]) == name
+                and _text(stmt.test) == f"{owner}.{call.func.attr} is not None"):
+            return _Norm(0, call.func.attr, None, cast=cast)  # optional: the call checks for None
     calls = {n: _attr_call(v, owner, attrs) for n, v in (i for i in inner if i)}
     if len(inner) != len(calls) or name not in calls or calls[name] is None or _text(calls[name].args[0]) != name:
         return None
     attr = calls[name].func.attr
-    if len(inner) == 1 and _text(stmt.test) == f"{owner}.{attr} is not None":
-        return _Norm(0, attr, None)  # optional: the call checks for None
     if len(inner) == 2 and all(c is not None and _text(c.args[0]) == n for n, c in calls.items()):
         return _Norm(0, attr, None, guard=stmt.test)
     return None
+
+
+def _uncast(value) -> tuple[ast.expr, ast.expr | None]:
+    """(E, X) for ``E.to(X)`` or ``E.to(dtype=X)``; (value, None) for any other expression."""
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "to":
+        if len(value.args) == 1 and not value.keywords and not isinstance(value.args[0], ast.Starred):
+            return value.func.value, value.args[0]
+        if not value.args and len(value.keywords) == 1 and value.keywords[0].arg == "dtype":
+            return value.func.value, value.keywords[0].value
+    return value, None
 
 
 def _layout(stmt, name: str, owner: str, hidden_shape: bool) -> str | None:
@@ -351,6 +376,7 @@ class _RopeSite:
         call: the RoPE call (q's, for a pair).
         rotated: the source of R where the call is the middle of partial rotary written out (the
             module docstring's five statements, span 5; kind ``"qk"``); else None.
+        sliced: for kind ``"slice"`` (:func:`_slice_pair`), the :class:`Slice`; else None.
     """
 
     block: list
@@ -360,15 +386,79 @@ class _RopeSite:
     k: str
     call: ast.Call
     rotated: str | None = None
+    sliced: Slice | None = None
 
     @property
     def span(self) -> int:
-        return 5 if self.rotated is not None else 2 if self.kind == "pair" else 1
+        return 5 if self.rotated is not None else 2 if self.kind in ("pair", "slice") else 1
 
     @property
     def tables(self) -> list:
         """The call's other arguments: its tables (and options)."""
         return self.call.args[2 if self.kind == "qk" else 1:] + [w.value for w in self.call.keywords]
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """RoPE written into a slice of q and of k in place (CogView4's, CogVideoX's processors: the text
+    tokens in front of the image's, normalized with them and not rotated)::
+
+        Q[:, :, T:, :] = rope(Q[:, :, T:, :], ...)
+        [if <guard>:]                              # (CogVideoX: not in cross-attention)
+        K[:, :, T:, :] = rope(K[:, :, T:, :], ...)
+
+    the index every ``:`` but one ``T:``, the same for both, the two calls' other arguments the same.
+
+    Attributes:
+        dim: the position of ``T:`` in the index, the dim of q whose rows from T on are rotated.
+        start: the source of T.
+        guard: the source of the condition k's statement runs under, or None.
+    """
+
+    dim: int
+    start: str
+    guard: str | None = None
+
+
+def _slice_target(stmt, rope_call):
+    """(name, the index's source, dim, start, call) where stmt is ``N[IDX] = rope(N[IDX], ...)`` with
+    IDX as :class:`Slice` says; else None."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Subscript)):
+        return None
+    target, call = stmt.targets[0], stmt.value
+    if not (isinstance(target.value, ast.Name) and isinstance(target.slice, ast.Tuple) and rope_call(call)):
+        return None
+    cuts = [i for i, e in enumerate(target.slice.elts) if not (
+        isinstance(e, ast.Slice) and e.lower is None and e.upper is None and e.step is None)]
+    if len(cuts) != 1:
+        return None
+    cut = target.slice.elts[cuts[0]]
+    if not (isinstance(cut, ast.Slice) and cut.lower is not None and cut.upper is None and cut.step is None):
+        return None
+    first = call.args[0]
+    if not (isinstance(first, ast.Subscript) and _text(first) == _text(target)):
+        return None
+    if any(isinstance(a, ast.Starred) for a in call.args) or target.value.id in _names([cut.lower]):
+        return None
+    return target.value.id, _text(target.slice), cuts[0], _text(cut.lower), call
+
+
+def _slice_pair(block, i: int, rope_call):
+    """The :class:`_RopeSite` of kind ``"slice"`` at block[i] (:class:`Slice`'s statements), or None."""
+    first = _slice_target(block[i], rope_call)
+    if first is None or i + 1 >= len(block):
+        return None
+    after, guard = block[i + 1], None
+    if isinstance(after, ast.If) and not after.orelse and len(after.body) == 1:
+        after, guard = after.body[0], _text(block[i + 1].test)
+    second = _slice_target(after, rope_call)
+    if second is None:
+        return None
+    (q, index, dim, start, call), (k, index_k, _, _, call_k) = first, second
+    rest = [_text(ast.Call(c.func, c.args[1:], c.keywords)) for c in (call, call_k)]
+    if q == k or index != index_k or rest[0] != rest[1]:
+        return None
+    return _RopeSite(block, i, "slice", q, k, call, sliced=Slice(dim, start, guard))
 
 
 def _partial_rotary(block, i: int, qr: str, kr: str):
@@ -415,15 +505,18 @@ def _read_elsewhere(fn, stmts, names: set) -> bool:
 
 def _rope_sites(fn, rope_names) -> list[_RopeSite]:
     """Every RoPE statement of fn (:class:`_RopeSite`)."""
-    def rope_call(value):
+    def rope_call(value, named=True):
         if (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in rope_names
-                and len(value.args) >= 1 and isinstance(value.args[0], ast.Name)):
+                and len(value.args) >= 1 and (isinstance(value.args[0], ast.Name) or not named)):
             return value
         return None
 
     found = []
     for block in _blocks(fn):
         for i, stmt in enumerate(block):
+            sliced = _slice_pair(block, i, lambda value: rope_call(value, named=False))
+            if sliced is not None:
+                found.append(sliced)
             if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Tuple)
                     and rope_call(stmt.value) and len(stmt.value.args) >= 2 and isinstance(stmt.value.args[1], ast.Name)
                     and [_text(t) for t in stmt.targets[0].elts] == [_text(a) for a in stmt.value.args[:2]]
@@ -491,13 +584,13 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
     normalized = {name for stmt in fn.body for name in _names(stmt)
                   if _norm_statement(stmt, name, owner, norm_attrs) is not None}
     def key(site):
-        return site.kind, site.q, site.k, site.call.func.id, site.rotated
+        return site.kind, site.q, site.k, site.call.func.id, site.rotated, site.sliced
     keys = {key(site) for site in sites}
     keys = {each for each in keys if {each[1], each[2]} <= normalized} or keys
     if len(keys) != 1:
         return Unfusable("its RoPE calls rotate different tensors or call different functions")
-    (kind, q, k, rope, rotated), = keys
-    sites = [site for site in sites if key(site) == (kind, q, k, rope, rotated)]
+    (kind, q, k, rope, rotated, sliced), = keys
+    sites = [site for site in sites if key(site) == (kind, q, k, rope, rotated, sliced)]
     first_top = min(_top_index(fn, site.block, site.index) for site in sites)
     norms = {}
     for name in (q, k):
@@ -538,6 +631,9 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
     for rope_site in sites:
         if watch & _names(rope_site.tables):
             return Unfusable(f"its RoPE call's tables read {q}, {k} or what their norms read")
+    if sliced is not None and watch & (_names(ast.parse(sliced.start)) | _names(ast.parse(sliced.guard or "0"))):
+        return Unfusable(f"the slice it rotates, or the condition k's rotation runs under, reads {q}, {k} or what "
+                         "their norms read")
     # the layout statements right after the norms
     hidden_shape = any(_text(s) == HIDDEN_SHAPE for s in fn.body[:lo])
     # (a compound statement whose header does not read q or k is crossed: OLMoE's `if clip_qkv:`
@@ -571,7 +667,10 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
             return Unfusable(f"`{_text(stmt)[:80]}` uses {q}, {k} or what their norms read between the norms and RoPE")
     if rotated is not None and (mode != "head" or stream):
         return Unfusable("partial rotary written out after norms across heads, or with a second stream")
-    site = Site(owner, nq.attr, nk.attr, rope, kind == "pair", mode, stream and stream[0], rotated, nq.cast is not None)
+    if sliced is not None and (mode != "head" or stream):
+        return Unfusable("RoPE written into a slice after norms across heads, or with a second stream")
+    site = Site(owner, nq.attr, nk.attr, rope, kind in ("pair", "slice"), mode, stream and stream[0], rotated,
+                nq.cast is not None, sliced)
     reshaped = min((i for name in (q, k) for i, _ in layouts[name]), default=hi)  # the first layout statement
     if not _apply(fn, site, q, k, nq, nk, sites, skip, watch, holder, reshaped, stream and stream[1]):
         return Unfusable(f"every path to its RoPE call reads {q} or {k} after their norms")
@@ -758,12 +857,14 @@ def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watch, holde
                                          old)[0]
         last = max(nq.index, nk.index)
         pending = "True"
-        if nq.cast is not None:  # deferred where the cast changes nothing (the op returns x's dtype); else run here
-            cast = _text(nq.cast)
-            pending = (f"{q}.dtype == {cast} and {k}.dtype == {cast}\nif not {PENDING}:"
-                       + "".join(f"\n    {name} = {site.owner}.{attr}({name}).to({cast})"
-                                 for name, attr in sorted(((q, nq.attr), (k, nk.attr)),
-                                                          key=lambda p: (nq if p[0] == q else nk).index)))
+        if nq.cast is not None:  # deferred where the cast changes nothing: the fused call's norms (which do
+            cast = _text(nq.cast)  # not cast) return its dtype, as the call's defers_cast says; else run here
+            def written(n, name):
+                text = f"{name} = {site.owner}.{n.attr}({name}).to({cast})"
+                return text if n.arg is not None else f"if {site.owner}.{n.attr} is not None:\n    {text}"
+            in_order = sorted(((nq, q), (nk, k)), key=lambda p: p[0].index)
+            pending = (f"{holder}.defers_cast({site.owner}, {site.q_norm!r}, {site.k_norm!r}, {q}, {k}, {cast})"
+                       f"\nif not {PENDING}:" + indent("".join("\n" + written(n, name) for n, name in in_order)))
         flags = parse(f"{PENDING} = {pending}" + (f"\n{STREAMS} = False" if stream is not None else ""),
                       fn.body[last])
         fn.body[last:last + 1] = [fn.body[last], *flags]
@@ -776,6 +877,14 @@ def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watch, holde
                          + [_text(w) for w in call.keywords])
         fused_call = (f"{q}, {k} = {holder}({site.owner}, {site.q_norm!r}, {site.k_norm!r}, "
                       f"{site.mode!r} if {PENDING} else None, {site.rope}, {q}, {k}" + (f", {rest})" if rest else ")"))
+        if site.sliced is not None:  # the fused call where the norms are pending (and k is rotated), else
+            spec = site.sliced  # the norms alone if pending, then the statements as written
+            written = "".join(f"\n{_text(each)}" for each in [stmt, *others])
+            cond = PENDING if spec.guard is None else f"{PENDING} and ({spec.guard})"
+            fused_call = (f"if {cond}:\n    {q}, {k} = {holder}({site.owner}, {site.q_norm!r}, {site.k_norm!r}, "
+                          f"('slice', {spec.dim}, {spec.start}), {site.rope}, {q}, {k}"
+                          + (f", {rest})" if rest else ")")
+                          + "\nelse:" + indent("\n" + materialize(site.mode) + written))
         if site.rotated is not None:  # the five statements as written, where the norms already ran
             written = "".join(f"\n{_text(each)}" for each in [stmt, *others])
             fused_call = (f"if {PENDING}:\n    {q}, {k} = {holder}({site.owner}, {site.q_norm!r}, {site.k_norm!r}, "

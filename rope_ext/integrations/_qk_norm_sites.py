@@ -249,13 +249,16 @@ def find_sites(tree: ast.Module, module: str, rope_forms: dict, known_norms: dic
     return sites
 
 
-def rewrite_plan(group: str, module, node: ast.FunctionDef, site: FusionSite, call, patcher) -> list:
+def rewrite_plan(group: str, module, node: ast.FunctionDef, site: FusionSite, call, patcher,
+                 prepare=lambda fn: fn) -> list:
     """The assignments (``_engine.method_rewrite_plan``'s) that rewrite site's method, ``node`` as
-    its file defines it, into calls of ``call``. Raises ValueError where the method is not the
-    file's, or no longer holds the site it was classified with."""
+    its file defines it, into calls of ``call``; ``prepare(fn)`` edits the copy first, as the site
+    was classified on (diffusers' inline RoPE statements read as calls). Raises ValueError where
+    the method is not the file's, or no longer holds the site it was classified with."""
     found = []
 
     def rewrite(fn, holder):
+        prepare(fn)
         s = site.site
         found.append(fusion_rewrite(fn, s.owner, {s.rope}, {s.q_norm, s.k_norm}, holder))
 
@@ -277,5 +280,9 @@ def site_text(site: FusionSite) -> str:
             f"({site.site.owner}.{stream.q_norm}/{stream.k_norm}), each with its rows of the tables")
         rotated = site.site.rotated
         partial = "" if rotated is None else f", its first {rotated} columns rotated (sliced and joined)"
+        sliced = site.site.sliced
+        if sliced is not None:
+            partial += (f", RoPE written into the rows of dim {sliced.dim} from {sliced.start} on"
+                        + (f" (k's where {sliced.guard})" if sliced.guard else ""))
         return f"qk-norm {site.method}: fused, {what}over {across[site.site.mode]}{partial}{joined}"
     return f"qk-norm {site.method}: not fused: {site.reason}"

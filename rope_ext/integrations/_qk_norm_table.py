@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rope_ext.integrations._qk_norm_rewrite import Site, Stream
+from rope_ext.integrations._qk_norm_rewrite import Site, Slice, Stream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,13 +194,17 @@ TRANSFORMERS = Table(tested={**_TESTED_4_57_6, **_TESTED_5_23_0, **_TESTED_5_24_
 
 
 def _attn(rope: str, mode: str = "head", q: str = "norm_q", k: str = "norm_k", pair: bool = True,
-          owner: str = "attn", stream: Stream | None = None) -> Site:
-    return Site(owner, q, k, rope, pair, mode, stream)
+          owner: str = "attn", stream: Stream | None = None, cast: bool = False, sliced: Slice | None = None) -> Site:
+    return Site(owner, q, k, rope, pair, mode, stream, cast=cast, sliced=sliced)
 
 
 # The text stream of Flux's double-stream blocks (and the processors written like them): its own
 # norms, concatenated in front of the image tokens along the sequence dim of (B, S, H, D).
 _TEXT_FIRST = Stream("encoder_query", "encoder_key", "norm_added_q", "norm_added_k", True, 1)
+
+# The CogVideoX processors' RoPE, written into the image tokens' rows of (B, H, S, D) q and k, behind
+# the text's; k's not in cross-attention.
+_TEXT_AT_2_UNLESS_CROSS = Slice(2, "text_seq_length", "not attn.is_cross_attention")
 
 
 # diffusers 0.42.1: the processors' ``__call__`` fingerprints (``site_key`` of the method alone: the
@@ -237,25 +241,25 @@ _DIFFUSERS_TESTED_0_42_1 = {
     "e2dbac4a15db0071": _attn('apply_rotary_emb', mode='heads_bshd'),  # skyreels_v2:SkyReelsV2AttnProcessor
     "2c01df61fa9c6108": _attn('apply_rotary_emb'),  # attention_processor:MochiAttnProcessor2_0
     "0a6d5d8c65b531de": _attn('apply_rotary_emb'),  # krea2:Krea2AttnProcessor
+    "79caa365091d7d25": _attn('apply_rotary_emb', sliced=_TEXT_AT_2_UNLESS_CROSS),  # attention_processor:CogVideoXAttnProcessor2_0
+    "1da22b5fab3feb24": _attn('apply_rotary_emb', sliced=_TEXT_AT_2_UNLESS_CROSS),  # attention_processor:FusedCogVideoXAttnProcessor2_0
+    "ae75b073a9b83238": _attn('apply_rotary_emb', cast=True, sliced=Slice(2, 'text_seq_length')),  # cogview4:CogView4AttnProcessor
+    "53d3e11cde96988c": _attn('apply_rotary_emb', cast=True, sliced=Slice(2, 'text_seq_length')),  # cogview4:CogView4TrainingAttnProcessor
+    "8dcd921f57c02e4c": _attn('apply_rotary_emb', sliced=Slice(2, 'encoder_hidden_states.shape[1]', 'not attn.is_cross_attention')),  # easyanimate:EasyAnimateAttnProcessor2_0
+    "2dcc9964c23ca448": _attn('apply_rotary_emb', cast=True, sliced=Slice(1, 'text_seq_length')),  # glm_image:GlmImageAttnProcessor
+    "ab9566f0cb67aefe": _attn('_rope_ext_inline_rope'),  # ideogram4:Ideogram4AttnProcessor (its RoPE written inline)
 }
 _DIFFUSERS_UNFUSABLE_0_42_1 = {
     "94eaa9513f1c9a0f": "apply_rotary_emb's signature (complex as given) has no fused call yet",  # anyflow:AnyFlowAttnProcessor, anyflow_far:AnyFlowAttnProcessor
     "97ce1c816c662ef2": "apply_rotary_emb's signature (complex as given) has no fused call yet",  # anyflow_far:AnyFlowCausalAttnProcessor
-    "79caa365091d7d25": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # attention_processor:CogVideoXAttnProcessor2_0
-    "1da22b5fab3feb24": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # attention_processor:FusedCogVideoXAttnProcessor2_0
     "733689e73b1f7c2b": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # attention_processor:FusedHunyuanAttnProcessor2_0
     "dc1e514456349b40": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # attention_processor:HunyuanAttnProcessor2_0
     "4eff0013f8a2021c": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # attention_processor:LuminaAttnProcessor2_0
     "53e21922e0121cce": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # attention_processor:PAGCFGHunyuanAttnProcessor2_0
     "b5167208ea8af061": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # attention_processor:PAGHunyuanAttnProcessor2_0
     "9bcf10a568f7f4f5": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # attention_processor:StableAudioAttnProcessor2_0
-    "ae75b073a9b83238": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # cogview4:CogView4AttnProcessor
-    "53d3e11cde96988c": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # cogview4:CogView4TrainingAttnProcessor
-    "58d439e72c20950c": 'its RoPE is written inline (x * cos + _rotate_half(x) * sin)',  # cosmos3:Cosmos3AttnProcessor
-    "8dcd921f57c02e4c": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # easyanimate:EasyAnimateAttnProcessor2_0
+    "58d439e72c20950c": '`k_und_for_gen = attn.k_norm_und_for_gen(k_und) if attn.k_norm_und_for_gen is not` uses q_und, k_und or what their norms read between the norms and RoPE',  # cosmos3:Cosmos3AttnProcessor
     "f888cadc21cfe778": '`ip_query = query` uses query, key or what their norms read between the norms and RoPE',  # flux:FluxIPAdapterAttnProcessor
-    "2dcc9964c23ca448": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # glm_image:GlmImageAttnProcessor
-    "ab9566f0cb67aefe": 'its RoPE is written inline (x * cos + _rotate_half(x) * sin)',  # ideogram4:Ideogram4AttnProcessor
     "99a59536cdc0c22c": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # longcat_audio_dit:AudioDiTCrossAttnProcessor
     "8cd73c611d4fb30b": '`query = query.view(batch_size, -1, attn.heads, head_dim)` uses query, key or what their norms read between the norms and RoPE',  # longcat_audio_dit:AudioDiTSelfAttnProcessor
     "3735e6ca5897c9f1": "apply_split_rotary_emb's signature (split, half tables) has no fused call yet",  # ltx2:LTX2AudioVideoAttnProcessor, sana_wm_refiner:SanaWMLTX2AudioVideoAttnProcessor

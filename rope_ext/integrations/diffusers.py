@@ -40,6 +40,7 @@ A model file's name is its file stem without a leading ``transformer_``: ``"flux
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import functools
 import importlib
@@ -294,6 +295,9 @@ def _processor_ropes(name: str, qualname: str, fn: ast.FunctionDef) -> dict:
     for node in ast.walk(fn):
         if isinstance(node, ast.ImportFrom):
             ropes.update({local: _shared_form(local) for local in _imports_shared(node)})
+    inline = [f.form for f in own if f.kind == "inline" and f.name == qualname]
+    if inline:  # (its inline statements, read as calls of _INLINE_ROPE: see _as_calls)
+        ropes[_INLINE_ROPE] = inline[0]
     return ropes
 
 
@@ -321,14 +325,15 @@ def _fusion_sites(name: str, judge=_table_judge) -> tuple[_qk_norm_sites.FusionS
             attrs = {n.func.attr for n in ast.walk(fn) if isinstance(n, ast.Call)
                      and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
                      and n.func.value.id == owner and _QK_NORM.match(n.func.attr)}
+            key = _qk_norm_sites.site_key(_engine.fingerprint(definitions, fn), [])  # (of the code as written)
             ropes = _processor_ropes(name, qualname, fn)
+            fn = _as_calls(name, qualname, fn)  # (inline RoPE statements as calls of _INLINE_ROPE)
             called = {n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
                       and n.func.id in ropes}
             if not attrs or not (called or qualname in inline):
                 continue
-            key = _qk_norm_sites.site_key(_engine.fingerprint(definitions, fn), [])
             site = _qk_norm_sites.FusionSite(module, qualname, (), None, None, fingerprint=key)
-            reason = "its RoPE is written inline (x * cos + _rotate_half(x) * sin)" if qualname in inline else None
+            reason = None
             for rope in sorted(called):
                 form = ropes[rope]
                 if reason is None and (form is None or form.signature not in _diffusers_forms.FUSED_TABLES):
@@ -343,13 +348,14 @@ def _fusion_sites(name: str, judge=_table_judge) -> tuple[_qk_norm_sites.FusionS
 @functools.cache
 def _fused_norms(name: str) -> dict:
     """norm class -> (NormForm, forward): the q/k norm classes the fused op may stand in for in the
-    processors of file ``name``: torch's RMSNorm, and the classes of diffusers' normalization module
-    and of the file itself whose code is of a tested form (``_diffusers_forms.KNOWN_NORMS``, by the
+    processors of file ``name``: torch's RMSNorm and LayerNorm, and the classes of diffusers'
+    normalization module and of the file itself whose code is of a tested form (``_diffusers_forms.KNOWN_NORMS``, by the
     fingerprint of the class block: a release that changes one is not fused)."""
     import torch
     from diffusers.models import normalization
 
-    norms = {torch.nn.RMSNorm: (_diffusers_forms.TORCH_RMS_NORM, torch.nn.RMSNorm.forward)}
+    norms = {torch.nn.RMSNorm: (_diffusers_forms.TORCH_RMS_NORM, torch.nn.RMSNorm.forward),
+             torch.nn.LayerNorm: (_qk_norm_call.TORCH_LAYER_NORM, torch.nn.LayerNorm.forward)}
     for module in (normalization, importlib.import_module(_files()[name][1])):
         tree = ast.parse(open(module.__file__, encoding="utf-8").read())
         definitions = _engine.module_definitions(tree)
@@ -379,15 +385,19 @@ def _fusion_plan(name: str, site: _qk_norm_sites.FusionSite, module, plan: list)
     node = dict(_engine.function_defs(_parsed(name)[0]))[site.method]
     form = _processor_ropes(name, site.method, node)[rope]
     inner = any(f.kind == "inner" and f.name == f"{site.method}.{rope}" for f in model_report(name).functions)
-    allowed = None
-    if not inner:
+    allowed, bound = None, []
+    if rope == _INLINE_ROPE:  # RoPE written inline: the fused code calls rope_ext's function by this name
+        allowed = (_replacement(form),)
+        bound = [(name, module, _INLINE_ROPE, _replacement(form))]
+    elif not inner:
         stock = getattr(module, rope, None)
         allowed = (stock, _replacement(form)) if stock is not None else None
         if stock is None:  # imported when called: embeddings' function, or rope_ext's stand-in for it
             embeddings = importlib.import_module("diffusers.models.embeddings")
             allowed = (_patcher.original("embeddings", embeddings, rope), _replacement(form))
     call = _fused_call(name, site.method, allowed, form, site.site.pair)
-    fused = _qk_norm_sites.rewrite_plan(name, module, node, site, call, _patcher)
+    fused = bound + _qk_norm_sites.rewrite_plan(name, module, node, site, call, _patcher,
+                                                lambda fn: _as_calls(name, site.method, fn, in_place=True))
     method = _engine.resolve(module, site.method)
     trampolined = [v for g, o, a, v in plan if o is method and a == "__code__"]
     if inner and trampolined:  # the RoPE patch's trampoline, in the fused code too
@@ -438,23 +448,46 @@ def _plan_site(name: str, fn: RopeFunction, module):
     return _engine.trampoline_plan(name, module, method, inner, replacement, _patcher)
 
 
+def _inline_helper(node: ast.FunctionDef) -> str:
+    return next(n.func.id for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                and _ROTATE_HALF.match(n.func.id))
+
+
+def _inline_calls(stmts, helper: str, callee: str) -> None:
+    """Each statement ``t = x * cos + helper(x) * sin`` of stmts (edited in place) as
+    ``t = callee(x, cos, sin)``."""
+    for i, stmt in enumerate(stmts):
+        names = _inline_rotation(stmt, helper)
+        if names:
+            target, x, cos, sin = names
+            stmts[i] = _engine.located(ast.parse(f"{target} = {callee}({x}, {cos}, {sin})").body, stmt)[0]
+
+
 def _inline_plan(name: str, fn: RopeFunction, module):
     """A method whose statements ``t = x * cos + _rotate_half(x) * sin`` become
     ``t = <rope_ext's function>(x, cos, sin)``, the rest of its code as written."""
-    tree, _ = _parsed(name)
-    node = dict(_engine.function_defs(tree))[fn.name]
-    helper = next(n.func.id for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-                  and _ROTATE_HALF.match(n.func.id))
+    node = dict(_engine.function_defs(_parsed(name)[0]))[fn.name]
+    helper = _inline_helper(node)
+    return _engine.method_rewrite_plan(name, module, fn.name, node,
+                                       _engine.per_block(lambda stmts, holder: _inline_calls(stmts, helper, holder)),
+                                       fn.replacement, _patcher)
 
-    def rewrite_block(stmts, holder):
-        for i, stmt in enumerate(stmts):
-            names = _inline_rotation(stmt, helper)
-            if names:
-                target, x, cos, sin = names
-                stmts[i] = _engine.located(ast.parse(f"{target} = {holder}({x}, {cos}, {sin})").body, stmt)[0]
 
-    return _engine.method_rewrite_plan(name, module, fn.name, node, _engine.per_block(rewrite_block), fn.replacement,
-                                       _patcher)
+# The module global a fused processor whose RoPE is written inline calls for it: its inline
+# statements read as calls of this name (``_as_calls``), bound to rope_ext's function for the form.
+_INLINE_ROPE = "_rope_ext_inline_rope"
+
+
+def _as_calls(name: str, qualname: str, fn: ast.FunctionDef, in_place: bool = False) -> ast.FunctionDef:
+    """fn, a processor method of file ``name``, with its inline RoPE statements as calls of
+    ``_INLINE_ROPE`` (a copy, or fn edited where ``in_place``), where its RoPE is written inline;
+    else fn itself."""
+    if not any(f.kind == "inline" and f.name == qualname for f in _site_table(name)[0]):
+        return fn
+    out = fn if in_place else copy.deepcopy(fn)
+    helper = _inline_helper(out)
+    _engine.rewrite_each_block(out, lambda stmts: _inline_calls(stmts, helper, _INLINE_ROPE))
+    return out
 
 
 def patch(models=None, *, strict: bool = False, qk_norm: bool = True) -> _engine.Patched:
@@ -469,12 +502,12 @@ def patch(models=None, *, strict: bool = False, qk_norm: bool = True) -> _engine
             process; the other files are switched all the same. So does a processor whose QK-norm
             fusion rope_ext fails to rewrite, named or not: its file's RoPE is switched without it.
         strict: with ``models=None``, make a refused file or fusion an error instead of a warning.
-        qk_norm: also fuse each processor's q/k RMS norms into its RoPE calls, one
+        qk_norm: also fuse each processor's q/k norms into its RoPE calls, one
             :func:`rope_ext.qk_norm_rotary` call for q and k, where the file's ``qk_norms`` say it
-            is fused (Flux, Wan, QwenImage, HunyuanVideo, LTX, ...; see the listing). Each call
-            checks that the attention's norms are torch's RMSNorm or a diffusers RMS norm class of a tested
-            form (RMSNorm, MochiRMSNorm, Krea2RMSNorm), unhooked, and runs
-            diffusers' own code where they are not.
+            is fused (Flux, Wan, QwenImage, HunyuanVideo, LTX, CogVideoX, ...; see the listing).
+            Each call checks that the attention's norms are torch's RMSNorm or LayerNorm, or a
+            diffusers norm class of a tested form (RMSNorm, MochiRMSNorm, Krea2RMSNorm), unhooked,
+            and runs diffusers' own code where they are not.
 
     Returns:
         The files this call switched, and the files named that reach RoPE only through them (a
@@ -620,7 +653,7 @@ def main() -> None:
     with_norms = [r for r in reports.values() if r.qk_norms]
     fused = [r for r in with_norms if any(site.fused for site in r.qk_norms)]
     print(f"{len(with_norms)} have processors that normalize q and k and apply RoPE; {len(fused)} fuse them in at "
-          "least one (where the norms are RMS norms of a tested form and the tables ones the op takes)")
+          "least one (where the norms are of a tested form and the tables ones the op takes)")
 
 
 if __name__ == "__main__":

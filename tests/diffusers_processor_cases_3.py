@@ -1,0 +1,161 @@
+"""Attention processors that write RoPE into a slice of q and k in place (the text tokens in front
+of the image's, normalized with them and left unrotated), and that patch(qk_norm=True) fuses into
+one qk_norm_rotary call over the whole of q and k: CogVideoX's, CogView4's, GLM-Image's and
+EasyAnimate's. Each case is the file's own attention module at tiny dims (32 wide, 2 heads of 16,
+torch's LayerNorm as the q/k norm, as their models build it), driven by fixed-seed inputs and the
+rotary tables its transformer builds with its own pos-embed code. Same contract as
+diffusers_processor_cases_1.py: CASES["<file>:<Processor.__call__>"] = Case(build, fused_calls).
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+from diffusers_processor_cases_1 import B, Case, _flat, _randn, _randomized
+
+
+def _attention(processor, **kwargs):
+    from diffusers.models.attention_processor import Attention
+
+    torch.manual_seed(0)
+    return _randomized(Attention(query_dim=32, heads=2, dim_head=16, qk_norm="layer_norm", processor=processor,
+                                 **kwargs))
+
+
+def _text_mask(txt):
+    """(B, txt) 1 for a prompt's tokens, 0 for padding: the second prompt two tokens shorter."""
+    mask = torch.ones(B, txt, dtype=torch.int32)
+    mask[1, txt - 2:] = 0
+    return mask
+
+
+# --- attention_processor (CogVideoX) ------------------------------------------------------------
+
+
+def _cogvideox_rotary(frames, height, width):
+    """get_3d_rotary_pos_embed over frames x height x width patches, as CogVideoX's pipeline builds it."""
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+    return get_3d_rotary_pos_embed(embed_dim=16, crops_coords=((0, 0), (height, width)), grid_size=(height, width),
+                                   temporal_size=frames, use_real=True)
+
+
+def _cogvideox(fused_projections):
+    def build():
+        # CogVideoXBlock's attention: LayerNorm q/k norms with their weights and biases (eps 1e-6)
+        from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0, FusedCogVideoXAttnProcessor2_0
+
+        processor = FusedCogVideoXAttnProcessor2_0() if fused_projections else CogVideoXAttnProcessor2_0()
+        module = _attention(processor, eps=1e-6, bias=True, out_bias=True)
+        if fused_projections:
+            module.fuse_projections()
+        frames, height, width, txt = 2, 3, 4, 5
+        rotary = _cogvideox_rotary(frames, height, width)
+
+        def run(m):
+            out = m(_randn(m, B, frames * height * width, 32, seed=1),
+                    encoder_hidden_states=_randn(m, B, txt, 32, seed=2), image_rotary_emb=rotary)
+            return _flat(out)
+
+        return module, run
+
+    return build
+
+
+# --- cogview4, glm_image ------------------------------------------------------------------------
+
+
+def _image_rotary(file, embed, height, width, **kwargs):
+    """The file's own pos-embed module over a height x width grid of 2 x 2 patches."""
+    cls = getattr(importlib.import_module(f"diffusers.models.transformers.transformer_{file}"), embed)
+    return cls(dim=16, patch_size=2, **kwargs)(torch.zeros(B, 4, 2 * height, 2 * width))
+
+
+def _cogview4(processor_name):
+    def build():
+        # CogView4TransformerBlock's attention: LayerNorm q/k norms without parameters (eps 1e-5)
+        from diffusers.models.transformers import transformer_cogview4
+
+        module = _attention(getattr(transformer_cogview4, processor_name)(), out_dim=32, bias=True,
+                            elementwise_affine=False, eps=1e-5)
+        height, width, txt = 3, 4, 5
+        rotary = _image_rotary("cogview4", "CogView4RotaryPosEmbed", height, width, rope_axes_dim=(8, 8))
+        if processor_name == "CogView4AttnProcessor":
+            masks = {"attention_mask": _text_mask(txt).float()}
+        else:  # the training processor's masks, unpacked (batch_flag None)
+            masks = {"text_attn_mask": _text_mask(txt)}
+
+        def run(m):
+            out = m(_randn(m, B, height * width, 32, seed=1), encoder_hidden_states=_randn(m, B, txt, 32, seed=2),
+                    image_rotary_emb=rotary, **masks)
+            return _flat(out)
+
+        return module, run
+
+    return build
+
+
+def _glm_image():
+    # GlmImageTransformerBlock's attention: as CogView4's, q and k (B, S, H, D), RoPE along dim 1
+    from diffusers.models.transformers.transformer_glm_image import GlmImageAttnProcessor
+
+    module = _attention(GlmImageAttnProcessor(), out_dim=32, bias=True, elementwise_affine=False, eps=1e-5)
+    height, width, txt = 3, 4, 5
+    rotary = _image_rotary("glm_image", "GlmImageRotaryPosEmbed", height, width)
+
+    def run(m):
+        out = m(_randn(m, B, height * width, 32, seed=1), encoder_hidden_states=_randn(m, B, txt, 32, seed=2),
+                attention_mask=_text_mask(txt), image_rotary_emb=rotary)
+        return _flat(out)
+
+    return module, run
+
+
+# --- easyanimate --------------------------------------------------------------------------------
+
+
+class _BothBlocks(torch.nn.Module):
+    """EasyAnimate's attention as its two kinds of block build it: without added projections (the
+    text joined in front of the image before the projections: fused) and with them (an MMDiT block:
+    the text's own norms and the cat come between the norms and RoPE, so the norms run alone there)."""
+
+    def __init__(self, single, mmdit):
+        super().__init__()
+        self.single, self.mmdit = single, mmdit
+
+    @property
+    def processor(self):
+        return self.single.processor
+
+
+def _easyanimate():
+    from diffusers.models.transformers.transformer_easyanimate import (
+        EasyAnimateAttnProcessor2_0,
+        EasyAnimateRotaryPosEmbed,
+    )
+
+    kwargs = dict(eps=1e-6, bias=True, added_proj_bias=True)
+    single = _attention(EasyAnimateAttnProcessor2_0(), **kwargs)
+    mmdit = _attention(EasyAnimateAttnProcessor2_0(), added_kv_proj_dim=32, context_pre_only=False, **kwargs)
+    module = _BothBlocks(single, mmdit)
+    frames, height, width, txt = 2, 3, 4, 5
+    rotary = EasyAnimateRotaryPosEmbed(patch_size=2, rope_dim=16)(torch.zeros(B, 4, frames, 2 * height, 2 * width))
+
+    def run(m):
+        hidden = _randn(m, B, frames * height * width, 32, seed=1)
+        text = _randn(m, B, txt, 32, seed=2)
+        outs = [_flat(block(hidden, encoder_hidden_states=text, image_rotary_emb=rotary))
+                for block in (m.single, m.mmdit)]
+        return torch.cat([o.flatten() for o in outs])
+
+    return module, run
+
+
+CASES = {
+    "attention_processor:CogVideoXAttnProcessor2_0.__call__": Case(_cogvideox(False), 1),
+    "attention_processor:FusedCogVideoXAttnProcessor2_0.__call__": Case(_cogvideox(True), 1),
+    "cogview4:CogView4AttnProcessor.__call__": Case(_cogview4("CogView4AttnProcessor"), 1),
+    "cogview4:CogView4TrainingAttnProcessor.__call__": Case(_cogview4("CogView4TrainingAttnProcessor"), 1),
+    "glm_image:GlmImageAttnProcessor.__call__": Case(_glm_image, 1),
+    "easyanimate:EasyAnimateAttnProcessor2_0.__call__": Case(_easyanimate, 1),
+}
