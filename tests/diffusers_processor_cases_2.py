@@ -318,6 +318,38 @@ def _ideogram4():
     return attn, run
 
 
+class _BothAttentions(torch.nn.Module):
+    """Stable Audio 3's self-attention both ways: differential (its default: q1, q2 normalized by
+    q_norm, k1, k2 by k_norm, two fused calls) and plain (q and k, one call)."""
+
+    def __init__(self, differential, plain):
+        super().__init__()
+        self.differential, self.plain = differential, plain
+
+    @property
+    def processor(self):
+        return self.differential.processor
+
+
+def _stable_audio3():
+    # StableAudio3SelfAttention 32 wide, 2 heads of 16, StableAudio3RMSNorm (gamma, float32); its
+    # StableAudio3RotaryEmbedding over the first 8 of each head's 16 columns (partial RoPE)
+    m = _file("stable_audio3")
+    torch.manual_seed(0)
+    both = _BothAttentions(*(m.StableAudio3SelfAttention(dim=32, dim_heads=16, use_differential=differential)
+                             for differential in (True, False)))
+    _randomize(both, pattern=("q_norm", "k_norm")).eval()
+    seq = 10
+    rope = m.StableAudio3RotaryEmbedding(dim=8)(seq, torch.device("cpu"))
+    x = _randn(B, seq, 32, seed=1)
+
+    def run(module):
+        xs = x.to(_dtype(module))
+        return torch.cat([module.differential(xs, rope).flatten(), module.plain(xs, rope).flatten()])
+
+    return both, run
+
+
 CASES = {
     "flux2:Flux2KVParallelSelfAttnProcessor.__call__": Case(_flux2_kv_parallel, 1),
     "ideogram4:Ideogram4AttnProcessor.__call__": Case(_ideogram4, 1),
@@ -331,4 +363,5 @@ CASES = {
     "nucleusmoe_image:NucleusMoEAttnProcessor2_0.__call__": Case(_nucleusmoe_image, 1),
     "prx:PRXAttnProcessor2_0.__call__": Case(_prx, 1),
     "skyreels_v2:SkyReelsV2AttnProcessor.__call__": Case(_skyreels_v2, 1),
+    "stable_audio3:StableAudio3SelfAttnProcessor.__call__": Case(_stable_audio3, 3),
 }

@@ -26,21 +26,25 @@ def _norm_classes():
     """kind -> (class, make(n, eps, affine), a file whose processors may meet it)."""
     from diffusers.models.normalization import MochiRMSNorm, RMSNorm
     from diffusers.models.transformers.transformer_krea2 import Krea2RMSNorm
+    from diffusers.models.transformers.transformer_stable_audio3 import StableAudio3RMSNorm
 
     return {"torch": (torch.nn.RMSNorm, lambda n, eps, affine: torch.nn.RMSNorm(n, eps=eps, elementwise_affine=affine),
                       "flux"),
             "diffusers": (RMSNorm, lambda n, eps, affine: RMSNorm(n, eps=eps, elementwise_affine=affine), "flux"),
             "mochi": (MochiRMSNorm, lambda n, eps, affine: MochiRMSNorm(n, eps=eps, elementwise_affine=affine),
                       "attention_processor"),
-            "krea2": (Krea2RMSNorm, lambda n, eps, affine: Krea2RMSNorm(n, eps=eps), "krea2")}
+            "krea2": (Krea2RMSNorm, lambda n, eps, affine: Krea2RMSNorm(n, eps=eps), "krea2"),
+            "stable_audio3": (StableAudio3RMSNorm, lambda n, eps, affine: StableAudio3RMSNorm(n, eps=eps),
+                              "stable_audio3")}
 
 
-# (eps=None is torch's RMSNorm's alone; Krea2RMSNorm always has a weight)
-NORM_CASES = [(kind, eps, affine, x, w) for kind in ("torch", "diffusers", "mochi", "krea2") for eps in (1e-6, None)
-              for affine in (True, False)
+# (eps=None is torch's RMSNorm's alone; Krea2RMSNorm and StableAudio3RMSNorm always have a weight)
+NORM_CASES = [(kind, eps, affine, x, w) for kind in ("torch", "diffusers", "mochi", "krea2", "stable_audio3")
+              for eps in (1e-6, None) for affine in (True, False)
               for x, w in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                            (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16))
-              if (kind == "torch" or eps is not None) and (affine or x == w) and (affine or kind != "krea2")]
+              if (kind == "torch" or eps is not None) and (affine or x == w)
+              and (affine or kind not in ("krea2", "stable_audio3"))]
 
 
 @pytest.mark.parametrize("kind,eps,affine,x_dtype,w_dtype", NORM_CASES)
@@ -58,7 +62,7 @@ def test_norm_class_matches_its_form(kind, eps, affine, x_dtype, w_dtype):
     norm = make(32, eps, affine)
     if affine:
         with torch.no_grad():
-            norm.weight.copy_(torch.randn(32, generator=gen, dtype=torch.float64) * 0.5 + 0.3)
+            getattr(norm, form.weight).copy_(torch.randn(32, generator=gen, dtype=torch.float64) * 0.5 + 0.3)
     norm = norm.to(w_dtype)
     x = (torch.randn(3, 5, 4, 32, generator=gen, dtype=torch.float64) * 3).to(x_dtype)
     expected = norm(x)
@@ -360,6 +364,27 @@ def test_a_slice_in_place_processor_the_fusion_does_not_take_runs_diffusers_code
     finally:
         if handle is not None:
             handle.remove()
+    assert "qk_norm_rotary" not in names and names, names
+    assert torch.equal(out, stock)
+
+
+def test_a_norm_of_a_form_only_with_an_attribute_set_is_not_fused_without_it():
+    """Stable Audio 3's norm is of its form only with force_fp32 (without it, it computes in x's
+    dtype): with it off, both its attentions run diffusers' code bit for bit, and no fused op."""
+    import diffusers_processor_cases_2 as cases
+
+    module, run = cases.CASES["stable_audio3:StableAudio3SelfAttnProcessor.__call__"].build()
+    module = module.to(torch.bfloat16)
+
+    def outputs(**kwargs):
+        with torch.no_grad(), rope_diffusers.patch(["stable_audio3"], **kwargs), RopeOpSpy() as spy:
+            return run(module), spy.names
+
+    assert outputs()[1].count("qk_norm_rotary") == 3
+    for norm in (m for m in module.modules() if type(m).__name__ == "StableAudio3RMSNorm"):
+        norm.force_fp32 = False
+    stock, _ = outputs(qk_norm=False)
+    out, names = outputs()
     assert "qk_norm_rotary" not in names and names, names
     assert torch.equal(out, stock)
 

@@ -1254,6 +1254,47 @@ def test_rope_written_into_a_slice_is_one_call_where_the_norms_are_pending():
         assert isinstance(found, _qk_norm_rewrite.Unfusable), (edit, found)
 
 
+_TUPLES = """
+def forward(self, a, b, c, d, t):
+    a, b = self.q_norm(a), self.q_norm(b)
+    c, d = self.k_norm(c), self.k_norm(d)
+    a, b = rope(a, t), rope(b, t)
+    c, d = rope(c, t), rope(d, t)
+    return a, b, c, d
+"""
+
+
+def test_tuple_statements_of_norms_then_rope_are_a_call_per_pair():
+    """Stable Audio 3's differential form: two pairs normalized by tuple statements, then rotated by
+    tuple statements in the same order: one fused call per pair, the norms in the model's order. A
+    RoPE call outside such a run, or tables that read a tensor of the run, is refused."""
+    import types
+
+    fn = ast.parse(_TUPLES).body[0]
+    site = _qk_norm_rewrite.fusion_rewrite(fn, "self", {"rope"}, _ATTRS, "holder")
+    assert site == _qk_norm_rewrite.Site("self", "q_norm", "k_norm", "rope", True, "tuples")
+    calls, normed = [], []
+
+    def holder(module, qa, ka, mode, rope, q, k, *args):
+        calls.append((qa, ka, mode))
+        q, k = getattr(module, qa)(q), getattr(module, ka)(k)
+        return rope(q, *args), rope(k, *args)
+
+    namespace = {"holder": holder, "rope": lambda x, t: x + t}
+    exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), "<test>", "exec"), namespace)
+    module = types.SimpleNamespace(q_norm=lambda x: normed.append(x) or x * 2,
+                                   k_norm=lambda x: normed.append(x) or x * 3)
+    xs = [torch.full((2,), float(i)) for i in range(4)]
+    out = namespace["forward"](module, *xs, 0.5)
+    assert [o.tolist() for o in out] == [[0.5] * 2, [2.5] * 2, [6.5] * 2, [9.5] * 2]
+    assert calls == [("q_norm", "q_norm", "head"), ("k_norm", "k_norm", "head")]
+    assert [n[0].item() for n in normed] == [0, 1, 2, 3]  # (the model's order)
+    for edit in (("c, d = rope(c, t), rope(d, t)", "c, d = rope(c, t), rope(d, t)\n    e = rope(a, t)"),
+                 ("a, b = rope(a, t), rope(b, t)", "a, b = rope(a, c), rope(b, c)")):
+        found = _qk_norm_rewrite.probe(ast.parse(_TUPLES.replace(*edit)).body[0], "self", {"rope"}, _ATTRS)
+        assert isinstance(found, _qk_norm_rewrite.Unfusable), (edit, found)
+
+
 _CAST = """
 def forward(self, x, cos, sin):
     input_shape = x.shape[:-1]

@@ -442,6 +442,19 @@ def _shared_tables(form):
     return tables_of
 
 
+def _last_rows_tables(form):
+    """Stable Audio 3's tables for x ``(batch, seqlen, heads, head_dim)``: cos and sin of the last
+    seqlen rows of its float32 angles, as ``_angles_last_rows`` takes them. They depend on x's
+    length (dim -3): ``by_length`` has the fused call fuse only where k's length is q's."""
+
+    def tables_of(x, freqs):
+        rows = freqs[-x.shape[-3]:].float().unsqueeze(1)
+        return form, rows.cos(), rows.sin()
+
+    tables_of.by_length = True
+    return tables_of
+
+
 def _qwen_tables(form):
     def tables_of(x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
         return real_tables(x, freqs_cis, use_real_unbind_dim, 2) if use_real else _complex_tables(freqs_cis, 1)
@@ -468,9 +481,10 @@ FUSED_TABLES = {
                                                           torch.sin(freqs_cis).to(x.dtype))),
     "2x2 matrices, to x's device": lambda form: (lambda x, freqs_cis: (form, *_matrix_tables(
         freqs_cis.to(device=x.device)))),
+    "angles, last rows": _last_rows_tables,
 }
 # (Every entry's tables depend on x only through its dtype and device, which q and k share: one
-# table serves both. Stable Audio 3's, which takes rows by x's length, is not here.)
+# table serves both; but Stable Audio 3's, which takes rows by x's length: see _last_rows_tables.)
 
 # The q/k norm classes a diffusers attention may hold, with what they compute. torch's RMSNorm (and
 # LayerNorm, _qk_norm_call.TORCH_LAYER_NORM) are taken as torch ships them; diffusers' own by the
@@ -485,4 +499,7 @@ KNOWN_NORMS: dict[str, NormForm] = {
     # transformer_krea2.Krea2RMSNorm: F.rms_norm in float32 with 1 + w (added in w's dtype: the
     # model keeps w in float32), cast back to x's dtype
     "1cbf23ee0af3dad5": NormForm("diffusers Krea2RMSNorm", "eps", offset=1.0, offset_in_weight_dtype=True),
+    # transformer_stable_audio3.StableAudio3RMSNorm: with force_fp32 (its default), x * rsqrt(mean(x^2) +
+    # eps) * gamma in float32, cast back to x's dtype
+    "9f548e9e6d04d09b": NormForm("diffusers StableAudio3RMSNorm", "eps", weight="gamma", set_true=("force_fp32",)),
 }

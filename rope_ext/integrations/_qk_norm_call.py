@@ -37,6 +37,8 @@ class NormForm:
         eps_none: what a None eps means: ``"finfo"``, x's dtype's machine epsilon (torch's RMSNorm).
         unset: attributes that must be None for an instance to be this form (diffusers' RMSNorm
             with a bias, Qwen4-Exp's norm with a group size, compute something else).
+        set_true: attributes that must be True (Stable Audio 3's ``force_fp32``: without it the class
+            computes in x's dtype, which the op does not).
         offset_in_weight_dtype: the class adds ``offset`` in the weight's dtype (Krea2RMSNorm's
             ``self.weight + 1.0``), which rounds for a 16-bit weight; the op adds it in float32, so
             it takes a float32 weight only.
@@ -67,6 +69,7 @@ class NormForm:
     output: str = "input"
     eps_none: str | None = None
     unset: tuple[str, ...] = ()
+    set_true: tuple[str, ...] = ()
     offset_in_weight_dtype: bool = False
     centered: bool = False
     bias: str | None = None
@@ -370,7 +373,8 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
             entry = norms.get(type(norm))
             if entry is None or type(norm).forward is not entry[1] or _hooked(norm):
                 return None
-            if any(getattr(norm, attr) is not None for attr in entry[0].unset):
+            if any(getattr(norm, attr) is not None for attr in entry[0].unset) or not all(
+                    getattr(norm, attr) is True for attr in entry[0].set_true):
                 return None
             found.append(entry[0])
         norm_form = found[0]
@@ -381,6 +385,8 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
         if tables is None:
             return None
         form, cos, sin, tables_heads = RopeTables(*tables)
+        if getattr(tables_of, "by_length", False) and (q.dim() < 3 or q.shape[-3] != k.shape[-3]):
+            return None  # (tables taken by x's length, dim -3: k's are q's rows only at q's length)
         if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.dtype != sin.dtype:
             return None
         compute, out = dtypes(form, q, cos, q.dtype)

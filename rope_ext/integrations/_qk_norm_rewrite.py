@@ -68,7 +68,7 @@ from rope_ext.integrations._engine import located
 HIDDEN_SHAPE = "hidden_shape = (*input_shape, -1, self.head_dim)"
 PENDING = "_rope_ext_qk_norm_pending"  # the local flag: the norms of q and k are still to run
 STREAMS = "_rope_ext_qk_norm_streams"  # and the second stream's norms and cat (set only with PENDING)
-MODES = ("head", "heads_bhsd", "heads_bshd", "after", "single")
+MODES = ("head", "heads_bhsd", "heads_bshd", "after", "single", "tuples")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +115,10 @@ class Site:
         mode: ``"head"`` (the norm's row is the last dim at the RoPE call), ``"heads_bhsd"`` (across
             all heads of a token, q a ``(B, H, S, D)`` view of ``(B, S, H * D)`` rows),
             ``"heads_bshd"`` (across heads, q ``(B, S, H, D)``), ``"after"`` (per head, the norms
-            right after the RoPE call: see :func:`_fuse_after`) or ``"single"`` (per head, each
-            tensor normalized and rotated by its own two statements: see :func:`_fuse_single`).
+            right after the RoPE call: see :func:`_fuse_after`), ``"single"`` (per head, each
+            tensor normalized and rotated by its own two statements: see :func:`_fuse_single`) or
+            ``"tuples"`` (per head, pairs of tensors normalized, then rotated, by tuple statements:
+            see :func:`_fuse_tuples`; q_norm and k_norm are the first and last norm they call).
         stream: the second stream joined to q and k before RoPE and fused with them (mode
             ``"head"`` only), or None.
         rotated: for partial rotary written out (the module docstring's five statements), the
@@ -579,7 +581,8 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
     unchanged in what it runs)."""
     sites = _rope_sites(fn, rope_names)
     if not sites:
-        return _fuse_single(fn, owner, rope_names, norm_attrs, holder)
+        tuples = _fuse_tuples(fn, owner, rope_names, norm_attrs, holder)
+        return tuples if tuples is not None else _fuse_single(fn, owner, rope_names, norm_attrs, holder)
     # the tensors the norms normalize (QwenImage rotates its text tokens too, normalized by other norms)
     normalized = {name for stmt in fn.body for name in _names(stmt)
                   if _norm_statement(stmt, name, owner, norm_attrs) is not None}
@@ -761,6 +764,85 @@ def _fuse_after(fn, owner: str, sites, q: str, k: str, norm_attrs, holder) -> Si
     fused_call = (f"{q}, {k} = {holder}({owner}, {site.q_norm!r}, {site.k_norm!r}, 'after', {site.rope}, {q}, {k}"
                   + (f", {rest})" if rest else ")"))
     block[i:first + 2] = located(ast.parse(fused_call).body, block[i])
+    return site
+
+
+def _tuple_norms(stmt, owner: str, norm_attrs):
+    """((A, B), (attr_a, attr_b)) where stmt is ``A, B = O.<attr_a>(A), O.<attr_b>(B)``; else None."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Tuple)
+            and isinstance(stmt.value, ast.Tuple) and len(stmt.targets[0].elts) == 2 == len(stmt.value.elts)):
+        return None
+    names = [t.id for t in stmt.targets[0].elts if isinstance(t, ast.Name)]
+    calls = [_attr_call(v, owner, norm_attrs) for v in stmt.value.elts]
+    if len(names) != 2 or names[0] == names[1] or None in calls or [_text(c.args[0]) for c in calls] != names:
+        return None
+    return tuple(names), tuple(c.func.attr for c in calls)
+
+
+def _tuple_ropes(stmt, names, rope_names):
+    """The first RoPE call where stmt is ``A, B = <rope>(A, *T), <rope>(B, *T)`` for names (A, B),
+    one function and the same other arguments T, which read neither; else None."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Tuple)
+            and isinstance(stmt.value, ast.Tuple) and len(stmt.value.elts) == 2
+            and [_text(t) for t in stmt.targets[0].elts] == list(names)):
+        return None
+    calls = stmt.value.elts
+    if not all(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in rope_names and c.args
+               and _text(c.args[0]) == name and not any(isinstance(a, ast.Starred) for a in c.args)
+               for c, name in zip(calls, names, strict=True)):
+        return None
+    rest = [_text(ast.Call(c.func, c.args[1:], c.keywords)) for c in calls]
+    if rest[0] != rest[1] or set(names) & _names(calls[0].args[1:] + [w.value for w in calls[0].keywords]):
+        return None
+    return calls[0]
+
+
+def _fuse_tuples(fn, owner: str, rope_names, norm_attrs, holder) -> Site | Unfusable | None:
+    """Stable Audio 3's form: in one block, m statements ``A_i, B_i = O.<a_i>(A_i), O.<b_i>(B_i)``
+    directly followed by m statements ``A_i, B_i = rope(A_i, ...), rope(B_i, ...)`` in the same
+    order (m = 2 for its differential attention, q1 and q2 normalized by q_norm, then k1 and k2 by
+    k_norm). Each pair of tensors is one fused call in place of its RoPE statement, its norm
+    statement dropped: nothing runs between the norms and RoPE, so nothing is deferred, and the
+    norms still run in the model's order (A_1, B_1, A_2, ...), where a fused call falls back to
+    them. Fused only where every RoPE call of the method is in such a run, of one function with
+    the same other arguments. Returns None where the method has no such run."""
+    runs = []  # (block, index of the first norm, [(names, attrs)], [RoPE calls])
+    for block in _blocks(fn):
+        i = 0
+        while i < len(block):
+            norms = []
+            while i + len(norms) < len(block) and (found := _tuple_norms(block[i + len(norms)], owner, norm_attrs)):
+                norms.append(found)
+            ropes = [_tuple_ropes(block[i + len(norms) + j], names, rope_names)
+                     if i + len(norms) + j < len(block) else None for j, (names, _) in enumerate(norms)]
+            names = [n for pair, _ in norms for n in pair]
+            if (norms and None not in ropes and len(set(names)) == len(names)  # (the tables read no tensor of the run)
+                    and not any(set(names) & _names(c.args[1:] + [w.value for w in c.keywords]) for c in ropes)):
+                runs.append((block, i, norms, ropes))
+                i += 2 * len(norms)
+            else:
+                i += max(1, len(norms))
+    if not runs:
+        return None
+    calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id in rope_names]
+    covered = {id(c) for _, _, norms, ropes in runs for c in ropes}
+    covered |= {id(stmt.value.elts[1]) for block, i, norms, _ in runs
+                for stmt in block[i + len(norms):i + 2 * len(norms)]}
+    texts = {_text(ast.Call(c.func, c.args[1:], c.keywords)) for _, _, _, ropes in runs for c in ropes}
+    if {id(c) for c in calls} != covered or len(texts) != 1:
+        return Unfusable("q and k are normalized and rotated by tuple statements, but not as runs of norms then "
+                         "RoPE that hold every RoPE call, of one function with the same tables")
+    attrs = list(dict.fromkeys(a for _, _, norms, _ in runs for _, pair in norms for a in pair))
+    rope = runs[0][3][0].func.id
+    site = Site(owner, attrs[0], attrs[-1], rope, True, "tuples")
+    for block, i, norms, ropes in sorted(runs, key=lambda r: -r[1]):  # (later runs first: indices hold)
+        new = []
+        for ((a, b), (attr_a, attr_b)), call in zip(norms, ropes, strict=True):
+            rest = ", ".join([_text(x) for x in call.args[1:]] + [_text(w) for w in call.keywords])
+            text = f"{a}, {b} = {holder}({owner}, {attr_a!r}, {attr_b!r}, 'head', {rope}, {a}, {b}"
+            new += located(ast.parse(text + (f", {rest})" if rest else ")")).body, block[i + len(norms)])
+        block[i:i + 2 * len(norms)] = new
     return site
 
 

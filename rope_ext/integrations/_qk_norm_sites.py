@@ -272,7 +272,8 @@ def site_text(site: FusionSite) -> str:
     """One fusion site in a listing: fused with what, or why not."""
     if site.fused:
         across = {"head": "each head", "heads_bhsd": "all heads of a token", "heads_bshd": "all heads of a token",
-                  "after": "each head, after RoPE", "single": "each head, q and k in calls of their own"}
+                  "after": "each head, after RoPE", "single": "each head, q and k in calls of their own",
+                  "tuples": "each head, pairs of tensors normalized, then rotated, by tuple statements"}
         what = f"{site.norm_form.describe()}, " if site.norm_form else ""
         stream = site.site.stream
         joined = "" if stream is None else (

@@ -248,6 +248,7 @@ _DIFFUSERS_TESTED_0_42_1 = {
     "8dcd921f57c02e4c": _attn('apply_rotary_emb', sliced=Slice(2, 'encoder_hidden_states.shape[1]', 'not attn.is_cross_attention')),  # easyanimate:EasyAnimateAttnProcessor2_0
     "2dcc9964c23ca448": _attn('apply_rotary_emb', cast=True, sliced=Slice(1, 'text_seq_length')),  # glm_image:GlmImageAttnProcessor
     "ab9566f0cb67aefe": _attn('_rope_ext_inline_rope'),  # ideogram4:Ideogram4AttnProcessor (its RoPE written inline)
+    "fbdbe28da7940038": _attn('_apply_rotary_partial', mode='tuples', q='q_norm', k='k_norm'),  # stable_audio3:StableAudio3SelfAttnProcessor
 }
 _DIFFUSERS_UNFUSABLE_0_42_1 = {
     "94eaa9513f1c9a0f": "apply_rotary_emb's signature (complex as given) has no fused call yet",  # anyflow:AnyFlowAttnProcessor, anyflow_far:AnyFlowAttnProcessor
@@ -267,7 +268,6 @@ _DIFFUSERS_UNFUSABLE_0_42_1 = {
     "c84a5cb7a5e34b50": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # motif_video:MotifVideoCrossAttnProcessor2_0
     "ba11435838dcc90a": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # sana_video:SanaLinearAttnProcessor3_0
     "70f44aaf8e458702": "apply_split_rotary_emb's signature (split, half tables) has no fused call yet",  # sana_wm_refiner:SanaWMLTX2RefinerAttnProcessor
-    "fbdbe28da7940038": "_apply_rotary_partial's signature (angles, last rows) has no fused call yet",  # stable_audio3:StableAudio3SelfAttnProcessor
     "c38d7882685877ba": "rope_apply's signature (grid loop) has no fused call yet",  # wan_animate_2:WanAnimate2AttnProcessor
 }
 
