@@ -350,8 +350,30 @@ def _stable_audio3():
     return both, run
 
 
+def _longcat_audio_dit():
+    # AudioDiTAttention 2x16, its RMSNorm across heads under `if attn.qk_norm:`, the heads split by a
+    # view (B, -1, H, D) before RoPE; AudioDiTRotaryEmbedding's tables, in the model's dtype; a mask with
+    # the second sequence two frames shorter
+    m = _file("longcat_audio_dit")
+    torch.manual_seed(0)
+    attn = _randomize(m.AudioDiTAttention(q_dim=32, kv_dim=None, heads=2, dim_head=16, qk_norm=True,
+                                          processor=m.AudioDiTSelfAttnProcessor()), pattern=("q_norm", "k_norm"))
+    attn.eval()
+    seq = 10
+    mask = torch.ones(B, seq, dtype=torch.bool)
+    mask[1, seq - 2:] = False
+    x = _randn(B, seq, 32, seed=1)
+
+    def run(module):
+        xs = x.to(_dtype(module))
+        return module(xs, attention_mask=mask, audio_rotary_emb=m.AudioDiTRotaryEmbedding(16)(xs))
+
+    return attn, run
+
+
 CASES = {
     "flux2:Flux2KVParallelSelfAttnProcessor.__call__": Case(_flux2_kv_parallel, 1),
+    "longcat_audio_dit:AudioDiTSelfAttnProcessor.__call__": Case(_longcat_audio_dit, 1),
     "ideogram4:Ideogram4AttnProcessor.__call__": Case(_ideogram4, 1),
     "flux3:Flux3AttnProcessor.__call__": Case(_flux3, 1),
     "helios:HeliosAttnProcessor.__call__": Case(_helios, 1),

@@ -1,10 +1,11 @@
 """Attention processors that write RoPE into a slice of q and k in place (the text tokens in front
 of the image's, normalized with them and left unrotated), and that patch(qk_norm=True) fuses into
 one qk_norm_rotary call over the whole of q and k: CogVideoX's, CogView4's, GLM-Image's and
-EasyAnimate's. Each case is the file's own attention module at tiny dims (32 wide, 2 heads of 16,
-torch's LayerNorm as the q/k norm, as their models build it), driven by fixed-seed inputs and the
-rotary tables its transformer builds with its own pos-embed code. Same contract as
-diffusers_processor_cases_1.py: CASES["<file>:<Processor.__call__>"] = Case(build, fused_calls).
+EasyAnimate's (torch's LayerNorm as the q/k norm, as their models build it); and LTX-2's, whose q
+and k may be rotated by tables of their own. Each case is the file's own attention module at tiny
+dims (32 wide, 2 heads of 16), driven by fixed-seed inputs and the rotary tables its transformer
+builds with its own pos-embed code. Same contract as diffusers_processor_cases_1.py:
+CASES["<file>:<Processor.__call__>"] = Case(build, fused_calls).
 """
 from __future__ import annotations
 
@@ -151,6 +152,80 @@ def _easyanimate():
     return module, run
 
 
+# --- ltx2, sana_wm_refiner ----------------------------------------------------------------------
+
+
+class _Attentions(torch.nn.Module):
+    """Several attention modules of one processor class, run one after another by the case."""
+
+    def __init__(self, *modules):
+        super().__init__()
+        self.parts = torch.nn.ModuleList(modules)
+
+    @property
+    def processor(self):
+        return self.parts[0].processor
+
+
+def _ltx2_rotary(rope_type, modality, length):
+    """LTX2AudioVideoRotaryPosEmbed's tables for 2 heads of 16: a 2 x 3 x 4 video, or `length` audio frames."""
+    from diffusers.models.transformers.transformer_ltx2 import LTX2AudioVideoRotaryPosEmbed
+
+    rope = LTX2AudioVideoRotaryPosEmbed(dim=32, modality=modality, rope_type=rope_type, num_attention_heads=2)
+    cpu = torch.device("cpu")
+    coords = (rope.prepare_video_coords(B, 2, 3, 4, cpu) if modality == "video" else
+              rope.prepare_audio_coords(B, length, cpu))
+    return rope(coords)
+
+
+def _ltx2():
+    # LTX2Attention, 2 heads of 16, RMSNorm across heads: video self-attention (interleaved RoPE: one
+    # fused call), audio-to-video cross-attention (q and k rotated by tables of their own: one fused
+    # call each, norm_rotary), and a split-RoPE attention (not fused: the norms, then RoPE as written)
+    from diffusers.models.transformers.transformer_ltx2 import LTX2Attention
+
+    torch.manual_seed(0)
+    kwargs = dict(query_dim=32, heads=2, kv_heads=2, dim_head=16)
+    module = _randomized(_Attentions(LTX2Attention(**kwargs), LTX2Attention(cross_attention_dim=24, **kwargs),
+                                     LTX2Attention(rope_type="split", **kwargs)))
+    video, audio = _ltx2_rotary("interleaved", "video", 0), _ltx2_rotary("interleaved", "audio", 5)
+    video_split = _ltx2_rotary("split", "video", 0)
+
+    def run(m):
+        x, a = _randn(m, B, 24, 32, seed=1), _randn(m, B, 5, 24, seed=2)
+        outs = [m.parts[0](x, query_rotary_emb=video),
+                m.parts[1](x, encoder_hidden_states=a, query_rotary_emb=video, key_rotary_emb=audio),
+                m.parts[2](x, query_rotary_emb=video_split)]
+        return torch.cat([o.flatten() for o in outs])
+
+    return module, run
+
+
+def _sana_wm_refiner():
+    # SanaWMLTX2Attention with the sliding-window refiner's processor, 2 heads of 16: without a KV cache
+    # (fused), and capturing the pre-RoPE keys (read between the norms and RoPE: the norms run there)
+    from diffusers.models.transformers.transformer_sana_wm_refiner import (
+        SanaWMLTX2Attention,
+        SanaWMLTX2RefinerAttnProcessor,
+    )
+
+    torch.manual_seed(0)
+    module = _randomized(_Attentions(*(SanaWMLTX2Attention(query_dim=32, heads=2, kv_heads=2, dim_head=16,
+                                                           processor=SanaWMLTX2RefinerAttnProcessor())
+                                       for _ in range(2))))
+    video = _ltx2_rotary("interleaved", "video", 0)
+    captured = []
+    cache = type("Cache", (), {"store_captured_pre_rope": lambda self, k, v: captured.append(k)})()
+
+    def run(m):
+        x = _randn(m, B, 24, 32, seed=1)
+        outs = [m.parts[0](x, query_rotary_emb=video),
+                m.parts[1](x, query_rotary_emb=video, kv_cache=cache, kv_cache_mode="capture_pre_rope")]
+        return torch.cat([o.flatten() for o in outs] + [captured.pop().flatten()])
+
+    return module, run
+
+
 CASES = {
     "attention_processor:CogVideoXAttnProcessor2_0.__call__": Case(_cogvideox(False), 1),
     "attention_processor:FusedCogVideoXAttnProcessor2_0.__call__": Case(_cogvideox(True), 1),
@@ -158,4 +233,6 @@ CASES = {
     "cogview4:CogView4TrainingAttnProcessor.__call__": Case(_cogview4("CogView4TrainingAttnProcessor"), 1),
     "glm_image:GlmImageAttnProcessor.__call__": Case(_glm_image, 1),
     "easyanimate:EasyAnimateAttnProcessor2_0.__call__": Case(_easyanimate, 1),
+    "ltx2:LTX2AudioVideoAttnProcessor.__call__": Case(_ltx2, 1),
+    "sana_wm_refiner:SanaWMLTX2RefinerAttnProcessor.__call__": Case(_sana_wm_refiner, 1),
 }

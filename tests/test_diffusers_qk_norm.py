@@ -368,6 +368,19 @@ def test_a_slice_in_place_processor_the_fusion_does_not_take_runs_diffusers_code
     assert torch.equal(out, stock)
 
 
+def test_q_and_k_rotated_by_tables_of_their_own_are_a_call_each():
+    """LTX-2's processor: self-attention (k's tables are q's: one qk_norm_rotary call), audio-to-video
+    cross-attention (k's tables its own: one norm_rotary call per tensor, each with its norm and its
+    tables), then a split-RoPE attention (no fused call: the norms, then RoPE switched). The
+    processor case checks the outputs and gradients against diffusers'."""
+    import diffusers_processor_cases_3 as cases
+
+    module, run = cases.CASES["ltx2:LTX2AudioVideoAttnProcessor.__call__"].build()
+    with torch.no_grad(), rope_diffusers.patch(["ltx2"]), RopeOpSpy() as spy:
+        run(module)
+    assert spy.names == ["qk_norm_rotary", "norm_rotary", "norm_rotary", "rotary", "rotary"], spy.names
+
+
 def test_a_norm_of_a_form_only_with_an_attribute_set_is_not_fused_without_it():
     """Stable Audio 3's norm is of its form only with force_fp32 (without it, it computes in x's
     dtype): with it off, both its attentions run diffusers' code bit for bit, and no fused op."""

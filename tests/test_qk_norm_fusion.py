@@ -1295,6 +1295,32 @@ def test_tuple_statements_of_norms_then_rope_are_a_call_per_pair():
         assert isinstance(found, _qk_norm_rewrite.Unfusable), (edit, found)
 
 
+_VIEWED = """
+def forward(self, x, cos, sin):
+    q = self.q_proj(x)
+    k = self.k_proj(x)
+    if self.on:
+        q = self.q_norm(q)
+        k = self.k_norm(k)
+    q = q.view(x.shape[0], -1, self.heads, 4)
+    k = k.view(x.shape[0], -1, self.heads, 4)
+    q, k = rope(q, k, cos, sin)
+    return q, k
+"""
+
+
+def test_norms_of_the_projections_then_a_view_to_heads_are_across_heads():
+    """LongCat-Audio-DiT's form: the norms of q and k themselves (under a condition), then a view
+    to (B, -1, heads, D): a norm across the heads of a token. Where q was a view of another tensor
+    before its norm, it is not the projection's rows, and is refused."""
+    fn = ast.parse(_VIEWED).body[0]
+    assert _qk_norm_rewrite.probe(fn, "self", {"rope"}, _ATTRS) == _qk_norm_rewrite.Site(
+        "self", "q_norm", "k_norm", "rope", False, "heads_bshd")
+    edited = _VIEWED.replace("q = self.q_proj(x)", "q = self.q_proj(x).view(2, -1)")
+    found = _qk_norm_rewrite.probe(ast.parse(edited).body[0], "self", {"rope"}, _ATTRS)
+    assert isinstance(found, _qk_norm_rewrite.Unfusable) and "flat rows" in found.why, found
+
+
 _CAST = """
 def forward(self, x, cos, sin):
     input_shape = x.shape[:-1]

@@ -167,6 +167,8 @@ def _processor_site(site) -> str:
         args.append("cast=True")
     if site.sliced is not None:
         args.append(f"sliced={site.sliced!r}")
+    if site.k_tables:
+        args.append("k_tables=True")
     return f"_attn({', '.join(args)})"
 
 

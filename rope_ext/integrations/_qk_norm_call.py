@@ -572,7 +572,25 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
                 return False
         return True
 
+    def each(module, q_attr, k_attr, spec, rope, q, k, args, kwargs):
+        """mode ("each", mode, k_args, k_kwargs): q rotated by ``rope(q, *args, **kwargs)`` and k by
+        ``rope(k, *k_args, **k_kwargs)`` (LTX-2's key tables, where it has its own). Where k's
+        arguments are q's own objects, one call as for any pair; else one op call per tensor, each
+        with its norm and its tables (mode "single"'s), in the model's order of the norms."""
+        _, inner, k_args, k_kwargs = spec
+        same = len(k_args) == len(args) and all(a is b for a, b in zip(k_args, args, strict=True)) and (
+            k_kwargs.keys() == kwargs.keys() and all(k_kwargs[n] is kwargs[n] for n in kwargs))
+        if same:
+            return call(module, q_attr, k_attr, inner, rope, q, k, *args, **kwargs)
+        if inner is None:  # the norms already ran
+            return rope(q, *args, **kwargs), rope(k, *k_args, **k_kwargs)
+        if inner != "head":  # (the rewrite makes no other)
+            raise ValueError(f"rope_ext: mode ('each', {inner!r}) is not one the fused call takes")
+        return single(module, q_attr, rope, q, args, kwargs), single(module, k_attr, rope, k, k_args, k_kwargs)
+
     def call(module, q_attr, k_attr, mode, rope, q, k, *args, **kwargs):
+        if isinstance(mode, tuple) and mode[0] == "each":
+            return each(module, q_attr, k_attr, mode, rope, q, k, args, kwargs)
         if isinstance(mode, tuple) and mode[0] == "slice":
             return sliced(module, q_attr, k_attr, mode, rope, q, k, args, kwargs)
         if isinstance(mode, tuple) and mode[0] == "two_stream":

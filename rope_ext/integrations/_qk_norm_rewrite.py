@@ -128,6 +128,8 @@ class Site:
             without that cast, so the rewritten code defers them only where the call's
             ``defers_cast`` says those norms return X, and otherwise runs them, cast, as written.
         sliced: RoPE written into a slice of q and k (:class:`Slice`, mode ``"head"``), or None.
+        k_tables: q and k rotated by one call each whose other arguments differ (mode ``"head"``):
+            the fused call gets k's as its mode's (``("each", mode, k_args, k_kwargs)``).
     """
 
     owner: str
@@ -140,6 +142,7 @@ class Site:
     rotated: str | None = None
     cast: bool = False
     sliced: Slice | None = None
+    k_tables: bool = False
 
 
 class FusionRefusal:
@@ -256,7 +259,7 @@ def _uncast(value) -> tuple[ast.expr, ast.expr | None]:
 def _layout(stmt, name: str, owner: str, hidden_shape: bool) -> str | None:
     """A layout statement of name: ``"t"`` (``name = name.transpose(1, 2)``), ``"v"`` (``name =
     name.view(hidden_shape).transpose(1, 2)``), ``"u"`` (``name = name.unflatten(2, (O.heads,
-    -1))``) or ``"r"`` (``name = name.reshape(B, S, O.<heads>, O.head_dim).transpose(1, 2)``: rows of
+    -1))``, or ``name.view(B, -1, O.heads, D)``) or ``"r"`` (``name = name.reshape(B, S, O.<heads>, O.head_dim).transpose(1, 2)``: rows of
     a head kept, Chameleon's after its norms of ``(B * S, H, D)`` rows); None for any other
     statement."""
     found = _assign(stmt)
@@ -277,6 +280,11 @@ def _layout(stmt, name: str, owner: str, hidden_shape: bool) -> str | None:
         return "v"
     if text == f"{name}.unflatten(2, ({owner}.heads, -1))":
         return "u"
+    if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "view"
+            and _text(value.func.value) == name and len(value.args) == 4 and not value.keywords
+            and _text(value.args[1]) == "-1" and _text(value.args[2]) == f"{owner}.heads"
+            and name not in _names(value.args)):
+        return "u"  # (name.view(B, -1, O.heads, D), LongCat's: a row's H * D values split into heads, as unflatten)
     return None
 
 
@@ -379,6 +387,8 @@ class _RopeSite:
         rotated: the source of R where the call is the middle of partial rotary written out (the
             module docstring's five statements, span 5; kind ``"qk"``); else None.
         sliced: for kind ``"slice"`` (:func:`_slice_pair`), the :class:`Slice`; else None.
+        k_call: for a ``"pair"`` whose two calls' other arguments differ (LTX-2's ``key_rotary_emb
+            if key_rotary_emb is not None else query_rotary_emb``), k's call; else None.
     """
 
     block: list
@@ -389,6 +399,7 @@ class _RopeSite:
     call: ast.Call
     rotated: str | None = None
     sliced: Slice | None = None
+    k_call: ast.Call | None = None
 
     @property
     def span(self) -> int:
@@ -396,8 +407,9 @@ class _RopeSite:
 
     @property
     def tables(self) -> list:
-        """The call's other arguments: its tables (and options)."""
-        return self.call.args[2 if self.kind == "qk" else 1:] + [w.value for w in self.call.keywords]
+        """The calls' other arguments: their tables (and options)."""
+        calls = [self.call] if self.k_call is None else [self.call, self.k_call]
+        return [e for c in calls for e in c.args[2 if self.kind == "qk" else 1:] + [w.value for w in c.keywords]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -535,9 +547,11 @@ def _rope_sites(fn, rope_names) -> list[_RopeSite]:
             if first and second and rope_call(first[1]) and rope_call(second[1]):
                 a, b = first[1], second[1]
                 rest_a, rest_b = (_text(ast.Call(c.func, c.args[1:], c.keywords)) for c in (a, b))
+                plain = not any(isinstance(x, ast.Starred) for x in b.args) and all(w.arg for w in b.keywords)
                 if (first[0] == a.args[0].id and second[0] == b.args[0].id and first[0] != second[0]
-                        and rest_a == rest_b):
-                    found.append(_RopeSite(block, i, "pair", first[0], second[0], a))
+                        and (rest_a == rest_b or plain)):  # (k's own arguments are passed on as written)
+                    found.append(_RopeSite(block, i, "pair", first[0], second[0], a,
+                                           k_call=None if rest_a == rest_b else b))
     return found
 
 
@@ -587,13 +601,13 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
     normalized = {name for stmt in fn.body for name in _names(stmt)
                   if _norm_statement(stmt, name, owner, norm_attrs) is not None}
     def key(site):
-        return site.kind, site.q, site.k, site.call.func.id, site.rotated, site.sliced
+        return site.kind, site.q, site.k, site.call.func.id, site.rotated, site.sliced, site.k_call is not None
     keys = {key(site) for site in sites}
     keys = {each for each in keys if {each[1], each[2]} <= normalized} or keys
     if len(keys) != 1:
         return Unfusable("its RoPE calls rotate different tensors or call different functions")
-    (kind, q, k, rope, rotated, sliced), = keys
-    sites = [site for site in sites if key(site) == (kind, q, k, rope, rotated, sliced)]
+    (kind, q, k, rope, rotated, sliced, k_tables), = keys
+    sites = [site for site in sites if key(site) == (kind, q, k, rope, rotated, sliced, k_tables)]
     first_top = min(_top_index(fn, site.block, site.index) for site in sites)
     norms = {}
     for name in (q, k):
@@ -653,7 +667,8 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
                                        or layouts[q] or layouts[k]):  # (crossed only before any layout)
             break
         j += 1
-    mode = _mode(nq, nk, [w for _, w in layouts[q]], [w for _, w in layouts[k]])
+    flat = all(_flat_input(fn, n, name, owner) for n, name in ((nq, q), (nk, k)))
+    mode = _mode(nq, nk, [w for _, w in layouts[q]], [w for _, w in layouts[k]], flat)
     if isinstance(mode, Unfusable):
         return mode
     if any(w == "r" for _, w in layouts[q]) and not all(_rows_of_heads(fn, n, owner) for n in (nq, nk)):
@@ -672,8 +687,10 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
         return Unfusable("partial rotary written out after norms across heads, or with a second stream")
     if sliced is not None and (mode != "head" or stream):
         return Unfusable("RoPE written into a slice after norms across heads, or with a second stream")
+    if k_tables and (mode != "head" or stream):
+        return Unfusable("q and k rotated by tables of their own, after norms across heads or with a second stream")
     site = Site(owner, nq.attr, nk.attr, rope, kind in ("pair", "slice"), mode, stream and stream[0], rotated,
-                nq.cast is not None, sliced)
+                nq.cast is not None, sliced, k_tables)
     reshaped = min((i for name in (q, k) for i, _ in layouts[name]), default=hi)  # the first layout statement
     if not _apply(fn, site, q, k, nq, nk, sites, skip, watch, holder, reshaped, stream and stream[1]):
         return Unfusable(f"every path to its RoPE call reads {q} or {k} after their norms")
@@ -886,8 +903,25 @@ def _fuse_single(fn, owner: str, rope_names, norm_attrs, holder) -> Site | Unfus
     return site
 
 
-def _mode(nq: _Norm, nk: _Norm, lq: list, lk: list) -> str | Unfusable:
-    """The site's mode (one of MODES) from its norms and layout statements, or why there is none."""
+def _flat_input(fn, norm: _Norm, name: str, owner: str) -> bool:
+    """Whether the norm's input is a projection's rows as made (no reshape): E of ``Q = O.attr(E)``,
+    or, for a norm of Q itself (``if cond: Q = O.attr(Q)``), what the last top-level statement
+    before it that binds Q binds it to: a call of the attention's own module or a function, not a
+    view or reshape of another tensor (LongCat's ``query = attn.to_q(hidden_states)``)."""
+    if norm.arg is not None:
+        return not _reshapes(norm.arg)
+    for stmt in reversed(fn.body[:norm.index]):
+        found = _assign(stmt)
+        if found is not None and found[0] == name:
+            return _alias_root(found[1], owner) is None and not _reshapes(found[1])
+        if name in _names(stmt):
+            return False
+    return False
+
+
+def _mode(nq: _Norm, nk: _Norm, lq: list, lk: list, flat: bool) -> str | Unfusable:
+    """The site's mode (one of MODES) from its norms and layout statements, or why there is none;
+    flat: both norms' inputs are a projection's rows (:func:`_flat_input`)."""
     if lq != lk:
         return Unfusable("q and k are reshaped differently after their norms")
     heads = [w for w in lq if w in "vu"]
@@ -895,7 +929,7 @@ def _mode(nq: _Norm, nk: _Norm, lq: list, lk: list) -> str | Unfusable:
         return "head"
     if len(heads) > 1 or nq.transposed or nk.transposed or "t" in lq:
         return Unfusable("q is transposed as well as reshaped to heads after its norm")
-    if any(n.arg is None or _reshapes(n.arg) for n in (nq, nk)):
+    if not flat:
         return Unfusable("a norm across heads whose input is not the projection's flat rows")
     return "heads_bhsd" if heads[0] == "v" else "heads_bshd"
 
@@ -959,6 +993,13 @@ def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watch, holde
                          + [_text(w) for w in call.keywords])
         fused_call = (f"{q}, {k} = {holder}({site.owner}, {site.q_norm!r}, {site.k_norm!r}, "
                       f"{site.mode!r} if {PENDING} else None, {site.rope}, {q}, {k}" + (f", {rest})" if rest else ")"))
+        if site.k_tables:  # k's call's other arguments, in the mode
+            kc = rope_site.k_call
+            k_args = "".join(f"{_text(a)}, " for a in kc.args[1:])
+            k_kwargs = ", ".join(f"{w.arg!r}: {_text(w.value)}" for w in kc.keywords)
+            fused_call = (f"{q}, {k} = {holder}({site.owner}, {site.q_norm!r}, {site.k_norm!r}, "
+                          f"('each', {site.mode!r} if {PENDING} else None, ({k_args}), {{{k_kwargs}}}), {site.rope}, "
+                          f"{q}, {k}" + (f", {rest})" if rest else ")"))
         if site.sliced is not None:  # the fused call where the norms are pending (and k is rotated), else
             spec = site.sliced  # the norms alone if pending, then the statements as written
             written = "".join(f"\n{_text(each)}" for each in [stmt, *others])

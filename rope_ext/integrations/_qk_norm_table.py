@@ -194,8 +194,9 @@ TRANSFORMERS = Table(tested={**_TESTED_4_57_6, **_TESTED_5_23_0, **_TESTED_5_24_
 
 
 def _attn(rope: str, mode: str = "head", q: str = "norm_q", k: str = "norm_k", pair: bool = True,
-          owner: str = "attn", stream: Stream | None = None, cast: bool = False, sliced: Slice | None = None) -> Site:
-    return Site(owner, q, k, rope, pair, mode, stream, cast=cast, sliced=sliced)
+          owner: str = "attn", stream: Stream | None = None, cast: bool = False, sliced: Slice | None = None,
+          k_tables: bool = False) -> Site:
+    return Site(owner, q, k, rope, pair, mode, stream, cast=cast, sliced=sliced, k_tables=k_tables)
 
 
 # The text stream of Flux's double-stream blocks (and the processors written like them): its own
@@ -249,6 +250,9 @@ _DIFFUSERS_TESTED_0_42_1 = {
     "2dcc9964c23ca448": _attn('apply_rotary_emb', cast=True, sliced=Slice(1, 'text_seq_length')),  # glm_image:GlmImageAttnProcessor
     "ab9566f0cb67aefe": _attn('_rope_ext_inline_rope'),  # ideogram4:Ideogram4AttnProcessor (its RoPE written inline)
     "fbdbe28da7940038": _attn('_apply_rotary_partial', mode='tuples', q='q_norm', k='k_norm'),  # stable_audio3:StableAudio3SelfAttnProcessor
+    "3735e6ca5897c9f1": _attn('apply_interleaved_rotary_emb', k_tables=True),  # ltx2:LTX2AudioVideoAttnProcessor, sana_wm_refiner:SanaWMLTX2AudioVideoAttnProcessor
+    "70f44aaf8e458702": _attn('apply_interleaved_rotary_emb'),  # sana_wm_refiner:SanaWMLTX2RefinerAttnProcessor
+    "8cd73c611d4fb30b": _attn('_apply_rotary_emb', mode='heads_bshd', q='q_norm', k='k_norm'),  # longcat_audio_dit:AudioDiTSelfAttnProcessor
 }
 _DIFFUSERS_UNFUSABLE_0_42_1 = {
     "94eaa9513f1c9a0f": "apply_rotary_emb's signature (complex as given) has no fused call yet",  # anyflow:AnyFlowAttnProcessor, anyflow_far:AnyFlowAttnProcessor
@@ -262,12 +266,9 @@ _DIFFUSERS_UNFUSABLE_0_42_1 = {
     "58d439e72c20950c": '`k_und_for_gen = attn.k_norm_und_for_gen(k_und) if attn.k_norm_und_for_gen is not` uses q_und, k_und or what their norms read between the norms and RoPE',  # cosmos3:Cosmos3AttnProcessor
     "f888cadc21cfe778": '`ip_query = query` uses query, key or what their norms read between the norms and RoPE',  # flux:FluxIPAdapterAttnProcessor
     "99a59536cdc0c22c": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # longcat_audio_dit:AudioDiTCrossAttnProcessor
-    "8cd73c611d4fb30b": '`query = query.view(batch_size, -1, attn.heads, head_dim)` uses query, key or what their norms read between the norms and RoPE',  # longcat_audio_dit:AudioDiTSelfAttnProcessor
-    "3735e6ca5897c9f1": "apply_split_rotary_emb's signature (split, half tables) has no fused call yet",  # ltx2:LTX2AudioVideoAttnProcessor, sana_wm_refiner:SanaWMLTX2AudioVideoAttnProcessor
-    "b234b60b686c7b19": "apply_split_rotary_emb's signature (split, half tables) has no fused call yet",  # ltx2:LTX2PerturbedAttnProcessor, sana_wm_refiner:SanaWMLTX2PerturbedAttnProcessor
+    "b234b60b686c7b19": 'query is not normalized by attn.<norm_k|norm_q> before its RoPE call',  # ltx2:LTX2PerturbedAttnProcessor, sana_wm_refiner:SanaWMLTX2PerturbedAttnProcessor
     "c84a5cb7a5e34b50": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # motif_video:MotifVideoCrossAttnProcessor2_0
     "ba11435838dcc90a": 'no RoPE call of two tensors (Q, K = rope(Q, K, ...), or one call each) that keeps their names',  # sana_video:SanaLinearAttnProcessor3_0
-    "70f44aaf8e458702": "apply_split_rotary_emb's signature (split, half tables) has no fused call yet",  # sana_wm_refiner:SanaWMLTX2RefinerAttnProcessor
     "c38d7882685877ba": "rope_apply's signature (grid loop) has no fused call yet",  # wan_animate_2:WanAnimate2AttnProcessor
 }
 

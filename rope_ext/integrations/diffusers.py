@@ -333,13 +333,18 @@ def _fusion_sites(name: str, judge=_table_judge) -> tuple[_qk_norm_sites.FusionS
             if not attrs or not (called or qualname in inline):
                 continue
             site = _qk_norm_sites.FusionSite(module, qualname, (), None, None, fingerprint=key)
+            # the RoPE functions a fused call can stand in for; the others' calls run as written, the
+            # norms before them (LTX-2's split form, beside its interleaved one under another rope_type)
+            fusable = {rope for rope in called if ropes[rope] is not None
+                       and ropes[rope].signature in _diffusers_forms.FUSED_TABLES}
             reason = None
-            for rope in sorted(called):
+            for rope in sorted(called - fusable):
                 form = ropes[rope]
-                if reason is None and (form is None or form.signature not in _diffusers_forms.FUSED_TABLES):
+                if reason is None and not fusable:
                     reason = (f"{rope} is refused" if form is None else
                               f"{rope}'s signature ({form.signature}) has no fused call yet")
-            found = judge(key, _qk_norm_sites.Unsupported(reason) if reason else None, fn, owner, called, attrs)
+            found = judge(key, _qk_norm_sites.Unsupported(reason) if reason else None, fn, owner, fusable or called,
+                          attrs)
             sites.append(site.refused(found) if isinstance(found, _qk_norm_sites.FusionRefusal)
                          else dataclasses.replace(site, site=found))
     return tuple(sites)
