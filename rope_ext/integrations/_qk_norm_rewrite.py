@@ -259,9 +259,9 @@ def _uncast(value) -> tuple[ast.expr, ast.expr | None]:
 def _layout(stmt, name: str, owner: str, hidden_shape: bool) -> str | None:
     """A layout statement of name: ``"t"`` (``name = name.transpose(1, 2)``), ``"v"`` (``name =
     name.view(hidden_shape).transpose(1, 2)``), ``"u"`` (``name = name.unflatten(2, (O.heads,
-    -1))``, or ``name.view(B, -1, O.heads, D)``) or ``"r"`` (``name = name.reshape(B, S, O.<heads>, O.head_dim).transpose(1, 2)``: rows of
-    a head kept, Chameleon's after its norms of ``(B * S, H, D)`` rows); None for any other
-    statement."""
+    -1))``, or ``name.view(B, -1, O.heads, D)``) or ``"r"`` (``name = name.reshape(B, S,
+    O.<heads>, O.head_dim).transpose(1, 2)``: rows of a head kept, Chameleon's after its norms of
+    ``(B * S, H, D)`` rows); None for any other statement."""
     found = _assign(stmt)
     if not found or found[0] != name:
         return None
