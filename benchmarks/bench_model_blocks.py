@@ -31,7 +31,10 @@ Variants:
           the share of the stock step that norm and RoPE take: (stock - none) / stock.
 One step: zero grads, forward, backward of the output's sum into every parameter and the input.
 Variants run interleaved, one step each per round, after warm-up rounds; the table gives medians
-and ratios of medians, all from one run. Each variant's output is checked against stock first.
+and ratios of medians, all from one run, and the fused step against the RoPE switch's in the same
+round: the median of those ratios and their middle half (25th to 75th percentile), which says
+whether a few percent between the two is resolved (``--rounds`` for more). Each variant's output is
+checked against stock first.
 """
 
 from __future__ import annotations
@@ -283,7 +286,10 @@ def run_block(name, dtype, rounds, warmup):
                 t = time_step(module, x, step)
             if r >= warmup:
                 times[variant].append(t)
-    return {v: statistics.median(ts) for v, ts in times.items()}
+    med = {v: statistics.median(ts) for v, ts in times.items()}
+    if "fused" in times:  # fused / rope within each round: their spread, not the medians' ratio alone
+        med["fused/rope"] = sorted(f / r for f, r in zip(times["fused"], times["rope"], strict=True))
+    return med
 
 
 def main():
@@ -291,10 +297,15 @@ def main():
     parser.add_argument("--quick", action="store_true", help="bfloat16 only, 5 rounds")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--blocks", default=",".join(BLOCKS))
+    parser.add_argument("--dtypes", default=None, help="bfloat16,float32 (default: both; --quick: bfloat16)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15; --quick: 5)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float32]
+    if args.dtypes:
+        dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     rounds, warmup = (5, 2) if args.quick else (15, 3)
+    rounds = args.rounds or rounds
     import diffusers
     import transformers
 
@@ -302,7 +313,7 @@ def main():
           f"CPU {platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), "
           f"{args.threads} threads; medians of {rounds} interleaved rounds")
     print(f"{'block':<11} {'dtype':<9} {'stock ms':>9} {'rope ms':>8} {'fused ms':>9} {'none ms':>8} "
-          f"{'rope/stock':>10} {'fused/stock':>11} {'norm+RoPE share':>15}")
+          f"{'rope/stock':>10} {'fused/stock':>11} {'norm+RoPE share':>15} {'fused/rope per round':>26}")
     for name in args.blocks.split(","):
         for dtype in dtypes:
             med = run_block(name, dtype, rounds, warmup)
@@ -310,9 +321,12 @@ def main():
             fused = f"{med['fused'] * 1e3:9.1f}" if "fused" in med else f"{'not yet':>9}"
             fused_ratio = f"{med['fused'] / stock:11.3f}" if "fused" in med else f"{'-':>11}"
             dname = str(dtype).removeprefix("torch.")
+            ratios = med.get("fused/rope")
+            spread = (f"{statistics.median(ratios):.3f} ({ratios[len(ratios) // 4]:.3f} to "
+                      f"{ratios[(3 * len(ratios)) // 4]:.3f})") if ratios else "-"
             print(f"{name:<11} {dname:<9} {stock * 1e3:9.1f} {med['rope'] * 1e3:8.1f} {fused} "
                   f"{med['none'] * 1e3:8.1f} {med['rope'] / stock:10.3f} {fused_ratio} "
-                  f"{(stock - med['none']) / stock:15.1%}", flush=True)
+                  f"{(stock - med['none']) / stock:15.1%} {spread:>26}", flush=True)
 
 
 if __name__ == "__main__":
