@@ -63,6 +63,19 @@ class _BothStreams(torch.nn.Module):
         return self.single_stream.processor
 
 
+class Modules(torch.nn.Module):
+    """Several attention modules of one processor class, as a model's blocks build them in their
+    different ways, run one after another by a case (``parts``; the processor: the first's)."""
+
+    def __init__(self, *modules):
+        super().__init__()
+        self.parts = torch.nn.ModuleList(modules)
+
+    @property
+    def processor(self):
+        return self.parts[0].processor
+
+
 # --- ace_step_transformer ------------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ import importlib
 import unittest.mock
 
 import torch
+from diffusers_processor_cases_1 import Modules
 
 Case = collections.namedtuple("Case", "build fused_calls")
 
@@ -318,26 +319,14 @@ def _ideogram4():
     return attn, run
 
 
-class _BothAttentions(torch.nn.Module):
-    """Stable Audio 3's self-attention both ways: differential (its default: q1, q2 normalized by
-    q_norm, k1, k2 by k_norm, two fused calls) and plain (q and k, one call)."""
-
-    def __init__(self, differential, plain):
-        super().__init__()
-        self.differential, self.plain = differential, plain
-
-    @property
-    def processor(self):
-        return self.differential.processor
-
-
 def _stable_audio3():
     # StableAudio3SelfAttention 32 wide, 2 heads of 16, StableAudio3RMSNorm (gamma, float32); its
     # StableAudio3RotaryEmbedding over the first 8 of each head's 16 columns (partial RoPE)
     m = _file("stable_audio3")
     torch.manual_seed(0)
-    both = _BothAttentions(*(m.StableAudio3SelfAttention(dim=32, dim_heads=16, use_differential=differential)
-                             for differential in (True, False)))
+    # differential (its default: q1, q2, then k1, k2, two fused calls) and plain (q and k, one)
+    both = Modules(*(m.StableAudio3SelfAttention(dim=32, dim_heads=16, use_differential=differential)
+                     for differential in (True, False)))
     _randomize(both, pattern=("q_norm", "k_norm")).eval()
     seq = 10
     rope = m.StableAudio3RotaryEmbedding(dim=8)(seq, torch.device("cpu"))
@@ -345,7 +334,7 @@ def _stable_audio3():
 
     def run(module):
         xs = x.to(_dtype(module))
-        return torch.cat([module.differential(xs, rope).flatten(), module.plain(xs, rope).flatten()])
+        return torch.cat([part(xs, rope).flatten() for part in module.parts])
 
     return both, run
 

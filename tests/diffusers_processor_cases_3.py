@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 
 import torch
-from diffusers_processor_cases_1 import B, Case, _flat, _randn, _randomized
+from diffusers_processor_cases_1 import B, Case, Modules, _flat, _randn, _randomized
 
 
 def _attention(processor, **kwargs):
@@ -115,20 +115,6 @@ def _glm_image():
 # --- easyanimate --------------------------------------------------------------------------------
 
 
-class _BothBlocks(torch.nn.Module):
-    """EasyAnimate's attention as its two kinds of block build it: without added projections (the
-    text joined in front of the image before the projections: fused) and with them (an MMDiT block:
-    the text's own norms and the cat come between the norms and RoPE, so the norms run alone there)."""
-
-    def __init__(self, single, mmdit):
-        super().__init__()
-        self.single, self.mmdit = single, mmdit
-
-    @property
-    def processor(self):
-        return self.single.processor
-
-
 def _easyanimate():
     from diffusers.models.transformers.transformer_easyanimate import (
         EasyAnimateAttnProcessor2_0,
@@ -138,7 +124,7 @@ def _easyanimate():
     kwargs = dict(eps=1e-6, bias=True, added_proj_bias=True)
     single = _attention(EasyAnimateAttnProcessor2_0(), **kwargs)
     mmdit = _attention(EasyAnimateAttnProcessor2_0(), added_kv_proj_dim=32, context_pre_only=False, **kwargs)
-    module = _BothBlocks(single, mmdit)
+    module = Modules(single, mmdit)  # (without added projections: fused; an MMDiT block's: the norms run alone)
     frames, height, width, txt = 2, 3, 4, 5
     rotary = EasyAnimateRotaryPosEmbed(patch_size=2, rope_dim=16)(torch.zeros(B, 4, frames, 2 * height, 2 * width))
 
@@ -146,25 +132,13 @@ def _easyanimate():
         hidden = _randn(m, B, frames * height * width, 32, seed=1)
         text = _randn(m, B, txt, 32, seed=2)
         outs = [_flat(block(hidden, encoder_hidden_states=text, image_rotary_emb=rotary))
-                for block in (m.single, m.mmdit)]
+                for block in m.parts]
         return torch.cat([o.flatten() for o in outs])
 
     return module, run
 
 
 # --- ltx2, sana_wm_refiner ----------------------------------------------------------------------
-
-
-class _Attentions(torch.nn.Module):
-    """Several attention modules of one processor class, run one after another by the case."""
-
-    def __init__(self, *modules):
-        super().__init__()
-        self.parts = torch.nn.ModuleList(modules)
-
-    @property
-    def processor(self):
-        return self.parts[0].processor
 
 
 def _ltx2_rotary(rope_type, modality, length):
@@ -186,7 +160,7 @@ def _ltx2():
 
     torch.manual_seed(0)
     kwargs = dict(query_dim=32, heads=2, kv_heads=2, dim_head=16)
-    module = _randomized(_Attentions(LTX2Attention(**kwargs), LTX2Attention(cross_attention_dim=24, **kwargs),
+    module = _randomized(Modules(LTX2Attention(**kwargs), LTX2Attention(cross_attention_dim=24, **kwargs),
                                      LTX2Attention(rope_type="split", **kwargs)))
     video, audio = _ltx2_rotary("interleaved", "video", 0), _ltx2_rotary("interleaved", "audio", 5)
     video_split = _ltx2_rotary("split", "video", 0)
@@ -210,7 +184,7 @@ def _sana_wm_refiner():
     )
 
     torch.manual_seed(0)
-    module = _randomized(_Attentions(*(SanaWMLTX2Attention(query_dim=32, heads=2, kv_heads=2, dim_head=16,
+    module = _randomized(Modules(*(SanaWMLTX2Attention(query_dim=32, heads=2, kv_heads=2, dim_head=16,
                                                            processor=SanaWMLTX2RefinerAttnProcessor())
                                        for _ in range(2))))
     video = _ltx2_rotary("interleaved", "video", 0)
