@@ -368,6 +368,35 @@ def test_a_slice_in_place_processor_the_fusion_does_not_take_runs_diffusers_code
     assert torch.equal(out, stock)
 
 
+def test_defers_cast_says_where_the_fused_calls_norms_return_the_casts_dtype(monkeypatch):
+    """What a site whose norms' results are cast (CogView4's ``.to(dtype=dtype)``) asks the fused
+    call before deferring them: torch's LayerNorm returns x's dtype with parameters of x's dtype and
+    autocast off (deferred), but not under autocast (CUDA's runs layer_norm in float32; faked here, as
+    this machine has no GPU), nor with float32 parameters for bfloat16 x, nor hooked; q or k not
+    already of the cast's dtype is never deferred; a norm that is None is no obstacle."""
+    import types
+
+    call = _qk_norm_call.fused(rope_diffusers._fused_norms("cogview4"), None, lambda *a, **k: None, pair=True)
+    bf16 = torch.bfloat16
+    q, k = torch.randn(2, 3, 16, dtype=bf16), torch.randn(2, 3, 16, dtype=bf16)
+
+    def attention(norm_q=True, dtype=bf16):
+        return types.SimpleNamespace(norm_q=torch.nn.LayerNorm(16).to(dtype) if norm_q else None,
+                                     norm_k=torch.nn.LayerNorm(16).to(dtype))
+
+    def defers(module, q=q, dtype=bf16):
+        return call.defers_cast(module, "norm_q", "norm_k", q, k, dtype)
+
+    assert defers(attention()) and defers(attention(norm_q=False))
+    assert not defers(attention(), q=q.float()) and not defers(attention(), dtype=torch.float32)
+    assert not defers(attention(dtype=torch.float32))  # (float32 weight and bias, bfloat16 x)
+    hooked = attention()
+    hooked.norm_k.register_forward_hook(lambda *a: None)
+    assert not defers(hooked)
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: True)
+    assert not defers(attention())
+
+
 def test_q_and_k_rotated_by_tables_of_their_own_are_a_call_each():
     """LTX-2's processor: self-attention (k's tables are q's: one qk_norm_rotary call), audio-to-video
     cross-attention (k's tables its own: one norm_rotary call per tensor, each with its norm and its

@@ -1219,7 +1219,9 @@ def forward(self, x, y, t, cos, sin):
 def test_rope_written_into_a_slice_is_one_call_where_the_norms_are_pending():
     """CogVideoX's form (q's and k's rows from t on rotated in place, k's under a condition): one
     fused call where the condition holds, else the norms alone and the statements as written. An
-    index that differs between q and k, or a slice start that reads q, is no slice site."""
+    index that differs between q and k, a slice start that reads q, or a condition that calls
+    something or reads more than the module's attributes (it is evaluated twice, and before q's
+    statement), is no slice site."""
     import types
 
     fn = ast.parse(_SLICED).body[0]
@@ -1248,7 +1250,8 @@ def test_rope_written_into_a_slice_is_one_call_where_the_norms_are_pending():
             expected_k[:, :, 1:] = expected_k[:, :, 1:] * 0.5 + 1.0
         assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
         assert calls == ([("slice", 2, 1)] if rotate_k else ["head"])
-    edits = (("k[:, :, t:] = rope(k[:, :, t:]", "k[:, t:] = rope(k[:, t:]"), ("q[:, :, t:]", "q[:, :, q.shape[0]:]"))
+    edits = (("k[:, :, t:] = rope(k[:, :, t:]", "k[:, t:] = rope(k[:, t:]"), ("q[:, :, t:]", "q[:, :, q.shape[0]:]"),
+             ("if self.rotate_k:", "if self.rotate_k(t):"), ("if self.rotate_k:", "if x.rotate_k:"))
     for edit in edits:
         found = _qk_norm_rewrite.probe(ast.parse(_SLICED.replace(*edit)).body[0], "self", {"rope"}, _ATTRS)
         assert isinstance(found, _qk_norm_rewrite.Unfusable), (edit, found)
@@ -1302,8 +1305,8 @@ def forward(self, x, cos, sin):
     if self.on:
         q = self.q_norm(q)
         k = self.k_norm(k)
-    q = q.view(x.shape[0], -1, self.heads, 4)
-    k = k.view(x.shape[0], -1, self.heads, 4)
+    q = q.view(x.shape[0], -1, self.heads, self.head_dim)
+    k = k.view(x.shape[0], -1, self.heads, self.head_dim)
     q, k = rope(q, k, cos, sin)
     return q, k
 """
@@ -1312,13 +1315,17 @@ def forward(self, x, cos, sin):
 def test_norms_of_the_projections_then_a_view_to_heads_are_across_heads():
     """LongCat-Audio-DiT's form: the norms of q and k themselves (under a condition), then a view
     to (B, -1, heads, D): a norm across the heads of a token. Where q was a view of another tensor
-    before its norm, it is not the projection's rows, and is refused."""
+    before its norm, it is not the projection's rows, and is refused; so is a view whose D is not the
+    head dim (the deferred norms would take rows of H * D values, not the projection's)."""
     fn = ast.parse(_VIEWED).body[0]
     assert _qk_norm_rewrite.probe(fn, "self", {"rope"}, _ATTRS) == _qk_norm_rewrite.Site(
         "self", "q_norm", "k_norm", "rope", False, "heads_bshd")
     edited = _VIEWED.replace("q = self.q_proj(x)", "q = self.q_proj(x).view(2, -1)")
     found = _qk_norm_rewrite.probe(ast.parse(edited).body[0], "self", {"rope"}, _ATTRS)
     assert isinstance(found, _qk_norm_rewrite.Unfusable) and "flat rows" in found.why, found
+    edited = _VIEWED.replace("self.heads, self.head_dim)", "self.heads, 4)")
+    found = _qk_norm_rewrite.probe(ast.parse(edited).body[0], "self", {"rope"}, _ATTRS)
+    assert isinstance(found, _qk_norm_rewrite.Unfusable), found
 
 
 _CAST = """

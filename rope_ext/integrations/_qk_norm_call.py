@@ -544,8 +544,8 @@ def fused(norms: dict, ropes: tuple | None, tables_of, pair: bool):
             q, k = own_norms(module, q_attr, k_attr, "head", q, k, args, kwargs)
             if index is None:  # (an index the model's code would fail on: let it say why)
                 index = (slice(None),) * dim + (slice(start, None),)
-            q_rot, k_rot = rotated(rope, q[index], k[index], args, kwargs)
-            q[index], k[index] = q_rot, k_rot
+            q[index] = rope(q[index], *args, **kwargs)  # (q's written before k's is rotated, as the model does)
+            k[index] = rope(k[index], *args, **kwargs)
             return q, k
         return rope_ext.qk_norm_rotary(q, k, *planned.tensors[2:4], *tables, **planned.options)
 

@@ -213,6 +213,7 @@ class _Norm:
     transposed: bool = False  # Q = O.attr(E).transpose(1, 2)
     guard: ast.expr | None = None  # `if cond:` around both norms
     cast: ast.expr | None = None  # X of Q = O.attr(E).to(X) (ESM-C's cast to the hidden states' dtype)
+    cast_keyword: bool = False  # written .to(dtype=X)
 
 
 def _norm_statement(stmt, name: str, owner: str, attrs) -> _Norm | None:
@@ -222,21 +223,23 @@ def _norm_statement(stmt, name: str, owner: str, attrs) -> _Norm | None:
     found = _assign(stmt)
     if found and found[0] == name:
         value, transposed, cast = found[1], False, None
+        keyword = False
         if _is_transpose12(value):
             value, transposed = value.func.value, True
         else:
-            value, cast = _uncast(value)
+            value, cast, keyword = _uncast(value)
         call = _attr_call(value, owner, attrs)
-        return _Norm(0, call.func.attr, call.args[0], transposed, cast=cast) if call else None
+        return _Norm(0, call.func.attr, call.args[0], transposed, cast=cast, cast_keyword=keyword) if call else None
     if not (isinstance(stmt, ast.If) and not stmt.orelse):
         return None
     inner = [_assign(s) for s in stmt.body]
     if len(inner) == 1 and inner[0] and inner[0][0] == name:  # `if O.attr is not None: Q = O.attr(Q)[.to(X)]`
-        value, cast = _uncast(inner[0][1])
+        value, cast, keyword = _uncast(inner[0][1])
         call = _attr_call(value, owner, attrs)
-        if (call is not None and _text(call.args[0]) == name
+        # (X a name: the rewrite evaluates it whether or not the norm is None, which the model does not)
+        if (call is not None and _text(call.args[0]) == name and (cast is None or isinstance(cast, ast.Name))
                 and _text(stmt.test) == f"{owner}.{call.func.attr} is not None"):
-            return _Norm(0, call.func.attr, None, cast=cast)  # optional: the call checks for None
+            return _Norm(0, call.func.attr, None, cast=cast, cast_keyword=keyword)  # optional: the call checks
     calls = {n: _attr_call(v, owner, attrs) for n, v in (i for i in inner if i)}
     if len(inner) != len(calls) or name not in calls or calls[name] is None or _text(calls[name].args[0]) != name:
         return None
@@ -246,20 +249,38 @@ def _norm_statement(stmt, name: str, owner: str, attrs) -> _Norm | None:
     return None
 
 
-def _uncast(value) -> tuple[ast.expr, ast.expr | None]:
-    """(E, X) for ``E.to(X)`` or ``E.to(dtype=X)``; (value, None) for any other expression."""
+def _uncast(value) -> tuple[ast.expr, ast.expr | None, bool]:
+    """(E, X, whether by keyword) for ``E.to(X)`` or ``E.to(dtype=X)``; (value, None, False) for any
+    other expression."""
     if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "to":
         if len(value.args) == 1 and not value.keywords and not isinstance(value.args[0], ast.Starred):
-            return value.func.value, value.args[0]
+            return value.func.value, value.args[0], False
         if not value.args and len(value.keywords) == 1 and value.keywords[0].arg == "dtype":
-            return value.func.value, value.keywords[0].value
-    return value, None
+            return value.func.value, value.keywords[0].value, True
+    return value, None, False
 
 
-def _layout(stmt, name: str, owner: str, hidden_shape: bool) -> str | None:
+def _head_dims(fn, owner: str) -> set[str]:
+    """The sources that name the attention's head dim: ``O.head_dim``, and a name the method binds at
+    its top level to ``O.inner_dim // O.heads`` (LongCat's ``head_dim``), and to nothing else: what a
+    view to ``(B, -1, O.heads, D)`` needs for H * D to be the projection's row."""
+    binds: dict[str, set[str]] = {}
+    for stmt in ast.walk(fn):
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(
+            stmt, (ast.AugAssign, ast.AnnAssign, ast.NamedExpr, ast.For)) else []
+        for t in targets:
+            for n in ast.walk(t):
+                if isinstance(n, ast.Name):
+                    binds.setdefault(n.id, set()).add(_text(stmt.value) if isinstance(stmt, ast.Assign) else "")
+    local = {name for name, values in binds.items() if values == {f"{owner}.inner_dim // {owner}.heads"}}
+    return {f"{owner}.head_dim"} | local
+
+
+def _layout(stmt, name: str, owner: str, hidden_shape: bool, head_dims=frozenset()) -> str | None:
     """A layout statement of name: ``"t"`` (``name = name.transpose(1, 2)``), ``"v"`` (``name =
     name.view(hidden_shape).transpose(1, 2)``), ``"u"`` (``name = name.unflatten(2, (O.heads,
-    -1))``, or ``name.view(B, -1, O.heads, D)``) or ``"r"`` (``name = name.reshape(B, S,
+    -1))``, or ``name.view(B, -1, O.heads, D)`` with D one of ``head_dims``: see :func:`_head_dims`)
+    or ``"r"`` (``name = name.reshape(B, S,
     O.<heads>, O.head_dim).transpose(1, 2)``: rows of a head kept, Chameleon's after its norms of
     ``(B * S, H, D)`` rows); None for any other statement."""
     found = _assign(stmt)
@@ -283,7 +304,7 @@ def _layout(stmt, name: str, owner: str, hidden_shape: bool) -> str | None:
     if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "view"
             and _text(value.func.value) == name and len(value.args) == 4 and not value.keywords
             and _text(value.args[1]) == "-1" and _text(value.args[2]) == f"{owner}.heads"
-            and name not in _names(value.args)):
+            and _text(value.args[3]) in head_dims and name not in _names(value.args)):
         return "u"  # (name.view(B, -1, O.heads, D), LongCat's: a row's H * D values split into heads, as unflatten)
     return None
 
@@ -472,7 +493,21 @@ def _slice_pair(block, i: int, rope_call):
     rest = [_text(ast.Call(c.func, c.args[1:], c.keywords)) for c in (call, call_k)]
     if q == k or index != index_k or rest[0] != rest[1]:
         return None
+    if guard is not None and not _plain_guard(block[i + 1].test):
+        return None
     return _RopeSite(block, i, "slice", q, k, call, sliced=Slice(dim, start, guard))
+
+
+_GUARD_NODES = (ast.UnaryOp, ast.Not, ast.BoolOp, ast.And, ast.Or, ast.Compare, ast.Eq, ast.NotEq, ast.Is, ast.IsNot,
+                ast.Attribute, ast.Name, ast.Constant, ast.Load)
+
+
+def _plain_guard(test) -> bool:
+    """Whether a condition reads the attention module's attributes and constants alone, by ``not``,
+    ``and``, ``or`` and comparisons (CogVideoX's ``not attn.is_cross_attention``): one the rewrite may
+    evaluate twice, and before q's statement rather than after it. Its names are checked against the
+    owner by the caller (:func:`fusion_rewrite` refuses any that reads q, k or what their norms read)."""
+    return all(isinstance(n, _GUARD_NODES) for n in ast.walk(test))
 
 
 def _partial_rotary(block, i: int, qr: str, kr: str):
@@ -547,9 +582,10 @@ def _rope_sites(fn, rope_names) -> list[_RopeSite]:
             if first and second and rope_call(first[1]) and rope_call(second[1]):
                 a, b = first[1], second[1]
                 rest_a, rest_b = (_text(ast.Call(c.func, c.args[1:], c.keywords)) for c in (a, b))
-                plain = not any(isinstance(x, ast.Starred) for x in b.args) and all(w.arg for w in b.keywords)
+                plain = (a.func.id == b.func.id and not any(isinstance(x, ast.Starred) for x in b.args)
+                         and all(w.arg for w in b.keywords))  # (k's own arguments are passed on as written)
                 if (first[0] == a.args[0].id and second[0] == b.args[0].id and first[0] != second[0]
-                        and (rest_a == rest_b or plain)):  # (k's own arguments are passed on as written)
+                        and (rest_a == rest_b or plain)):
                     found.append(_RopeSite(block, i, "pair", first[0], second[0], a,
                                            k_call=None if rest_a == rest_b else b))
     return found
@@ -627,7 +663,8 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
         return Unfusable("q's and k's norms are not under one condition")
     lo, hi = sorted((nq.index, nk.index))
     if (nq.cast is None) != (nk.cast is None) or (nq.cast is not None and (
-            hi != lo + 1 or _text(nq.cast) != _text(nk.cast) or {q, k} & _names(nq.cast))):
+            hi != lo + 1 or _text(nq.cast) != _text(nk.cast) or nq.cast_keyword != nk.cast_keyword
+            or {q, k} & _names(nq.cast))):
         return Unfusable("q's and k's norms are not cast alike, in two statements in a row")
     # what the deferred norms read: q and k, and a tensor they may share memory with (q = O.q_norm(x)
     # makes q hold x's tensor until the norm runs: x read or changed, in place or through another
@@ -648,17 +685,19 @@ def fusion_rewrite(fn: ast.FunctionDef, owner: str, rope_names, norm_attrs, hold
     for rope_site in sites:
         if watch & _names(rope_site.tables):
             return Unfusable(f"its RoPE call's tables read {q}, {k} or what their norms read")
-    if sliced is not None and watch & (_names(ast.parse(sliced.start)) | _names(ast.parse(sliced.guard or "0"))):
-        return Unfusable(f"the slice it rotates, or the condition k's rotation runs under, reads {q}, {k} or what "
-                         "their norms read")
+    if sliced is not None and (watch & (_names(ast.parse(sliced.start)) | _names(ast.parse(sliced.guard or "0")))
+                               or _names(ast.parse(sliced.guard or "0")) - {owner}):
+        return Unfusable(f"the slice it rotates reads {q}, {k} or what their norms read, or the condition k's "
+                         f"rotation runs under reads more than {owner}'s attributes")
     # the layout statements right after the norms
     hidden_shape = any(_text(s) == HIDDEN_SHAPE for s in fn.body[:lo])
+    head_dims = _head_dims(fn, owner)
     # (a compound statement whose header does not read q or k is crossed: OLMoE's `if clip_qkv:`
     # block, which then gets the norms alone, in the norms' own layout, before its first use of q)
     layouts, j = {q: [], k: []}, hi + 1
     while j < first_top:
         stmt = fn.body[j]
-        kinds = {name: _layout(stmt, name, owner, hidden_shape) for name in (q, k)}
+        kinds = {name: _layout(stmt, name, owner, hidden_shape, head_dims) for name in (q, k)}
         hit = [name for name, what in kinds.items() if what]
         header = _header(stmt)
         if hit:
@@ -906,14 +945,16 @@ def _fuse_single(fn, owner: str, rope_names, norm_attrs, holder) -> Site | Unfus
 def _flat_input(fn, norm: _Norm, name: str, owner: str) -> bool:
     """Whether the norm's input is a projection's rows as made (no reshape): E of ``Q = O.attr(E)``,
     or, for a norm of Q itself (``if cond: Q = O.attr(Q)``), what the last top-level statement
-    before it that binds Q binds it to: a call of the attention's own module or a function, not a
-    view or reshape of another tensor (LongCat's ``query = attn.to_q(hidden_states)``)."""
+    before it that binds Q binds it to: a call of one of the attention module's own modules
+    (LongCat's ``query = attn.to_q(hidden_states)``)."""
     if norm.arg is not None:
         return not _reshapes(norm.arg)
     for stmt in reversed(fn.body[:norm.index]):
         found = _assign(stmt)
         if found is not None and found[0] == name:
-            return _alias_root(found[1], owner) is None and not _reshapes(found[1])
+            value = found[1]
+            return (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                    and isinstance(value.func.value, ast.Name) and value.func.value.id == owner)
         if name in _names(stmt):
             return False
     return False
@@ -976,7 +1017,7 @@ def _apply(fn, site: Site, q, k, nq: _Norm, nk: _Norm, sites, skip, watch, holde
         if nq.cast is not None:  # deferred where the cast changes nothing: the fused call's norms (which do
             cast = _text(nq.cast)  # not cast) return its dtype, as the call's defers_cast says; else run here
             def written(n, name):
-                text = f"{name} = {site.owner}.{n.attr}({name}).to({cast})"
+                text = f"{name} = {site.owner}.{n.attr}({name}).to({'dtype=' if n.cast_keyword else ''}{cast})"
                 return text if n.arg is not None else f"if {site.owner}.{n.attr} is not None:\n    {text}"
             in_order = sorted(((nq, q), (nk, k)), key=lambda p: p[0].index)
             pending = (f"{holder}.defers_cast({site.owner}, {site.q_norm!r}, {site.k_norm!r}, {q}, {k}, {cast})"
