@@ -18,6 +18,7 @@ float64 truth the error of an output is at most
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -43,7 +44,7 @@ from hypothesis import strategies as st
 from torch.testing._internal.optests import opcheck
 
 import rope_ext
-from rope_ext.reference import rms_norm_rotary_reference, rotate
+from rope_ext.reference import norm_rotary_reference, rms_norm_rotary_reference, rotate
 
 WEIGHTS = ("none", "own", "float32_offset")
 # (weight form, weight_after): the weight before the rotation, and after it (weight_after=True, the
@@ -994,6 +995,45 @@ def test_row_path_with_tables_per_head(dtype, gen):
     check_against_truth(rows[0], q, w, cos, sin, eps=1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("convention", CONVENTIONS)
+@pytest.mark.parametrize("gathered", [False, True], ids=["tables", "gathered"])
+@pytest.mark.parametrize("norm_over,weight", [("heads", "none"), ("heads", "own"), ("heads", "float32_offset"),
+                                               ("head", "own"), ("head", "float32_offset")])
+def test_row_path_takes_groups_and_weight_rows(dtype, convention, gathered, norm_over, weight, gen):
+    """Across heads (each token's heads one group, one statistic, a weight of H * D) and per head with a
+    row of weights per head ((H * D,)), the row path takes the rows and equals the blocked path, for heads
+    of 64 to 256 columns and one past the row path; and against the float64 truth."""
+    interleaved = CONVENTIONS[convention]
+    for D in (64, 128, 256, 1024):
+        steps = _row_steps(dtype, D)
+        q, k = randn(2, 5, 6, D, dtype=dtype, gen=gen) * 3, randn(2, 5, 2, D, dtype=dtype, gen=gen)
+        wq, offset = make_weight(weight, 6 * D, dtype, gen)
+        wk, _ = make_weight(weight, 2 * D, dtype, gen)
+        shape = (5 + 3, D // 2) if gathered else (2, 5, 1, D)
+        cos, sin = random_tables(shape, dtype=dtype, gen=gen)
+        kw = dict(eps=1e-6, interleaved=interleaved, norm_over=norm_over, weight_offset=offset)
+        if gathered:
+            positions = torch.arange(5).flip(0).expand(2, -1)[..., None]
+            call = functools.partial(rope_ext.qk_norm_rotary_pos, positions=positions)
+        else:
+            call = rope_ext.qk_norm_rotary
+        before = path_counts()
+        rows = call(q, k, wq, wk, cos, sin, **kw)
+        assert path_counts_since(before)["norm_rows"] == (0 if steps is None else 2 * 5 * (6 + 2)), D
+        before = path_counts()
+        zeros = torch.zeros(6 * D, dtype=dtype), torch.zeros(2 * D, dtype=dtype)
+        blocked = call(q, k, wq, wk, cos, sin, q_bias=zeros[0], k_bias=zeros[1], **kw)
+        assert path_counts_since(before)["norm_rows"] == 0
+        for a, b in zip(rows, blocked, strict=True):
+            assert torch.equal(a, b), (D, (a - b).abs().max())
+        full = (_full(t, gathered, interleaved, q).double() for t in (cos, sin))
+        expected = norm_rotary_reference(q.double(), None if wq is None else wq.double() + offset, *full, eps=1e-6,
+                                         interleaved=interleaved, norm_over=norm_over)
+        n = D * (6 if norm_over == "heads" else 1)
+        torch.testing.assert_close(rows[0].double(), expected, **norm_tolerance(dtype, n, expected))
+
+
 def _full(t, gathered, interleaved, q):
     """The full-form table _row_path_call's gathered call reads (its positions, reversed)."""
     if not gathered:
@@ -1019,7 +1059,8 @@ def test_row_path_is_taken_only_where_it_applies(gen):
     assert ran(q, weight_after=True) == 0
     assert ran(q, norm="layer") == 0
     assert ran(q, q_bias=torch.zeros(128), k_bias=torch.zeros(128)) == 0
-    assert ran(q, weight=torch.rand(3 * 128, generator=gen), norm_over="heads") == 0
+    assert ran(q, weight=torch.rand(3 * 128, generator=gen), norm_over="heads") == 2 * 12  # groups of 3 rows
+    assert ran(q, weight=torch.rand(3 * 128, generator=gen)) == 2 * 12  # a row of weights per head
     assert ran(q, c=cos[..., :64], s=sin[..., :64]) == 0  # partial rotary
     assert ran(randn(1, 4, 3, 256, gen=gen)[..., ::2]) == 0  # strided columns
     x80, t80 = randn(1, 4, 3, 80, gen=gen), random_tables((1, 4, 1, 80), gen=gen)

@@ -417,39 +417,39 @@ struct RowCursor {
 // float32 values are 8 KiB, in L1.
 constexpr int64_t kNormBlockRows = 16;
 
-// The forward's row path: per head (a group of one row), RMS (not centered), no bias, the weight (if any) one row for
-// every head and before the rotation, every column rotated, x's and out's columns contiguous, and rows of whole vector
-// steps, at most kNormRowSteps of them (head_dim 256 on AVX2, 512 on AVX-512, for float32 and 16-bit x). Each row is
-// read from x once, its squares summed as it comes, into a row-sized stack buffer (in L1), then scaled, rotated and
-// stored from there: one call per row, with the token's tables held across its heads, where the blocked path reads a
-// block of rows into its buffer, finds their statistics, then takes each row through store_scaled_rotation's general
-// loops. The same operations in the same order: the same bits (tests/test_qk_norm.py compares the two paths).
+// The forward's row path: RMS (not centered), no bias, the weight (if any) before the rotation, every column rotated,
+// x's and out's columns contiguous, and rows of whole vector steps, at most kNormRowSteps of them (head_dim 256 on
+// AVX2, 512 on AVX-512, for float32 and 16-bit x); per head or across heads, with any weight the plan takes (one row
+// for every head, or a row per head). Each group's rows are read from x once, their squares summed as they come,
+// into a buffer of the group (one row per head: on the stack, in L1), then each row is scaled, rotated and stored
+// from there, with the token's tables held across its heads; where the blocked path reads a block of rows into its
+// buffer, finds their statistics, then takes each row through store_scaled_rotation's general loops. The same
+// operations in the same order: the same bits (tests/test_qk_norm.py compares the two paths).
 constexpr int64_t kNormRowSteps = 8;
 
 template <typename scalar_t>
 bool norm_row_path(const NormPlan& p, const NormOperands& o) {
   const int64_t half = p.rotary_dim / 2, step = VecIO<scalar_t>::kStep;
-  return !o.centered && o.bias == nullptr && (o.weight == nullptr || !o.weight_after) && p.group == 1 &&
-         p.weight_len <= p.head_dim &&
+  return !o.centered && o.bias == nullptr && (o.weight == nullptr || !o.weight_after) &&
          p.rotary_dim == p.head_dim && p.x_col == 1 && p.out_col == 1 && half % step == 0 && half >= step &&
          half <= kNormRowSteps * step;
 }
 
 // The row path's two halves for one row. norm_read_row reads the row's 2 * steps chunks of kStep
 // columns into `a` (float32, or float64 for float64 x) in column order, each chunk's two vectors'
-// squares into two accumulators (NormRowIO::load's order), and returns rstd = 1 / sqrt(mean(x^2) + eps)
+// squares into the accumulators acc0 and acc1 (NormRowIO::load's order; across heads they run on
+// over the group's rows, as the blocked path's do); norm_rstd then gives 1 / sqrt(mean(x^2) + eps)
 // (the blocked path adds its scalar tail, + 0 here: the same value). (`a` is raw storage, not an
 // array of Vec: Vectorized's constructor zeroes its lanes, 1 KiB a row.)
 template <typename scalar_t>
-C10_ALWAYS_INLINE at::opmath_type<scalar_t> norm_read_row(const scalar_t* x, at::opmath_type<scalar_t>* a,
-                                                         int64_t steps, at::opmath_type<scalar_t> eps,
-                                                         at::opmath_type<scalar_t> count) {
+C10_ALWAYS_INLINE void norm_read_row(const scalar_t* x, at::opmath_type<scalar_t>* a, int64_t steps,
+                                     Vectorized<at::opmath_type<scalar_t>>& acc0,
+                                     Vectorized<at::opmath_type<scalar_t>>& acc1) {
   using T = at::opmath_type<scalar_t>;
   using IO = VecIO<scalar_t>;
   using Vec = typename IO::Vec;
   constexpr int64_t V = Vec::size();
   constexpr int64_t kStep = IO::kStep;
-  Vec acc0(T(0)), acc1(T(0));
   for (int64_t c = 0; c < 2 * steps; ++c) {
     Vec u, v;
     IO::load(x + c * kStep, u, v);
@@ -458,6 +458,10 @@ C10_ALWAYS_INLINE at::opmath_type<scalar_t> norm_read_row(const scalar_t* x, at:
     acc0 = acc0 + u * u;
     acc1 = acc1 + v * v;
   }
+}
+
+template <typename T>
+C10_ALWAYS_INLINE T norm_rstd(const Vectorized<T>& acc0, const Vectorized<T>& acc1, T eps, T count) {
   return T(1) / std::sqrt(NormMath<T>::sum_lanes(acc0 + acc1) / count + eps);
 }
 
@@ -507,25 +511,32 @@ template <typename scalar_t, bool kInterleaved>
 void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Thresholds& th, const ThreadPool& pool) {
   using T = at::opmath_type<scalar_t>;
   using IO = VecIO<scalar_t>;
+  using Vec = Vectorized<T>;
+  constexpr int64_t kRowValues = 2 * kNormRowSteps * IO::kStep;
   const NormContext<scalar_t> ctx(p, o);
-  const int64_t D = p.head_dim, half = D / 2, steps = half / IO::kStep;
-  // The weight by pair member: half-split, its two halves; interleaved, its even and odd columns.
+  const int64_t D = p.head_dim, G = p.group, half = D / 2, steps = half / IO::kStep;
+  // The weight by pair member, each head's D columns in place: half-split, its two halves; interleaved,
+  // its even and odd columns. A row's first members are at slice_at(row), its second ones half after.
   std::vector<T> pair_weight;
-  const T* g1 = nullptr;
-  const T* g2 = nullptr;
+  const T* weight = nullptr;
   if (!ctx.g.empty()) {
     if (kInterleaved) {
-      pair_weight.resize(D);
-      for (int64_t i = 0; i < half; ++i) pair_weight[i] = ctx.g[2 * i], pair_weight[half + i] = ctx.g[2 * i + 1];
-      g1 = pair_weight.data(), g2 = g1 + half;
+      pair_weight.resize(ctx.g.size());
+      for (size_t h0 = 0; h0 < ctx.g.size(); h0 += D) {
+        for (int64_t i = 0; i < half; ++i) {
+          pair_weight[h0 + i] = ctx.g[h0 + 2 * i], pair_weight[h0 + half + i] = ctx.g[h0 + 2 * i + 1];
+        }
+      }
+      weight = pair_weight.data();
     } else {
-      g1 = ctx.g.data(), g2 = g1 + half;
+      weight = ctx.g.data();
     }
   }
+  const int64_t weight_len = static_cast<int64_t>(ctx.g.size());
   const auto* x = static_cast<const scalar_t*>(o.x);
   auto* out = static_cast<scalar_t*>(o.out);
   T* rstd = static_cast<T*>(o.rstd);
-  const T eps = static_cast<T>(o.eps), count = static_cast<T>(D);
+  const T eps = static_cast<T>(o.eps), count = static_cast<T>(G * D);
   const int64_t rows = p.num_rows();
   // (as rotary_kernel.h's: out of place and too large to stay in cache)
   const bool stream = IO::kStreams && o.x != o.out &&
@@ -552,32 +563,51 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
   };
   // (Reading the next row before writing this one, so that the next rstd's chain overlaps this row's
   // writes, measured no faster: docs/devlog.md.)
-  const int64_t grain = std::max<int64_t>(1, th.grain_elements / D);
-  parallel_for(pool, 0, rows, grain, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, th.grain_elements / (G * D));
+  parallel_for(pool, 0, p.num_groups(), grain, [&](int64_t begin, int64_t end) {
     Scratch<T, 512> table_buf(4 * half);  // a row's tables, converted (token_tables)
-    alignas(64) T values[2 * kNormRowSteps * VecIO<scalar_t>::kStep];
+    // The group's rows as read: one row per head on the stack; across heads G rows, on the heap,
+    // 64-byte aligned.
+    alignas(64) T one_row[kRowValues];
+    std::vector<T> group_buf(G > 1 ? G * D + 64 / sizeof(T) : 0);
+    T* const values = G > 1 ? reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(group_buf.data()) + 63) &
+                                                   ~std::uintptr_t{63})
+                            : one_row;
     PairTables<T> t{};
     bool loaded = false;
     int64_t cos_at = 0, sin_at = 0, streamed = 0;
-    RowCursor<5> row(p.rows, begin);
-    for (int64_t n = begin; n < end; ++n, row.next()) {
-      const int64_t* off = row.off;
-      if (!loaded || off[kNormCos] != cos_at || off[kNormSin] != sin_at) {  // (a token's heads share them)
-        t = tables_at(off, table_buf.data());
-        loaded = true, cos_at = off[kNormCos], sin_at = off[kNormSin];
+    RowCursor<5> reading(p.rows, begin * G), writing(p.rows, begin * G);
+    for (int64_t n = begin; n < end; ++n) {
+      // 1. Read the group's rows, and their statistic.
+      Vec acc0(T(0)), acc1(T(0));
+      for (int64_t h = 0; h < G; ++h, reading.next()) {
+        const scalar_t* xr = x + reading.off[kNormX];
+        // prefetch_ahead's hint keeps the lines out of L2 (non-temporal): right for a row written as
+        // soon as it is read, wrong for a group's, which are written, in place, after all G are read
+        // (a Wan token's 40 rows: 20 KiB of x, beside the buffer and the weight's 20 KiB).
+        if (G == 1) prefetch_ahead(xr, row_bytes);
+        norm_read_row<scalar_t>(xr, values + h * D, steps, acc0, acc1);
       }
-      const scalar_t* xr = x + off[kNormX];
-      scalar_t* outr = out + off[kNormOut];
-      prefetch_ahead(xr, row_bytes);
-      const T inv = norm_read_row<scalar_t>(xr, values, steps, eps, count);
+      const T inv = norm_rstd<T>(acc0, acc1, eps, count);
       if (rstd != nullptr) rstd[n] = inv;
-      const bool stream_row = stream && streaming_row_aligned(reinterpret_cast<std::uintptr_t>(outr), half,
-                                                              sizeof(scalar_t), kInterleaved, kStreamStoreBytes);
-      streamed += stream_row;
-      norm_write_row<scalar_t, kInterleaved>(values, inv, outr, steps, g1, g2, t, stream_row);
+      // 2. Scale, rotate and store each row.
+      for (int64_t h = 0; h < G; ++h, writing.next()) {
+        const int64_t* off = writing.off;
+        if (!loaded || off[kNormCos] != cos_at || off[kNormSin] != sin_at) {  // (a token's heads share them)
+          t = tables_at(off, table_buf.data());
+          loaded = true, cos_at = off[kNormCos], sin_at = off[kNormSin];
+        }
+        scalar_t* outr = out + off[kNormOut];
+        const bool stream_row = stream && streaming_row_aligned(reinterpret_cast<std::uintptr_t>(outr), half,
+                                                                sizeof(scalar_t), kInterleaved, kStreamStoreBytes);
+        streamed += stream_row;
+        const T* g1 = weight == nullptr ? nullptr : weight + NormContext<scalar_t>::slice_at(p, weight_len, n * G + h);
+        const T* g2 = weight == nullptr ? nullptr : g1 + half;
+        norm_write_row<scalar_t, kInterleaved>(values + h * D, inv, outr, steps, g1, g2, t, stream_row);
+      }
     }
     if (stream) finish_streaming(streamed);
-    path_counts().norm_rows.fetch_add(end - begin, std::memory_order_relaxed);
+    path_counts().norm_rows.fetch_add((end - begin) * G, std::memory_order_relaxed);
   });
 }
 
