@@ -918,8 +918,9 @@ def test_weight_gradient_past_512_blocks(gen):
 
 # --- the forward's row path (qk_norm_kernel.h's norm_forward_rows) -----------------------------------
 #
-# The forward has two strategies: the row path (per head, RMS, no bias, the weight before the rotation,
-# every column rotated, contiguous columns, rows of whole vector steps up to a width) and the blocked
+# The forward has two strategies: the row path (RMS, per head or across heads, a weight of D or H * D,
+# no bias, the weight before the rotation, every column rotated, contiguous columns, rows of whole
+# vector steps up to a width) and the blocked
 # path for everything else. They must give the same bits. A zero bias sends a call to the blocked path
 # and changes no value (v + 0 is v; only a -0 becomes +0, which torch.equal counts as equal: the one
 # difference these comparisons cannot see).
@@ -1032,6 +1033,47 @@ def test_row_path_takes_groups_and_weight_rows(dtype, convention, gathered, norm
                                          interleaved=interleaved, norm_over=norm_over)
         n = D * (6 if norm_over == "heads" else 1)
         torch.testing.assert_close(rows[0].double(), expected, **norm_tolerance(dtype, n, expected))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("convention", CONVENTIONS)
+@pytest.mark.parametrize("tables", ["per_head", "float32"])
+def test_row_path_groups_in_place_threaded_and_streamed(dtype, convention, tables, gen):
+    """Across heads with heads of 128 (the row path on every variant): tables that differ by head, or
+    float32 tables, split into many parallel tasks (grain 1: tasks starting mid-tensor), out of place,
+    with streaming stores, and in place. Outputs and the per-token statistic the backward reads equal
+    the blocked path's (a zero bias), bit for bit."""
+    interleaved = CONVENTIONS[convention]
+    D, Hk = 128, 6 if tables == "per_head" else 2  # (tables per head: q's and k's heads alike)
+    q, k = randn(2, 7, 6, D, dtype=dtype, gen=gen) * 3, randn(2, 7, Hk, D, dtype=dtype, gen=gen)
+    wq = (torch.rand(6 * D, generator=gen) + 0.5).to(dtype)
+    wk = (torch.rand(Hk * D, generator=gen) + 0.5).to(dtype)
+    shape, tdtype = ((2, 7, 6, D), dtype) if tables == "per_head" else ((2, 7, 1, D), torch.float32)
+    cos, sin = random_tables(shape, dtype=tdtype, gen=gen)
+
+    def raw(x, w, bias=None):  # (out, statistic) of one tensor through the op itself
+        out, _, stat, _ = torch.ops.rope_ext.qk_norm_rotary(x, x, w, w, cos, sin, 1e-6, 0.0, True, interleaved, False,
+                                                           bias, bias, False)
+        return out, stat
+
+    blocked = [raw(x, w, torch.zeros(w.shape, dtype=dtype)) for x, w in ((q, wq), (k, wk))]
+    rows_in_call = 2 * 7 * (6 + Hk)
+    with cpu_thresholds(grain_elements=1, streaming_bytes=0):
+        before = path_counts()
+        rows = [raw(x, w) for x, w in ((q, wq), (k, wk))]
+        ran = path_counts_since(before)
+        assert ran["norm_rows"] == 2 * rows_in_call  # (each tensor twice: raw normalizes x as q and as k)
+        expected = 2 * sum(expected_streamed_rows(out, interleaved, D, 0) for out, _ in rows)
+        assert ran["streamed_rows"] == expected
+        if dtype != torch.float64 and rope_ext.cpu_kernel_isa() != "DEFAULT":
+            assert expected > 0
+        qi, ki = q.clone(), k.clone()
+        before = path_counts()
+        rope_ext.qk_norm_rotary_(qi, ki, wq, wk, cos, sin, eps=1e-6, norm_over="heads", interleaved=interleaved)
+        ran = path_counts_since(before)
+        assert ran["norm_rows"] == rows_in_call and ran["streamed_rows"] == 0
+    for (out, stat), (want, want_stat), inplace in zip(rows, blocked, (qi, ki), strict=True):
+        assert torch.equal(out, want) and torch.equal(stat, want_stat) and torch.equal(inplace, want)
 
 
 def _full(t, gathered, interleaved, q):

@@ -23,6 +23,7 @@
 #endif
 
 #include <cmath>
+#include <memory>
 
 namespace rope_ext::cpu::CPU_CAPABILITY {
 
@@ -569,8 +570,8 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
     // The group's rows as read: one row per head on the stack; across heads G rows, on the heap,
     // 64-byte aligned.
     alignas(64) T one_row[kRowValues];
-    std::vector<T> group_buf(G > 1 ? G * D + 64 / sizeof(T) : 0);
-    T* const values = G > 1 ? reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(group_buf.data()) + 63) &
+    const std::unique_ptr<T[]> group_buf(G > 1 ? new T[G * D + 64 / sizeof(T)] : nullptr);  // (left unset)
+    T* const values = G > 1 ? reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(group_buf.get()) + 63) &
                                                    ~std::uintptr_t{63})
                             : one_row;
     PairTables<T> t{};
@@ -582,9 +583,11 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
       Vec acc0(T(0)), acc1(T(0));
       for (int64_t h = 0; h < G; ++h, reading.next()) {
         const scalar_t* xr = x + reading.off[kNormX];
-        // prefetch_ahead's hint keeps the lines out of L2 (non-temporal): right for a row written as
-        // soon as it is read, wrong for a group's, which are written, in place, after all G are read
-        // (a Wan token's 40 rows: 20 KiB of x, beside the buffer and the weight's 20 KiB).
+        // A group's rows are not prefetched. prefetch_ahead's non-temporal hint (prefetchnta on x86) keeps
+        // the lines out of the outer caches: right for a row rewritten as soon as it is read, wrong for a
+        // group's rows, which in place are rewritten after all G are read (Wan's float32 token: 40 rows,
+        // 20 KiB, beside the buffer's and the weight's 20 KiB each). A T0 or T1 prefetch measured no
+        // faster than none there (docs/devlog.md); out of place, no prefetch was measured.
         if (G == 1) prefetch_ahead(xr, row_bytes);
         norm_read_row<scalar_t>(xr, values + h * D, steps, acc0, acc1);
       }
