@@ -1038,26 +1038,29 @@ def test_row_path_takes_groups_and_weight_rows(dtype, convention, gathered, norm
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("convention", CONVENTIONS)
 @pytest.mark.parametrize("tables", ["per_head", "float32"])
-def test_row_path_groups_in_place_threaded_and_streamed(dtype, convention, tables, gen):
-    """Across heads with heads of 128 (the row path on every variant): tables that differ by head, or
-    float32 tables, split into many parallel tasks (grain 1: tasks starting mid-tensor), out of place,
-    with streaming stores, and in place. Outputs and the per-token statistic the backward reads equal
-    the blocked path's (a zero bias), bit for bit."""
+@pytest.mark.parametrize("norm_over", ["heads", "head"])
+def test_row_path_in_place_threaded_and_streamed(dtype, convention, tables, norm_over, gen):
+    """Heads of 128 (the row path on every variant), across heads (a token's rows one group) and per
+    head (rows read a block at a time): tables that differ by head, or float32 tables, split into many
+    parallel tasks (grain 1: tasks starting mid-tensor, and, per head, mid-block; 70 and 42 rows, no
+    multiple of a block), out of place, with streaming stores, and in place. Outputs and the statistic
+    the backward reads equal the blocked path's (a zero bias), bit for bit."""
     interleaved = CONVENTIONS[convention]
-    D, Hk = 128, 6 if tables == "per_head" else 2  # (tables per head: q's and k's heads alike)
-    q, k = randn(2, 7, 6, D, dtype=dtype, gen=gen) * 3, randn(2, 7, Hk, D, dtype=dtype, gen=gen)
-    wq = (torch.rand(6 * D, generator=gen) + 0.5).to(dtype)
-    wk = (torch.rand(Hk * D, generator=gen) + 0.5).to(dtype)
-    shape, tdtype = ((2, 7, 6, D), dtype) if tables == "per_head" else ((2, 7, 1, D), torch.float32)
+    across = norm_over == "heads"
+    D, Hk = 128, 5 if tables == "per_head" else 3  # (tables per head: q's and k's heads alike)
+    q, k = randn(2, 7, 5, D, dtype=dtype, gen=gen) * 3, randn(2, 7, Hk, D, dtype=dtype, gen=gen)
+    wq = (torch.rand(5 * D if across else D, generator=gen) + 0.5).to(dtype)
+    wk = (torch.rand(Hk * D if across else D, generator=gen) + 0.5).to(dtype)
+    shape, tdtype = ((2, 7, 5, D), dtype) if tables == "per_head" else ((2, 7, 1, D), torch.float32)
     cos, sin = random_tables(shape, dtype=tdtype, gen=gen)
 
     def raw(x, w, bias=None):  # (out, statistic) of one tensor through the op itself
-        out, _, stat, _ = torch.ops.rope_ext.qk_norm_rotary(x, x, w, w, cos, sin, 1e-6, 0.0, True, interleaved, False,
-                                                           bias, bias, False)
+        out, _, stat, _ = torch.ops.rope_ext.qk_norm_rotary(x, x, w, w, cos, sin, 1e-6, 0.0, across, interleaved,
+                                                           False, bias, bias, False)
         return out, stat
 
     blocked = [raw(x, w, torch.zeros(w.shape, dtype=dtype)) for x, w in ((q, wq), (k, wk))]
-    rows_in_call = 2 * 7 * (6 + Hk)
+    rows_in_call = 2 * 7 * (5 + Hk)
     with cpu_thresholds(grain_elements=1, streaming_bytes=0):
         before = path_counts()
         rows = [raw(x, w) for x, w in ((q, wq), (k, wk))]
@@ -1069,7 +1072,7 @@ def test_row_path_groups_in_place_threaded_and_streamed(dtype, convention, table
             assert expected > 0
         qi, ki = q.clone(), k.clone()
         before = path_counts()
-        rope_ext.qk_norm_rotary_(qi, ki, wq, wk, cos, sin, eps=1e-6, norm_over="heads", interleaved=interleaved)
+        rope_ext.qk_norm_rotary_(qi, ki, wq, wk, cos, sin, eps=1e-6, norm_over=norm_over, interleaved=interleaved)
         ran = path_counts_since(before)
         assert ran["norm_rows"] == rows_in_call and ran["streamed_rows"] == 0
     for (out, stat), (want, want_stat), inplace in zip(rows, blocked, (qi, ki), strict=True):

@@ -421,12 +421,26 @@ constexpr int64_t kNormBlockRows = 16;
 // The forward's row path: RMS (not centered), no bias, the weight (if any) before the rotation, every column rotated,
 // x's and out's columns contiguous, and rows of whole vector steps, at most kNormRowSteps of them (head_dim 256 on
 // AVX2, 512 on AVX-512, for float32 and 16-bit x); per head or across heads, with any weight the plan takes (one row
-// for every head, or a row per head). Each group's rows are read from x once, their squares summed as they come,
-// into a buffer of the group (one row per head: on the stack, in L1), then each row is scaled, rotated and stored
-// from there, with the token's tables held across its heads; where the blocked path reads a block of rows into its
-// buffer, finds their statistics, then takes each row through store_scaled_rotation's general loops. The same
+// for every head, or a row per head). Each group's rows are read from x once, their squares summed as they come, into a
+// buffer (per head, kNormRowBlock rows: on the stack, in L1; across heads, the group), then each row is scaled, rotated
+// and stored from there, with the token's tables held across its heads; where the blocked path reads a block of rows
+// into its buffer, finds their statistics, then takes each row through store_scaled_rotation's general loops. The same
 // operations in the same order: the same bits (tests/test_qk_norm.py compares the two paths).
 constexpr int64_t kNormRowSteps = 8;
+
+// Rows per head the row path reads (and finds the statistics of) before it writes any of them. A
+// row's statistic is a chain of dependent steps (its squares' sum, the lanes' sum, a division, a
+// square root, a division) that its writes wait for; a block's chains are independent, and overlap.
+// (4 rows of kRowValues float32 values at most: 8 KiB of stack; rows of 128, 2 KiB, in L1 beside the
+// tables. Blocks of 8 measured the same as 4: docs/devlog.md.)
+constexpr int64_t kNormRowBlock = 4;
+
+// Requests the lines of the row of `bytes` bytes that starts kPrefetchBytes past `row` into every
+// cache level (prefetch_ahead's hint is non-temporal).
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* ahead = static_cast<const char*>(row) + kPrefetchBytes;
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ahead + b, 0, 3);
+}
 
 template <typename scalar_t>
 bool norm_row_path(const NormPlan& p, const NormOperands& o) {
@@ -437,12 +451,12 @@ bool norm_row_path(const NormPlan& p, const NormOperands& o) {
 }
 
 // The row path's two halves for one row. norm_read_row reads the row's 2 * steps chunks of kStep
-// columns into `a` (float32, or float64 for float64 x) in column order, each chunk's two vectors'
+// columns (kStore: into `a`, float32, in column order), each chunk's two vectors'
 // squares into the accumulators acc0 and acc1 (NormRowIO::load's order; across heads they run on
 // over the group's rows, as the blocked path's do); norm_rstd then gives 1 / sqrt(mean(x^2) + eps)
 // (the blocked path adds its scalar tail, + 0 here: the same value). (`a` is raw storage, not an
 // array of Vec: Vectorized's constructor zeroes its lanes, 1 KiB a row.)
-template <typename scalar_t>
+template <typename scalar_t, bool kStore>
 C10_ALWAYS_INLINE void norm_read_row(const scalar_t* x, at::opmath_type<scalar_t>* a, int64_t steps,
                                      Vectorized<at::opmath_type<scalar_t>>& acc0,
                                      Vectorized<at::opmath_type<scalar_t>>& acc1) {
@@ -454,8 +468,10 @@ C10_ALWAYS_INLINE void norm_read_row(const scalar_t* x, at::opmath_type<scalar_t
   for (int64_t c = 0; c < 2 * steps; ++c) {
     Vec u, v;
     IO::load(x + c * kStep, u, v);
-    u.store(a + c * kStep);
-    v.store(a + c * kStep + V);
+    if constexpr (kStore) {
+      u.store(a + c * kStep);
+      v.store(a + c * kStep + V);
+    }
     acc0 = acc0 + u * u;
     acc1 = acc1 + v * v;
   }
@@ -514,6 +530,10 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
   using IO = VecIO<scalar_t>;
   using Vec = Vectorized<T>;
   constexpr int64_t kRowValues = 2 * kNormRowSteps * IO::kStep;
+  constexpr int64_t kBlockValues = kNormRowBlock * kRowValues;
+  // 16-bit x is widened once, into a buffer the writes read; float32 and float64 x are read where they
+  // are (in place too: a row is rewritten after its own values are read, a step of pairs at a time).
+  constexpr bool kBuffered = !std::is_same_v<scalar_t, T>;
   const NormContext<scalar_t> ctx(p, o);
   const int64_t D = p.head_dim, G = p.group, half = D / 2, steps = half / IO::kStep;
   // The weight by pair member, each head's D columns in place: half-split, its two halves; interleaved,
@@ -562,51 +582,64 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
     if (o.float_tables && !std::is_same_v<scalar_t, float>) return build(float{});
     return build(scalar_t{});
   };
-  // (Reading the next row before writing this one, so that the next rstd's chain overlaps this row's
-  // writes, measured no faster: docs/devlog.md.)
+  // Per head, kNormRowBlock groups (rows) per block: all read first, then all written; across heads,
+  // one group per block.
+  const int64_t block = G == 1 ? kNormRowBlock : 1;
   const int64_t grain = std::max<int64_t>(1, th.grain_elements / (G * D));
   parallel_for(pool, 0, p.num_groups(), grain, [&](int64_t begin, int64_t end) {
     Scratch<T, 512> table_buf(4 * half);  // a row's tables, converted (token_tables)
-    // The group's rows as read: one row per head on the stack; across heads G rows, on the heap,
-    // 64-byte aligned.
-    alignas(64) T one_row[kRowValues];
-    const std::unique_ptr<T[]> group_buf(G > 1 ? new T[G * D + 64 / sizeof(T)] : nullptr);  // (left unset)
-    T* const values = G > 1 ? reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(group_buf.get()) + 63) &
-                                                   ~std::uintptr_t{63})
-                            : one_row;
+    // The block's rows as read, where buffered (left unset): per head, on the stack; across heads a
+    // group's G rows, on the heap, 64-byte aligned.
+    alignas(64) T head_rows[kBlockValues];
+    const bool group_buffer = kBuffered && G > 1;
+    const std::unique_ptr<T[]> group_buf(group_buffer ? new T[G * D + 64 / sizeof(T)] : nullptr);
+    T* const values = group_buffer ? reinterpret_cast<T*>(
+                                         (reinterpret_cast<std::uintptr_t>(group_buf.get()) + 63) & ~std::uintptr_t{63})
+                                   : head_rows;
     PairTables<T> t{};
     bool loaded = false;
     int64_t cos_at = 0, sin_at = 0, streamed = 0;
     RowCursor<5> reading(p.rows, begin * G), writing(p.rows, begin * G);
-    for (int64_t n = begin; n < end; ++n) {
-      // 1. Read the group's rows, and their statistic.
-      Vec acc0(T(0)), acc1(T(0));
-      for (int64_t h = 0; h < G; ++h, reading.next()) {
-        const scalar_t* xr = x + reading.off[kNormX];
-        // A group's rows are not prefetched. prefetch_ahead's non-temporal hint (prefetchnta on x86) keeps
-        // the lines out of the outer caches: right for a row rewritten as soon as it is read, wrong for a
-        // group's rows, which in place are rewritten after all G are read (Wan's float32 token: 40 rows,
-        // 20 KiB, beside the buffer's and the weight's 20 KiB each). A T0 or T1 prefetch measured no
-        // faster than none there (docs/devlog.md); out of place, no prefetch was measured.
-        if (G == 1) prefetch_ahead(xr, row_bytes);
-        norm_read_row<scalar_t>(xr, values + h * D, steps, acc0, acc1);
-      }
-      const T inv = norm_rstd<T>(acc0, acc1, eps, count);
-      if (rstd != nullptr) rstd[n] = inv;
-      // 2. Scale, rotate and store each row.
-      for (int64_t h = 0; h < G; ++h, writing.next()) {
-        const int64_t* off = writing.off;
-        if (!loaded || off[kNormCos] != cos_at || off[kNormSin] != sin_at) {  // (a token's heads share them)
-          t = tables_at(off, table_buf.data());
-          loaded = true, cos_at = off[kNormCos], sin_at = off[kNormSin];
+    T inv[kNormRowBlock];
+    for (int64_t n0 = begin; n0 < end; n0 += block) {
+      const int64_t groups = std::min(block, end - n0);
+      // 1. Read the block's rows, and each group's statistic.
+      for (int64_t b = 0; b < groups; ++b) {
+        Vec acc0(T(0)), acc1(T(0));
+        for (int64_t h = 0; h < G; ++h, reading.next()) {
+          const scalar_t* xr = x + reading.off[kNormX];
+          // Per head, the rows ahead are prefetched into every cache level: in place, a row is rewritten
+          // a block after it is read, and prefetch_ahead's non-temporal hint (right for rotary_'s rows,
+          // rewritten as soon as read) keeps its lines out of L2 meanwhile, so the writes wait for them.
+          // A group's rows are not prefetched: in place they are rewritten after all G are read (Wan's
+          // float32 token: 40 rows, 20 KiB, beside the buffer's and the weight's 20 KiB each), and a
+          // prefetch of any locality measured no faster than none there (docs/devlog.md); out of place,
+          // unmeasured.
+          if (G == 1) prefetch_row(xr, row_bytes);
+          norm_read_row<scalar_t, kBuffered>(xr, values + (b * G + h) * D, steps, acc0, acc1);
         }
-        scalar_t* outr = out + off[kNormOut];
-        const bool stream_row = stream && streaming_row_aligned(reinterpret_cast<std::uintptr_t>(outr), half,
-                                                                sizeof(scalar_t), kInterleaved, kStreamStoreBytes);
-        streamed += stream_row;
-        const T* g1 = weight == nullptr ? nullptr : weight + NormContext<scalar_t>::slice_at(p, weight_len, n * G + h);
-        const T* g2 = weight == nullptr ? nullptr : g1 + half;
-        norm_write_row<scalar_t, kInterleaved>(values + h * D, inv, outr, steps, g1, g2, t, stream_row);
+        inv[b] = norm_rstd<T>(acc0, acc1, eps, count);
+        if (rstd != nullptr) rstd[n0 + b] = inv[b];
+      }
+      // 2. Scale, rotate and store each row.
+      for (int64_t b = 0; b < groups; ++b) {
+        for (int64_t h = 0; h < G; ++h, writing.next()) {
+          const int64_t* off = writing.off;
+          if (!loaded || off[kNormCos] != cos_at || off[kNormSin] != sin_at) {  // (a token's heads share them)
+            t = tables_at(off, table_buf.data());
+            loaded = true, cos_at = off[kNormCos], sin_at = off[kNormSin];
+          }
+          scalar_t* outr = out + off[kNormOut];
+          const bool stream_row = stream && streaming_row_aligned(reinterpret_cast<std::uintptr_t>(outr), half,
+                                                                  sizeof(scalar_t), kInterleaved, kStreamStoreBytes);
+          streamed += stream_row;
+          const int64_t row = (n0 + b) * G + h;
+          const T* g1 = weight == nullptr ? nullptr : weight + NormContext<scalar_t>::slice_at(p, weight_len, row);
+          const T* g2 = weight == nullptr ? nullptr : g1 + half;
+          const T* a = values + (b * G + h) * D;
+          if constexpr (!kBuffered) a = x + off[kNormX];
+          norm_write_row<scalar_t, kInterleaved>(a, inv[b], outr, steps, g1, g2, t, stream_row);
+        }
       }
     }
     if (stream) finish_streaming(streamed);
