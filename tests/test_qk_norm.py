@@ -1041,16 +1041,17 @@ def test_row_path_takes_groups_and_weight_rows(dtype, convention, gathered, norm
 @pytest.mark.parametrize("norm_over", ["heads", "head"])
 def test_row_path_in_place_threaded_and_streamed(dtype, convention, tables, norm_over, gen):
     """Heads of 128 (the row path on every variant), across heads (a token's rows one group) and per
-    head (rows read a block at a time): tables that differ by head, or float32 tables, split into many
-    parallel tasks (grain 1: tasks starting mid-tensor, and, per head, mid-block; 70 and 42 rows, no
-    multiple of a block), out of place, with streaming stores, and in place. Outputs and the statistic
-    the backward reads equal the blocked path's (a zero bias), bit for bit."""
+    head (rows read a block at a time, a row of weights per head): tables that differ by head, or
+    float32 tables, split into parallel tasks on 4 threads (grain 1: tasks starting mid-tensor, and,
+    per head, mid-block; 70 and 42 rows, no multiple of a block), out of place, with streaming stores,
+    and in place. Outputs and the statistic the backward reads equal the blocked path's (a zero bias),
+    bit for bit."""
     interleaved = CONVENTIONS[convention]
     across = norm_over == "heads"
     D, Hk = 128, 5 if tables == "per_head" else 3  # (tables per head: q's and k's heads alike)
     q, k = randn(2, 7, 5, D, dtype=dtype, gen=gen) * 3, randn(2, 7, Hk, D, dtype=dtype, gen=gen)
-    wq = (torch.rand(5 * D if across else D, generator=gen) + 0.5).to(dtype)
-    wk = (torch.rand(Hk * D if across else D, generator=gen) + 0.5).to(dtype)
+    wq = (torch.rand(5 * D, generator=gen) + 0.5).to(dtype)  # (H * D: across heads, or a row per head)
+    wk = (torch.rand(Hk * D, generator=gen) + 0.5).to(dtype)
     shape, tdtype = ((2, 7, 5, D), dtype) if tables == "per_head" else ((2, 7, 1, D), torch.float32)
     cos, sin = random_tables(shape, dtype=tdtype, gen=gen)
 
@@ -1063,7 +1064,7 @@ def test_row_path_in_place_threaded_and_streamed(dtype, convention, tables, norm
     rows_in_call = 2 * 7 * (5 + Hk)
     with cpu_thresholds(grain_elements=1, streaming_bytes=0):
         before = path_counts()
-        rows = [raw(x, w) for x, w in ((q, wq), (k, wk))]
+        [rows] = on_threads(lambda: [raw(x, w) for x, w in ((q, wq), (k, wk))], 4)
         ran = path_counts_since(before)
         assert ran["norm_rows"] == 2 * rows_in_call  # (each tensor twice: raw normalizes x as q and as k)
         expected = 2 * sum(expected_streamed_rows(out, interleaved, D, 0) for out, _ in rows)
@@ -1072,7 +1073,8 @@ def test_row_path_in_place_threaded_and_streamed(dtype, convention, tables, norm
             assert expected > 0
         qi, ki = q.clone(), k.clone()
         before = path_counts()
-        rope_ext.qk_norm_rotary_(qi, ki, wq, wk, cos, sin, eps=1e-6, norm_over=norm_over, interleaved=interleaved)
+        on_threads(lambda: rope_ext.qk_norm_rotary_(qi, ki, wq, wk, cos, sin, eps=1e-6, norm_over=norm_over,
+                                                    interleaved=interleaved), 4)
         ran = path_counts_since(before)
         assert ran["norm_rows"] == rows_in_call and ran["streamed_rows"] == 0
     for (out, stat), (want, want_stat), inplace in zip(rows, blocked, (qi, ki), strict=True):

@@ -421,11 +421,12 @@ constexpr int64_t kNormBlockRows = 16;
 // The forward's row path: RMS (not centered), no bias, the weight (if any) before the rotation, every column rotated,
 // x's and out's columns contiguous, and rows of whole vector steps, at most kNormRowSteps of them (head_dim 256 on
 // AVX2, 512 on AVX-512, for float32 and 16-bit x); per head or across heads, with any weight the plan takes (one row
-// for every head, or a row per head). Each group's rows are read from x once, their squares summed as they come, into a
-// buffer (per head, kNormRowBlock rows: on the stack, in L1; across heads, the group), then each row is scaled, rotated
-// and stored from there, with the token's tables held across its heads; where the blocked path reads a block of rows
-// into its buffer, finds their statistics, then takes each row through store_scaled_rotation's general loops. The same
-// operations in the same order: the same bits (tests/test_qk_norm.py compares the two paths).
+// for every head, or a row per head). A block's rows (per head, kNormRowBlock rows; across heads, a group) are read
+// from x with their squares summed as they come (16-bit x widened into a buffer: per head on the stack, in L1; across
+// heads on the heap), then each row is scaled, rotated and stored from the buffer, or for float32 and float64 x from x
+// itself, with the token's tables held across its heads; where the blocked path reads a block of rows into its buffer,
+// finds their statistics, then takes each row through store_scaled_rotation's general loops. The same operations in the
+// same order: the same bits (tests/test_qk_norm.py compares the two paths).
 constexpr int64_t kNormRowSteps = 8;
 
 // Rows per head the row path reads (and finds the statistics of) before it writes any of them. A
@@ -455,7 +456,7 @@ bool norm_row_path(const NormPlan& p, const NormOperands& o) {
 // squares into the accumulators acc0 and acc1 (NormRowIO::load's order; across heads they run on
 // over the group's rows, as the blocked path's do); norm_rstd then gives 1 / sqrt(mean(x^2) + eps)
 // (the blocked path adds its scalar tail, + 0 here: the same value). (`a` is raw storage, not an
-// array of Vec: Vectorized's constructor zeroes its lanes, 1 KiB a row.)
+// array of Vec: Vectorized's constructor zeroes its lanes.)
 template <typename scalar_t, bool kStore>
 C10_ALWAYS_INLINE void norm_read_row(const scalar_t* x, at::opmath_type<scalar_t>* a, int64_t steps,
                                      Vectorized<at::opmath_type<scalar_t>>& acc0,
@@ -482,9 +483,11 @@ C10_ALWAYS_INLINE T norm_rstd(const Vectorized<T>& acc0, const Vectorized<T>& ac
   return T(1) / std::sqrt(NormMath<T>::sum_lanes(acc0 + acc1) / count + eps);
 }
 
-// out = rotary(a * inv * g) for a row norm_read_row read: each step of pairs scaled, rotated and
-// stored. g1 and g2 are the weight's values of each pair's first and second member (null: g = 1); t
-// the row's tables; with `stream`, the stores are non-temporal (the caller checked the alignment).
+// out = rotary(a * inv * g) for a row norm_read_row read (its buffered values, or x itself, which
+// may be out: each step of pairs is loaded before it is stored, and stores only its own columns):
+// each step of pairs scaled, rotated and stored. g1 and g2 are the weight's values of each pair's
+// first and second member (null: g = 1); t the row's tables; with `stream`, the stores are
+// non-temporal (the caller checked the alignment).
 template <typename scalar_t, bool kInterleaved>
 C10_ALWAYS_INLINE void norm_write_row(const at::opmath_type<scalar_t>* a, at::opmath_type<scalar_t> inv,
                                       scalar_t* out, int64_t steps, const at::opmath_type<scalar_t>* g1,
@@ -616,7 +619,8 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
           // prefetch of any locality measured no faster than none there (docs/devlog.md); out of place,
           // unmeasured.
           if (G == 1) prefetch_row(xr, row_bytes);
-          norm_read_row<scalar_t, kBuffered>(xr, values + (b * G + h) * D, steps, acc0, acc1);
+          T* const into = kBuffered ? values + (b * G + h) * D : nullptr;
+          norm_read_row<scalar_t, kBuffered>(xr, into, steps, acc0, acc1);
         }
         inv[b] = norm_rstd<T>(acc0, acc1, eps, count);
         if (rstd != nullptr) rstd[n0 + b] = inv[b];
@@ -636,8 +640,12 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
           const int64_t row = (n0 + b) * G + h;
           const T* g1 = weight == nullptr ? nullptr : weight + NormContext<scalar_t>::slice_at(p, weight_len, row);
           const T* g2 = weight == nullptr ? nullptr : g1 + half;
-          const T* a = values + (b * G + h) * D;
-          if constexpr (!kBuffered) a = x + off[kNormX];
+          const T* a = nullptr;
+          if constexpr (kBuffered) {
+            a = values + (b * G + h) * D;
+          } else {
+            a = x + off[kNormX];  // (in place too: see norm_write_row)
+          }
           norm_write_row<scalar_t, kInterleaved>(a, inv[b], outr, steps, g1, g2, t, stream_row);
         }
       }
