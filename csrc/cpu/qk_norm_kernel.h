@@ -436,13 +436,6 @@ constexpr int64_t kNormRowSteps = 8;
 // tables. Blocks of 8 measured the same as 4: docs/devlog.md.)
 constexpr int64_t kNormRowBlock = 4;
 
-// Requests the lines of the row of `bytes` bytes that starts kPrefetchBytes past `row` into every
-// cache level (prefetch_ahead's hint is non-temporal).
-inline void prefetch_row(const void* row, int64_t bytes) {
-  const char* ahead = static_cast<const char*>(row) + kPrefetchBytes;
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ahead + b, 0, 3);
-}
-
 template <typename scalar_t>
 bool norm_row_path(const NormPlan& p, const NormOperands& o) {
   const int64_t half = p.rotary_dim / 2, step = VecIO<scalar_t>::kStep;
@@ -593,7 +586,7 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
     Scratch<T, 512> table_buf(4 * half);  // a row's tables, converted (token_tables)
     // The block's rows as read, where buffered (left unset): per head, on the stack; across heads a
     // group's G rows, on the heap, 64-byte aligned.
-    alignas(64) T head_rows[kBlockValues];
+    alignas(64) T head_rows[kBuffered ? kBlockValues : 1];
     const bool group_buffer = kBuffered && G > 1;
     const std::unique_ptr<T[]> group_buf(group_buffer ? new T[G * D + 64 / sizeof(T)] : nullptr);
     T* const values = group_buffer ? reinterpret_cast<T*>(
@@ -612,13 +605,13 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
         for (int64_t h = 0; h < G; ++h, reading.next()) {
           const scalar_t* xr = x + reading.off[kNormX];
           // Per head, the rows ahead are prefetched into every cache level: in place, a row is rewritten
-          // a block after it is read, and prefetch_ahead's non-temporal hint (right for rotary_'s rows,
+          // a block after it is read, and the non-temporal hint (right for rotary_'s rows,
           // rewritten as soon as read) keeps its lines out of L2 meanwhile, so the writes wait for them.
           // A group's rows are not prefetched: in place they are rewritten after all G are read (Wan's
           // float32 token: 40 rows, 20 KiB, beside the buffer's and the weight's 20 KiB each), and a
           // prefetch of any locality measured no faster than none there (docs/devlog.md); out of place,
           // unmeasured.
-          if (G == 1) prefetch_row(xr, row_bytes);
+          if (G == 1) prefetch_ahead<3>(xr, row_bytes);
           T* const into = kBuffered ? values + (b * G + h) * D : nullptr;
           norm_read_row<scalar_t, kBuffered>(xr, into, steps, acc0, acc1);
         }

@@ -99,10 +99,13 @@ class Scratch {
 constexpr int64_t kPrefetchBytes = 2048;
 
 // Requests the lines of the row of `bytes` bytes that starts kPrefetchBytes past `row` (a hint: it
-// reads and checks nothing, and a line past x's end or into another tensor is harmless).
+// reads and checks nothing, and a line past x's end or into another tensor is harmless). kLocality is
+// __builtin_prefetch's: 0, non-temporal (prefetchnta on x86), for a row rewritten as soon as it is
+// read; 3, into every cache level, for one rewritten later.
+template <int kLocality = 0>
 inline void prefetch_ahead(const void* row, int64_t bytes) {
   const char* ahead = static_cast<const char*>(row) + kPrefetchBytes;
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ahead + b, 0, kLocality);
 }
 
 // The position at offset `at` of a gathered call's positions, int32 or int64 (widened).
