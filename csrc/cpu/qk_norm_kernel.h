@@ -604,14 +604,12 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
         Vec acc0(T(0)), acc1(T(0));
         for (int64_t h = 0; h < G; ++h, reading.next()) {
           const scalar_t* xr = x + reading.off[kNormX];
-          // Per head, the rows ahead are prefetched into every cache level: in place, a row is rewritten
-          // a block after it is read, and the non-temporal hint (right for rotary_'s rows,
-          // rewritten as soon as read) keeps its lines out of L2 meanwhile, so the writes wait for them.
-          // A group's rows are not prefetched: in place they are rewritten after all G are read (Wan's
-          // float32 token: 40 rows, 20 KiB, beside the buffer's and the weight's 20 KiB each), and a
-          // prefetch of any locality measured no faster than none there (docs/devlog.md); out of place,
-          // unmeasured.
-          if (G == 1) prefetch_ahead<3>(xr, row_bytes);
+          // The rows ahead are prefetched into every cache level: a row is rewritten (in place) or, for
+          // float32 and float64, read again a block or a group after it is first read, and the
+          // non-temporal hint (right for rotary_'s rows, rewritten as soon as read) keeps its lines
+          // out of L2 meanwhile, so the writes wait for them. (Across heads too, in place and out of
+          // place: docs/devlog.md.)
+          prefetch_ahead<3>(xr, row_bytes);
           T* const into = kBuffered ? values + (b * G + h) * D : nullptr;
           norm_read_row<scalar_t, kBuffered>(xr, into, steps, acc0, acc1);
         }
