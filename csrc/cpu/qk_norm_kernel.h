@@ -596,6 +596,11 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
     bool loaded = false;
     int64_t cos_at = 0, sin_at = 0, streamed = 0;
     RowCursor<5> reading(p.rows, begin * G), writing(p.rows, begin * G);
+    // The head of the row being written (NormContext::slice_at's row % heads), which selects its
+    // weights where there is a row of them per head: counted, not divided for, since a division per
+    // row is a cost a row of 128 values feels (docs/devlog.md).
+    int64_t head = p.heads > 1 ? begin * G % p.heads : 0;
+    const bool weight_per_head = weight_len > D;
     T inv[kNormRowBlock];
     for (int64_t n0 = begin; n0 < end; n0 += block) {
       const int64_t groups = std::min(block, end - n0);
@@ -628,8 +633,8 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
           const bool stream_row = stream && streaming_row_aligned(reinterpret_cast<std::uintptr_t>(outr), half,
                                                                   sizeof(scalar_t), kInterleaved, kStreamStoreBytes);
           streamed += stream_row;
-          const int64_t row = (n0 + b) * G + h;
-          const T* g1 = weight == nullptr ? nullptr : weight + NormContext<scalar_t>::slice_at(p, weight_len, row);
+          const T* g1 = weight == nullptr ? nullptr : weight + (weight_per_head ? head * D : 0);
+          head = head + 1 >= p.heads ? 0 : head + 1;
           const T* g2 = weight == nullptr ? nullptr : g1 + half;
           const T* a = nullptr;
           if constexpr (kBuffered) {
