@@ -609,11 +609,11 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
         Vec acc0(T(0)), acc1(T(0));
         for (int64_t h = 0; h < G; ++h, reading.next()) {
           const scalar_t* xr = x + reading.off[kNormX];
-          // The rows ahead are prefetched into every cache level: a row is rewritten (in place) or, for
-          // float32 and float64, read again a block or a group after it is first read, and the
-          // non-temporal hint (right for rotary_'s rows, rewritten as soon as read) keeps its lines
-          // out of L2 meanwhile, so the writes wait for them. (Across heads too, in place and out of
-          // place: docs/devlog.md.)
+          // The rows ahead are prefetched into every cache level. A row is needed again a block or a
+          // group after its first read (rewritten in place; float32 and float64 rows read again by
+          // the writes), and the non-temporal hint (right for rotary_'s rows, rewritten as soon as
+          // read) keeps its lines out of L2 meanwhile, so the writes wait for them. (16-bit rows out
+          // of place are needed once, and measured faster with T0 too: docs/devlog.md.)
           prefetch_ahead<3>(xr, row_bytes);
           T* const into = kBuffered ? values + (b * G + h) * D : nullptr;
           norm_read_row<scalar_t, kBuffered>(xr, into, steps, acc0, acc1);
