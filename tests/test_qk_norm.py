@@ -1081,6 +1081,41 @@ def test_row_path_in_place_threaded_and_streamed(dtype, convention, tables, norm
         assert torch.equal(out, want) and torch.equal(stat, want_stat) and torch.equal(inplace, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("convention", CONVENTIONS)
+@pytest.mark.parametrize("layout", ["head_major", "one_head"])
+@pytest.mark.parametrize("norm_over", ["heads", "head"])
+def test_row_path_finds_each_rows_weights_in_any_layout(dtype, convention, layout, norm_over, gen):
+    """The row path finds a row's weights by counting heads from its task's first row (row % heads):
+    with x a (B, H, S, D) tensor seen as (B, S, H, D), whose rows are not in memory order, and with
+    one head (the count never moves), a row of weights per head (or across heads, the group's), on 3
+    threads with grain 1 (tasks that start mid-token): in place and out of place, the blocked path's
+    outputs (a zero bias), bit for bit."""
+    interleaved = CONVENTIONS[convention]
+    D, H = 128, 5 if layout == "head_major" else 1
+    if layout == "head_major":
+        q = (randn(2, H, 7, D, dtype=dtype, gen=gen) * 3).transpose(1, 2)
+    else:
+        q = randn(2, 7, H, D, dtype=dtype, gen=gen) * 3
+    w = (torch.rand(H * D, generator=gen) + 0.5).to(dtype)
+    cos, sin = random_tables((2, 7, 1, D), dtype=dtype, gen=gen)
+
+    def raw(x, bias=None):
+        out, _, _, _ = torch.ops.rope_ext.qk_norm_rotary(x, x, w, w, cos, sin, 1e-6, 0.0, norm_over == "heads",
+                                                         interleaved, False, bias, bias, False)
+        return out
+
+    want = raw(q, torch.zeros(w.shape, dtype=dtype))
+    with cpu_thresholds(grain_elements=1):
+        before = path_counts()
+        [out] = on_threads(lambda: raw(q), 3)
+        qi, ki = q.clone(memory_format=torch.preserve_format), q.clone(memory_format=torch.preserve_format)
+        on_threads(lambda: rope_ext.qk_norm_rotary_(qi, ki, w, w, cos, sin, eps=1e-6, norm_over=norm_over,
+                                                    interleaved=interleaved), 3)
+        assert path_counts_since(before)["norm_rows"] == 4 * q.numel() // D
+    assert torch.equal(out, want) and torch.equal(qi, want) and torch.equal(ki, want)
+
+
 def _full(t, gathered, interleaved, q):
     """The full-form table _row_path_call's gathered call reads (its positions, reversed)."""
     if not gathered:
