@@ -384,12 +384,18 @@ struct TableRows {
 };
 
 // The offsets of consecutive rows of `dims` from row `linear` on, a row at a time without a
-// division (StridedDims::offsets divides once per dim, a cost a row of 128 values feels).
+// division (StridedDims::offsets divides once per dim, a cost a row of 128 values feels). The
+// innermost dim's size and strides are held by value: a cursor that is a local of its loop then
+// keeps them, and its offsets, in registers, where the dims reached through the reference are
+// reloaded after every store of a may_alias vector type (all of the kernels' stores). The outer
+// dims are read once per run of the innermost.
 template <int K>
 struct RowCursor {
   const StridedDims<K>& dims;
   int64_t index[kMaxDims];
   int64_t off[K];
+  int64_t inner = 0, inner_size = 1;  // index and size of the innermost dim (1: no dims)
+  int64_t inner_stride[K] = {};
 
   RowCursor(const StridedDims<K>& d, int64_t linear) : dims(d) {
     d.offsets(linear, off);
@@ -398,9 +404,26 @@ struct RowCursor {
       linear /= d.sizes[i];
     }
     if (d.ndim > 0) index[0] = linear;
+    if (d.ndim > 0) {
+      const int i = d.ndim - 1;
+      inner = index[i];
+      inner_size = i == 0 ? std::numeric_limits<int64_t>::max() : d.sizes[i];  // (dim 0 never wraps)
+      for (int k = 0; k < K; ++k) inner_stride[k] = d.strides[k][i];
+    }
   }
-  void next() {
-    for (int i = dims.ndim - 1; i >= 0; --i) {
+  C10_ALWAYS_INLINE void next() {
+    for (int k = 0; k < K; ++k) off[k] += inner_stride[k];
+    if (++inner < inner_size) return;
+    carry();
+  }
+
+ private:
+  // The innermost dim wrapped: back to its start, and the next index of the dims outside it.
+  void carry() {
+    const int last = dims.ndim - 1;
+    for (int k = 0; k < K; ++k) off[k] -= inner * inner_stride[k];
+    inner = 0;
+    for (int i = last - 1; i >= 0; --i) {
       ++index[i];
       for (int k = 0; k < K; ++k) off[k] += dims.strides[k][i];
       if (i == 0 || index[i] < dims.sizes[i]) return;
@@ -480,7 +503,8 @@ C10_ALWAYS_INLINE T norm_rstd(const Vectorized<T>& acc0, const Vectorized<T>& ac
 // may be out: each step of pairs is loaded before it is stored, and stores only its own columns):
 // each step of pairs scaled, rotated and stored. g1 and g2 are the weight's values of each pair's
 // first and second member (null: g = 1); t the row's tables; with `stream`, the stores are
-// non-temporal (the caller checked the alignment).
+// non-temporal (the caller checked the alignment). (Whether there is a weight, and whether the row
+// streams, are chosen once a row, not tested at every step.)
 template <typename scalar_t, bool kInterleaved>
 C10_ALWAYS_INLINE void norm_write_row(const at::opmath_type<scalar_t>* a, at::opmath_type<scalar_t> inv,
                                       scalar_t* out, int64_t steps, const at::opmath_type<scalar_t>* g1,
@@ -493,34 +517,41 @@ C10_ALWAYS_INLINE void norm_write_row(const at::opmath_type<scalar_t>* a, at::op
   const int64_t half = steps * kStep;
   const auto part = [&](int64_t k) { return Vec::loadu(a + k * V); };  // the row's k-th vector
   const Vec vs(inv);
-  for (int64_t i = 0; i < steps; ++i) {
-    Vec x1[2], x2[2], o1[2], o2[2];
-    if constexpr (kInterleaved) {  // step i is chunks 2i and 2i + 1, pairs alternating
-      std::tie(x1[0], x2[0]) = at::vec::deinterleave2(part(4 * i), part(4 * i + 1));
-      std::tie(x1[1], x2[1]) = at::vec::deinterleave2(part(4 * i + 2), part(4 * i + 3));
-    } else {  // step i's first members are chunk i, its second ones chunk steps + i
-      x1[0] = part(2 * i), x1[1] = part(2 * i + 1);
-      x2[0] = part(2 * (steps + i)), x2[1] = part(2 * (steps + i) + 1);
-    }
-    for (int k = 0; k < 2; ++k) {
-      const int64_t j = i * kStep + k * V;  // the pair of x1[k]'s first lane
-      if (g1 != nullptr) {
-        x1[k] = x1[k] * vs * Vec::loadu(g1 + j), x2[k] = x2[k] * vs * Vec::loadu(g2 + j);
-      } else {
-        x1[k] = x1[k] * vs, x2[k] = x2[k] * vs;
+  const auto steps_with = [&](auto weighted, auto streamed) {
+    for (int64_t i = 0; i < steps; ++i) {
+      Vec x1[2], x2[2], o1[2], o2[2];
+      if constexpr (kInterleaved) {  // step i is chunks 2i and 2i + 1, pairs alternating
+        std::tie(x1[0], x2[0]) = at::vec::deinterleave2(part(4 * i), part(4 * i + 1));
+        std::tie(x1[1], x2[1]) = at::vec::deinterleave2(part(4 * i + 2), part(4 * i + 3));
+      } else {  // step i's first members are chunk i, its second ones chunk steps + i
+        x1[0] = part(2 * i), x1[1] = part(2 * i + 1);
+        x2[0] = part(2 * (steps + i)), x2[1] = part(2 * (steps + i) + 1);
       }
-      rotate_pair<false>(x1[k], x2[k], Vec::loadu(t.c1 + j), Vec::loadu(t.s1 + j), Vec::loadu(t.c2 + j),
-                         Vec::loadu(t.s2 + j), o1[k], o2[k]);
+      for (int k = 0; k < 2; ++k) {
+        const int64_t j = i * kStep + k * V;  // the pair of x1[k]'s first lane
+        if constexpr (decltype(weighted)::value) {
+          x1[k] = x1[k] * vs * Vec::loadu(g1 + j), x2[k] = x2[k] * vs * Vec::loadu(g2 + j);
+        } else {
+          x1[k] = x1[k] * vs, x2[k] = x2[k] * vs;
+        }
+        rotate_pair<false>(x1[k], x2[k], Vec::loadu(t.c1 + j), Vec::loadu(t.s1 + j), Vec::loadu(t.c2 + j),
+                           Vec::loadu(t.s2 + j), o1[k], o2[k]);
+      }
+      IO::template store_pairs<kInterleaved, decltype(streamed)::value>(out, i * kStep, half, o1, o2);
     }
-    if (stream) {
-      IO::template store_pairs<kInterleaved, true>(out, i * kStep, half, o1, o2);
-    } else {
-      IO::template store_pairs<kInterleaved, false>(out, i * kStep, half, o1, o2);
-    }
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (g1 != nullptr) {
+    stream ? steps_with(Yes{}, Yes{}) : steps_with(Yes{}, No{});
+  } else {
+    stream ? steps_with(No{}, Yes{}) : steps_with(No{}, No{});
   }
 }
 
-template <typename scalar_t, bool kInterleaved>
+// kSteps: the rows' vector steps (half / kStep) when known at compile time, so that each row's loops
+// unroll into straight code; 0, read from the plan.
+template <typename scalar_t, bool kInterleaved, int64_t kSteps>
 void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Thresholds& th, const ThreadPool& pool) {
   using T = at::opmath_type<scalar_t>;
   using IO = VecIO<scalar_t>;
@@ -531,7 +562,7 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
   // are (in place too: a row is rewritten after its own values are read, a step of pairs at a time).
   constexpr bool kBuffered = !std::is_same_v<scalar_t, T>;
   const NormContext<scalar_t> ctx(p, o);
-  const int64_t D = p.head_dim, G = p.group, half = D / 2, steps = half / IO::kStep;
+  const int64_t D = p.head_dim, G = p.group, half = D / 2, steps = kSteps > 0 ? kSteps : half / IO::kStep;
   // The weight by pair member, each head's D columns in place: half-split, its two halves; interleaved,
   // its even and odd columns. A row's first members are at slice_at(row), its second ones half after.
   std::vector<T> pair_weight;
@@ -560,18 +591,19 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
                       rows * D * static_cast<int64_t>(sizeof(scalar_t)) >= th.streaming_bytes;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
   // A row's tables, from its kNormCos/kNormSin offsets (gathered: the position there selects the
-  // caches' row), in the type they are stored in.
-  const auto tables_at = [&](const int64_t* off, T* buf) {
+  // caches' row), in the type they are stored in. (The offsets by value: a cursor whose address
+  // escaped into a call that is not inlined would no longer be kept in registers.)
+  const auto tables_at = [&](int64_t cos_off, int64_t sin_off, T* buf) {
     const auto build = [&](auto table_tag) {
       using table_t = decltype(table_tag);
       const auto* cos = static_cast<const table_t*>(o.cos);
       const auto* sin = static_cast<const table_t*>(o.sin);
       if (!p.gathered) {
-        return token_tables<kInterleaved, false>(cos + off[kNormCos], p.cos_col, sin + off[kNormSin], p.sin_col,
+        return token_tables<kInterleaved, false>(cos + cos_off, p.cos_col, sin + sin_off, p.sin_col,
                                                  half, buf);
       }
-      const int64_t cos_pos = position_at(o.positions, p.positions_int32, off[kNormCos]);
-      const int64_t sin_pos = position_at(o.positions, p.positions_int32, off[kNormSin]);
+      const int64_t cos_pos = position_at(o.positions, p.positions_int32, cos_off);
+      const int64_t sin_pos = position_at(o.positions, p.positions_int32, sin_off);
       return token_tables<kInterleaved, true>(cos + cos_pos * p.cos_row, p.cos_col, sin + sin_pos * p.sin_row,
                                               p.sin_col, half, buf);
     };
@@ -582,72 +614,86 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
   // one group per block.
   const int64_t block = G == 1 ? kNormRowBlock : 1;
   const int64_t grain = std::max<int64_t>(1, th.grain_elements / (G * D));
+  // What every row reads, copied into each thread's locals (the lambda's first line): the stores to
+  // out and to the buffers are of may_alias vector types, and a value reached through the lambda's
+  // captures, which escape into parallel_for, is reloaded after each of them. (So reloaded, with
+  // the cursors' dims, a row's bookkeeping was as many instructions as its rotation: docs/devlog.md.)
+  struct RowCall {
+    const scalar_t* x;
+    scalar_t* out;
+    T* rstd;
+    const T* weight;
+    T eps, count;
+    int64_t D, G, half, steps, heads, row_bytes, block;
+    bool weight_per_head, stream;
+  };
+  const RowCall call{x, out, rstd, weight, eps, count, D, G, half, steps, p.heads, row_bytes, block, weight_len > D, stream};
   parallel_for(pool, 0, p.num_groups(), grain, [&](int64_t begin, int64_t end) {
-    Scratch<T, 512> table_buf(4 * half);  // a row's tables, converted (token_tables)
+    const RowCall c = call;
+    Scratch<T, 512> table_buf(4 * c.half);  // a row's tables, converted (token_tables)
     // The block's rows as read, where buffered (left unset): per head, on the stack; across heads a
     // group's G rows, on the heap, 64-byte aligned.
     alignas(64) T head_rows[kBuffered ? kBlockValues : 1];
-    const bool group_buffer = kBuffered && G > 1;
-    const std::unique_ptr<T[]> group_buf(group_buffer ? new T[G * D + 64 / sizeof(T)] : nullptr);
+    const bool group_buffer = kBuffered && c.G > 1;
+    const std::unique_ptr<T[]> group_buf(group_buffer ? new T[c.G * c.D + 64 / sizeof(T)] : nullptr);
     T* const values = group_buffer ? reinterpret_cast<T*>(
                                          (reinterpret_cast<std::uintptr_t>(group_buf.get()) + 63) & ~std::uintptr_t{63})
                                    : head_rows;
     PairTables<T> t{};
     bool loaded = false;
     int64_t cos_at = 0, sin_at = 0, streamed = 0;
-    RowCursor<5> reading(p.rows, begin * G), writing(p.rows, begin * G);
+    RowCursor<5> reading(p.rows, begin * c.G), writing(p.rows, begin * c.G);
     // The head of the row being written (NormContext::slice_at's row % heads), which selects its
     // weights where there is a row of them per head: counted, not divided for, since a division per
     // row is a cost a row of 128 values feels (docs/devlog.md).
-    int64_t head = p.heads > 1 ? begin * G % p.heads : 0;
-    const bool weight_per_head = weight_len > D;
+    int64_t head = c.heads > 1 ? begin * c.G % c.heads : 0;
     T inv[kNormRowBlock];
-    for (int64_t n0 = begin; n0 < end; n0 += block) {
-      const int64_t groups = std::min(block, end - n0);
+    for (int64_t n0 = begin; n0 < end; n0 += c.block) {
+      const int64_t groups = std::min(c.block, end - n0);
       // 1. Read the block's rows, and each group's statistic.
       for (int64_t b = 0; b < groups; ++b) {
         Vec acc0(T(0)), acc1(T(0));
-        for (int64_t h = 0; h < G; ++h, reading.next()) {
-          const scalar_t* xr = x + reading.off[kNormX];
+        for (int64_t h = 0; h < c.G; ++h, reading.next()) {
+          const scalar_t* xr = c.x + reading.off[kNormX];
           // The rows ahead are prefetched into every cache level. A row is needed again a block or a
           // group after its first read (rewritten in place; float32 and float64 rows read again by
           // the writes), and the non-temporal hint (right for rotary_'s rows, rewritten as soon as
           // read) keeps its lines out of L2 meanwhile, so the writes wait for them. (16-bit rows out
           // of place are needed once, and measured faster with T0 too: docs/devlog.md.)
-          prefetch_ahead<3>(xr, row_bytes);
-          T* const into = kBuffered ? values + (b * G + h) * D : nullptr;
-          norm_read_row<scalar_t, kBuffered>(xr, into, steps, acc0, acc1);
+          prefetch_ahead<3>(xr, kSteps > 0 ? 4 * kSteps * IO::kStep * int64_t{sizeof(scalar_t)} : c.row_bytes);
+          T* const into = kBuffered ? values + (b * c.G + h) * c.D : nullptr;
+          norm_read_row<scalar_t, kBuffered>(xr, into, kSteps > 0 ? kSteps : c.steps, acc0, acc1);
         }
-        inv[b] = norm_rstd<T>(acc0, acc1, eps, count);
-        if (rstd != nullptr) rstd[n0 + b] = inv[b];
+        inv[b] = norm_rstd<T>(acc0, acc1, c.eps, c.count);
+        if (c.rstd != nullptr) c.rstd[n0 + b] = inv[b];
       }
       // 2. Scale, rotate and store each row.
       for (int64_t b = 0; b < groups; ++b) {
-        for (int64_t h = 0; h < G; ++h, writing.next()) {
+        for (int64_t h = 0; h < c.G; ++h, writing.next()) {
           const int64_t* off = writing.off;
           if (!loaded || off[kNormCos] != cos_at || off[kNormSin] != sin_at) {  // (a token's heads share them)
-            t = tables_at(off, table_buf.data());
+            t = tables_at(off[kNormCos], off[kNormSin], table_buf.data());
             loaded = true, cos_at = off[kNormCos], sin_at = off[kNormSin];
           }
-          scalar_t* outr = out + off[kNormOut];
-          const bool stream_row = stream && streaming_row_aligned(reinterpret_cast<std::uintptr_t>(outr), half,
+          scalar_t* outr = c.out + off[kNormOut];
+          const bool stream_row = c.stream && streaming_row_aligned(reinterpret_cast<std::uintptr_t>(outr), c.half,
                                                                   sizeof(scalar_t), kInterleaved, kStreamStoreBytes);
           streamed += stream_row;
-          const T* g1 = weight == nullptr ? nullptr : weight + (weight_per_head ? head * D : 0);
-          head = head + 1 >= p.heads ? 0 : head + 1;
-          const T* g2 = weight == nullptr ? nullptr : g1 + half;
+          const T* g1 = c.weight == nullptr ? nullptr : c.weight + (c.weight_per_head ? head * c.D : 0);
+          head = head + 1 >= c.heads ? 0 : head + 1;
+          const T* g2 = c.weight == nullptr ? nullptr : g1 + c.half;
           const T* a = nullptr;
           if constexpr (kBuffered) {
-            a = values + (b * G + h) * D;
+            a = values + (b * c.G + h) * c.D;
           } else {
-            a = x + off[kNormX];  // (in place too: see norm_write_row)
+            a = c.x + off[kNormX];  // (in place too: see norm_write_row)
           }
-          norm_write_row<scalar_t, kInterleaved>(a, inv[b], outr, steps, g1, g2, t, stream_row);
+          norm_write_row<scalar_t, kInterleaved>(a, inv[b], outr, kSteps > 0 ? kSteps : c.steps, g1, g2, t, stream_row);
         }
       }
     }
-    if (stream) finish_streaming(streamed);
-    path_counts().norm_rows.fetch_add((end - begin) * G, std::memory_order_relaxed);
+    if (c.stream) finish_streaming(streamed);
+    path_counts().norm_rows.fetch_add((end - begin) * c.G, std::memory_order_relaxed);
   });
 }
 
@@ -656,7 +702,12 @@ void norm_forward(const NormPlan& p, const NormOperands& o, const Thresholds& th
   using T = at::opmath_type<scalar_t>;
   using Row = NormRowIO<scalar_t>;
   using Vec = Vectorized<T>;
-  if (norm_row_path<scalar_t>(p, o)) return norm_forward_rows<scalar_t, kInterleaved>(p, o, th, pool);
+  if (norm_row_path<scalar_t>(p, o)) {
+    // Heads of 128, the common size, with their step count compiled in.
+    constexpr int64_t k128 = 64 / VecIO<scalar_t>::kStep;
+    if (k128 > 0 && p.rotary_dim == 128) return norm_forward_rows<scalar_t, kInterleaved, k128>(p, o, th, pool);
+    return norm_forward_rows<scalar_t, kInterleaved, 0>(p, o, th, pool);
+  }
   const NormContext<scalar_t> ctx(p, o);
   const int64_t D = p.head_dim, G = p.group, R = p.rotary_dim, N = G * D;
   // Per head, a block of groups between the passes; across heads a group is already G rows.
