@@ -617,7 +617,8 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
   // What every row reads, copied into each thread's locals (the lambda's first line): the stores to
   // out and to the buffers are of may_alias vector types, and a value reached through the lambda's
   // captures, which escape into parallel_for, is reloaded after each of them. (So reloaded, with
-  // the cursors' dims, a row's bookkeeping was as many instructions as its rotation: docs/devlog.md.)
+  // the cursors' dims, a row's bookkeeping was as many instructions as all of rotary_'s for the row:
+  // docs/devlog.md.)
   struct RowCall {
     const scalar_t* x;
     scalar_t* out;
@@ -660,7 +661,7 @@ void norm_forward_rows(const NormPlan& p, const NormOperands& o, const Threshold
           // the writes), and the non-temporal hint (right for rotary_'s rows, rewritten as soon as
           // read) keeps its lines out of L2 meanwhile, so the writes wait for them. (16-bit rows out
           // of place are needed once, and measured faster with T0 too: docs/devlog.md.)
-          prefetch_ahead<3>(xr, kSteps > 0 ? 4 * kSteps * IO::kStep * int64_t{sizeof(scalar_t)} : c.row_bytes);
+          prefetch_ahead<3>(xr, kSteps > 0 ? 2 * kSteps * IO::kStep * int64_t{sizeof(scalar_t)} : c.row_bytes);
           T* const into = kBuffered ? values + (b * c.G + h) * c.D : nullptr;
           norm_read_row<scalar_t, kBuffered>(xr, into, kSteps > 0 ? kSteps : c.steps, acc0, acc1);
         }
