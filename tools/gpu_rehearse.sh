@@ -15,7 +15,7 @@
 #  5. what $OUT holds against what comes back (at most 8 files, 16 MiB each, 2 folders deep, plain
 #     names: here the summary and 5 logs, which the benchmark's 2 tables join on a GPU), and the
 #     summary's verdict lines, first, one per part in order;
-#  6. the command cut short: with a 35-second budget and a 20-second pause after each part
+#  6. the command cut short: with a 70-second budget and a 55-second pause after each part
 #     (GPU_CHECK_REHEARSAL_PAUSE: a part starts only with 15 s left, so install runs and nothing
 #     after it, however fast the parts run here), the parts the budget leaves no time for are NOT RUN,
 #     every part has its line, the exit is non-zero; with smoke capped at 1 second
@@ -80,7 +80,7 @@ lease() {  # lease OUT [BUDGET [VAR=value...]]: the command, as the device runs 
 }
 t0=$SECONDS
 # (6.'s two runs, beside this one: their exit statuses in files, checked below)
-(rc=0; lease "$WORK/out-cut" 35 GPU_CHECK_REHEARSAL_PAUSE=20 > "$WORK/lease-cut.log" 2>&1 || rc=$?
+(rc=0; lease "$WORK/out-cut" 70 GPU_CHECK_REHEARSAL_PAUSE=55 > "$WORK/lease-cut.log" 2>&1 || rc=$?
  echo "$rc" > "$WORK/lease-cut.rc") &
 cut_pid=$!
 (rc=0; lease "$WORK/out-capped" "" GPU_CHECK_CAP_SMOKE=1 > "$WORK/lease-capped.log" 2>&1 || rc=$?
@@ -122,10 +122,10 @@ echo "gpu-rehearse: the summary opens with the five verdicts (install from the c
 wait "$cut_pid" "$capped_pid"
 rc=$(cat "$WORK/lease-cut.rc")
 cut=$WORK/out-cut/summary.md
-[ "$rc" != 0 ] && grep -q "^- \*\*install\*\*: ok" "$cut" && grep -q "NOT RUN: the command's 35 s were spent" "$cut" &&
+[ "$rc" != 0 ] && grep -q "^- \*\*install\*\*: ok" "$cut" && grep -q "NOT RUN: the command's 70 s were spent" "$cut" &&
   [ "$(sed -n '3,7p' "$cut" | grep -c '^- \*\*')" = 5 ] ||
-  { cat "$cut"; fail "the lease cut off at 35 s (exit $rc) does not say what was cut"; }
-echo "gpu-rehearse: with a 35 s budget, the lease exits $rc and its summary says what did not run:"
+  { cat "$cut"; fail "the lease cut off at 70 s (exit $rc) does not say what was cut"; }
+echo "gpu-rehearse: with a 70 s budget, the lease exits $rc and its summary says what did not run:"
 sed -n '3,7p' "$cut"
 rc=$(cat "$WORK/lease-capped.rc")
 capped=$WORK/out-capped/summary.md
